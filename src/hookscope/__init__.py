@@ -1,0 +1,44 @@
+"""hookscope: look inside PyTorch models and change what happens there, through module hooks.
+
+>>> import hookscope as hs
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+>>> hs.select(model, nn.Linear)[0][0]
+'0'
+
+The public API is what ``__all__`` lists; everything else is private. Heavy optional
+libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported only where used.
+"""
+
+from __future__ import annotations
+
+from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
+from hookscope.core.select import Selector, select
+from hookscope.core.sites import Site
+from hookscope.core.tree import flatten_tensors, map_tensors
+from hookscope.errors import HookscopeError, SelectionError, SpecError, UnsupportedModelError
+from hookscope.hooks import hooks
+from hookscope.layers import Layer, LayerTable, layers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachedHook",
+    "HookGroup",
+    "HookSpec",
+    "HookscopeError",
+    "Layer",
+    "LayerTable",
+    "SelectionError",
+    "Selector",
+    "Site",
+    "SpecError",
+    "UnsupportedModelError",
+    "__version__",
+    "attached",
+    "flatten_tensors",
+    "hooks",
+    "layers",
+    "map_tensors",
+    "select",
+]

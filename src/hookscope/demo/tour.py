@@ -1,0 +1,129 @@
+"""The guided tour behind ``hookscope demo``: the classic hook scenarios on a small CNN.
+
+Each step is what people hand-write with ``register_forward_hook`` today, done with hookscope:
+print shapes, extract features to numpy and save them, print value ranges, and show that every
+hook is gone afterwards -- also after a forward that raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope._files import atomic_path
+from hookscope.core.attach import attached
+from hookscope.demo.models import SmallCNN
+from hookscope.hooks import hooks
+from hookscope.layers import layers
+
+__all__ = ["run_tour"]
+
+Write = Callable[[str], None]
+
+
+def run_tour(out_dir: Path, write: Write = print) -> Path:
+    """Run every step on ``SmallCNN`` with a fixed seed; return the saved features file.
+
+    >>> import tempfile
+    >>> path = run_tour(Path(tempfile.mkdtemp()), write=lambda line: None)
+    >>> np.load(path).shape
+    (1, 16, 30, 30)
+    """
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 32, 32)
+    write("hookscope demo: SmallCNN (conv1 = Conv2d(3, 16, 3) -> ReLU -> pool -> fc) on randn(1, 3, 32, 32)")
+
+    _step(write, 1, "what can be hooked", "hs.layers(model, x)")
+    for line in str(layers(model, x)).splitlines():
+        write("   " + line)
+
+    _step(write, 2, "a forward hook that prints shapes", 'hs.hooks(model, {"*": print_shapes})')
+    with hooks(model, {"*": _shape_printer(model, write)}), torch.no_grad():
+        model(x)
+
+    _step(write, 3, "extract conv1's features to numpy and save them", 'hs.hooks(model, {"conv1": keep})')
+    saved = _extract_conv1(model, x, out_dir / "conv1_features.npy", write)
+
+    _step(write, 4, "shapes and value ranges", 'hs.hooks(model, {("conv1", "relu", "fc"): print_ranges})')
+    with hooks(model, {("conv1", "relu", "fc"): _range_printer(model, write)}) as group, torch.no_grad():
+        model(x)
+        live = attached(model)
+        write(f"   while attached: {group!r}, on {', '.join(f'{h.module} ({h.kind})' for h in live)}")
+
+    _step(write, 5, "clean-up, also when the forward raises", "with hs.hooks(...): ...")
+    write(f"   after the with-block: {len(attached(model))} hookscope hooks attached")
+    try:
+        with hooks(model, {"relu": _raise_in_hook}), torch.no_grad():
+            model(x)
+    except RuntimeError as exc:
+        write(f"   a hook raised {type(exc).__name__}({exc}); the error propagated unchanged")
+    write(f"   after the failed forward: {len(attached(model))} hookscope hooks attached")
+    return saved
+
+
+def _step(write: Write, number: int, title: str, code: str) -> None:
+    write("")
+    write(f"{number}. {title}  [{code}]")
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return str(tuple(value.shape))
+    if isinstance(value, (tuple, list)):
+        return ", ".join(_shape(item) for item in value)
+    return type(value).__name__
+
+
+def _label(model_names: dict[nn.Module, str], module: nn.Module) -> str:
+    return f"{model_names.get(module, '?') or '(root)'} ({type(module).__name__})"
+
+
+def _shape_printer(model: nn.Module, write: Write) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    names = {module: name for name, module in model.named_modules()}  # worked out once, not per call
+
+    def print_shapes(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        write(f"   {_label(names, module):<26} input {_shape(args):<16} -> output {_shape(output)}")
+
+    return print_shapes
+
+
+def _extract_conv1(model: nn.Module, x: torch.Tensor, path: Path, write: Write) -> Path:
+    kept: list[torch.Tensor] = []
+
+    def keep(_module: nn.Module, _args: tuple[Any, ...], output: torch.Tensor) -> None:
+        kept.append(output.detach().clone())
+
+    with hooks(model, {"conv1": keep}), torch.no_grad():
+        model(x)
+    features = kept[0].numpy()
+    with atomic_path(path) as tmp, tmp.open("wb") as stream:
+        np.save(stream, features)
+    reloaded = np.load(path)
+    write(f"   conv1 output -> numpy {features.dtype} {features.shape} -> {path} ({path.stat().st_size:,} bytes)")
+    write(f"   reloaded from disk: {'identical' if np.array_equal(reloaded, features) else 'DIFFERENT'}")
+    return path
+
+
+def _range_printer(model: nn.Module, write: Write) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+    names = {module: name for name, module in model.named_modules()}
+
+    def print_ranges(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        inp = args[0]
+        zeros = (output == 0).float().mean().item()
+        write(
+            f"   {names[module]:<6} input {tuple(inp.shape)} in [{inp.min().item():.3f}, {inp.max().item():.3f}]"
+            f" -> output {tuple(output.shape)} in [{output.min().item():.3f}, {output.max().item():.3f}],"
+            f" mean {output.mean().item():.3f}, {zeros:.0%} zeros"
+        )
+
+    return print_ranges
+
+
+def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
+    raise RuntimeError("something went wrong inside the forward")
