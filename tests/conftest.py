@@ -1,0 +1,35 @@
+"""Suite-wide guards: nothing is downloaded, and no test leaves a hook behind."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from hookscope.core.attach import live_groups
+from tests.models import BUILT
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def raw_hook_count(model: nn.Module) -> int:
+    """Hooks of any owner on ``model``'s modules, read from PyTorch's own dicts (tests only)."""
+    return sum(len(getattr(module, attr)) for module in model.modules() for attr in _HOOK_DICTS)
+
+
+@pytest.fixture(autouse=True)
+def no_hook_left_behind() -> Iterator[None]:
+    """After every test: no live hookscope group anywhere, and no hook at all on any zoo model."""
+    yield
+    leaked = live_groups()
+    for group in leaked:  # clean up first, so one leak does not fail every later test
+        group.remove()
+    dirty = {type(model).__name__: raw_hook_count(model) for model in list(BUILT) if raw_hook_count(model)}
+    BUILT.clear()
+    assert not leaked, f"hook groups left attached: {leaked}"
+    assert not dirty, f"hooks left on zoo models: {dirty}"
