@@ -10,7 +10,7 @@ Three methods run the same forward pass of a 12-layer GPT-2 (random weights, bat
 hookscope registers the user's function directly with PyTorch, so its forward should cost what raw hooks
 cost; the target is a median ratio over raw hooks of at most 1.05.
 
-How it is measured (see /work/shared/PERF-NOTES.md): every figure is a ratio between methods timed in the
+How it is measured: every figure is a ratio between methods timed in the
 same process and the same round, because the machine drifts by several percent over minutes. Each round
 times one forward per method, in an order rotated from round to round; hooks are attached right before the
 timed forward and removed right after, so only the forward itself is inside the timer and the methods stay
@@ -123,7 +123,8 @@ class Result:
 def build_model(n_layer: int) -> tuple[nn.Module, torch.Tensor]:
     """A GPT-2 of ``n_layer`` layers with random weights (no download), in eval mode, and its input."""
     config = GPT2Config(n_layer=n_layer)
-    model = GPT2Model(config).eval()
+    model: nn.Module = GPT2Model(config)
+    model.eval()
     x = torch.randint(0, config.vocab_size, (BATCH, SEQ_LEN))
     return model, x
 
@@ -152,9 +153,10 @@ def measure(model: nn.Module, x: torch.Tensor, rounds: int) -> dict[str, list[fl
 
 def format_report(result: Result) -> str:
     """The printed table and summary lines."""
+    threads = f"{result.threads} thread{'s' if result.threads != 1 else ''}"
     lines = [
         f"GPT-2 {result.n_layer} layers, batch {result.batch} x {result.seq_len}, torch {result.torch_version}, "
-        f"{result.threads} threads, {result.rounds} rounds, {result.modules_hooked} modules hooked (root included)",
+        f"{threads}, {result.rounds} rounds, {result.modules_hooked} modules hooked (root included)",
         "",
         f"{'method':<12}{'median s':>12}{'x plain':>10}{'x raw hooks':>14}{'round range x raw':>22}",
     ]
