@@ -159,6 +159,26 @@ class KeywordOnly(Tracked):
         return out
 
 
+class Residual(Tracked):
+    """A residual block written the torchvision way: ``out = bn(conv(x)); out += identity; relu_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.bn(self.conv(x))
+        out += identity
+        return self.relu(out)
+
+    @staticmethod
+    def example() -> torch.Tensor:
+        return torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
 class Boom(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom: this module always fails")
@@ -221,6 +241,15 @@ def tiny_gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
     return track(GPT2Model(config).eval())
+
+
+def tiny_resnet() -> nn.Module:
+    """A 2-stage ResNet (basic blocks, whose forward does ``hidden_state += residual``), random weights."""
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    return track(ResNetModel(config).eval())
 
 
 def gpt2_input() -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
     steps = [line.split(".")[0] for line in lines if line[:1].isdigit()]
-    assert steps == ["1", "2", "3", "4", "5"]
+    assert steps == ["1", "2", "3", "4", "5", "6", "7"]
 
 
 @pytest.mark.skipif(shutil.which("hookscope", path=os.path.dirname(sys.executable)) is None, reason="not installed")
@@ -98,3 +98,64 @@ def test_python_dash_m(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "conv1_features.npy").exists()
+
+
+class TestCaptureCommand:
+    def test_capture_demo_model_to_each_format(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        import hookscope as hs
+
+        for suffix in (".safetensors", ".npz", ".pt"):
+            out = tmp_path / f"feats{suffix}"
+            code, text, err = run_cli(
+                capsys, "capture", "demo:cnn", "--input-shape", "1x3x32x32", "--layers", "conv1", "--out", str(out)
+            )
+            assert code == 0, err
+            assert "input: (1, 3, 32, 32) float32" in text
+            assert f"saved 1 tensors to {out}" in text
+            loaded = hs.load(out)
+            assert loaded["conv1"].shape == (1, 16, 30, 30)
+            assert loaded.meta["model"] == "SmallCNN"
+
+    def test_values_match_the_model(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        import hookscope as hs
+        from hookscope.cli.specs import load_model, make_input
+
+        out = tmp_path / "f.npz"
+        code, _, err = run_cli(capsys, "capture", "demo:cnn", "-l", "conv1,fc", "--keep", "both", "-o", str(out))
+        assert code == 0, err
+        cache = hs.load(out)
+        args, _ = make_input(load_model("demo:cnn"), None)
+        assert torch.equal(cache["conv1:input"], args[0]), "the sample input is seeded, so runs repeat"
+        assert sorted({site.module for site in cache.sites()}) == ["conv1", "fc"]
+
+    def test_transformers_model_with_reduce_and_stop(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        import hookscope as hs
+
+        spec = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=32&bos_token_id=0&eos_token_id=0"
+        out = tmp_path / "g.safetensors"
+        code, text, err = run_cli(
+            capsys, "capture", spec, "-l", "h.*.mlp", "--reduce", "mean:1", "--stop", "-s", "2x8", "-o", str(out)
+        )
+        assert code == 0, err
+        assert "input: input_ids (2, 8) int64" in text
+        cache = hs.load(out)
+        assert [str(site) for site in cache.sites()] == ["h.0.mlp#0:output", "h.1.mlp#0:output"]
+        assert cache["h.1.mlp"].shape == (2, 32)
+
+    def test_bad_layer_is_one_line_exit_2(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        code, _, err = run_cli(capsys, "capture", "demo:cnn", "-l", "conv", "-o", str(tmp_path / "f.npz"))
+        assert code == 2
+        assert err.strip().splitlines() == ["error: selector 'conv' matched 0 of 5 modules; did you mean 'conv1'?"]
+        assert not list(tmp_path.iterdir()), "no file written"
+
+    def test_unknown_format_and_budget(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        code, _, err = run_cli(capsys, "capture", "demo:cnn", "-l", "conv1", "-o", str(tmp_path / "f.csv"))
+        assert code == 2
+        assert "error:" in err
+        assert ".csv" in err
+        code, _, err = run_cli(
+            capsys, "capture", "demo:cnn", "-l", "conv1", "--max-bytes", "1KiB", "-o", str(tmp_path / "f.npz")
+        )
+        assert code == 2
+        assert "over max_bytes=1 KiB" in err
+        assert not list(tmp_path.iterdir())

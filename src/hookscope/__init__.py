@@ -12,33 +12,51 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
+from hookscope._version import __version__
+from hookscope.capture import Cache, Capture, capture, load, run_with_capture
 from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope.core.select import Selector, select
 from hookscope.core.sites import Site
 from hookscope.core.tree import flatten_tensors, map_tensors
-from hookscope.errors import HookscopeError, SelectionError, SpecError, UnsupportedModelError
+from hookscope.errors import (
+    CaptureError,
+    FileFormatError,
+    HookscopeError,
+    MissingDependencyError,
+    SelectionError,
+    SiteNotFoundError,
+    SpecError,
+    UnsupportedModelError,
+)
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AttachedHook",
+    "Cache",
+    "Capture",
+    "CaptureError",
+    "FileFormatError",
     "HookGroup",
     "HookSpec",
     "HookscopeError",
     "Layer",
     "LayerTable",
+    "MissingDependencyError",
     "SelectionError",
     "Selector",
     "Site",
+    "SiteNotFoundError",
     "SpecError",
     "UnsupportedModelError",
     "__version__",
     "attached",
+    "capture",
     "flatten_tensors",
     "hooks",
     "layers",
+    "load",
     "map_tensors",
+    "run_with_capture",
     "select",
 ]

@@ -6,10 +6,15 @@ does::
 
     HookscopeError (Exception)
     ├── SelectionError (LookupError)       a selector matched no module
+    ├── SiteNotFoundError (KeyError)       a site name names nothing that was captured
     ├── SpecError (ValueError)             an argument has the wrong form: an unknown hook kind,
     │                                      a hook that is not callable, an unusable selector
-    └── UnsupportedModelError (TypeError)  the object is not an eager ``torch.nn.Module``
-                                           (a TorchScript module, a list, a function, ...)
+    ├── FileFormatError (ValueError)       a file is not what its extension or contents promise
+    ├── UnsupportedModelError (TypeError)  the object is not an eager ``torch.nn.Module``
+    │                                      (a TorchScript module, a list, a function, ...)
+    ├── MissingDependencyError (ImportError)  an optional package is needed and not installed
+    └── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
+                                           budget, or its value was changed in place after capture
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
 line prints exactly that line.
@@ -17,7 +22,16 @@ line prints exactly that line.
 
 from __future__ import annotations
 
-__all__ = ["HookscopeError", "SelectionError", "SpecError", "UnsupportedModelError"]
+__all__ = [
+    "CaptureError",
+    "FileFormatError",
+    "HookscopeError",
+    "MissingDependencyError",
+    "SelectionError",
+    "SiteNotFoundError",
+    "SpecError",
+    "UnsupportedModelError",
+]
 
 
 class HookscopeError(Exception):
@@ -38,3 +52,31 @@ class SpecError(HookscopeError, ValueError):
 
 class UnsupportedModelError(HookscopeError, TypeError):
     """The model is not something hooks can be attached to (not an eager ``nn.Module``)."""
+
+
+class SiteNotFoundError(HookscopeError, KeyError):
+    """A site name (``"fc"``, ``"h.0#1:output[0]"``) names nothing that was captured.
+
+    The message lists the closest captured names, or the leaf paths when a structured output
+    has several tensors and the name did not say which one.
+    """
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class FileFormatError(HookscopeError, ValueError):
+    """A file cannot be read or written in the format its extension names."""
+
+
+class MissingDependencyError(HookscopeError, ImportError):
+    """An optional package is needed for this call; the message names the ``pip install``."""
+
+
+class CaptureError(HookscopeError, RuntimeError):
+    """A captured value cannot be kept correctly.
+
+    Raised when keeping a value would exceed the capture's ``max_bytes`` budget (the message
+    names the largest sites), or, on read, when a value kept without a copy was changed in
+    place after it was captured.
+    """

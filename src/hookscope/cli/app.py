@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from hookscope import __version__
+from hookscope._version import __version__
 from hookscope.errors import HookscopeError
 
 __all__ = ["app", "main"]
@@ -59,6 +59,118 @@ def demo(
     from hookscope.demo.tour import run_tour
 
     run_tour(out, write=typer.echo)
+
+
+# Arguments shared by the commands that build and run a model.
+ModelSpec = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        help="package.module:factory, path/to/file.py:factory, demo:cnn or hf-config:<model_type>[?key=value&...]",
+        show_default=False,
+    ),
+]
+InputShape = Annotated[
+    str | None,
+    typer.Option("--input-shape", "-s", help="Shape of a random sample input, e.g. 1x3x32x32 (tokens: 1x16)."),
+]
+Dtype = Annotated[
+    str | None, typer.Option("--dtype", help="Cast the model and its float input: fp32, fp16, bf16, fp64.")
+]
+
+
+@app.command("layers")
+def layers_command(
+    model: ModelSpec,
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    no_run: Annotated[
+        bool, typer.Option("--no-run", help="List names and parameters only; do not run a forward pass.")
+    ] = False,
+) -> None:
+    """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
+    from hookscope.cli.sample import SampleRun, build_model
+    from hookscope.cli.specs import make_input
+    from hookscope.errors import SpecError
+    from hookscope.layers import layers
+
+    if no_run and input_shape is not None:
+        raise SpecError("--no-run and --input-shape contradict each other; drop one")
+    net = build_model(model, dtype)
+    if no_run:
+        typer.echo(str(layers(net)))
+        return
+    try:
+        sample = SampleRun(net, *make_input(net, input_shape, dtype=dtype))
+    except SpecError as error:
+        if input_shape is not None:
+            raise
+        typer.echo(f"note: no calls counted; {error}", err=True)  # the table is still worth printing
+        typer.echo(str(layers(net)))
+        return
+    typer.echo(sample.describe_input())
+    typer.echo(str(sample.run(lambda net, args, kwargs: layers(net, *args, **kwargs))))
+
+
+@app.command("capture")
+def capture_command(
+    model: ModelSpec,
+    layers: Annotated[
+        list[str],
+        typer.Option(
+            "--layers",
+            "-l",
+            help="Modules to capture: names, globs ('h.*.mlp') or 're:' regexes; "
+            "repeat the option or separate with commas.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="File to write: .safetensors, .npz or .pt.", show_default=False)
+    ],
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    keep: Annotated[str, typer.Option("--keep", help="output, input or both.")] = "output",
+    calls: Annotated[str, typer.Option("--calls", help="all, first, last, or a call index.")] = "all",
+    reduce: Annotated[
+        str | None, typer.Option("--reduce", help="Reduce on the device first, e.g. mean:1, sum:2,3, first:1.")
+    ] = None,
+    stop: Annotated[bool, typer.Option("--stop", help="Skip the rest of the model after the last layer.")] = False,
+    max_bytes: Annotated[
+        str | None, typer.Option("--max-bytes", help="Memory budget for the capture, e.g. 512MiB.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+) -> None:
+    """Run MODEL once on a sample input and save the chosen layers' values to a file."""
+    from hookscope.capture import run_with_capture
+    from hookscope.capture.files import SUPPORTED_SUFFIXES
+    from hookscope.cli.sample import prepare
+    from hookscope.core.select import Selector
+    from hookscope.errors import SpecError
+
+    if out.suffix.lower() not in SUPPORTED_SUFFIXES:  # before the model runs, not after
+        formats = ", ".join(SUPPORTED_SUFFIXES)
+        raise SpecError(f"--out {out}: {out.suffix or 'no extension'} is not a capture format; use {formats}")
+    selectors: list[Selector] = [part.strip() for option in layers for part in option.split(",") if part.strip()]
+    call_choice: int | str = int(calls) if calls.isdigit() else calls
+    sample = prepare(model, input_shape, dtype, seed)
+    typer.echo(sample.describe_input())
+    _, cache = sample.run(
+        lambda net, args, kwargs: run_with_capture(
+            net,
+            *args,
+            layers=selectors,
+            keep=keep,  # type: ignore[arg-type]
+            calls=call_choice,  # type: ignore[arg-type]
+            reduce=reduce,
+            stop=stop,
+            max_bytes=max_bytes,
+            model_kwargs=kwargs,
+        )
+    )
+    typer.echo(repr(cache))
+    saved = cache.save(out)
+    typer.echo(f"saved {len(cache)} tensors to {saved} ({saved.stat().st_size:,} bytes)")
 
 
 def main(argv: list[str] | None = None) -> None:

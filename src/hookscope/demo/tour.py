@@ -1,8 +1,9 @@
 """The guided tour behind ``hookscope demo``: the classic hook scenarios on a small CNN.
 
 Each step is what people hand-write with ``register_forward_hook`` today, done with hookscope:
-print shapes, extract features to numpy and save them, print value ranges, and show that every
-hook is gone afterwards -- also after a forward that raised.
+print shapes, extract features to numpy and save them, print value ranges, show that every hook
+is gone afterwards -- also after a forward that raised -- then capture in one line, and show a
+value that a hand-written hook gets wrong because an in-place op rewrites it later.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from hookscope._files import atomic_path
+from hookscope.capture import load, run_with_capture
 from hookscope.core.attach import attached
 from hookscope.demo.models import SmallCNN
 from hookscope.hooks import hooks
@@ -64,6 +66,12 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
     except RuntimeError as exc:
         write(f"   a hook raised {type(exc).__name__}({exc}); the error propagated unchanged")
     write(f"   after the failed forward: {len(attached(model))} hookscope hooks attached")
+
+    _step(write, 6, "capture in one line, save, load back", 'hs.run_with_capture(model, x, layers=["conv1", "fc"])')
+    _capture_and_save(model, x, out_dir / "features.npz", write)
+
+    _step(write, 7, "a value an in-place op overwrites later", "Linear -> ReLU(inplace=True)")
+    _inplace_safety(write)
     return saved
 
 
@@ -123,6 +131,36 @@ def _range_printer(model: nn.Module, write: Write) -> Callable[[nn.Module, tuple
         )
 
     return print_ranges
+
+
+def _capture_and_save(model: nn.Module, x: torch.Tensor, path: Path, write: Write) -> None:
+    _, cache = run_with_capture(model, x, layers=["conv1", "fc"])
+    for line in repr(cache).splitlines():
+        write("   " + line)
+    saved = cache.save(path)
+    loaded = load(saved)
+    same = all(torch.equal(loaded[key], cache[key]) for key in cache)
+    write(f"   saved to {saved} ({saved.stat().st_size:,} bytes); loaded back: {'identical' if same else 'DIFFERENT'}")
+
+
+def _inplace_safety(write: Write) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        truth = model[0](x)
+    kept: list[torch.Tensor] = []
+    with hooks(model, {"0": lambda _m, _a, output: kept.append(output.detach())}):  # the usual hand-written hook
+        model(x)
+    _, cache = run_with_capture(model, x, layers="0")
+    write(f"   Linear output, computed by hand:        {int((truth < 0).sum())} negative values")
+    write(
+        f"   kept by a hook storing output.detach(): {int((kept[0] < 0).sum())} negative values (the ReLU rewrote it)"
+    )
+    write(
+        f"   kept by hs.capture:                     {int((cache['0'] < 0).sum())} negative values"
+        f" ({'equal' if torch.equal(cache['0'], truth) else 'DIFFERENT'} to the truth)"
+    )
 
 
 def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:

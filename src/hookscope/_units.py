@@ -1,0 +1,45 @@
+"""Byte sizes as people write them: ``format_bytes(1536) == '1.5 KiB'``, ``parse_bytes('2GiB')``."""
+
+from __future__ import annotations
+
+import re
+
+from hookscope.errors import SpecError
+
+__all__ = ["format_bytes", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30})
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def format_bytes(count: int) -> str:
+    """Binary units, three significant digits.
+
+    >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
+    ('512 B', '1.5 KiB', '3 GiB')
+    """
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(size: int | str) -> int:
+    """An int of bytes, or text like ``"512MiB"``, ``"2 GB"``, ``"1.5G"`` (k/M/G alone are binary).
+
+    >>> parse_bytes("512MiB"), parse_bytes("2GB"), parse_bytes(100)
+    (536870912, 2000000000, 100)
+    """
+    if isinstance(size, bool):
+        raise SpecError(f"size {size!r} is a bool; expected bytes as an int or text such as '512MiB'")
+    if isinstance(size, int):
+        if size <= 0:
+            raise SpecError(f"size {size} must be positive; expected bytes, e.g. 2**30 or '1GiB'")
+        return size
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if match is None or match[2].lower() not in _UNITS:
+        raise SpecError(f"size {size!r} is not understood; expected an int of bytes or text such as '512MiB', '2GB'")
+    return parse_bytes(int(float(match[1]) * _UNITS[match[2].lower()]))

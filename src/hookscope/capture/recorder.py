@@ -1,0 +1,464 @@
+"""``capture()`` and ``run_with_capture()``: keep what chosen layers take and return.
+
+The hot path is one forward hook (and a pre-hook for inputs) per selected module. Everything
+that can be decided once -- which calls to keep, the reduction, the conversions -- is decided at
+attach time; inside the forward nothing syncs with the host or inspects a signature.
+
+Correctness against in-place ops: by default (``copy="auto"``) a kept value that still shares
+memory with the model's tensors is watched by :class:`~hookscope.capture.guard.CopyOnWrite`
+and copied just before anything writes into it. At the end of the forward, kept values that
+share memory with what leaves the forward (the model's inputs, output, parameters and buffers)
+are copied too, since code outside the forward may change those later. ``copy=True`` copies
+every value at once; ``copy=False`` never copies and raises ``CaptureError`` on reading a value
+that was changed after capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hookscope._units import format_bytes, parse_bytes
+from hookscope._version import __version__
+from hookscope.capture.cache import Cache
+from hookscope.capture.guard import CopyOnWrite, storage_key
+from hookscope.capture.reduce import Reduction, parse_reduction
+from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.select import Selector, describe_selector, ensure_module, select
+from hookscope.core.sites import CallTracker, Site
+from hookscope.core.tree import flatten_tensors
+from hookscope.errors import CaptureError, SpecError
+
+__all__ = ["Capture", "capture", "run_with_capture"]
+
+Keep = Literal["output", "input", "both"]
+Calls = Literal["all", "first", "last"] | int
+CopyMode = Literal["auto"] | bool
+_KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
+
+
+class _StopForward(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised inside the forward once every selected site is captured (``stop=True``)."""
+
+    def __init__(self, owner: Capture) -> None:
+        super().__init__("hookscope stopped the forward after the last captured layer (stop=True)")
+        self.owner = owner
+
+
+class Capture:
+    """Hooks that keep values of selected modules; reads like the :class:`Cache` of the latest pass.
+
+    Made by :func:`capture`; attached at once, removed by ``remove()`` or on leaving ``with``.
+    Each top-level forward starts a new :class:`Cache` (``capture.cache``); ``capture["fc"]``,
+    ``capture.calls(...)``, ``capture.numpy()`` and ``capture.save(...)`` read it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        selectors: tuple[Selector, ...],
+        *,
+        keep: Keep | tuple[str, ...],
+        detach: bool,
+        device: str | torch.device | None,
+        dtype: torch.dtype | str | None,
+        reduce: str | Reduction | None,
+        calls: Calls,
+        stop: bool,
+        max_bytes: int | str | None,
+        copy: CopyMode,
+    ) -> None:
+        ensure_module(model)
+        if not selectors:
+            raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
+        self._whats = _check_keep(keep)
+        self._detach = detach
+        self._device = torch.device(device) if device is not None else None
+        self._dtype = _check_dtype(dtype)
+        self._reduce = parse_reduction(reduce)
+        self._want = _call_filter(calls)
+        self._calls_mode = calls
+        self._stop = stop
+        self._budget = parse_bytes(max_bytes) if max_bytes is not None else None
+        if copy not in ("auto", True, False):
+            raise SpecError(f"copy={copy!r} is not one of 'auto' (default), True, False")
+        self._copy = copy
+        self._tracker = CallTracker()
+        self._selected = [pair for selector in selectors for pair in select(model, selector)]
+        self._model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self._meta = self._describe(model, selectors, keep, device, dtype, reduce, calls, max_bytes)
+        self._cache = Cache(meta=self._meta)
+        self._watched: dict[int, list[Site]] = {}
+        self._guard = CopyOnWrite(self._watched, self._copy_before_write) if copy == "auto" else None
+        self._guard_on = False
+        self._depth = 0
+        self._bytes = 0
+        self._sync_devices: set[torch.device] = set()
+        self._pending: set[int] = set()
+        self._latest: dict[tuple[str, str], list[Site]] = {}
+        self._group = HookGroup(model, self._specs(model), owner="capture", tracker=self._tracker)
+
+    # -- attaching --------------------------------------------------------------------------------
+
+    def _specs(self, model: nn.Module) -> list[HookSpec]:
+        specs = [
+            HookSpec("", model, "forward_pre", self._begin_pass, with_kwargs=True, prepend=True),
+            HookSpec("", model, "forward", self._end_pass, with_kwargs=True, always_call=True),
+        ]
+        seen: set[int] = set()
+        for name, module in self._selected:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if "input" in self._whats:
+                specs.append(HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True))
+            if "output" in self._whats:
+                specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True))
+        return specs
+
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        current, want, last_what = self._tracker.current, self._want, self._whats[-1]
+
+        def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            call = current(module)
+            if want(call):
+                leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
+                leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
+                self._keep_leaves(name, call, "input", leaves)
+                if last_what == "input":
+                    self._done(module)
+
+        return capture_input
+
+    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        current, want = self._tracker.current, self._want
+
+        def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            call = current(module)
+            if want(call):
+                self._keep_leaves(name, call, "output", flatten_tensors(output, ""))
+                self._done(module)
+
+        return capture_output
+
+    # -- one forward pass -------------------------------------------------------------------------
+
+    def _begin_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._cache = Cache(meta=self._meta)
+        self._watched.clear()
+        self._bytes = 0
+        self._pending = {id(m) for _, m in self._selected}
+        self._latest.clear()
+        if self._guard is not None:
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
+            self._guard_on = True
+
+    def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self._finish_pass((args, kwargs, output))
+
+    def _finish_pass(self, escaping: Any) -> None:
+        self._leave_guard()
+        leaving = self._model_storages | {storage_key(t) for _, t in flatten_tensors(escaping)}
+        for key in [key for key in self._watched if key in leaving]:
+            self._copy_before_write(key)
+        self._watched.clear()
+        for device in self._sync_devices:  # one wait per forward for the non-blocking copies
+            torch.cuda.synchronize(device)
+        self._sync_devices.clear()
+
+    def _leave_guard(self) -> None:
+        if self._guard is not None and self._guard_on:
+            self._guard_on = False
+            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def _done(self, module: nn.Module) -> None:
+        if self._stop and id(module) in self._pending:
+            self._pending.discard(id(module))
+            if not self._pending:
+                raise _StopForward(self)
+
+    # -- keeping values ---------------------------------------------------------------------------
+
+    def _keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        sites = [Site(name, call, what, path) for path, _ in leaves]  # type: ignore[arg-type]
+        if self._calls_mode == "last":  # only the latest call stays
+            for site in self._latest.pop((name, what), []):
+                self._forget(site)
+            self._latest[(name, what)] = sites
+        for site, (_, tensor) in zip(sites, leaves, strict=True):
+            self._keep(site, tensor)
+
+    def _keep(self, site: Site, tensor: torch.Tensor) -> None:
+        value = tensor.detach() if self._detach else tensor
+        if self._reduce is not None:
+            value = self._reduce(value)
+        if self._dtype is not None and value.is_floating_point():
+            value = value.to(self._dtype)
+        if self._device is not None and value.device != self._device:
+            value = self._move(value)
+        shared = storage_key(value) == storage_key(tensor) != 0
+        if shared and self._copy is True:
+            value, shared = value.clone(), False
+        size = value.numel() * value.element_size()
+        if self._budget is not None and self._bytes + size > self._budget:
+            raise CaptureError(self._over_budget_message(site, size))
+        self._bytes += size
+        self._cache._put(site, value, _version(value))
+        if shared and self._guard is not None:
+            self._watched.setdefault(storage_key(value), []).append(site)
+
+    def _move(self, value: torch.Tensor) -> torch.Tensor:
+        assert self._device is not None
+        if value.is_cuda and self._device.type == "cpu":  # pinned + non-blocking; one sync per forward
+            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            pinned.copy_(value, non_blocking=True)
+            self._sync_devices.add(value.device)
+            return pinned
+        return value.to(self._device)
+
+    def _forget(self, site: Site) -> None:
+        tensor = self._cache._raw(site)
+        self._bytes -= tensor.numel() * tensor.element_size()
+        self._cache._drop(site)
+
+    def _copy_before_write(self, key: int) -> None:
+        for site in self._watched.pop(key, []):
+            if self._cache._has(site):
+                copy = self._cache._raw(site).clone()
+                self._cache._put(site, copy, _version(copy))
+
+    def _over_budget_message(self, site: Site, size: int) -> str:
+        held = sorted(((t.numel() * t.element_size(), str(s)) for s, t in self._cache._items()), reverse=True)
+        largest = ", ".join(f"{name} ({format_bytes(n)})" for n, name in held[:5])
+        return (
+            f"capture would hold {format_bytes(self._bytes + size)}, over max_bytes={format_bytes(self._budget or 0)}, "
+            f"at {str(site)!r} ({format_bytes(size)}); largest kept: {largest or 'none'}. Capture fewer layers, "
+            "reduce them on the device (reduce='mean:1'), keep calls='last', or raise max_bytes"
+        )
+
+    # -- reading: the cache of the latest pass ---------------------------------------------------
+
+    @property
+    def cache(self) -> Cache:
+        """The :class:`Cache` of the latest forward pass."""
+        return self._cache
+
+    def __getitem__(self, key: str | Site) -> torch.Tensor:
+        return self._cache[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._cache
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cache)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def calls(self, key: str | Site) -> list[torch.Tensor]:
+        """Every call's value for ``key``, in order (see :meth:`Cache.calls`)."""
+        return self._cache.calls(key)
+
+    def sites(self) -> list[Site]:
+        """Every site captured in the latest pass."""
+        return self._cache.sites()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the latest pass's values."""
+        return self._cache.nbytes
+
+    def numpy(self) -> dict[str, Any]:
+        """The latest pass's values as numpy arrays (see :meth:`Cache.numpy`)."""
+        return self._cache.numpy()
+
+    def save(self, path: Any) -> Any:
+        """Save the latest pass's values (see :meth:`Cache.save`)."""
+        return self._cache.save(path)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        """True until the hooks have been removed."""
+        return self._group.live
+
+    def remove(self) -> None:
+        """Remove every hook of this capture; the values stay readable. Safe to call twice."""
+        self._leave_guard()
+        self._depth = 0
+        self._group.remove()
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        self.remove()
+        return isinstance(exc, _StopForward) and exc.owner is self
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<Capture of {len(self._selected)} modules, {state}>\n{self._cache!r}"
+
+    def _describe(self, model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:
+        keep, device, dtype, reduce, calls, max_bytes = options
+        return {
+            "hookscope": __version__,
+            "torch": torch.__version__,
+            "model": type(model).__name__,
+            "selectors": [describe_selector(s) for s in selectors],
+            "keep": keep if isinstance(keep, str) else list(keep),
+            "detach": self._detach,
+            "device": None if device is None else str(device),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
+            "calls": calls,
+            "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
+            "copy": self._copy,
+        }
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+def _check_keep(keep: Keep | tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(keep, str) and keep in _KEEP_CHOICES:
+        return _KEEP_CHOICES[keep]
+    if isinstance(keep, (tuple, list)) and keep and set(keep) <= {"input", "output"}:
+        return tuple(w for w in ("input", "output") if w in keep)
+    raise SpecError(f"keep={keep!r} is not one of 'output' (default), 'input', 'both', ('input', 'output')")
+
+
+def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    candidate = getattr(torch, str(dtype), None)
+    if isinstance(candidate, torch.dtype):
+        return candidate
+    raise SpecError(f"dtype={dtype!r} is not a torch dtype; expected e.g. torch.float16 or 'bfloat16'")
+
+
+def _call_filter(calls: Calls) -> Callable[[int], bool]:
+    if calls in ("all", "last"):
+        return lambda index: True
+    if calls == "first":
+        return lambda index: index == 0
+    if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0:
+        return lambda index: index == calls
+    raise SpecError(
+        f"calls={calls!r} is not 'all' (default), 'first', 'last' or a call index >= 0; "
+        "for the last call of a module use calls='last'"
+    )
+
+
+def capture(
+    model: nn.Module,
+    *selectors: Selector,
+    keep: Keep | tuple[str, ...] = "output",
+    detach: bool = True,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    reduce: str | Reduction | None = None,
+    calls: Calls = "all",
+    stop: bool = False,
+    max_bytes: int | str | None = None,
+    copy: CopyMode = "auto",
+) -> Capture:
+    """Keep the outputs (or inputs) of the modules the selectors pick, for each forward pass.
+
+    Values are detached (``detach=False`` keeps the graph), stay on the device they were made on
+    (``device="cpu"`` moves them; from CUDA through pinned memory, one sync per forward), and may
+    be cast (``dtype``, floating values only) or reduced on the device first (``reduce="mean:1"``
+    or a function). ``calls`` keeps ``"all"`` calls of a reused module, the ``"first"``, the
+    ``"last"``, or one index. ``keep="input"`` or ``"both"`` also keeps inputs, keyword inputs
+    included (paths ``[0]``, ``['scale']``). ``max_bytes`` (``1 << 30`` or ``"1GiB"``) stops a
+    capture that would outgrow its budget with an error naming the largest sites. ``stop=True``
+    ends the forward once every selected module has been captured (its first call, or the
+    chosen index): the rest of the model does not run, and ``model(x)`` inside the ``with``
+    block ends the block. A later in-place op never changes a kept value (see ``copy``).
+
+    Example::
+
+        with hs.capture(model, "layer*.conv2", "fc") as cap:
+            model(x)
+        cap["fc"]                      # fc's output (last call)
+        cap.calls("layer1.0.conv2")    # every call, in order
+        cap.numpy(); cap.save("feats.safetensors")
+    """
+    return Capture(
+        model,
+        selectors,
+        keep=keep,
+        detach=detach,
+        device=device,
+        dtype=dtype,
+        reduce=reduce,
+        calls=calls,
+        stop=stop,
+        max_bytes=max_bytes,
+        copy=copy,
+    )
+
+
+def run_with_capture(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | Sequence[Selector],
+    keep: Keep | tuple[str, ...] = "output",
+    detach: bool = True,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    reduce: str | Reduction | None = None,
+    calls: Calls = "all",
+    stop: bool = False,
+    max_bytes: int | str | None = None,
+    copy: CopyMode = "auto",
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Cache]:
+    """Run ``model(*args, **kwargs)`` once with a capture; return ``(output, cache)``.
+
+    ``layers`` is one selector or a list of them; the other options are :func:`capture`'s.
+    Keyword arguments that are not options go to the model (``model_kwargs`` passes ones whose
+    names clash with an option). With ``stop=True`` the output is ``None``.
+
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    >>> out, cache = run_with_capture(model, torch.randn(3, 4), layers=["0", "2"])
+    >>> cache["0"].shape, torch.equal(cache["2"], out)
+    (torch.Size([3, 8]), True)
+    >>> bool((cache["0"] < 0).any())  # the in-place ReLU did not touch the kept value
+    True
+    """
+    selectors = tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)
+    recorder = capture(
+        model,
+        *selectors,
+        keep=keep,
+        detach=detach,
+        device=device,
+        dtype=dtype,
+        reduce=reduce,
+        calls=calls,
+        stop=stop,
+        max_bytes=max_bytes,
+        copy=copy,
+    )
+    with recorder:
+        try:
+            output = model(*args, **{**kwargs, **(model_kwargs or {})})
+        except _StopForward as stopped:
+            if stopped.owner is not recorder:
+                raise
+            output = None
+    return output, recorder.cache

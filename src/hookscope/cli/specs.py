@@ -1,0 +1,298 @@
+"""Turn command-line text into a model and a sample input for it.
+
+A command names its model with one string, so a shell line can reach any model without a
+Python script around it::
+
+    package.module:factory        import the module, take the attribute (``pkg.mod:Class.build``)
+    path/to/file.py:factory       load the file as a module, take the attribute
+    demo:cnn                      a model shipped with hookscope (nothing downloaded)
+    hf-config:gpt2?n_layer=2      a transformers model with random weights from its default config
+
+An attribute that is an ``nn.Module`` object is used as it is; a class or any other callable is
+called with no arguments. Every spec that cannot be turned into a model raises ``SpecError`` with
+one line that says what was given, what was expected and how to fix it, because the command line
+prints exactly that line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import itertools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.core.select import ensure_module
+from hookscope.errors import MissingDependencyError, SpecError
+
+__all__ = ["DEMO_MODELS", "load_model", "make_input", "parse_dtype", "parse_shape"]
+
+FORMS = "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or 'hf-config:<model_type>[?key=value&...]'"
+DEFAULT_SEQUENCE_LENGTH = 16
+
+
+def _small_cnn() -> nn.Module:
+    from hookscope.demo.models import SmallCNN
+
+    return SmallCNN()
+
+
+#: ``demo:<name>`` -> a factory; the demo models need nothing downloaded or installed.
+DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn}
+
+# Sample input shapes of classes that do not (yet) say so with an ``example_input_shape``
+# class attribute, by qualified class name so nothing is imported to look them up.
+_EXAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"hookscope.demo.models.SmallCNN": (1, 3, 32, 32)}
+
+_DTYPES: dict[str, torch.dtype] = {
+    **dict.fromkeys(("float32", "fp32", "f32", "float"), torch.float32),
+    **dict.fromkeys(("float16", "fp16", "f16", "half"), torch.float16),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float64", "fp64", "f64", "double"), torch.float64),
+}
+_file_counter = itertools.count()
+
+
+def load_model(spec: str) -> nn.Module:
+    """Build the model ``spec`` names (see the module doc for the forms), in eval mode.
+
+    Eval mode because every command inspects a model rather than trains it: dropout off and
+    batch-norm statistics untouched make two runs of a command agree.
+    """
+    spec = spec.strip()
+    if spec.startswith("demo:"):
+        model = _demo(spec, spec[len("demo:") :])
+    elif spec.startswith("hf-config:"):
+        model = _hf_config(spec, spec[len("hf-config:") :])
+    else:
+        target, colon, attribute = spec.rpartition(":")  # rpartition: 'C:\models\net.py:build' works
+        if not colon or not target or not attribute:
+            raise _error(spec, "it names no factory (the part after ':')", f"expected {FORMS}")
+        is_file = target.endswith(".py") or "/" in target or os.sep in target
+        module = _load_file(spec, target) if is_file else _import(spec, target)
+        model = _build(spec, _attribute(spec, module, target, attribute), attribute)
+    return model.eval()
+
+
+def make_input(
+    model: nn.Module, shape: str | None, *, dtype: str | None = None, seed: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A random sample input for ``model`` as ``(args, kwargs)``, for ``model(*args, **kwargs)``.
+
+    transformers models are recognised by their ``main_input_name`` (read with ``getattr``, so
+    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``,
+    vision models ``pixel_values``; any other model gets one positional tensor. ``shape=None``
+    picks a default where the model says enough about itself, else raises ``SpecError``. The
+    values come from a generator seeded with ``seed``, so the same command sees the same input.
+    """
+    config = getattr(model, "config", None)
+    main_input = getattr(model, "main_input_name", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    vocab_size = vocab_size if isinstance(vocab_size, int) else 0
+    is_tokens = main_input == "input_ids" and vocab_size > 0
+    size = parse_shape(shape) if shape is not None else _default_shape(model, config, main_input, is_tokens)
+    generator = torch.Generator().manual_seed(seed)
+    if is_tokens:
+        if len(size) != 2:
+            raise SpecError(
+                f"input shape {size} has {len(size)} dimensions; {type(model).__name__} takes token ids of "
+                "shape batch x sequence; pass e.g. --input-shape 1x16"
+            )
+        return (), {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
+    values = torch.randn(size, generator=generator)
+    if dtype is not None:
+        values = values.to(parse_dtype(dtype))
+    if main_input == "pixel_values":
+        return (), {"pixel_values": values}
+    return (values,), {}
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Read an input shape written as sizes joined by ``x`` or ``,``.
+
+    >>> parse_shape("1x3x32x32"), parse_shape("1, 16")
+    ((1, 3, 32, 32), (1, 16))
+    >>> parse_shape("1x0")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: input shape '1x0' is not understood; ...
+    """
+    parts = text.strip().strip("()[]").lower().replace(",", "x").split("x")
+    if all(part.strip().isdecimal() and int(part) > 0 for part in parts):
+        return tuple(int(part) for part in parts)
+    raise SpecError(
+        f"input shape {text!r} is not understood; expected positive sizes joined by 'x' or ',', "
+        "e.g. 1x3x224x224 or 1,16"
+    )
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """Read a floating dtype name: ``float32``/``fp32``/``f32``, ``fp16``/``half``, ``bf16``, ``float64``.
+
+    >>> parse_dtype("bf16"), parse_dtype("torch.float16")
+    (torch.bfloat16, torch.float16)
+    >>> parse_dtype("int8")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: dtype 'int8' is not understood; ...
+    """
+    key = text.strip().lower().removeprefix("torch.")
+    if key in _DTYPES:
+        return _DTYPES[key]
+    raise SpecError(f"dtype {text!r} is not understood; expected one of {', '.join(_DTYPES)}")
+
+
+def _error(spec: str, problem: str, fix: str) -> SpecError:
+    return SpecError(f"model {spec!r}: {problem}; {fix}")
+
+
+def _close(word: str, names: list[str]) -> str:
+    """``"did you mean 'a' or 'b'?"`` for the names closest to ``word``, or a few names to pick from."""
+    close = difflib.get_close_matches(word, names, n=3, cutoff=0.5)
+    if close:
+        return "did you mean " + " or ".join(repr(name) for name in close) + "?"
+    return "known: " + ", ".join(sorted(names)[:8]) + (", ..." if len(names) > 8 else "")
+
+
+def _demo(spec: str, name: str) -> nn.Module:
+    if name not in DEMO_MODELS:
+        raise _error(spec, f"no demo model {name!r}", f"known demo models: {', '.join(sorted(DEMO_MODELS))}")
+    return DEMO_MODELS[name]()
+
+
+def _import(spec: str, name: str) -> object:
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        prefix = difflib.get_close_matches(name, ["demo", "hf-config"], n=1, cutoff=0.7)  # 'hf_config:gpt2'
+        fix = f"did you mean '{prefix[0]}:...'?" if prefix else "check the name and that it is installed"
+        problem = f"module {name!r} cannot be imported ({type(error).__name__}: {error})"
+        raise _error(spec, problem, f"{fix}; expected {FORMS}") from error
+    except Exception as error:  # the module ran and failed: say so, not 'not found'
+        raise _error(spec, f"importing module {name!r} raised {type(error).__name__}: {error}", "fix it") from error
+
+
+def _load_file(spec: str, target: str) -> object:
+    path = Path(target).expanduser().resolve()  # relative paths: against the current directory
+    if not path.is_file():
+        raise _error(
+            spec,
+            f"file {target!r} not found (looked at {path})",
+            "check the path; it is read relative to the current directory",
+        )
+    name = f"_hookscope_model_file_{next(_file_counter)}_{path.stem}"  # private: never shadows a real module
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise _error(spec, f"file {target!r} cannot be loaded as a Python module", "name a '.py' file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickling look classes up by their module name
+    sys.path.insert(0, str(path.parent))  # like `python file.py`: sibling imports work while it runs
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[name]
+        raise _error(spec, f"running file {target!r} raised {type(error).__name__}: {error}", "fix the file") from error
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _attribute(spec: str, module: object, target: str, dotted: str) -> object:
+    found, where = module, target  # name the file as given, not its private module name
+    for part in dotted.split("."):
+        if not hasattr(found, part):
+            names = [name for name in dir(found) if not name.startswith("_")]
+            raise _error(spec, f"{where!r} has no attribute {part!r}", _close(part, names))
+        found, where = getattr(found, part), f"{where}:{part}" if where == target else f"{where}.{part}"
+    return found
+
+
+def _build(spec: str, found: object, attribute: str) -> nn.Module:
+    if isinstance(found, nn.Module):
+        return ensure_module(found)  # refuses a TorchScript module
+    if not callable(found):
+        raise _error(
+            spec, f"{attribute!r} is {type(found).__name__}", "name an nn.Module, a class or a factory function"
+        )
+    try:
+        made = found()
+    except Exception as error:
+        raise _error(
+            spec, f"factory {attribute!r} raised {type(error).__name__}: {error}", "it is called with no arguments"
+        ) from error
+    if not isinstance(made, nn.Module):
+        raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", "return the model")
+    return ensure_module(made)  # refuses a TorchScript module
+
+
+def _hf_config(spec: str, text: str) -> nn.Module:
+    model_type, _, query = text.partition("?")
+    overrides = _overrides(spec, query)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from a config: never download
+    try:
+        import transformers
+    except ImportError as error:
+        raise MissingDependencyError(
+            f"model {spec!r} needs transformers, which is not installed; pip install transformers"
+        ) from error
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        raise _error(spec, f"transformers knows no model_type {model_type!r}", _close(model_type, known))
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+        from_config: Callable[..., Any] = transformers.AutoModel.from_config  # untyped in some versions
+        model = from_config(config)
+    except Exception as error:
+        raise _error(
+            spec, f"building {model_type!r} raised {type(error).__name__}: {error}", "check the overrides"
+        ) from error
+    return ensure_module(model)
+
+
+def _overrides(spec: str, query: str) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise _error(spec, f"override {item!r} is not key=value", "write e.g. 'hf-config:gpt2?n_layer=2&n_embd=64'")
+        overrides[key.strip()] = _value(value.strip())
+    return overrides
+
+
+def _value(text: str) -> Any:
+    """``"2"`` -> 2, ``"0.1"`` -> 0.1, ``"true"`` -> True; anything else stays a string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _default_shape(model: nn.Module, config: object, main_input: object, is_tokens: bool) -> tuple[int, ...]:
+    declared = getattr(type(model), "example_input_shape", None)
+    if declared is not None:
+        return tuple(declared)
+    for cls in type(model).__mro__:
+        if f"{cls.__module__}.{cls.__qualname__}" in _EXAMPLE_SHAPES:
+            return _EXAMPLE_SHAPES[f"{cls.__module__}.{cls.__qualname__}"]
+    if is_tokens:  # stay within the position table of a small model
+        limit = getattr(config, "max_position_embeddings", None)
+        return (1, min(DEFAULT_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else DEFAULT_SEQUENCE_LENGTH)
+    channels, image_size = getattr(config, "num_channels", None), getattr(config, "image_size", None)
+    if main_input == "pixel_values" and isinstance(channels, int) and image_size is not None:
+        height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)[:2]
+        return (1, channels, int(height), int(width))
+    raise SpecError(
+        f"no default input for {type(model).__name__}: it declares no example_input_shape; "
+        "pass --input-shape, e.g. 1x3x224x224"
+    )
