@@ -77,10 +77,12 @@ class TestNeverSilentlyWrong:
 
         model = track(Writes())
         x = torch.randn(2, 3)
-        with hs.capture(model, "a", "b") as cap, torch.no_grad():  # out= needs no_grad
-            model(x)
-            assert torch.equal(cap["a"], model.a(x))
-            assert torch.equal(cap["b"], model.b(x))
+        with torch.no_grad():  # out= needs no_grad
+            expected_a, expected_b = model.a(x), model.b(x)
+            with hs.capture(model, "a", "b") as cap:
+                model(x)
+        assert torch.equal(cap["a"], expected_a)
+        assert torch.equal(cap["b"], expected_b)
 
     def test_only_written_values_are_copied(self) -> None:
         model = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4)))
@@ -439,3 +441,15 @@ class TestBadInput:
         np.savez(path, weight=np.zeros(3))
         with pytest.raises(hs.FileFormatError, match="tensor named 'weight', not a hookscope site"):
             hs.load(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_values_copied_to_pinned_cpu_memory() -> None:
+    model = SmallCNN().cuda()
+    x = SmallCNN.example().cuda()
+    with torch.no_grad():
+        reference = model.conv1(x).cpu()
+    _, cache = hs.run_with_capture(model, x, layers=["conv1", "fc"], device="cpu")
+    assert cache["conv1"].device.type == "cpu"
+    assert cache["conv1"].is_pinned()
+    assert torch.equal(cache["conv1"], reference)

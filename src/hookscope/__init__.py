@@ -13,7 +13,7 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 from __future__ import annotations
 
 from hookscope._version import __version__
-from hookscope.capture import Cache, Capture, capture, load, run_with_capture
+from hookscope.capturing import Cache, Capture, capture, load, run_with_capture
 from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope.core.select import Selector, select
 from hookscope.core.sites import Site

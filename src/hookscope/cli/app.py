@@ -142,8 +142,8 @@ def capture_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
-    from hookscope.capture import run_with_capture
-    from hookscope.capture.files import SUPPORTED_SUFFIXES
+    from hookscope.capturing import run_with_capture
+    from hookscope.capturing.files import SUPPORTED_SUFFIXES
     from hookscope.cli.sample import prepare
     from hookscope.core.select import Selector
     from hookscope.errors import SpecError

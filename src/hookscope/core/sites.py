@@ -12,14 +12,16 @@ and ``grad_output``.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Literal, get_args
 
 from torch import nn
 
 from hookscope.errors import SpecError
 
-__all__ = ["CallTracker", "Site", "SiteKind"]
+__all__ = ["CallTracker", "Site", "SiteKind", "is_reentered"]
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
@@ -63,6 +65,25 @@ class Site:
         return cls(match["module"], int(match["call"] or 0), what, match["path"])  # type: ignore[arg-type]
 
 
+def is_reentered(module: nn.Module) -> bool:
+    """True when an outer call of ``module`` is still running on this thread (recursion).
+
+    Bookkeeping that says "a call of the root is open" when the root is entered again means
+    either recursion or a call that was interrupted (``KeyboardInterrupt`` skips PyTorch's
+    ``always_call`` hooks, so it is never closed). Only the stack can tell them apart; this
+    walk runs on that rare path alone, never per call.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    calls = 0
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1  # the call being entered is one; an outer one makes two
+            if calls == 2:
+                return True
+        frame = frame.f_back
+    return False
+
+
 class CallTracker:
     """Numbers the calls of watched modules within each top-level forward pass.
 
@@ -76,21 +97,26 @@ class CallTracker:
     The hot path is two dict operations and a list append/pop: no introspection per call.
     """
 
-    __slots__ = ("_counts", "_names", "_open", "_open_calls")
+    __slots__ = ("_counts", "_names", "_open", "_open_calls", "_root")
 
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
         self._open: dict[int, list[int]] = {}
         self._open_calls = 0
         self._names: dict[int, str] = {}
+        self._root = 0
 
     def watch(self, name: str, module: nn.Module) -> None:
-        """Start counting ``module``'s calls, reported under ``name``."""
+        """Start counting ``module``'s calls, reported under ``name`` (``""`` marks the root)."""
         self._names.setdefault(id(module), name)
+        if name == "":
+            self._root = id(module)
 
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
+        if key == self._root and self._open.get(key) and not is_reentered(module):
+            self.reset()  # the previous pass was interrupted before its hooks could close it
         if self._open_calls == 0:
             self._counts.clear()
         index = self._counts.get(key, 0)

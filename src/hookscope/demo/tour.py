@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookscope._files import atomic_path
-from hookscope.capture import load, run_with_capture
+from hookscope.capturing import load, run_with_capture
 from hookscope.core.attach import attached
 from hookscope.demo.models import SmallCNN
 from hookscope.hooks import hooks

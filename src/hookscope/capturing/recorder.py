@@ -5,7 +5,7 @@ that can be decided once -- which calls to keep, the reduction, the conversions 
 attach time; inside the forward nothing syncs with the host or inspects a signature.
 
 Correctness against in-place ops: by default (``copy="auto"``) a kept value that still shares
-memory with the model's tensors is watched by :class:`~hookscope.capture.guard.CopyOnWrite`
+memory with the model's tensors is watched by :class:`~hookscope.capturing.guard.CopyOnWrite`
 and copied just before anything writes into it. At the end of the forward, kept values that
 share memory with what leaves the forward (the model's inputs, output, parameters and buffers)
 are copied too, since code outside the forward may change those later. ``copy=True`` copies
@@ -15,20 +15,25 @@ that was changed after capture.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hookscope._units import format_bytes, parse_bytes
+from hookscope._units import parse_bytes
 from hookscope._version import __version__
-from hookscope.capture.cache import Cache
-from hookscope.capture.guard import CopyOnWrite, storage_key
-from hookscope.capture.reduce import Reduction, parse_reduction
+from hookscope.capturing.cache import Cache
+from hookscope.capturing.guard import storage_key
+from hookscope.capturing.keeper import Keeper
+from hookscope.capturing.reduce import Reduction, parse_reduction
 from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
-from hookscope.core.sites import CallTracker, Site
+from hookscope.core.sites import CallTracker, Site, is_reentered
 from hookscope.core.tree import flatten_tensors
 from hookscope.errors import CaptureError, SpecError
 
@@ -53,7 +58,11 @@ class Capture:
 
     Made by :func:`capture`; attached at once, removed by ``remove()`` or on leaving ``with``.
     Each top-level forward starts a new :class:`Cache` (``capture.cache``); ``capture["fc"]``,
-    ``capture.calls(...)``, ``capture.numpy()`` and ``capture.save(...)`` read it.
+    ``capture.calls(...)``, ``capture.numpy()`` and ``capture.save(...)`` read it. A pass is a
+    call of the model, or of a selected module called on its own.
+
+    A capture sees each value as the hooks attached before it left it: attach edits first to
+    capture edited values, the capture first to capture the originals.
     """
 
     def __init__(
@@ -74,72 +83,73 @@ class Capture:
         ensure_module(model)
         if not selectors:
             raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
-        self._whats = _check_keep(keep)
-        self._detach = detach
-        self._device = torch.device(device) if device is not None else None
-        self._dtype = _check_dtype(dtype)
-        self._reduce = parse_reduction(reduce)
-        self._want = _call_filter(calls)
-        self._calls_mode = calls
-        self._stop = stop
-        self._budget = parse_bytes(max_bytes) if max_bytes is not None else None
         if copy not in ("auto", True, False):
             raise SpecError(f"copy={copy!r} is not one of 'auto' (default), True, False")
-        self._copy = copy
+        if stop and calls == "last":
+            raise SpecError(
+                "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
+                "use calls='first', a call index, or stop=False"
+            )
+        self._whats = _check_keep(keep)
+        self._want = _call_filter(calls)
+        self._stop = stop
         self._tracker = CallTracker()
-        self._selected = [pair for selector in selectors for pair in select(model, selector)]
-        self._model_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
-        self._meta = self._describe(model, selectors, keep, device, dtype, reduce, calls, max_bytes)
-        self._cache = Cache(meta=self._meta)
-        self._watched: dict[int, list[Site]] = {}
-        self._guard = CopyOnWrite(self._watched, self._copy_before_write) if copy == "auto" else None
-        self._guard_on = False
+        self._model = model
+        self._selected = _unique(pair for selector in selectors for pair in select(model, selector))
+        meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
+        self._keeper = Keeper(
+            detach=detach,
+            reduce=parse_reduction(reduce),
+            reduce_spec=reduce,
+            dtype=_check_dtype(dtype),
+            device=torch.device(device) if device is not None else None,
+            copy=copy,
+            budget=parse_bytes(max_bytes) if max_bytes is not None else None,
+            last_call_only=calls == "last",
+            meta=meta,
+        )
         self._depth = 0
-        self._bytes = 0
-        self._sync_devices: set[torch.device] = set()
+        self._pass_module: nn.Module | None = None
+        self._pass_thread = 0
         self._pending: set[int] = set()
-        self._latest: dict[tuple[str, str], list[Site]] = {}
-        self._group = HookGroup(model, self._specs(model), owner="capture", tracker=self._tracker)
+        self._stopped = False
+        self._group = HookGroup(model, self._specs(model), owner="capture", tracker=self._tracker, restore_mode=False)
 
     # -- attaching --------------------------------------------------------------------------------
 
     def _specs(self, model: nn.Module) -> list[HookSpec]:
-        specs = [
-            HookSpec("", model, "forward_pre", self._begin_pass, with_kwargs=True, prepend=True),
-            HookSpec("", model, "forward", self._end_pass, with_kwargs=True, always_call=True),
-        ]
-        seen: set[int] = set()
+        """Pass hooks around the capture hooks: opened before any of them, closed after all."""
+        openers = [("", model), *((n, m) for n, m in self._selected if m is not model)]
+        specs = [HookSpec(n, m, "forward_pre", self._begin_pass, with_kwargs=True, prepend=True) for n, m in openers]
         for name, module in self._selected:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
             if "input" in self._whats:
                 specs.append(HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True))
             if "output" in self._whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True))
+        specs += [HookSpec(n, m, "forward", self._end_pass, with_kwargs=True, always_call=True) for n, m in openers]
         return specs
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current, want, last_what = self._tracker.current, self._want, self._whats[-1]
+        current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
 
         def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             call = current(module)
             if want(call):
                 leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
                 leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
-                self._keep_leaves(name, call, "input", leaves)
+                keep(name, call, "input", leaves, args)
                 if last_what == "input":
                     self._done(module)
 
         return capture_input
 
     def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        current, want = self._tracker.current, self._want
+        current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
 
         def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             call = current(module)
             if want(call):
-                self._keep_leaves(name, call, "output", flatten_tensors(output, ""))
+                keep(name, call, "output", flatten_tensors(output, ""), output)
                 self._done(module)
 
         return capture_output
@@ -147,144 +157,92 @@ class Capture:
     # -- one forward pass -------------------------------------------------------------------------
 
     def _begin_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._depth:
+            if self._pass_thread != threading.get_ident():
+                raise CaptureError(
+                    "this capture is already recording a forward pass on another thread; "
+                    "make one capture per thread (nn.DataParallel replicas share hooks: use one device per capture)"
+                )
+            if module is self._pass_module and not is_reentered(module):
+                self._abandon_pass()  # the previous pass was interrupted (KeyboardInterrupt skips closing hooks)
         self._depth += 1
-        if self._depth > 1:
-            return
-        self._cache = Cache(meta=self._meta)
-        self._watched.clear()
-        self._bytes = 0
-        self._pending = {id(m) for _, m in self._selected}
-        self._latest.clear()
-        if self._guard is not None:
-            self._guard.__enter__()  # type: ignore[no-untyped-call]
-            self._guard_on = True
+        if self._depth == 1:
+            self._pass_module = module
+            self._pass_thread = threading.get_ident()
+            self._pending = {id(m) for _, m in self._selected if m is not module}
+            self._stopped = False
+            self._keeper.start()
+        elif self._stopped:
+            raise _StopForward(self)  # the model caught the first signal and went on: stop again
 
     def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._depth == 0:
             return
         self._depth -= 1
         if self._depth == 0:
-            self._finish_pass((args, kwargs, output))
+            self._pass_module = None
+            leaving = [t for _, t in flatten_tensors((args, kwargs, output))]
+            storages = {storage_key(t) for t in (*self._model.parameters(), *self._model.buffers())}
+            self._keeper.finish(leaving, storages)
+            if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
+                self._stopped = False
+                raise CaptureError(
+                    f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
+                    "the model?) and ran on; the values are captured, but use stop=False for this model"
+                )
 
-    def _finish_pass(self, escaping: Any) -> None:
-        self._leave_guard()
-        leaving = self._model_storages | {storage_key(t) for _, t in flatten_tensors(escaping)}
-        for key in [key for key in self._watched if key in leaving]:
-            self._copy_before_write(key)
-        self._watched.clear()
-        for device in self._sync_devices:  # one wait per forward for the non-blocking copies
-            torch.cuda.synchronize(device)
-        self._sync_devices.clear()
-
-    def _leave_guard(self) -> None:
-        if self._guard is not None and self._guard_on:
-            self._guard_on = False
-            self._guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    def _abandon_pass(self) -> None:
+        self._depth = 0
+        self._pass_module = None
+        self._keeper.abandon()
+        self._tracker.reset()
 
     def _done(self, module: nn.Module) -> None:
         if self._stop and id(module) in self._pending:
             self._pending.discard(id(module))
             if not self._pending:
+                self._stopped = True
                 raise _StopForward(self)
-
-    # -- keeping values ---------------------------------------------------------------------------
-
-    def _keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]]) -> None:
-        sites = [Site(name, call, what, path) for path, _ in leaves]  # type: ignore[arg-type]
-        if self._calls_mode == "last":  # only the latest call stays
-            for site in self._latest.pop((name, what), []):
-                self._forget(site)
-            self._latest[(name, what)] = sites
-        for site, (_, tensor) in zip(sites, leaves, strict=True):
-            self._keep(site, tensor)
-
-    def _keep(self, site: Site, tensor: torch.Tensor) -> None:
-        value = tensor.detach() if self._detach else tensor
-        if self._reduce is not None:
-            value = self._reduce(value)
-        if self._dtype is not None and value.is_floating_point():
-            value = value.to(self._dtype)
-        if self._device is not None and value.device != self._device:
-            value = self._move(value)
-        shared = storage_key(value) == storage_key(tensor) != 0
-        if shared and self._copy is True:
-            value, shared = value.clone(), False
-        size = value.numel() * value.element_size()
-        if self._budget is not None and self._bytes + size > self._budget:
-            raise CaptureError(self._over_budget_message(site, size))
-        self._bytes += size
-        self._cache._put(site, value, _version(value))
-        if shared and self._guard is not None:
-            self._watched.setdefault(storage_key(value), []).append(site)
-
-    def _move(self, value: torch.Tensor) -> torch.Tensor:
-        assert self._device is not None
-        if value.is_cuda and self._device.type == "cpu":  # pinned + non-blocking; one sync per forward
-            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            pinned.copy_(value, non_blocking=True)
-            self._sync_devices.add(value.device)
-            return pinned
-        return value.to(self._device)
-
-    def _forget(self, site: Site) -> None:
-        tensor = self._cache._raw(site)
-        self._bytes -= tensor.numel() * tensor.element_size()
-        self._cache._drop(site)
-
-    def _copy_before_write(self, key: int) -> None:
-        for site in self._watched.pop(key, []):
-            if self._cache._has(site):
-                copy = self._cache._raw(site).clone()
-                self._cache._put(site, copy, _version(copy))
-
-    def _over_budget_message(self, site: Site, size: int) -> str:
-        held = sorted(((t.numel() * t.element_size(), str(s)) for s, t in self._cache._items()), reverse=True)
-        largest = ", ".join(f"{name} ({format_bytes(n)})" for n, name in held[:5])
-        return (
-            f"capture would hold {format_bytes(self._bytes + size)}, over max_bytes={format_bytes(self._budget or 0)}, "
-            f"at {str(site)!r} ({format_bytes(size)}); largest kept: {largest or 'none'}. Capture fewer layers, "
-            "reduce them on the device (reduce='mean:1'), keep calls='last', or raise max_bytes"
-        )
 
     # -- reading: the cache of the latest pass ---------------------------------------------------
 
     @property
     def cache(self) -> Cache:
         """The :class:`Cache` of the latest forward pass."""
-        return self._cache
+        return self._keeper.cache
 
     def __getitem__(self, key: str | Site) -> torch.Tensor:
-        return self._cache[key]
+        return self.cache[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._cache
+        return key in self.cache
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._cache)
+        return iter(self.cache)
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self.cache)
 
     def calls(self, key: str | Site) -> list[torch.Tensor]:
         """Every call's value for ``key``, in order (see :meth:`Cache.calls`)."""
-        return self._cache.calls(key)
+        return self.cache.calls(key)
 
     def sites(self) -> list[Site]:
         """Every site captured in the latest pass."""
-        return self._cache.sites()
+        return self.cache.sites()
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the latest pass's values."""
-        return self._cache.nbytes
+        return self.cache.nbytes
 
     def numpy(self) -> dict[str, Any]:
         """The latest pass's values as numpy arrays (see :meth:`Cache.numpy`)."""
-        return self._cache.numpy()
+        return self.cache.numpy()
 
-    def save(self, path: Any) -> Any:
+    def save(self, path: str | os.PathLike[str]) -> Path:
         """Save the latest pass's values (see :meth:`Cache.save`)."""
-        return self._cache.save(path)
+        return self.cache.save(path)
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -295,9 +253,11 @@ class Capture:
 
     def remove(self) -> None:
         """Remove every hook of this capture; the values stay readable. Safe to call twice."""
-        self._leave_guard()
-        self._depth = 0
-        self._group.remove()
+        try:
+            if self._depth:
+                self._abandon_pass()
+        finally:
+            self._group.remove()
 
     def __enter__(self) -> Capture:
         return self
@@ -308,28 +268,35 @@ class Capture:
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
-        return f"<Capture of {len(self._selected)} modules, {state}>\n{self._cache!r}"
-
-    def _describe(self, model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:
-        keep, device, dtype, reduce, calls, max_bytes = options
-        return {
-            "hookscope": __version__,
-            "torch": torch.__version__,
-            "model": type(model).__name__,
-            "selectors": [describe_selector(s) for s in selectors],
-            "keep": keep if isinstance(keep, str) else list(keep),
-            "detach": self._detach,
-            "device": None if device is None else str(device),
-            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
-            "calls": calls,
-            "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
-            "copy": self._copy,
-        }
+        return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
+def _unique(pairs: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    seen: set[int] = set()
+    unique = []
+    for name, module in pairs:
+        if id(module) not in seen:
+            seen.add(id(module))
+            unique.append((name, module))
+    return unique
+
+
+def _describe(model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:
+    keep, detach, device, dtype, reduce, calls, max_bytes, copy = options
+    return {
+        "hookscope": __version__,
+        "torch": torch.__version__,
+        "model": type(model).__name__,
+        "selectors": [describe_selector(s) for s in selectors],
+        "keep": keep if isinstance(keep, str) else list(keep),
+        "detach": detach,
+        "device": None if device is None else str(device),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
+        "calls": calls,
+        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
+        "copy": copy,
+    }
 
 
 def _check_keep(keep: Keep | tuple[str, ...]) -> tuple[str, ...]:

@@ -26,11 +26,18 @@ from hookscope._units import format_bytes
 from hookscope.core.sites import Site
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
-__all__ = ["Cache", "load"]
+__all__ = ["Cache", "load", "tensor_bytes"]
 
 _KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<what>[a-z_]+)(?P<path>.*))?$")
 _NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements; for a sparse tensor, of its indices and values."""
+    if tensor.is_sparse:
+        return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
+    return tensor.numel() * tensor.element_size()
 
 
 class Cache(Mapping[str, torch.Tensor]):
@@ -55,6 +62,7 @@ class Cache(Mapping[str, torch.Tensor]):
         self._versions: dict[Site, int | None] = dict(versions or {})
         self.meta: dict[str, Any] = dict(meta or {})
         self._index: _Index | None = None
+        self._empty: dict[str, str] = {}
 
     # -- filled by the recorder while a forward runs ------------------------------------------
 
@@ -68,11 +76,14 @@ class Cache(Mapping[str, torch.Tensor]):
         self._versions.pop(site, None)
         self._index = None
 
-    def _raw(self, site: Site) -> torch.Tensor:
-        return self._entries[site]
+    def _get(self, site: Site) -> torch.Tensor | None:
+        return self._entries.get(site)
 
-    def _has(self, site: Site) -> bool:
-        return site in self._entries
+    def _version_of(self, site: Site) -> int | None:
+        return self._versions.get(site)
+
+    def _note_empty(self, module: str, what: str, type_name: str) -> None:
+        self._empty.setdefault(module, f"{module!r} ran, but its {what} held no tensor ({type_name})")
 
     def _items(self) -> Iterator[tuple[Site, torch.Tensor]]:
         return iter(list(self._entries.items()))
@@ -106,6 +117,8 @@ class Cache(Mapping[str, torch.Tensor]):
 
         ``key`` is read as in ``cache[key]``; a call index in it is ignored.
         """
+        if isinstance(key, str):
+            key = re.sub(r"#\d+", "", key, count=1)
         site = self.resolve(key)
         by_call = self._built_index()[(site.module, site.what)]
         return [self._checked(by_call[call][site.path]) for call in sorted(by_call) if site.path in by_call[call]]
@@ -113,7 +126,7 @@ class Cache(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         """Bytes held by the values (each tensor's elements; views of one storage count each)."""
-        return sum(t.numel() * t.element_size() for t in self._entries.values())
+        return sum(tensor_bytes(t) for t in self._entries.values())
 
     def numpy(self) -> dict[str, np.ndarray]:
         """``{site name: numpy array}``; dtypes numpy lacks (bfloat16, float8) become float32."""
@@ -136,7 +149,7 @@ class Cache(Mapping[str, torch.Tensor]):
         ``.safetensors`` (needs the safetensors package), ``.npz`` or ``.pt``; the write is
         atomic, and site names, call indices, dtypes and versions come back with :func:`load`.
         """
-        from hookscope.capture.files import save_tensors
+        from hookscope.capturing.files import save_tensors
 
         tensors = {str(site): self._checked(site) for site in self._entries}
         sites = [
@@ -164,6 +177,8 @@ class Cache(Mapping[str, torch.Tensor]):
         index = self._built_index()
         kept = sorted({w for (m, w) in index if m == module})
         if not kept:
+            if module in self._empty:
+                raise SiteNotFoundError(f"nothing was captured for {module!r}: {self._empty[module]}")
             raise SiteNotFoundError(f"nothing was captured for {module!r}; {self._captured_hint(module)}")
         chosen_what = what or ("output" if "output" in kept else kept[0])
         if chosen_what not in kept:
@@ -220,7 +235,13 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         return [
-            (str(site), str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), str(t.device), format_bytes(t.nbytes))
+            (
+                str(site),
+                str(tuple(t.shape)),
+                str(t.dtype).removeprefix("torch."),
+                str(t.device),
+                format_bytes(tensor_bytes(t)),
+            )
             for site, t in self._entries.items()
         ]
 
@@ -251,7 +272,7 @@ def load(path: str | os.PathLike[str]) -> Cache:
     >>> load(saved)["fc"]
     tensor([0., 1., 2.])
     """
-    from hookscope.capture.files import load_tensors
+    from hookscope.capturing.files import load_tensors
 
     tensors, meta = load_tensors(path)
     entries = {}

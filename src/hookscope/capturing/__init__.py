@@ -5,7 +5,7 @@
 holds the named on-device reductions and ``files`` the file formats.
 """
 
-from hookscope.capture.cache import Cache, load
-from hookscope.capture.recorder import Capture, capture, run_with_capture
+from hookscope.capturing.cache import Cache, load
+from hookscope.capturing.recorder import Capture, capture, run_with_capture
 
 __all__ = ["Cache", "Capture", "capture", "load", "run_with_capture"]

@@ -1,0 +1,141 @@
+"""Copy-on-write for captured values: keep references, copy only what is about to be overwritten.
+
+A forward hook sees a module's output before the rest of the model runs, and the rest may
+change that very tensor in place: ``ReLU(inplace=True)`` after a convolution, ``out += identity``
+in a residual block, ``x[mask] = 0``. Keeping a reference is then silently wrong, and copying
+every value costs a pass over every activation. Instead, while a forward runs, this torch
+function mode watches the storages of kept values and, just before an operation writes into
+one of them, lets the recorder replace its kept reference with a copy. Only values that are
+really overwritten are copied, and each at most once.
+
+What counts as a write: the arguments an op overload's schema marks as written
+(``torch.ops.aten.relu_.default``, custom ops); functions whose name ends in a single ``_``
+(``add_``, ``relu_``, ``copy_``, ``_foreach_mul_``), in-place operators and ``__setitem__``
+(first argument, or each tensor of a list); ``inplace=True`` (first argument); and ``out=``.
+Writes made inside a function the mode passes through whole are not seen, nor writes from
+outside torch (numpy views, DLPack, ``.data``); those are caught afterwards by each kept value's
+version counter, compared when it is read -- except under ``torch.inference_mode()``, where
+tensors carry no version counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CopyOnWrite", "storage_key"]
+
+_INPLACE_OPERATORS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__imatmul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The address of the memory behind ``tensor`` (0 when it has none, e.g. sparse or meta)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _written_arguments(func: Callable[..., Any]) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments ``func`` writes into, worked out once per function.
+
+    An op overload (``torch.ops.aten.relu_.default``, custom ops) says so in its schema; for
+    everything else the name tells: ``add_``, ``__iadd__``, ``__setitem__`` write into their
+    first argument.
+    """
+    if isinstance(func, torch._ops.OpOverload):
+        return _schema_writes([func._schema])
+    if isinstance(func, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any overload may be chosen
+        overloads = func.overloads()  # type: ignore[no-untyped-call]
+        return _schema_writes([getattr(func, overload)._schema for overload in overloads])
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS:
+        return ((0, "self"),)
+    return ()
+
+
+def _schema_writes(schemas: list[Any]) -> tuple[tuple[int, str], ...]:
+    written = {
+        (index, argument.name)
+        for schema in schemas
+        for index, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    }
+    return tuple(sorted(written))
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):  # _foreach_*_ ops write into lists of tensors
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return []
+
+
+class CopyOnWrite(TorchFunctionMode):
+    """Calls ``before_write(storage key)`` before any operation writes into a watched storage.
+
+    ``watched`` is the recorder's own mapping of storage keys to the sites kept there; it is
+    read, never changed, here. While the mode is on, every torch call pays a Python dispatch and
+    a dict lookup, which is why the recorder turns it on only once a value is watched and copies
+    small values outright instead of watching them.
+    """
+
+    def __init__(self, watched: Mapping[int, object], before_write: Callable[[int], None]) -> None:
+        super().__init__()
+        self._watched = watched
+        self._before_write = before_write
+        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._watched:
+            self._protect_targets(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _protect_targets(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            written = self._writes[func]
+        except KeyError:
+            written = self._writes[func] = _written_arguments(func)
+        except TypeError:  # an unhashable callable: work it out each time
+            written = _written_arguments(func)
+        if not written and kwargs.get("inplace") is True:
+            written = ((0, "input"),)
+        for position, name in written:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            for tensor in _tensors_in(target):
+                self._protect(tensor)
+        for tensor in _tensors_in(kwargs.get("out")):
+            self._protect(tensor)
+
+    def _protect(self, tensor: torch.Tensor) -> None:
+        key = storage_key(tensor)
+        if key and key in self._watched:
+            self._before_write(key)

@@ -1,0 +1,297 @@
+"""The hard cases of keeping captured values right: writes the guard must see, passes, threads, stops."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+import hookscope.capturing.keeper as keeper
+from tests.conftest import raw_hook_count
+from tests.models import LinearInplaceReLU, Looped, SmallCNN, Tracked
+
+
+@pytest.fixture
+def watch_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watch every shared value instead of copying small ones outright, so the guard is exercised."""
+    monkeypatch.setattr(keeper, "EAGER_COPY_BYTES", 0)
+
+
+def mode_stack() -> list[object]:
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+class Writer(Tracked):
+    """``fc`` then a write into its output, made in a way chosen per test; returns that output."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.write == "aten":
+            torch.ops.aten.relu_.default(h)
+        elif self.write == "packet":
+            torch.ops.aten.relu_(h)
+        elif self.write == "foreach":
+            torch._foreach_mul_([h], 0.0)
+        elif self.write == "view":
+            h.view(-1)[::2] = 0.0
+        elif self.write == "hidden":
+            with torch._C.DisableTorchFunction():  # a write no torch function mode can see
+                h.relu_()
+        out: torch.Tensor = h
+        return out
+
+
+@pytest.mark.usefixtures("watch_everything")
+class TestGuard:
+    @pytest.mark.parametrize("write", ["aten", "packet", "foreach", "view"])
+    def test_writes_through_ops_lists_and_views_are_seen(self, write: str) -> None:
+        model = Writer(write)
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            reference = model.fc(x)
+            _, cache = hs.run_with_capture(model, x, layers="fc")
+        assert torch.equal(cache["fc"], reference)
+
+    def test_a_write_nobody_saw_is_reported_not_laundered(self) -> None:
+        model = Writer("hidden")
+        with torch.no_grad():
+            _, cache = hs.run_with_capture(model, torch.randn(4, 8), layers="fc")
+        with pytest.raises(hs.CaptureError, match="changed in place after it was captured"):
+            cache["fc"]
+
+    def test_the_root_captured_too_is_protected_from_later_writes(self) -> None:
+        model = LinearInplaceReLU()
+        x = torch.randn(4, 4)
+        with torch.no_grad():
+            out, cache = hs.run_with_capture(model, x, layers=["", "fc"])
+            expected = out.clone()
+            out.mul_(0)
+        assert torch.equal(cache[""], expected)
+
+    def test_stop_with_the_root_selected_keeps_the_output(self) -> None:
+        model = SmallCNN()
+        out, cache = hs.run_with_capture(model, SmallCNN.example(), layers=["", "conv1"], stop=True)
+        assert out is None
+        assert "conv1" in cache
+
+    def test_parameters_are_read_at_the_end_of_each_pass(self) -> None:
+        class Positions(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.register_buffer("table", torch.randn(64, 8))
+                self.pos = nn.Identity()
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = x + self.pos(self.table[: x.shape[0]])
+                return out
+
+        model = Positions()
+        with hs.capture(model, "pos") as cap:
+            model.double()  # new storages after the capture was attached
+            with torch.no_grad():
+                model(torch.zeros(4, 8, dtype=torch.float64))
+        kept = cap["pos"].clone()
+        model.table.add_(1.0)
+        assert torch.equal(cap["pos"], kept)
+
+
+class TestPasses:
+    def test_small_values_are_copied_and_the_guard_never_turns_on(self) -> None:
+        model = SmallCNN()
+        seen: list[int] = []
+        with (
+            hs.capture(model, "conv1", "relu"),
+            hs.hooks(model, {"fc": lambda m, a, o: seen.append(len(mode_stack()))}),
+        ):
+            model(torch.randn(1, 3, 8, 8))
+        assert seen == [0]
+
+    def test_large_values_turn_the_guard_on_and_off_again(self) -> None:
+        model = SmallCNN()
+        seen: list[int] = []
+        with hs.capture(model, "conv1"), hs.hooks(model, {"fc": lambda m, a, o: seen.append(len(mode_stack()))}):
+            model(torch.randn(4, 3, 64, 64))
+        assert seen == [1]
+        assert mode_stack() == []
+
+    def test_a_selected_module_called_on_its_own_is_a_pass_of_its_own(self) -> None:
+        model = SmallCNN()
+        x = SmallCNN.example()
+        with hs.capture(model, "fc") as cap, torch.no_grad():
+            model(x)
+            first = cap.cache
+            before = first["fc"].clone()
+            features = torch.ones(2, 16)
+            model.fc(features)
+        assert cap.cache is not first
+        assert torch.equal(cap["fc"], model.fc(features).detach())
+        assert torch.equal(first["fc"], before)
+
+    def test_keyboard_interrupt_does_not_wedge_a_long_lived_capture(self) -> None:
+        class Interrupting(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+                self.interrupt = True
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h: torch.Tensor = self.fc(x)
+                if self.interrupt:
+                    raise KeyboardInterrupt
+                return h
+
+        model = Interrupting()
+        cap = hs.capture(model, "fc")
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.randn(2, 4))
+            model.interrupt = False
+            model(torch.randn(2, 4))
+            first = cap.cache
+            model(torch.randn(2, 4))
+            assert cap.cache is not first, "passes start again"
+            assert [str(site) for site in cap.sites()] == ["fc#0:output"]
+            assert mode_stack() == []
+        finally:
+            cap.remove()
+        assert raw_hook_count(model) == 0
+
+    def test_two_threads_on_one_capture_are_refused(self) -> None:
+        barrier = threading.Barrier(2, timeout=30)
+
+        class Meeting(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                barrier.wait()  # both threads are inside a forward now
+                out: torch.Tensor = self.fc(x)
+                barrier.wait()
+                return out
+
+        model = Meeting()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                model(torch.randn(2, 4))
+            except (hs.CaptureError, threading.BrokenBarrierError) as error:
+                errors.append(error)
+                barrier.abort()
+
+        with hs.capture(model, "fc"):
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+        assert any(isinstance(e, hs.CaptureError) and "another thread" in str(e) for e in errors)
+
+    def test_train_eval_changes_made_inside_are_kept(self) -> None:
+        model = SmallCNN().eval()
+        with hs.capture(model, "fc"):
+            model.train()
+        assert model.training
+
+
+class TestCallsAndStop:
+    def test_last_call_with_recursion_pairs_input_and_output_of_one_call(self) -> None:
+        class Recursive(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+                out: torch.Tensor = self(self.fc(x), depth - 1) if depth else x
+                return out
+
+        model = Recursive()
+        _, cache = hs.run_with_capture(model, torch.randn(1, 4), layers="", keep="both", calls="last")
+        assert sorted({site.call for site in cache.sites()}) == [2]
+
+    def test_stop_needs_a_known_call(self) -> None:
+        with pytest.raises(hs.SpecError, match="stop=True cannot keep calls='last'"):
+            hs.capture(Looped(), "block", stop=True, calls="last")
+
+    def test_a_model_that_swallows_the_stop_is_reported(self) -> None:
+        class Fallback(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fast = nn.Linear(4, 4)
+                self.slow = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                try:
+                    h: torch.Tensor = self.fast(x)
+                except Exception:
+                    h = self.slow(x)
+                return h
+
+        model = Fallback()
+        with pytest.raises(hs.CaptureError, match="caught hookscope's stop signal"):
+            hs.run_with_capture(model, torch.randn(1, 4), layers="fast", stop=True)
+        assert raw_hook_count(model) == 0
+
+
+class TestValuesAndMessages:
+    def test_small_view_of_a_large_storage_is_copied(self) -> None:
+        class Slice(Tracked):
+            def __init__(self) -> None:
+                super().__init__()
+                self.head = nn.Identity()
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = self.head(x[:, :1])
+                return out
+
+        _, cache = hs.run_with_capture(Slice(), torch.randn(512, 512), layers="head")
+        assert cache["head"].untyped_storage().nbytes() == 512 * 4
+
+    def test_budget_is_checked_before_casting(self) -> None:
+        with pytest.raises(
+            hs.CaptureError,
+            match=r"capture would hold 112 KiB, over max_bytes=100 KiB, at .conv1#0:output. \(112 KiB\)",
+        ):
+            hs.run_with_capture(SmallCNN(), SmallCNN.example(), layers="conv1", dtype=torch.float64, max_bytes="100KiB")
+
+    def test_module_without_tensor_output_says_so(self) -> None:
+        from tests.models import MixedOutputs
+
+        _, cache = hs.run_with_capture(MixedOutputs(), torch.ones(2), layers=["none_out", "tuple_out"])
+        with pytest.raises(hs.SiteNotFoundError, match=r"'none_out' ran, but its output held no tensor \(NoneType\)"):
+            cache["none_out"]
+
+    def test_reduce_that_does_not_fit_names_the_site(self) -> None:
+        with pytest.raises(hs.SpecError, match=r"reduce='mean:2' failed on 'fc#0:output', a \(1, 10\) float32 tensor"):
+            hs.run_with_capture(SmallCNN(), SmallCNN.example(), layers="fc", reduce="mean:2")
+
+    def test_calls_ignores_a_call_index(self) -> None:
+        _, cache = hs.run_with_capture(Looped(steps=3), torch.randn(1, 4), layers="block")
+        assert len(cache.calls("block#2")) == 3
+
+    def test_copy_false_under_inference_mode_is_refused(self) -> None:
+        with torch.inference_mode(), pytest.raises(hs.CaptureError, match="no version counter"):
+            hs.run_with_capture(LinearInplaceReLU(), torch.randn(2, 4), layers="fc", copy=False)
+
+    def test_inference_mode_default_is_correct(self) -> None:
+        model = LinearInplaceReLU()
+        x = torch.randn(64, 4)
+        with torch.inference_mode():
+            reference = model.fc(x)
+            _, cache = hs.run_with_capture(model, x, layers="fc")
+        assert torch.equal(cache["fc"], reference)
+
+    def test_meta_tensors(self) -> None:
+        model = SmallCNN().to("meta")
+        _, cache = hs.run_with_capture(model, SmallCNN.example().to("meta"), layers="conv1")
+        assert cache["conv1"].device.type == "meta"
+        assert cache["conv1"].shape == (1, 16, 30, 30)
