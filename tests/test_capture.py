@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+import hookscope.capturing.keeper as keeper
 from hookscope.core.sites import Site
 from tests.conftest import raw_hook_count
 from tests.models import (
@@ -35,6 +36,14 @@ def function_mode_stack_depth() -> int:
     return len(torch.overrides._get_current_function_mode_stack())
 
 
+@pytest.fixture(params=["small values copied", "every value watched"])
+def both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a test once as configured and once with the copy-on-write guard watching every value."""
+    if request.param == "every value watched":
+        monkeypatch.setattr(keeper, "EAGER_COPY_BYTES", 0)
+
+
+@pytest.mark.usefixtures("both_paths")
 class TestNeverSilentlyWrong:
     def test_inplace_relu_after_linear(self) -> None:
         model = LinearInplaceReLU()
