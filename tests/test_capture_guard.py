@@ -67,6 +67,20 @@ class TestGuard:
         with pytest.raises(hs.CaptureError, match="changed in place after it was captured"):
             cache["fc"]
 
+    def test_sites_holding_one_view_share_one_copy(self) -> None:
+        from tests.models import tiny_resnet
+
+        model = tiny_resnet()
+        x = torch.randn(1, 3, 32, 32)
+        layer = "encoder.stages.0.layers.0.layer.1"
+        with torch.no_grad():
+            reference = model.encoder.stages[0].layers[0].layer(model.embedder(x))
+            _, cache = hs.run_with_capture(model, x, layers=[f"{layer}.normalization", f"{layer}.activation"])
+        norm, act = cache[f"{layer}.normalization"], cache[f"{layer}.activation"]
+        assert torch.equal(norm, reference)
+        assert torch.equal(act, reference)
+        assert norm.data_ptr() == act.data_ptr(), "copied once, before `hidden_state += residual`"
+
     def test_the_root_captured_too_is_protected_from_later_writes(self) -> None:
         model = LinearInplaceReLU()
         x = torch.randn(4, 4)

@@ -203,12 +203,20 @@ class Keeper:
             self._guard_on = True
 
     def copy_before_write(self, key: int) -> None:
-        """Replace the kept values on storage ``key`` by copies, before something writes there."""
+        """Replace the kept values on storage ``key`` by copies, before something writes there.
+
+        Sites that hold the very same view (an ``Identity`` after a layer, an output kept as the
+        next layer's input) share one copy.
+        """
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
         for site in self._watched.pop(key, []):
             kept = self.cache._get(site)
             if kept is None or _version(kept) != self.cache._version_of(site):
                 continue  # already changed behind the guard's back: leave it for the read check
-            copy = kept.clone()
+            view = (kept.data_ptr(), tuple(kept.shape), kept.stride(), kept.dtype)
+            copy = copies.get(view)
+            if copy is None:
+                copy = copies[view] = kept.clone()
             self.cache._put(site, copy, _version(copy))
 
     def _forget(self, site: Site) -> None:
