@@ -259,7 +259,7 @@ def resnet_workload(quick: bool) -> Workload:
     batch = 2 if quick else 8
     model = ResNetModel(config).eval()
     x = torch.randn(batch, 3, 224, 224)
-    depths = "-".join(str(d) for d in config.depths)
+    depths = "-".join(str(d) for d in config.depths or ())
     # The bottleneck's last conv layer ends in BatchNorm then Identity (both return the same tensor),
     # and the block then does ``hidden_state += residual`` in place.
     rewritten = re.compile(r"\.layer\.2\.(normalization|activation)$")
@@ -342,7 +342,14 @@ def bench_transformer_lens(quick: bool, rounds: int) -> list[Table]:
     from transformer_lens.model_bridge import TransformerBridge
 
     n_layers = 2 if quick else 12
-    config = {"d_model": 768, "d_head": 64, "n_heads": 12, "n_layers": n_layers, "n_ctx": 1024, "d_vocab": 50257}
+    config: dict[str, Any] = {
+        "d_model": 768,
+        "d_head": 64,
+        "n_heads": 12,
+        "n_layers": n_layers,
+        "n_ctx": 1024,
+        "d_vocab": 50257,
+    }
     config |= {"d_mlp": 3072, "act_fn": "gelu_new", "normalization_type": "LN", "seed": 0}
     bridge = TransformerBridge.boot_native(config).eval()
     x = torch.randint(0, 50257, (4, 128))
