@@ -14,6 +14,7 @@ then decide whether the value must be copied now or may be watched (see ``guard`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,11 +79,14 @@ class Keeper:
         self._latest_call.clear()
         self._module_sites.clear()
 
-    def finish(self, leaving: list[torch.Tensor], model_storages: set[int]) -> None:
-        """End the pass: copy watched values that share memory with anything that outlives it."""
+    def finish(self, outliving: Callable[[], set[int]]) -> None:
+        """End the pass: copy watched values that share memory with anything that outlives it.
+
+        ``outliving`` names that memory; it is asked only when something is still watched.
+        """
         self.leave_guard()
         if self._watched:
-            outside = model_storages | {storage_key(t) for t in leaving}
+            outside = outliving()
             for key in [key for key in self._watched if key in outside]:
                 self.copy_before_write(key)
             self._watched.clear()

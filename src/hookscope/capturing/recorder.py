@@ -181,15 +181,18 @@ class Capture:
         self._depth -= 1
         if self._depth == 0:
             self._pass_module = None
-            leaving = [t for _, t in flatten_tensors((args, kwargs, output))]
-            storages = {storage_key(t) for t in (*self._model.parameters(), *self._model.buffers())}
-            self._keeper.finish(leaving, storages)
+            self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
             if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
                 self._stopped = False
                 raise CaptureError(
                     f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
                     "the model?) and ran on; the values are captured, but use stop=False for this model"
                 )
+
+    def _outliving_storages(self, *escaping: Any) -> set[int]:
+        """Memory that outlives the forward: its inputs and outputs, the parameters and buffers."""
+        leaving = (t for _, t in flatten_tensors(escaping))
+        return {storage_key(t) for t in (*leaving, *self._model.parameters(), *self._model.buffers())}
 
     def _abandon_pass(self) -> None:
         self._depth = 0
