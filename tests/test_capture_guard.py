@@ -178,37 +178,45 @@ class TestPasses:
             cap.remove()
         assert raw_hook_count(model) == 0
 
-    def test_two_threads_on_one_capture_are_refused(self) -> None:
-        barrier = threading.Barrier(2, timeout=30)
+    @pytest.mark.usefixtures("watch_everything")
+    def test_a_second_thread_is_refused_and_leaves_the_first_pass_whole(self) -> None:
+        errors: list[BaseException] = []
+        inside: list[int] = []
 
-        class Meeting(Tracked):
+        class CallsFromAThread(Tracked):
             def __init__(self) -> None:
                 super().__init__()
                 self.fc = nn.Linear(4, 4)
+                self.spawn = True
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                barrier.wait()  # both threads are inside a forward now
-                out: torch.Tensor = self.fc(x)
-                barrier.wait()
-                return out
+                h: torch.Tensor = self.fc(x)  # kept and watched: the guard is on in this thread now
+                if self.spawn:
+                    self.spawn = False
+                    other = threading.Thread(target=self.other_thread, args=(x,))
+                    other.start()
+                    other.join(timeout=60)
+                    inside.append(len(mode_stack()))
+                    h.mul_(0)  # the guard must still be on to save the kept value
+                return h
 
-        model = Meeting()
-        errors: list[BaseException] = []
+            def other_thread(self, x: torch.Tensor) -> None:
+                try:
+                    self(x)
+                except hs.CaptureError as error:
+                    errors.append(error)
 
-        def run() -> None:
-            try:
-                model(torch.randn(2, 4))
-            except (hs.CaptureError, threading.BrokenBarrierError) as error:
-                errors.append(error)
-                barrier.abort()
-
-        with hs.capture(model, "fc"):
-            threads = [threading.Thread(target=run) for _ in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=60)
-        assert any(isinstance(e, hs.CaptureError) and "another thread" in str(e) for e in errors)
+        model = CallsFromAThread()
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            expected = model.fc(x)
+            with hs.capture(model, "fc") as cap:
+                model(x)
+        assert len(errors) == 1
+        assert "another thread" in str(errors[0])
+        assert inside == [1], "the first thread's pass stayed open, guard on"
+        assert torch.equal(cap["fc"], expected)
+        assert mode_stack() == []
 
     def test_train_eval_changes_made_inside_are_kept(self) -> None:
         model = SmallCNN().eval()

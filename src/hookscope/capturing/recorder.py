@@ -176,8 +176,8 @@ class Capture:
             raise _StopForward(self)  # the model caught the first signal and went on: stop again
 
     def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self._depth == 0:
-            return
+        if self._depth == 0 or threading.get_ident() != self._pass_thread:
+            return  # no pass open, or the close of a call refused on another thread
         self._depth -= 1
         if self._depth == 0:
             self._pass_module = None
