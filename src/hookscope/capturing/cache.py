@@ -207,7 +207,7 @@ class Cache(Mapping[str, torch.Tensor]):
         return self._index
 
     def _captured_hint(self, module: str) -> str:
-        modules = sorted({site.module for site in self._entries}, key=lambda m: m)
+        modules = sorted({site.module for site in self._entries})
         if not modules:
             return "the cache is empty (did the forward run inside the capture?)"
         close = difflib.get_close_matches(module, modules, n=3, cutoff=0.5)

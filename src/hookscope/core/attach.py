@@ -332,20 +332,24 @@ def _check_arity(spec: HookSpec) -> None:
         signature = inspect.signature(spec.fn)
     except (TypeError, ValueError):  # builtins and some C callables: nothing to check
         return
-    n_args = spec.signature.count(",") + 1
-    try:
-        signature.bind(*range(n_args))
-    except TypeError:
-        fitting = [
-            f"kind={kind!r}" + (", with_kwargs=True" if with_kwargs else "")
-            for (kind, with_kwargs), text in _SIGNATURES.items()
-            if text.count(",") + 1 != n_args and _binds(signature, text.count(",") + 1)
-        ]
-        hint = f"; did you mean {' or '.join(fitting)}?" if fitting else ""
-        raise SpecError(
-            f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {spec.name or '(root)'!r} takes "
-            f"{signature}, but a {spec.kind} hook is called as {spec.signature}{hint}"
-        ) from None
+    n_args = _arity(spec.signature)
+    if _binds(signature, n_args):
+        return
+    fitting = [
+        f"kind={kind!r}" + (", with_kwargs=True" if with_kwargs else "")
+        for (kind, with_kwargs), text in _SIGNATURES.items()
+        if _arity(text) != n_args and _binds(signature, _arity(text))
+    ]
+    hint = f"; did you mean {' or '.join(fitting)}?" if fitting else ""
+    raise SpecError(
+        f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {spec.name or '(root)'!r} takes "
+        f"{signature}, but a {spec.kind} hook is called as {spec.signature}{hint}"
+    )
+
+
+def _arity(call: str) -> int:
+    """How many arguments a call written like ``fn(module, args, output)`` passes."""
+    return call.count(",") + 1
 
 
 def _binds(signature: inspect.Signature, n_args: int) -> bool:
