@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hookscope import Site, SpecError
+from hookscope.core.attach import HookGroup
 from hookscope.core.sites import CallTracker
 
 
@@ -62,13 +63,29 @@ class TestCallTracker:
         assert tracker.counts() == {"": 1, "child": 0}
 
     def test_recursion_keeps_a_stack(self) -> None:
+        # Driven through real module calls: only the stack tells recursion from an interrupted pass.
+        tracker = CallTracker()
+        seen: list[int] = []
+
+        class Recursive(nn.Module):
+            def forward(self, depth: int) -> int:
+                seen.append(tracker.current(self))
+                if depth:
+                    self(depth - 1)
+                seen.append(tracker.current(self))
+                return depth
+
+        module = Recursive()
+        with HookGroup(module, [], tracker=tracker):
+            module(1)
+        assert seen == [0, 1, 1, 0], "entered as call 0, then 1; after the inner call closes, 0 again"
+
+    def test_interrupted_pass_is_dropped_when_its_module_is_entered_again(self) -> None:
         module = nn.Identity()
         tracker = CallTracker()
         tracker.watch("m", module)
-        assert tracker.enter(module) == 0
-        assert tracker.enter(module) == 1
-        tracker.exit(module)
-        assert tracker.current(module) == 0
+        assert tracker.enter(module) == 0  # never closed, as after a KeyboardInterrupt
+        assert tracker.enter(module) == 0, "not under an outer call of the module: a new pass"
 
     def test_unbalanced_exit_is_ignored(self) -> None:
         module = nn.Identity()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +32,7 @@ from hookscope.capturing.keeper import Keeper
 from hookscope.capturing.reduce import Reduction, parse_reduction
 from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
-from hookscope.core.sites import CallTracker, Site, is_reentered
+from hookscope.core.sites import CallTracker, Site
 from hookscope.core.tree import flatten_tensors
 from hookscope.errors import CaptureError, SpecError
 
@@ -93,7 +92,7 @@ class Capture:
         self._whats = _check_keep(keep)
         self._want = _call_filter(calls)
         self._stop = stop
-        self._tracker = CallTracker()
+        self._tracker = CallTracker(listener=self)
         self._model = model
         self._selected = _unique(pair for selector in selectors for pair in select(model, selector))
         meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
@@ -108,31 +107,28 @@ class Capture:
             last_call_only=calls == "last",
             meta=meta,
         )
-        self._depth = 0
-        self._pass_module: nn.Module | None = None
-        self._pass_thread = 0
         self._pending: set[int] = set()
         self._stopped = False
-        self._group = HookGroup(model, self._specs(model), owner="capture", tracker=self._tracker, restore_mode=False)
+        self._group = HookGroup(model, self._specs(), owner="capture", tracker=self._tracker, restore_mode=False)
 
     # -- attaching --------------------------------------------------------------------------------
 
-    def _specs(self, model: nn.Module) -> list[HookSpec]:
-        """Pass hooks around the capture hooks: opened before any of them, closed after all."""
-        openers = [("", model), *((n, m) for n, m in self._selected if m is not model)]
-        specs = [HookSpec(n, m, "forward_pre", self._begin_pass, with_kwargs=True, prepend=True) for n, m in openers]
+    def _specs(self) -> list[HookSpec]:
+        """The capture hooks; passes are told by the call tracker, which wraps every hook of the group."""
+        specs = []
         for name, module in self._selected:
             if "input" in self._whats:
                 specs.append(HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True))
             if "output" in self._whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True))
-        specs += [HookSpec(n, m, "forward", self._end_pass, with_kwargs=True, always_call=True) for n, m in openers]
         return specs
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
 
         def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._stopped:
+                raise _StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
             if want(call):
                 leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
@@ -147,6 +143,8 @@ class Capture:
         current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
 
         def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._stopped:
+                raise _StopForward(self)
             call = current(module)
             if want(call):
                 keep(name, call, "output", flatten_tensors(output, ""), output)
@@ -156,49 +154,37 @@ class Capture:
 
     # -- one forward pass -------------------------------------------------------------------------
 
-    def _begin_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._depth:
-            if self._pass_thread != threading.get_ident():
-                raise CaptureError(
-                    "this capture is already recording a forward pass on another thread; "
-                    "make one capture per thread (nn.DataParallel replicas share hooks: use one device per capture)"
-                )
-            if module is self._pass_module and not is_reentered(module):
-                self._abandon_pass()  # the previous pass was interrupted (KeyboardInterrupt skips closing hooks)
-        self._depth += 1
-        if self._depth == 1:
-            self._pass_module = module
-            self._pass_thread = threading.get_ident()
-            self._pending = {id(m) for _, m in self._selected if m is not module}
-            self._stopped = False
-            self._keeper.start()
-        elif self._stopped:
-            raise _StopForward(self)  # the model caught the first signal and went on: stop again
+    def pass_started(self, module: nn.Module) -> None:
+        """A new pass: a new cache, every selected module still to capture (when stopping)."""
+        self._pending = {id(m) for _, m in self._selected if m is not module}
+        self._stopped = False
+        self._keeper.start()
 
-    def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self._depth == 0 or threading.get_ident() != self._pass_thread:
-            return  # no pass open, or the close of a call refused on another thread
-        self._depth -= 1
-        if self._depth == 0:
-            self._pass_module = None
-            self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
-            if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
-                self._stopped = False
-                raise CaptureError(
-                    f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
-                    "the model?) and ran on; the values are captured, but use stop=False for this model"
-                )
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """The pass is over: protect what outlives it, and report a stop the model swallowed."""
+        self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
+        if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
+            self._stopped = False
+            raise CaptureError(
+                f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
+                "the model?) and ran on; the values are captured, but use stop=False for this model"
+            )
+
+    def pass_abandoned(self) -> None:
+        """The previous pass was cut short (KeyboardInterrupt skips closing hooks)."""
+        self._keeper.abandon()
+
+    def refuse_thread(self) -> Exception:
+        """Another thread entered while a pass is open."""
+        return CaptureError(
+            "this capture is already recording a forward pass on another thread; "
+            "make one capture per thread (nn.DataParallel replicas share hooks: use one device per capture)"
+        )
 
     def _outliving_storages(self, *escaping: Any) -> set[int]:
         """Memory that outlives the forward: its inputs and outputs, the parameters and buffers."""
         leaving = (t for _, t in flatten_tensors(escaping))
         return {storage_key(t) for t in (*leaving, *self._model.parameters(), *self._model.buffers())}
-
-    def _abandon_pass(self) -> None:
-        self._depth = 0
-        self._pass_module = None
-        self._keeper.abandon()
-        self._tracker.reset()
 
     def _done(self, module: nn.Module) -> None:
         if self._stop and id(module) in self._pending:
@@ -257,8 +243,7 @@ class Capture:
     def remove(self) -> None:
         """Remove every hook of this capture; the values stay readable. Safe to call twice."""
         try:
-            if self._depth:
-                self._abandon_pass()
+            self._keeper.abandon()  # a pass left open (the forward was interrupted) lets go of the guard
         finally:
             self._group.remove()
 

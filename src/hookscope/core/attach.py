@@ -187,7 +187,8 @@ class HookGroup:
             )
         if self._tracker is not None:  # closes the call after every hook of this group has run
             for name, module in tracked.values():
-                self._add(name, module, "forward", "call counter", _exit_hook(self._tracker), always_call=True)
+                closer = _exit_hook(self._tracker)
+                self._add(name, module, "forward", "call counter", closer, with_kwargs=True, always_call=True)
 
     def _add(
         self,
@@ -317,11 +318,11 @@ def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
     return count_call
 
 
-def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any], None]:
+def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any, Any], None]:
     exit_call = tracker.exit
 
-    def close_call(module: nn.Module, _args: Any, _output: Any) -> None:
-        exit_call(module)
+    def close_call(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        exit_call(module, args, kwargs, output)
 
     return close_call
 

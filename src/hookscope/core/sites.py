@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from types import FrameType
-from typing import Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from torch import nn
 
-from hookscope.errors import SpecError
+from hookscope.errors import HookscopeError, SpecError
 
-__all__ = ["CallTracker", "Site", "SiteKind", "is_reentered"]
+__all__ = ["CallTracker", "PassListener", "Site", "SiteKind", "is_reentered"]
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
@@ -84,53 +85,82 @@ def is_reentered(module: nn.Module) -> bool:
     return False
 
 
+class PassListener(Protocol):
+    """Told by a :class:`CallTracker` when a forward pass starts, ends, or was cut short."""
+
+    def pass_started(self, module: nn.Module) -> None: ...
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None: ...
+
+    def pass_abandoned(self) -> None: ...
+
+    def refuse_thread(self) -> Exception:
+        """The error to raise when another thread enters while a pass is open."""
+        ...
+
+
 class CallTracker:
-    """Numbers the calls of watched modules within each top-level forward pass.
+    """Numbers the calls of watched modules within each forward pass, and says when passes start and end.
 
     ``enter`` runs in a forward pre-hook and returns the call's index; ``exit`` runs in a forward
     hook registered with ``always_call=True``, so a forward that raises still closes its call.
     A pass starts when a watched module is entered while no watched call is open: with the
     model's root watched, that is each call of the model, and a submodule called on its own is
-    a pass of its own. Modules are keyed by identity, so a module reachable under two names has
-    one counter.
+    a pass of its own. A pass belongs to the thread that opened it; another thread entering
+    meanwhile is refused. A pass whose opening module is entered again with no outer call of it
+    on the stack was cut short (``KeyboardInterrupt`` skips ``always_call`` hooks) and is dropped.
+    Modules are keyed by identity, so a module reachable under two names has one counter.
 
-    The hot path is two dict operations and a list append/pop: no introspection per call.
+    The hot path is a few dict operations and a list append/pop: no introspection per call.
     """
 
-    __slots__ = ("_counts", "_names", "_open", "_open_calls", "_root")
+    __slots__ = ("_counts", "_listener", "_names", "_open", "_open_calls", "_opener", "_thread")
 
-    def __init__(self) -> None:
+    def __init__(self, listener: PassListener | None = None) -> None:
         self._counts: dict[int, int] = {}
         self._open: dict[int, list[int]] = {}
         self._open_calls = 0
         self._names: dict[int, str] = {}
-        self._root = 0
+        self._listener = listener
+        self._opener = 0
+        self._thread = 0
 
     def watch(self, name: str, module: nn.Module) -> None:
-        """Start counting ``module``'s calls, reported under ``name`` (``""`` marks the root)."""
+        """Start counting ``module``'s calls, reported under ``name``."""
         self._names.setdefault(id(module), name)
-        if name == "":
-            self._root = id(module)
 
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
-        if key == self._root and self._open.get(key) and not is_reentered(module):
-            self.reset()  # the previous pass was interrupted before its hooks could close it
+        if self._open_calls:
+            if threading.get_ident() != self._thread:
+                raise self._refusal()
+            if key == self._opener and not is_reentered(module):
+                self._abandon()
         if self._open_calls == 0:
             self._counts.clear()
+            self._opener = key
+            self._thread = threading.get_ident()
+            if self._listener is not None:
+                self._listener.pass_started(module)
         index = self._counts.get(key, 0)
         self._counts[key] = index + 1
         self._open.setdefault(key, []).append(index)
         self._open_calls += 1
         return index
 
-    def exit(self, module: nn.Module) -> None:
+    def exit(
+        self, module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, output: Any = None
+    ) -> None:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
+        if not self._open_calls or threading.get_ident() != self._thread:
+            return  # nothing open, or the close of a call refused on another thread
         stack = self._open.get(id(module))
         if stack:
             stack.pop()
             self._open_calls -= 1
+            if self._open_calls == 0 and self._listener is not None:
+                self._listener.pass_ended(module, args, kwargs or {}, output)
 
     def current(self, module: nn.Module) -> int:
         """Index of ``module``'s innermost open call (valid inside its hooks)."""
@@ -148,3 +178,15 @@ class CallTracker:
         self._counts.clear()
         self._open.clear()
         self._open_calls = 0
+
+    def _abandon(self) -> None:
+        self.reset()
+        if self._listener is not None:
+            self._listener.pass_abandoned()
+
+    def _refusal(self) -> Exception:
+        if self._listener is not None:
+            return self._listener.refuse_thread()
+        return HookscopeError(
+            "these hooks are already counting a forward pass on another thread; attach one group per thread"
+        )
