@@ -23,6 +23,7 @@ from hookscope.errors import (
     FileFormatError,
     HookscopeError,
     MissingDependencyError,
+    NonFiniteError,
     SelectionError,
     SiteNotFoundError,
     SpecError,
@@ -30,6 +31,9 @@ from hookscope.errors import (
 )
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
+from hookscope.stats import RunningStats, Stats, tensor_stats
+from hookscope.tracing import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
+from hookscope.tracing.nonfinite import NonFiniteDetector, detect_nonfinite
 
 __all__ = [
     "AttachedHook",
@@ -43,15 +47,24 @@ __all__ = [
     "Layer",
     "LayerTable",
     "MissingDependencyError",
+    "NonFiniteDetector",
+    "NonFiniteError",
+    "RunningStats",
     "SelectionError",
     "Selector",
     "Site",
     "SiteNotFoundError",
     "SpecError",
+    "Stats",
+    "TensorInfo",
+    "Trace",
+    "TraceRow",
+    "Tracer",
     "UnsupportedModelError",
     "__version__",
     "attached",
     "capture",
+    "detect_nonfinite",
     "flatten_tensors",
     "hooks",
     "layers",
@@ -59,4 +72,7 @@ __all__ = [
     "map_tensors",
     "run_with_capture",
     "select",
+    "tensor_stats",
+    "trace",
+    "tracing",
 ]

@@ -13,8 +13,9 @@ does::
     ├── UnsupportedModelError (TypeError)  the object is not an eager ``torch.nn.Module``
     │                                      (a TorchScript module, a list, a function, ...)
     ├── MissingDependencyError (ImportError)  an optional package is needed and not installed
-    └── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
-                                           budget, or its value was changed in place after capture
+    ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
+    │                                      budget, or its value was changed in place after capture
+    └── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
 line prints exactly that line.
@@ -27,6 +28,7 @@ __all__ = [
     "FileFormatError",
     "HookscopeError",
     "MissingDependencyError",
+    "NonFiniteError",
     "SelectionError",
     "SiteNotFoundError",
     "SpecError",
@@ -80,3 +82,17 @@ class CaptureError(HookscopeError, RuntimeError):
     names the largest sites), or, on read, when a value kept without a copy was changed in
     place after it was captured.
     """
+
+
+class NonFiniteError(HookscopeError, FloatingPointError):
+    """A module returned a NaN or Inf although its inputs were finite (``detect_nonfinite``).
+
+    ``module``, ``call`` and ``path`` name the culprit: module name, call index in the pass,
+    and the output leaf (``output``, ``output[0]``).
+    """
+
+    def __init__(self, message: str, *, module: str = "", call: int = 0, path: str = "") -> None:
+        super().__init__(message)
+        self.module = module
+        self.call = call
+        self.path = path

@@ -173,6 +173,63 @@ def capture_command(
     typer.echo(f"saved {len(cache)} tensors to {saved} ({saved.stat().st_size:,} bytes)")
 
 
+@app.command("trace")
+def trace_command(
+    model: ModelSpec,
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    depth: Annotated[
+        int | None, typer.Option("--depth", "-d", help="Show calls nested at most this deep (0: the model only).")
+    ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--filter", "-f", help="Show only these modules: names, globs or 're:' regexes.", show_default=False
+        ),
+    ] = None,
+    timing: Annotated[bool, typer.Option("--timing", help="Time each call (and its own share).")] = False,
+    csv: Annotated[Path | None, typer.Option("--csv", help="Also write one row per call to this CSV file.")] = None,
+    json: Annotated[
+        Path | None, typer.Option("--json", help="Also write every row and tensor to this JSON file.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+) -> None:
+    """Run MODEL once (eval mode, no grad) and print every module call: shapes, dtypes, value ranges.
+
+    Exit 0 when the forward ran; when it raised, the calls up to the failure are printed, then
+    the module where it raised and the shapes that went in, and the exit code is 1.
+    """
+    import torch
+
+    from hookscope.cli.sample import prepare
+    from hookscope.core.select import Selector
+    from hookscope.tracing import tracing
+    from hookscope.tracing.result import describe_call
+
+    sample = prepare(model, input_shape, dtype, seed)
+    typer.echo(sample.describe_input())
+    selectors: list[Selector] = [part.strip() for option in only or [] for part in option.split(",") if part.strip()]
+    net = sample.model.eval()
+    with tracing(net, timing=timing) as tracer:
+        try:
+            with torch.no_grad():
+                net(*sample.args, **sample.kwargs)
+        except Exception as error:
+            failure = tracer._trace.failure if tracer._trace is not None else None
+            if failure is None:
+                raise
+            typer.echo(tracer.trace.table(max_depth=depth))
+            typer.echo(f"error: {type(error).__name__}: {error}", err=True)
+            typer.echo(f"the forward raised in {describe_call(failure)}", err=True)
+            raise typer.Exit(EXIT_FAILURE) from None
+    result = tracer.trace
+    typer.echo(result.table(max_depth=depth, filter=selectors or None))
+    for path, write in ((csv, result.to_csv), (json, result.to_json)):
+        if path is not None:
+            write(path)
+            typer.echo(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hookscope`` console script; exits with the codes in the module doc."""
     try:  # usage errors (unknown command or option) are typer's: usage text and exit code 2

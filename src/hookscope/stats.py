@@ -1,0 +1,343 @@
+"""Tensor statistics computed where the tensor lives, cheaply, and read on the host once.
+
+Every feature that summarises values -- trace, gradients, extraction, diff -- calls
+:func:`raw_stats` on each tensor inside a hook and gets back a short float64 vector on the
+tensor's device: no host sync, no ``.item()``. After the forward, :func:`read_stats` stacks the
+vectors of one device and moves them to the host in a single transfer, then
+:func:`finalize` turns them into :class:`Stats`.
+
+Why not ``torch.var_mean`` and friends: on CPU some reductions cost twenty times a ``sum``
+(``var_mean``, ``count_nonzero`` of a float tensor, ``isfinite().all()``), and a hook runs on
+every module of the model. The raw vector is built from the cheap ones:
+
+==========  ===============================================================================
+field       how
+==========  ===============================================================================
+min, max    one ``aminmax``
+sum, sumsq  ``sum`` and ``dot`` of the values minus a shift; the shift makes the variance
+            exact even when the mean dwarfs the spread (fp16 values around 300)
+abs_sum     free when the minimum is >= 0 (post-ReLU), else one ``vector_norm(x, 1)``
+zeros       free when 0 lies outside [min, max], else ``count_nonzero(x == 0)``
+nan, inf    free when min and max are finite (NaN and Inf propagate into them), else counted
+==========  ===============================================================================
+
+The shortcuts need to *look* at min and max, which on an accelerator would be a host sync per
+tensor. So there are two strategies: on the CPU the tensor already lives on the host, reading a
+scalar is a memory read, and the shortcuts are taken ("branching"); on any other device every
+field is computed unconditionally by kernels queued on the stream, and nothing is read until
+:func:`read_stats`. Both give the same numbers (a test checks it on CPU).
+
+Half types (float16, bfloat16) are upcast to float32; float64 and integer tensors use float64.
+Counts are exact; sums accumulate in the upcast type and are merged in float64.
+
+Statistics of several tensors merge exactly (Chan et al.): :class:`RunningStats` keeps one raw
+vector on the device and folds each new tensor in, again without a sync, for statistics over
+many batches or steps.
+
+>>> import torch
+>>> s = tensor_stats(torch.tensor([[0.0, 1.0], [2.0, -3.0]]))
+>>> (s.count, s.min, s.max, s.mean, s.zero_frac, s.finite)
+(4, -3.0, 2.0, 0.0, 0.25, True)
+>>> round(s.std, 4), s.abs_mean
+(2.1602, 1.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "RAW_FIELDS",
+    "STAT_FIELDS",
+    "RawStats",
+    "RunningStats",
+    "Stats",
+    "finalize",
+    "is_measurable",
+    "merge_raw",
+    "raw_stats",
+    "read_stats",
+    "tensor_stats",
+]
+
+RAW_FIELDS = ("min", "max", "shift", "sum", "sumsq", "abs_sum", "zeros", "nan", "posinf", "neginf")
+STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
+_MIN, _MAX, _SHIFT, _SUM, _SUMSQ, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
+# Variance from sum and sum of squares loses digits when E[x^2] dwarfs Var[x]; beyond this ratio
+# the values are summed again around their mean (CPU), which costs one more pass, rarely.
+_CANCELLATION_RATIO = 64.0
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class RawStats:
+    """The statistics of one tensor before they are read: a count (known on the host) and a
+    vector of :data:`RAW_FIELDS` on the tensor's device."""
+
+    count: int
+    vector: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary statistics of a tensor, on the host.
+
+    ``min``, ``max``, ``mean`` and ``std`` are over all values, so a NaN makes them NaN; the
+    ``nan``, ``posinf`` and ``neginf`` counts say what is there. ``std`` is the sample standard
+    deviation (``n - 1``), like ``torch.std``. An empty tensor has ``count == 0`` and NaN
+    statistics.
+    """
+
+    count: int
+    min: float
+    max: float
+    mean: float
+    std: float
+    abs_mean: float
+    zero_frac: float
+    nan: int
+    posinf: int
+    neginf: int
+
+    @property
+    def inf(self) -> int:
+        """How many values are +inf or -inf."""
+        return self.posinf + self.neginf
+
+    @property
+    def finite(self) -> bool:
+        """True when no value is NaN or infinite."""
+        return self.nan == 0 and self.posinf == 0 and self.neginf == 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The fields as a plain dict (JSON-ready: NaN stays a float NaN)."""
+        return asdict(self)
+
+
+def is_measurable(tensor: torch.Tensor) -> bool:
+    """True when :func:`raw_stats` can summarise ``tensor``: real or boolean values, in memory.
+
+    Complex, sparse, quantized and ``meta`` tensors (weights not loaded yet) are described by
+    shape and dtype only.
+    """
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_complex()
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+    )
+
+
+def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None) -> RawStats:
+    """Summarise ``tensor`` on its own device, without reading anything back to the host.
+
+    ``branching`` picks the strategy (see the module doc); the default takes shortcuts on the
+    CPU only. Raises ``ValueError`` for a tensor :func:`is_measurable` refuses.
+    """
+    if not is_measurable(tensor):
+        raise ValueError(f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout})")
+    values = _as_vector(tensor.detach())
+    count = values.numel()
+    if count == 0:
+        empty = [math.nan] * len(RAW_FIELDS)
+        empty[_ZEROS] = empty[_NAN] = empty[_POSINF] = empty[_NEGINF] = 0.0
+        return RawStats(0, torch.tensor(empty, dtype=_accumulator(values.device)).to(values.device))
+    if branching is None:
+        branching = values.device.type == "cpu"
+    vector = _branching(values) if branching else _unconditional(values)
+    return RawStats(count, vector)
+
+
+def tensor_stats(tensor: torch.Tensor) -> Stats:
+    """The :class:`Stats` of one tensor, read at once (a convenience outside hooks)."""
+    raw = raw_stats(tensor)
+    return finalize([raw.count], raw.vector.unsqueeze(0).cpu().numpy())[0]
+
+
+def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
+    """Read many raw vectors with one device-to-host transfer per device; keeps the order."""
+    if not raws:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for index, raw in enumerate(raws):
+        by_device.setdefault(raw.vector.device, []).append(index)
+    table = np.empty((len(raws), len(RAW_FIELDS)), dtype=np.float64)
+    for indices in by_device.values():
+        stacked = torch.stack([raws[i].vector.to(torch.float64) for i in indices]) if len(indices) > 1 else None
+        host = (stacked if stacked is not None else raws[indices[0]].vector.unsqueeze(0)).cpu().numpy()
+        table[indices] = host
+    return finalize([raw.count for raw in raws], table)
+
+
+def finalize(counts: Sequence[int], table: np.ndarray[Any, Any]) -> list[Stats]:
+    """Turn rows of :data:`RAW_FIELDS` (one per tensor, on the host) into :class:`Stats`."""
+    n = np.asarray(counts, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        centred_sum = table[:, _SUM]
+        mean = table[:, _SHIFT] + centred_sum / n
+        m2 = np.maximum(table[:, _SUMSQ] - centred_sum * centred_sum / n, 0.0)
+        std = np.where(n > 1, np.sqrt(m2 / (n - 1)), np.where(n == 1, 0.0, np.nan))
+        std = np.where(np.isfinite(table[:, _SUMSQ]), std, np.nan)
+        abs_mean = table[:, _ABS] / n
+        zero_frac = table[:, _ZEROS] / n
+    return [
+        Stats(
+            count=int(counts[i]),
+            min=float(table[i, _MIN]),
+            max=float(table[i, _MAX]),
+            mean=float(mean[i]),
+            std=float(std[i]),
+            abs_mean=float(abs_mean[i]),
+            zero_frac=float(zero_frac[i]),
+            nan=int(table[i, _NAN]),
+            posinf=int(table[i, _POSINF]),
+            neginf=int(table[i, _NEGINF]),
+        )
+        for i in range(len(counts))
+    ]
+
+
+def merge_raw(a: RawStats, b: RawStats) -> RawStats:
+    """The raw statistics of two tensors taken together (Chan's parallel formula), on the device.
+
+    The result is centred on the combined mean, so merging many batches stays exact in float64.
+    """
+    if a.count == 0:
+        return b
+    if b.count == 0:
+        return a
+    x, y = a.vector.to(torch.float64), b.vector.to(device=a.vector.device, dtype=torch.float64)
+    na, nb = float(a.count), float(b.count)
+    n = na + nb
+    mean_a = x[_SHIFT] + x[_SUM] / na
+    mean_b = y[_SHIFT] + y[_SUM] / nb
+    m2_a = x[_SUMSQ] - x[_SUM] * x[_SUM] / na
+    m2_b = y[_SUMSQ] - y[_SUM] * y[_SUM] / nb
+    delta = mean_b - mean_a
+    merged = x + y  # abs_sum and the counts add up
+    merged[_MIN] = torch.minimum(x[_MIN], y[_MIN])
+    merged[_MAX] = torch.maximum(x[_MAX], y[_MAX])
+    merged[_SHIFT] = mean_a + delta * (nb / n)
+    merged[_SUM] = 0.0
+    merged[_SUMSQ] = m2_a + m2_b + delta * delta * (na * nb / n)
+    return RawStats(a.count + b.count, merged)
+
+
+class RunningStats:
+    """Statistics of many tensors (batches, steps), folded in on the device as they come.
+
+    ``update`` queues a few kernels and never syncs; ``result()`` reads once.
+
+    >>> running = RunningStats()
+    >>> for batch in torch.arange(10.0).split(3):
+    ...     running.update(batch)
+    >>> s = running.result()
+    >>> s.count, s.mean, round(s.std, 4) == round(torch.arange(10.0).std().item(), 4)
+    (10, 4.5, True)
+    """
+
+    def __init__(self) -> None:
+        self._raw: RawStats | None = None
+
+    def update(self, tensor: torch.Tensor) -> None:
+        """Fold the values of ``tensor`` in."""
+        self.add(raw_stats(tensor))
+
+    def add(self, raw: RawStats) -> None:
+        """Fold in raw statistics already computed (e.g. in a hook)."""
+        self._raw = raw if self._raw is None else merge_raw(self._raw, raw)
+
+    @property
+    def count(self) -> int:
+        """How many values have been folded in."""
+        return 0 if self._raw is None else self._raw.count
+
+    @property
+    def raw(self) -> RawStats | None:
+        """The combined raw statistics, still on the device (None before the first update)."""
+        return self._raw
+
+    def result(self) -> Stats:
+        """Read the combined statistics (one transfer)."""
+        if self._raw is None:
+            raise ValueError("no values yet: call update(tensor) first")
+        return read_stats([self._raw])[0]
+
+
+def stats_of(tensors: Iterable[torch.Tensor]) -> list[Stats]:
+    """The :class:`Stats` of each tensor, read with one transfer per device."""
+    return read_stats([raw_stats(t) for t in tensors])
+
+
+# -- the two strategies ------------------------------------------------------------------------
+
+
+def _accumulator(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _as_vector(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat floating view (or copy) to reduce: float32 for half and float32, float64 else."""
+    if tensor.dtype in _HALF_TYPES or tensor.dtype == torch.bool:
+        tensor = tensor.to(torch.float32)
+    elif not tensor.is_floating_point():
+        tensor = tensor.to(_accumulator(tensor.device))
+    elif tensor.dtype not in (torch.float32, torch.float64):
+        tensor = tensor.to(torch.float32)  # float8 and other exotic types
+    return tensor.reshape(-1)
+
+
+def _branching(values: torch.Tensor) -> torch.Tensor:
+    """CPU strategy: read min/max (a memory read here, not a sync) and skip what they settle."""
+    low, high = (float(v) for v in torch.aminmax(values))
+    n = values.numel()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return _unconditional(values)  # NaN or Inf: count them exactly, the slow way
+    total = float(values.sum())
+    squares = float(torch.dot(values, values))
+    shift = 0.0
+    mean = total / n
+    if squares / n > _CANCELLATION_RATIO * max(squares / n - mean * mean, 0.0):
+        shift = mean  # the spread is tiny next to the mean: sum again around the mean
+        centred = values - shift
+        total = float(centred.sum())
+        squares = float(torch.dot(centred, centred))
+        if not (math.isfinite(total) and math.isfinite(squares)):  # |x - mean| overflowed in float32
+            centred = values.to(torch.float64) - shift
+            total, squares = float(centred.sum()), float(torch.dot(centred, centred))
+    if low >= 0.0:
+        abs_sum = shift * n + total
+    elif high <= 0.0:
+        abs_sum = -(shift * n + total)
+    else:
+        abs_sum = float(torch.linalg.vector_norm(values, 1))
+    zeros = 0.0 if low > 0.0 or high < 0.0 else float(torch.count_nonzero(values == 0))
+    return torch.tensor([low, high, shift, total, squares, abs_sum, zeros, 0.0, 0.0, 0.0], dtype=torch.float64)
+
+
+def _unconditional(values: torch.Tensor) -> torch.Tensor:
+    """Device strategy: every field from kernels queued on the stream; nothing is read back."""
+    accumulate = _accumulator(values.device)
+    low, high = torch.aminmax(values)
+    first = values[0]
+    shift = torch.where(torch.isfinite(first), first, torch.zeros_like(first))  # a NaN shift would poison all
+    centred = values - shift
+    fields = [
+        low,
+        high,
+        shift,
+        centred.sum(),
+        torch.dot(centred, centred),
+        torch.linalg.vector_norm(values, 1),
+        torch.count_nonzero(values == 0),
+        torch.count_nonzero(torch.isnan(values)),
+        torch.count_nonzero(values == math.inf),
+        torch.count_nonzero(values == -math.inf),
+    ]
+    return torch.stack([field.to(accumulate) for field in fields])

@@ -1,0 +1,404 @@
+"""``trace()`` and ``tracing()``: one row per module call, with statistics read once per pass.
+
+Two hooks per traced module: a pre-hook opens the call's row (inputs, depth, parent, timer) and
+a closing hook registered with ``always_call=True`` fills in the outputs, so a forward that
+raises still closes every row and marks the calls the exception passed through. Statistics are
+queued on the device by :func:`~hookscope.stats.raw_stats` and read with one transfer per
+device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
+child's, a module's input an earlier module's output) is not measured twice.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._version import __version__
+from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.select import Selector, ensure_module, select
+from hookscope.core.sites import CallTracker
+from hookscope.core.tree import flatten_tensors
+from hookscope.errors import HookscopeError, SpecError
+from hookscope.stats import RawStats, is_measurable, raw_stats, read_stats
+from hookscope.tracing.identity import SeenTensors
+from hookscope.tracing.result import Trace, describe_call
+from hookscope.tracing.rows import CallStatus, TensorInfo, TraceRow
+from hookscope.tracing.timing import CallClock, PeakMemory
+
+__all__ = ["Tracer", "input_leaves", "trace", "tracing"]
+
+
+def input_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a call's positional and keyword inputs: paths ``[0]``, ``['mask']``."""
+    leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
+    leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
+    return leaves
+
+
+@dataclass
+class _Leaf:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    stats_index: int | None
+    source: str | None
+
+
+@dataclass
+class _Draft:
+    order: int
+    depth: int
+    parent: int | None
+    name: str
+    class_name: str
+    call: int
+    params: int
+    module_id: int
+    handled: BaseException | None  # the exception being handled when the call began, if any
+    inputs: list[_Leaf]
+    outputs: list[_Leaf] = field(default_factory=list)
+    finished: int | None = None
+    status: CallStatus = "ok"
+    timer: int | None = None
+    peak_bytes: int | None = None
+
+
+class _Pass:
+    """Everything one forward pass accumulates; a new pass starts from a clean one."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Draft] = []
+        self.stack: list[_Draft] = []
+        self.raws: list[RawStats] = []
+        self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
+        self.finished = 0
+        self.clock = CallClock()
+        self.started = time.perf_counter()
+
+
+class Tracer:
+    """Hooks that record a :class:`Trace` of every forward pass; made by :func:`tracing`.
+
+    ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
+    stop where the exception went through, and ``trace.failure`` is the innermost such call).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Selector | Sequence[Selector] | None,
+        stats: bool,
+        input_stats: bool,
+        timing: bool,
+        memory: bool,
+    ) -> None:
+        ensure_module(model)
+        self._model = weakref.ref(model)
+        self._stats = stats
+        self._input_stats = stats and input_stats
+        self._timing = timing
+        self._memory = memory
+        self._tracker = CallTracker(listener=self)
+        self._pass = _Pass()
+        self._peaks: dict[int, PeakMemory] = {}
+        self._trace: Trace | None = None
+        self._selected = _modules(model, layers)
+        specs = []
+        for name, module in self._selected:
+            params = sum(p.numel() for p in module.parameters(recurse=False))
+            specs.append(HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True))
+            specs.append(HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True))
+        self._group = HookGroup(model, specs, owner="trace", tracker=self._tracker, restore_mode=False)
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _opener(
+        self, name: str, module: nn.Module, params: int
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        current, class_name = self._tracker.current, type(module).__name__
+
+        def open_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            state = self._pass
+            parent = state.stack[-1] if state.stack else None
+            leaves = input_leaves(args, kwargs)
+            draft = _Draft(
+                order=len(state.rows),
+                depth=len(state.stack),
+                parent=None if parent is None else parent.order,
+                name=name,
+                class_name=class_name,
+                call=current(module),
+                params=params,
+                module_id=id(module),
+                handled=sys.exc_info()[1],
+                inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
+            )
+            device = _cuda_device(leaves)
+            if self._memory and device is not None:
+                self._peak_memory(device).enter()
+            if self._timing:
+                draft.timer = state.clock.start(device)
+            state.rows.append(draft)
+            state.stack.append(draft)
+
+        return open_row
+
+    def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            state = self._pass
+            if not state.stack or state.stack[-1].module_id != id(module):
+                return  # no open row for it: the pass was reset while this call ran
+            draft = state.stack.pop()
+            if draft.timer is not None:
+                state.clock.stop(draft.timer)
+            if self._memory and draft.inputs:
+                device = _device_of(draft.inputs)
+                if device is not None:
+                    draft.peak_bytes = self._peak_memory(device).exit()
+            draft.finished = state.finished
+            state.finished += 1
+            if sys.exc_info()[1] is not draft.handled:
+                draft.status = "raised"
+                return
+            site = f"{name}#{draft.call}"
+            draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
+
+        return close_row
+
+    def _leaf(self, state: _Pass, path: str, tensor: torch.Tensor, measure: bool, producer: str | None) -> _Leaf:
+        known = state.seen.get(tensor)
+        if known is not None:
+            index, source = known
+            if index is None and measure and is_measurable(tensor):
+                index = len(state.raws)
+                state.raws.append(raw_stats(tensor))
+                state.seen.put(tensor, (index, source))
+        else:
+            index, source = None, None
+            if measure and is_measurable(tensor):
+                index = len(state.raws)
+                state.raws.append(raw_stats(tensor))
+            if producer is not None or index is not None:
+                state.seen.put(tensor, (index, producer))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return _Leaf(path, tuple(tensor.shape), dtype, str(tensor.device), index, source)
+
+    def _peak_memory(self, device: torch.device) -> PeakMemory:
+        index = device.index or 0
+        if index not in self._peaks:
+            self._peaks[index] = PeakMemory(index)
+        return self._peaks[index]
+
+    # -- passes (told by the call tracker) ----------------------------------------------------------
+
+    def pass_started(self, module: nn.Module) -> None:
+        """A new forward pass: forget the previous one's drafts."""
+        self._pass = _Pass()
+        for peaks in self._peaks.values():
+            peaks.clear()
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Read every statistic of the pass at once and build its :class:`Trace`."""
+        state = self._pass
+        stats = read_stats(state.raws)
+        if self._timing:
+            state.clock.synchronize()
+        rows = [self._freeze(draft, stats, state.clock) for draft in state.rows]
+        self._trace = Trace(
+            _with_self_time(rows),
+            model=self._model(),
+            meta={
+                "hookscope": __version__,
+                "torch": torch.__version__,
+                "model": type(module).__name__,
+                "wall_ms": (time.perf_counter() - state.started) * 1e3,
+                "stats": self._stats,
+                "timing": self._timing,
+            },
+        )
+
+    def pass_abandoned(self) -> None:
+        """The previous pass was cut short (KeyboardInterrupt): drop it."""
+        self._pass = _Pass()
+
+    def refuse_thread(self) -> Exception:
+        """Another thread entered while a pass is open."""
+        return HookscopeError(
+            "this trace is already recording a forward pass on another thread; trace one thread at a time"
+        )
+
+    def _freeze(self, draft: _Draft, stats: list[Any], clock: CallClock) -> TraceRow:
+        def info(leaf: _Leaf) -> TensorInfo:
+            measured = None if leaf.stats_index is None else stats[leaf.stats_index]
+            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source)
+
+        return TraceRow(
+            order=draft.order,
+            depth=draft.depth,
+            name=draft.name,
+            class_name=draft.class_name,
+            call=draft.call,
+            params=draft.params,
+            inputs=tuple(info(leaf) for leaf in draft.inputs),
+            outputs=tuple(info(leaf) for leaf in draft.outputs),
+            parent=draft.parent,
+            finished=draft.finished,
+            status=draft.status if draft.finished is not None else "raised",
+            time_ms=None if draft.timer is None or draft.finished is None else clock.read(draft.timer),
+            peak_bytes=draft.peak_bytes,
+        )
+
+    # -- reading and lifetime -----------------------------------------------------------------------
+
+    @property
+    def trace(self) -> Trace:
+        """The :class:`Trace` of the latest forward pass."""
+        if self._trace is None:
+            raise SpecError("no forward pass has been traced yet: call the model inside the tracing() block")
+        return self._trace
+
+    @property
+    def live(self) -> bool:
+        """True until the hooks have been removed."""
+        return self._group.live
+
+    def remove(self) -> None:
+        """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
+        self._group.remove()
+
+    def __enter__(self) -> Tracer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<Tracer of {len(self._selected)} modules, {state}>"
+
+
+def tracing(
+    model: nn.Module,
+    *,
+    layers: Selector | Sequence[Selector] | None = None,
+    stats: bool = True,
+    input_stats: bool = True,
+    timing: bool = False,
+    memory: bool = False,
+) -> Tracer:
+    """Trace every forward pass of ``model`` while the block runs; ``tracer.trace`` is the latest.
+
+    Use it where :func:`trace` cannot call the model for you (a generation loop, your own
+    training step); the options are :func:`trace`'s. The model runs as you call it: grad mode
+    and train/eval mode are yours.
+
+    Example::
+
+        with hs.tracing(model, timing=True) as tracer:
+            model.generate(ids, max_new_tokens=5)
+        print(tracer.trace)          # the last forward pass
+    """
+    return Tracer(model, layers=layers, stats=stats, input_stats=input_stats, timing=timing, memory=memory)
+
+
+def trace(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | Sequence[Selector] | None = None,
+    stats: bool = True,
+    input_stats: bool = True,
+    timing: bool = False,
+    memory: bool = False,
+    grad: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and return a :class:`Trace`: one row per module call.
+
+    Each row holds the call's order, depth, name, class and call index, the shapes, dtypes and
+    devices of its inputs (keyword inputs too) and outputs (every tensor of a structured
+    output), its own parameter count, and statistics of every output tensor: min, max, mean,
+    std, mean |x|, fraction of zeros, NaN and +/-Inf counts. They are computed on the device
+    and read once after the forward (see :mod:`hookscope.stats`).
+
+    - ``layers``: trace only these modules (default: all, the model itself included);
+    - ``stats=False``: shapes only; ``input_stats=False``: skip inputs no traced module
+      returned (the model's input, results of functional ops), which ``first_nonfinite``
+      then takes as finite;
+    - ``timing=True``: per-call time (CUDA events on GPU); ``memory=True``: the rise of peak
+      CUDA memory per call;
+    - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
+      mode is left as it is.
+
+    A forward that raises re-raises its error with a note naming the innermost module it went
+    through and the shapes that went in; ``hs.tracing`` keeps the partial trace.
+
+    >>> import torch, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> t = hs.trace(model, torch.randn(3, 4))
+    >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
+    (4, '0', (3, 8), True)
+    """
+    with tracing(model, layers=layers, stats=stats, input_stats=input_stats, timing=timing, memory=memory) as tracer:
+        try:
+            with nullcontext() if grad else torch.no_grad():
+                model(*args, **{**kwargs, **(model_kwargs or {})})
+        except Exception as error:
+            failure = tracer._trace.failure if tracer._trace is not None else None
+            if failure is not None and hasattr(error, "add_note"):
+                error.add_note(f"hookscope.trace: the error went through {describe_call(failure)}")
+            raise
+    return tracer.trace
+
+
+def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
+    if layers is None:
+        return list(model.named_modules())
+    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    if not selectors:
+        raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
+    seen: set[int] = set()
+    chosen = []
+    for name, module in select(model, selectors):
+        if id(module) not in seen:
+            seen.add(id(module))
+            chosen.append((name, module))
+    return chosen
+
+
+def _cuda_device(leaves: list[tuple[str, torch.Tensor]]) -> torch.device | None:
+    for _, tensor in leaves:
+        if tensor.device.type == "cuda":
+            return tensor.device
+    return None
+
+
+def _device_of(infos: list[_Leaf]) -> torch.device | None:
+    for leaf in infos:
+        if leaf.device.startswith("cuda"):
+            return torch.device(leaf.device)
+    return None
+
+
+def _with_self_time(rows: list[TraceRow]) -> list[TraceRow]:
+    """Fill ``self_ms``: a call's time minus the time of the traced calls directly inside it."""
+    if all(row.time_ms is None for row in rows):
+        return rows
+    children: dict[int, float] = {}
+    for row in rows:
+        if row.parent is not None and row.time_ms is not None:
+            children[row.parent] = children.get(row.parent, 0.0) + row.time_ms
+    return [
+        row if row.time_ms is None else replace(row, self_ms=max(row.time_ms - children.get(row.order, 0.0), 0.0))
+        for row in rows
+    ]
