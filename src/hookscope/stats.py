@@ -301,6 +301,9 @@ def _branching(values: torch.Tensor) -> torch.Tensor:
         return _unconditional(values)  # NaN or Inf: count them exactly, the slow way
     total = float(values.sum())
     squares = float(torch.dot(values, values))
+    if not (math.isfinite(total) and math.isfinite(squares)):  # finite values whose sums overflowed float32
+        values = values.to(torch.float64)
+        total, squares = float(values.sum()), float(torch.dot(values, values))
     shift = 0.0
     mean = total / n
     if squares / n > _CANCELLATION_RATIO * max(squares / n - mean * mean, 0.0):
@@ -332,9 +335,9 @@ def _unconditional(values: torch.Tensor) -> torch.Tensor:
         low,
         high,
         shift,
-        centred.sum(),
-        torch.dot(centred, centred),
-        torch.linalg.vector_norm(values, 1),
+        centred.sum(dtype=accumulate),  # wide sums: finite float32 values cannot overflow them
+        torch.linalg.vector_norm(centred, 2, dtype=accumulate).square(),
+        torch.linalg.vector_norm(values, 1, dtype=accumulate),
         torch.count_nonzero(values == 0),
         torch.count_nonzero(torch.isnan(values)),
         torch.count_nonzero(values == math.inf),

@@ -1,0 +1,195 @@
+"""On-device statistics: exact against float64 references, both strategies, merging, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from hookscope.stats import RunningStats, Stats, is_measurable, merge_raw, raw_stats, read_stats, tensor_stats
+
+STRATEGIES = [True, False]  # branching (the CPU's shortcuts) and unconditional (the accelerator path)
+
+
+def reference(tensor: torch.Tensor) -> dict[str, float]:
+    x = tensor.detach().to(torch.float64).reshape(-1)
+    return {
+        "min": x.min().item(),
+        "max": x.max().item(),
+        "mean": x.mean().item(),
+        "std": x.std().item() if x.numel() > 1 else 0.0,
+        "abs_mean": x.abs().mean().item(),
+        "zero_frac": (x == 0).double().mean().item(),
+    }
+
+
+def measured(tensor: torch.Tensor, branching: bool) -> Stats:
+    return read_stats([raw_stats(tensor, branching=branching)])[0]
+
+
+def assert_matches(stats: Stats, tensor: torch.Tensor, rel: float = 1e-5) -> None:
+    expected = reference(tensor)
+    assert stats.count == tensor.numel()
+    for field, value in expected.items():
+        assert getattr(stats, field) == pytest.approx(value, rel=rel, abs=1e-6), field
+    assert (stats.nan, stats.posinf, stats.neginf) == (0, 0, 0)
+
+
+CASES = {
+    "normal": lambda: torch.randn(64, 33, generator=torch.Generator().manual_seed(0)),
+    "post_relu": lambda: torch.randn(4, 8, 5, 5, generator=torch.Generator().manual_seed(1)).relu(),
+    "all_negative": lambda: -torch.rand(100, generator=torch.Generator().manual_seed(2)) - 0.5,
+    "all_non_positive": lambda: -torch.rand(100, generator=torch.Generator().manual_seed(3)).relu(),
+    "transposed": lambda: torch.randn(7, 5, generator=torch.Generator().manual_seed(4)).t(),
+    "int64": lambda: torch.arange(-5, 17),
+    "bool": lambda: torch.tensor([True, False, True, True]),
+    "float64": lambda: torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(5)),
+    "scalar": lambda: torch.tensor(3.5),
+    "constant": lambda: torch.full((9,), -2.0),
+}
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_statistics_match_a_float64_reference(case: str, branching: bool) -> None:
+    tensor = CASES[case]()
+    assert_matches(measured(tensor, branching), tensor)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_values_around_300_keep_their_std(dtype: torch.dtype, branching: bool) -> None:
+    values = (300 + torch.randn(100_000, generator=torch.Generator().manual_seed(0))).to(dtype)
+    stats = measured(values, branching)
+    exact = values.double()
+    assert stats.std == pytest.approx(exact.std().item(), rel=1e-3)
+    assert stats.mean == pytest.approx(exact.mean().item(), rel=1e-6)
+    assert stats.finite
+    assert math.isfinite(stats.std)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_float32_with_a_mean_far_above_its_spread(branching: bool) -> None:
+    values = 1e4 + 1e-2 * torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    stats = measured(values, branching)
+    assert stats.std == pytest.approx(values.double().std().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_finite_values_whose_sum_overflows_float32_are_still_finite(branching: bool) -> None:
+    values = torch.full((8,), 3e38)
+    stats = measured(values, branching)
+    assert stats.finite
+    assert stats.mean == pytest.approx(3e38, rel=1e-6)
+    assert stats.std == pytest.approx(0.0, abs=1e30)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_nan_and_inf_are_counted_exactly(branching: bool) -> None:
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    values[[3, 10, 11]] = math.nan
+    values[[5, 6]] = math.inf
+    values[[7, 8, 9, 20]] = -math.inf
+    values[[30, 31]] = 0.0
+    stats = measured(values, branching)
+    assert (stats.nan, stats.posinf, stats.neginf, stats.inf) == (3, 2, 4, 6)
+    assert not stats.finite
+    assert stats.zero_frac == pytest.approx(2 / 1000)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_only_minus_inf_gives_minus_inf_extremes(branching: bool) -> None:
+    values = torch.tensor([0.0, 1.0, -math.inf])
+    stats = measured(values, branching)
+    assert (stats.min, stats.max, stats.neginf, stats.nan) == (-math.inf, 1.0, 1, 0)
+
+
+def test_empty_tensor_has_count_zero_and_nan_statistics() -> None:
+    stats = tensor_stats(torch.empty(0, 3))
+    assert stats.count == 0
+    assert math.isnan(stats.mean)
+    assert math.isnan(stats.min)
+    assert stats.finite
+
+
+def test_complex_and_meta_tensors_are_not_measurable() -> None:
+    assert not is_measurable(torch.zeros(2, dtype=torch.complex64))
+    assert not is_measurable(torch.empty(2, device="meta"))
+    assert is_measurable(torch.zeros(2, dtype=torch.int8))
+    with pytest.raises(ValueError, match="cannot summarise"):
+        raw_stats(torch.empty(2, device="meta"))
+
+
+def test_gradient_graphs_are_not_extended() -> None:
+    weight = torch.randn(3, requires_grad=True)
+    raw = raw_stats(weight * 2)
+    assert not raw.vector.requires_grad
+
+
+def test_read_stats_keeps_the_order_of_mixed_dtypes() -> None:
+    tensors = [
+        torch.arange(4.0),
+        torch.arange(3, dtype=torch.int32),
+        torch.ones(2, dtype=torch.float16),
+        torch.zeros(5),
+    ]
+    means = [s.mean for s in read_stats([raw_stats(t) for t in tensors])]
+    assert means == [1.5, 1.0, 1.0, 0.0]
+    assert read_stats([]) == []
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_running_statistics_merge_exactly(branching: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, generator=generator) * (i + 1) + 10 * i for i, n in enumerate([1, 7, 100, 33, 2])]
+    running = RunningStats()
+    for batch in batches:
+        running.add(raw_stats(batch, branching=branching))
+    running.add(raw_stats(torch.empty(0)))  # an empty batch changes nothing
+    whole = torch.cat(batches)
+    stats = running.result()
+    assert running.count == whole.numel()
+    assert_matches(stats, whole, rel=1e-6)
+
+
+def test_merging_nan_keeps_the_counts() -> None:
+    merged = merge_raw(raw_stats(torch.tensor([1.0, math.nan])), raw_stats(torch.tensor([math.inf, 2.0])))
+    stats = read_stats([merged])[0]
+    assert (stats.count, stats.nan, stats.posinf) == (4, 1, 1)
+
+
+def test_running_stats_without_values_says_so() -> None:
+    with pytest.raises(ValueError, match="no values yet"):
+        RunningStats().result()
+
+
+def test_stats_dict_round_trip() -> None:
+    stats = tensor_stats(torch.tensor([1.0, 2.0]))
+    assert Stats(**stats.to_dict()) == stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrays(
+        np.float32,
+        st.integers(1, 300),
+        elements=st.floats(-1e4, 1e4, width=32, allow_nan=False, allow_infinity=False),
+    ),
+    st.booleans(),
+)
+def test_any_finite_array_matches_numpy(values: np.ndarray, branching: bool) -> None:
+    tensor = torch.from_numpy(values)
+    stats = measured(tensor, branching)
+    exact = values.astype(np.float64)
+    assert stats.min == exact.min()
+    assert stats.max == exact.max()
+    assert stats.mean == pytest.approx(exact.mean(), rel=1e-5, abs=1e-3)
+    spread = exact.std(ddof=1) if exact.size > 1 else 0.0
+    assert stats.std == pytest.approx(spread, rel=1e-4, abs=1e-3)
+    assert stats.abs_mean == pytest.approx(np.abs(exact).mean(), rel=1e-5, abs=1e-3)
+    assert stats.zero_frac == pytest.approx((exact == 0).mean())
