@@ -193,3 +193,26 @@ def test_any_finite_array_matches_numpy(values: np.ndarray, branching: bool) -> 
     assert stats.std == pytest.approx(spread, rel=1e-4, abs=1e-3)
     assert stats.abs_mean == pytest.approx(np.abs(exact).mean(), rel=1e-5, abs=1e-3)
     assert stats.zero_frac == pytest.approx((exact == 0).mean())
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_large_tensors_are_reduced_in_chunks_that_merge_exactly(branching: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    step = 1 << 20  # a chunk holds 4 MiB of float32
+    parts = [
+        torch.rand(step, generator=generator) + 1.0,  # positive, no zeros
+        torch.randn(step, generator=generator).relu(),  # non-negative, half zeros
+        torch.randn(step, generator=generator) * 3 - 7,  # both signs
+        -torch.rand(step // 3, generator=generator),  # non-positive, a short last chunk
+    ]
+    parts[2][::1000] = 0.0  # zeros inside a mixed chunk
+    values = torch.cat(parts)
+    stats = measured(values, branching)
+    assert_matches(stats, values, rel=1e-6)
+    assert stats.zero_frac == pytest.approx((values == 0).double().mean().item(), rel=1e-9)
+
+
+def test_chunks_far_from_zero_keep_their_variance() -> None:
+    values = 5e3 + 1e-3 * torch.randn(3 << 20, generator=torch.Generator().manual_seed(0))
+    stats = tensor_stats(values)
+    assert stats.std == pytest.approx(values.double().std().item(), rel=1e-3)

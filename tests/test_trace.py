@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.calltrace.timing import PeakMemory
 from hookscope.errors import SiteNotFoundError, SpecError
-from hookscope.tracing.timing import PeakMemory
 from tests.models import (
     KeywordOnly,
     LinearInplaceReLU,

@@ -13,6 +13,8 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 from __future__ import annotations
 
 from hookscope._version import __version__
+from hookscope.calltrace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
+from hookscope.calltrace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope.capturing import Cache, Capture, capture, load, run_with_capture
 from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope.core.select import Selector, select
@@ -32,8 +34,6 @@ from hookscope.errors import (
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
 from hookscope.stats import RunningStats, Stats, tensor_stats
-from hookscope.tracing import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
-from hookscope.tracing.nonfinite import NonFiniteDetector, detect_nonfinite
 
 __all__ = [
     "AttachedHook",

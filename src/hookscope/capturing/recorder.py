@@ -118,9 +118,11 @@ class Capture:
         specs = []
         for name, module in self._selected:
             if "input" in self._whats:
-                specs.append(HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True))
+                specs.append(
+                    HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True, fitted=True)
+                )
             if "output" in self._whats:
-                specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True))
+                specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
         return specs
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:

@@ -201,10 +201,10 @@ def trace_command(
     """
     import torch
 
+    from hookscope.calltrace import tracing
+    from hookscope.calltrace.result import describe_call
     from hookscope.cli.sample import prepare
     from hookscope.core.select import Selector
-    from hookscope.tracing import tracing
-    from hookscope.tracing.result import describe_call
 
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())

@@ -3,11 +3,14 @@
 Each step is what people hand-write with ``register_forward_hook`` today, done with hookscope:
 print shapes, extract features to numpy and save them, print value ranges, show that every hook
 is gone afterwards -- also after a forward that raised -- then capture in one line, and show a
-value that a hand-written hook gets wrong because an in-place op rewrites it later.
+value that a hand-written hook gets wrong because an in-place op rewrites it later; finally
+trace every call with its statistics, and find the layer that makes the first NaN.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,12 @@ import torch
 from torch import nn
 
 from hookscope._files import atomic_path
+from hookscope.calltrace import trace
+from hookscope.calltrace.nonfinite import detect_nonfinite
 from hookscope.capturing import load, run_with_capture
 from hookscope.core.attach import attached
 from hookscope.demo.models import SmallCNN
+from hookscope.errors import NonFiniteError
 from hookscope.hooks import hooks
 from hookscope.layers import layers
 
@@ -72,6 +78,13 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
 
     _step(write, 7, "a value an in-place op overwrites later", "Linear -> ReLU(inplace=True)")
     _inplace_safety(write)
+
+    _step(write, 8, "every call, its shapes and value ranges", "print(hs.trace(model, x))")
+    for line in str(trace(model, x)).splitlines():
+        write("   " + line)
+
+    _step(write, 9, "which layer makes the first NaN", "with hs.detect_nonfinite(model): model(x)")
+    _nan_origin(model, x, write)
     return saved
 
 
@@ -161,6 +174,22 @@ def _inplace_safety(write: Write) -> None:
         f"   kept by hs.capture:                     {int((cache['0'] < 0).sum())} negative values"
         f" ({'equal' if torch.equal(cache['0'], truth) else 'DIFFERENT'} to the truth)"
     )
+
+
+def _nan_origin(model: nn.Module, x: torch.Tensor, write: Write) -> None:
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.get_parameter("fc.weight")[0, 0] = math.nan
+    write("   a copy of the model with one NaN weight in fc:")
+    try:
+        with detect_nonfinite(broken), torch.no_grad():
+            broken(x)
+    except NonFiniteError as error:
+        write(f"   NonFiniteError: {str(error).split(': its inputs')[0]}")
+    culprit = trace(broken, x).first_nonfinite()
+    if culprit is not None and culprit.stats is not None:
+        inputs = "finite" if all(info.finite for info in culprit.inputs) else "not finite"
+        write(f"   hs.trace(...).first_nonfinite(): {culprit.site}, inputs {inputs}, {culprit.stats.nan} NaN out")
 
 
 def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:

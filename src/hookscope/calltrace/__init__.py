@@ -6,8 +6,8 @@ measured once; ``timing`` holds the per-call clock and peak-memory counter; ``no
 the lighter detector that raises at the first module making a NaN/Inf.
 """
 
-from hookscope.tracing.recorder import Tracer, trace, tracing
-from hookscope.tracing.result import Trace
-from hookscope.tracing.rows import TensorInfo, TraceRow
+from hookscope.calltrace.recorder import Tracer, trace, tracing
+from hookscope.calltrace.result import Trace
+from hookscope.calltrace.rows import TensorInfo, TraceRow
 
 __all__ = ["TensorInfo", "Trace", "TraceRow", "Tracer", "trace", "tracing"]

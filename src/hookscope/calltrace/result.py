@@ -17,9 +17,9 @@ from typing import Any, overload
 from torch import nn
 
 from hookscope._files import atomic_path
+from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
 from hookscope.core.select import Selector, compile_selector, select
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
-from hookscope.tracing.rows import TensorInfo, TraceRow, format_shape
 
 __all__ = ["MASK_WORDS", "Trace", "accepted_input", "describe_call"]
 
@@ -146,9 +146,9 @@ class Trace(Sequence[TraceRow]):
 
         ``max_depth`` hides calls nested deeper (0: the model alone), ``filter`` keeps the rows
         of the modules a selector picks, ``columns`` picks and orders columns by key (see
-        :data:`hookscope.tracing.render.COLUMNS`).
+        :data:`hookscope.calltrace.render.COLUMNS`).
         """
-        from hookscope.tracing.render import render_text
+        from hookscope.calltrace.render import render_text
 
         return render_text(self, self._shown(max_depth, filter), columns)
 
@@ -170,12 +170,12 @@ class Trace(Sequence[TraceRow]):
         return self.table()
 
     def __rich__(self) -> Any:
-        from hookscope.tracing.render import rich_view
+        from hookscope.calltrace.render import rich_view
 
         return rich_view(self, self.rows)
 
     def _repr_html_(self) -> str:
-        from hookscope.tracing.render import render_html
+        from hookscope.calltrace.render import render_html
 
         return render_html(self, self.rows)
 
@@ -183,7 +183,7 @@ class Trace(Sequence[TraceRow]):
 
     def records(self) -> list[dict[str, Any]]:
         """One flat dict per call: the main output's statistics as columns (see :meth:`to_pandas`)."""
-        from hookscope.tracing.render import flat_record
+        from hookscope.calltrace.render import flat_record
 
         return [flat_record(row) for row in self.rows]
 
@@ -197,7 +197,7 @@ class Trace(Sequence[TraceRow]):
         if per == "call":
             return pd.DataFrame.from_records(self.records())
         if per == "leaf":
-            from hookscope.tracing.render import leaf_records
+            from hookscope.calltrace.render import leaf_records
 
             return pd.DataFrame.from_records(leaf_records(self.rows))
         raise SpecError(f"per={per!r} is not 'call' (one row per module call) or 'leaf' (one per output tensor)")

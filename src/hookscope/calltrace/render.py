@@ -1,4 +1,4 @@
-"""How a :class:`~hookscope.tracing.result.Trace` looks: text table (rich), HTML, flat records.
+"""How a :class:`~hookscope.calltrace.result.Trace` looks: text table (rich), HTML, flat records.
 
 rich is imported here only, when a table is drawn, so ``import hookscope`` stays light.
 """
@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookscope._units import format_bytes
+from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
 from hookscope.errors import SpecError
 from hookscope.stats import Stats
-from hookscope.tracing.rows import TensorInfo, TraceRow, format_shape
 
 if TYPE_CHECKING:
-    from hookscope.tracing.result import Trace
+    from hookscope.calltrace.result import Trace
 
 __all__ = ["COLUMNS", "flat_record", "leaf_records", "render_html", "render_text", "rich_table", "rich_view"]
 

@@ -22,16 +22,16 @@ import torch
 from torch import nn
 
 from hookscope._version import __version__
+from hookscope.calltrace.identity import SeenTensors
+from hookscope.calltrace.result import Trace, describe_call
+from hookscope.calltrace.rows import CallStatus, TensorInfo, TraceRow
+from hookscope.calltrace.timing import CallClock, PeakMemory
 from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
-from hookscope.stats import RawStats, is_measurable, raw_stats, read_stats
-from hookscope.tracing.identity import SeenTensors
-from hookscope.tracing.result import Trace, describe_call
-from hookscope.tracing.rows import CallStatus, TensorInfo, TraceRow
-from hookscope.tracing.timing import CallClock, PeakMemory
+from hookscope.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
 
 __all__ = ["Tracer", "input_leaves", "trace", "tracing"]
 
@@ -111,13 +111,18 @@ class Tracer:
         self._tracker = CallTracker(listener=self)
         self._pass = _Pass()
         self._peaks: dict[int, PeakMemory] = {}
+        self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
         self._trace: Trace | None = None
         self._selected = _modules(model, layers)
         specs = []
         for name, module in self._selected:
             params = sum(p.numel() for p in module.parameters(recurse=False))
-            specs.append(HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True))
-            specs.append(HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True))
+            specs.append(
+                HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True, fitted=True)
+            )
+            specs.append(
+                HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True, fitted=True)
+            )
         self._group = HookGroup(model, specs, owner="trace", tracker=self._tracker, restore_mode=False)
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -181,13 +186,13 @@ class Tracer:
             index, source = known
             if index is None and measure and is_measurable(tensor):
                 index = len(state.raws)
-                state.raws.append(raw_stats(tensor))
+                state.raws.append(raw_stats(tensor, scratch=self._scratch))
                 state.seen.put(tensor, (index, source))
         else:
             index, source = None, None
             if measure and is_measurable(tensor):
                 index = len(state.raws)
-                state.raws.append(raw_stats(tensor))
+                state.raws.append(raw_stats(tensor, scratch=self._scratch))
             if producer is not None or index is not None:
                 state.seen.put(tensor, (index, producer))
         dtype = str(tensor.dtype).removeprefix("torch.")
@@ -274,6 +279,7 @@ class Tracer:
 
     def remove(self) -> None:
         """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
+        self._scratch = Scratch()  # let go of the work buffer
         self._group.remove()
 
     def __enter__(self) -> Tracer:

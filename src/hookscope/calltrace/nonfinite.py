@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.calltrace.identity import SeenTensors
+from hookscope.calltrace.recorder import input_leaves
+from hookscope.calltrace.result import MASK_WORDS
 from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
 from hookscope.errors import HookscopeError, NonFiniteError
 from hookscope.stats import is_measurable
-from hookscope.tracing.identity import SeenTensors
-from hookscope.tracing.recorder import input_leaves
-from hookscope.tracing.result import MASK_WORDS
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
 
@@ -102,8 +102,10 @@ class NonFiniteDetector:
         self._handled: BaseException | None = None
         specs = []
         for name, module in model.named_modules():
-            specs.append(HookSpec(name, module, "forward_pre", self._opener(name, module), with_kwargs=True))
-            specs.append(HookSpec(name, module, "forward", self._closer(name), with_kwargs=True))
+            specs.append(
+                HookSpec(name, module, "forward_pre", self._opener(name, module), with_kwargs=True, fitted=True)
+            )
+            specs.append(HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, fitted=True))
         self._group = HookGroup(model, specs, owner="detect_nonfinite", tracker=self._tracker, restore_mode=False)
 
     def _opener(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:

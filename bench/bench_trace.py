@@ -1,0 +1,415 @@
+"""What ``hs.trace()`` costs over a plain forward, with statistics of every module call and without (CPU).
+
+Two models, random weights from their configs (nothing is downloaded), eval mode, ``torch.no_grad()``:
+
+- ResNet-50 (``ResNetModel(ResNetConfig())``: bottleneck blocks, depths 3, 4, 6, 3), input ``randn(8, 3, 224, 224)``;
+- GPT-2, 12 layers (``GPT2Model(GPT2Config(n_layer=12))``, the default depth), input ids batch 4 x 128, passed
+  positionally as in ``bench_capture.py``.
+
+Six methods run the same forward of each model:
+
+- ``plain``: ``model(x)`` alone;
+- ``trace``: ``hs.trace(model, x)`` with its defaults: one row per module call, and on every tensor a call
+  takes or returns its min, max, mean, std, mean |x|, fraction of zeros and NaN/Inf counts, computed inside
+  the hooks and read on the host once, after the forward;
+- ``trace stats=False``: ``hs.trace(model, x, stats=False)``, shapes and dtypes only;
+- ``detect_nonfinite``: ``with hs.detect_nonfinite(model): model(x)``;
+- ``naive hooks``: ``register_forward_hook`` on every module, computing each of the eight statistics of every
+  floating-point output tensor with its own ``.item()`` call (``min``, ``max``, ``mean``, ``std``,
+  ``abs().mean()``, ``(o == 0).float().mean()``, ``isnan().sum()``, ``isinf().sum()``): what one writes by hand;
+- ``torchinfo summary``: ``torchinfo.summary(model, input_data=x, verbose=0)``, a shapes-only summary from
+  another library, for comparison (skipped, with a note, where torchinfo is not installed).
+
+Why: a trace with statistics is what one runs to look at every activation of a model at once, and it should
+cost little more than the forward. The target is ``trace`` at most 1.3x the plain forward (median ratio) on
+each model; the other methods are there for comparison and have no target.
+
+How it is measured: every figure is a ratio between methods timed in the same process and the same round,
+because the machine drifts by several percent over minutes. Each round times one call per method, in an
+order rotated from round to round. Each timer covers the whole call a user makes: ``hs.trace`` attaches its
+hooks, runs the forward, reads the statistics and removes the hooks in one call, so the naive hooks are
+attached and removed inside their timer too, and ``detect_nonfinite`` is timed with its ``with`` block.
+A full garbage collection runs before every timed call, for every method, so that what the previous method
+left behind is not collected inside someone else's timer. The reported ratio is the median of the per-round
+ratios, not the ratio of medians.
+
+Before timing, the script runs the naive hooks and ``hs.trace`` once and asserts that they saw the same
+module calls and agree on the statistics of every floating-point output: min, max and NaN/Inf counts exactly,
+the other fields to 1e-3 relative: a long float32 reduction can be off in the fourth digit (the L1 norm behind
+mean |x| has been measured 6.4e-4 from the float64 value on ResNet-50, where ``abs().mean()`` is within 1e-7).
+
+Run: ``.venv/bin/python bench/bench_trace.py``; ``--model resnet50|gpt2|all``, ``--rounds N``; ``--quick``
+for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2Model, ResNetConfig, ResNetModel
+
+import hookscope as hs
+
+TARGET = 1.3
+DEFAULT_ROUNDS = 7
+MIN_ROUNDS = 5
+QUICK_ROUNDS = 2
+WARMUP = 1
+MODELS = ("resnet50", "gpt2")
+INSTALL_HINT = "pip install torchinfo"
+# The naive hook's statistics, in the order they are computed and compared.
+NAIVE_FIELDS = ("min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "inf")
+# A float32 reduction over millions of values can be off in the fourth digit (see the module docstring).
+REL_TOL = 1e-3
+
+Run = Callable[[nn.Module, Any], float]
+NaiveRecord = list[tuple[str, list[tuple[float, ...]]]]
+
+
+@dataclass
+class Workload:
+    """A model and its input."""
+
+    key: str
+    title: str
+    model: nn.Module
+    inputs: Any
+
+
+@dataclass
+class Table:
+    """Timings of one model's methods."""
+
+    key: str
+    title: str
+    times: dict[str, list[float]]
+    notes: list[str] = field(default_factory=list)
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        """Per-round ratios ``name / baseline``."""
+        return [t / b for t, b in zip(self.times[name], self.times[baseline], strict=True)]
+
+    def median_ratio(self, name: str, baseline: str) -> float:
+        """Median of the per-round ratios ``name / baseline``."""
+        return statistics.median(self.ratios(name, baseline))
+
+
+# -- the methods ------------------------------------------------------------------------------------
+
+
+def timed_call(fn: Callable[[], Any]) -> float:
+    """Seconds taken by ``fn()`` after a full collection; its result stays alive until the timer stopped."""
+    gc.collect()
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    del result
+    return seconds
+
+
+def run_plain(model: nn.Module, x: Any) -> float:
+    """The forward alone."""
+    return timed_call(lambda: model(x))
+
+
+def run_trace(model: nn.Module, x: Any) -> float:
+    """``hs.trace(model, x)`` with its defaults: statistics of every tensor of every module call."""
+    return timed_call(lambda: hs.trace(model, x))
+
+
+def run_trace_shapes(model: nn.Module, x: Any) -> float:
+    """``hs.trace(model, x, stats=False)``: shapes only."""
+    return timed_call(lambda: hs.trace(model, x, stats=False))
+
+
+def run_detect_nonfinite(model: nn.Module, x: Any) -> float:
+    """``with hs.detect_nonfinite(model): model(x)``."""
+
+    def call() -> Any:
+        with hs.detect_nonfinite(model):
+            return model(x)
+
+    return timed_call(call)
+
+
+def output_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an output: a tensor, or those inside tuples, lists and dicts (a ``ModelOutput``)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from output_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from output_tensors(item)
+
+
+def naive_stats(record: NaiveRecord, name: str) -> Callable[[nn.Module, Any, Any], None]:
+    """A hand-written hook: the eight statistics of every floating-point output, one ``.item()`` each."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        values = []
+        for o in output_tensors(output):
+            if o.is_floating_point():
+                values.append(
+                    (
+                        o.min().item(),
+                        o.max().item(),
+                        o.mean().item(),
+                        o.std().item(),
+                        o.abs().mean().item(),
+                        (o == 0).float().mean().item(),
+                        o.isnan().sum().item(),
+                        o.isinf().sum().item(),
+                    )
+                )
+        record.append((name, values))
+
+    return hook
+
+
+def naive_forward(model: nn.Module, x: Any, record: NaiveRecord) -> Any:
+    """Attach the naive hook to every module (the root included), run the forward, remove the hooks."""
+    handles = [module.register_forward_hook(naive_stats(record, name)) for name, module in model.named_modules()]
+    try:
+        return model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_naive(model: nn.Module, x: Any) -> float:
+    """The naive hooks, attached and removed inside the timer (as ``hs.trace`` does inside its call)."""
+    record: NaiveRecord = []
+    return timed_call(lambda: (naive_forward(model, x, record), record))
+
+
+def run_torchinfo(model: nn.Module, x: Any) -> float:
+    """``torchinfo.summary(model, input_data=x, verbose=0)``."""
+    from torchinfo import summary
+
+    return timed_call(lambda: summary(model, input_data=x, verbose=0))
+
+
+def methods() -> tuple[dict[str, Run], list[str]]:
+    """The methods to time, and notes on those skipped."""
+    table: dict[str, Run] = {
+        "plain": run_plain,
+        "trace": run_trace,
+        "trace stats=False": run_trace_shapes,
+        "detect_nonfinite": run_detect_nonfinite,
+        "naive hooks": run_naive,
+    }
+    if importlib.util.find_spec("torchinfo") is None:
+        return table, [f"torchinfo summary: skipped, torchinfo is not installed; install it with `{INSTALL_HINT}`"]
+    table["torchinfo summary"] = run_torchinfo
+    return table, []
+
+
+# -- the check --------------------------------------------------------------------------------------
+
+
+def deviation(ours: float, theirs: float, scale: float) -> float:
+    """``|ours - theirs|`` relative to the value, or to ``scale`` for values near zero; 0 for two NaNs."""
+    if math.isnan(ours) or math.isnan(theirs):
+        return 0.0 if math.isnan(ours) and math.isnan(theirs) else math.inf
+    return abs(ours - theirs) / max(abs(theirs), scale)
+
+
+def trace_values(stats: hs.Stats) -> tuple[float, ...]:
+    """A trace's statistics in the naive hook's order (``inf`` counts both signs)."""
+    return (
+        stats.min,
+        stats.max,
+        stats.mean,
+        stats.std,
+        stats.abs_mean,
+        stats.zero_frac,
+        stats.nan,
+        stats.posinf + stats.neginf,
+    )
+
+
+def check_trace(work: Workload) -> list[str]:
+    """Run the naive hooks and ``hs.trace`` once; assert the same module calls and the same statistics.
+
+    Returns notes for the report: module, call and tensor counts.
+    """
+    record: NaiveRecord = []
+    naive_forward(work.model, work.inputs, record)
+    traced = hs.trace(work.model, work.inputs)
+    assert len(traced) == len(record), f"hs.trace has {len(traced)} rows, the naive hooks saw {len(record)} calls"
+    naive: dict[str, list[list[tuple[float, ...]]]] = defaultdict(list)
+    for name, values in record:
+        naive[name].append(values)
+    compared, largest = 0, 0.0
+    for row in traced:
+        outputs = [info for info in row.outputs if getattr(torch, info.dtype).is_floating_point]
+        theirs = naive[row.name][row.call]
+        assert len(outputs) == len(theirs), f"{row.site}: {len(outputs)} outputs traced, {len(theirs)} naive"
+        for info, expected in zip(outputs, theirs, strict=True):
+            assert info.stats is not None, f"{row.site} {info.path}: no statistics"
+            got = trace_values(info.stats)
+            scale = max(abs(expected[4]), abs(expected[3]), 1e-30)
+            assert got[:2] == expected[:2], f"{row.site} {info.path}: min/max {got[:2]} != naive {expected[:2]}"
+            assert got[6:] == expected[6:], f"{row.site} {info.path}: NaN/Inf {got[6:]} != naive {expected[6:]}"
+            worst = max(deviation(a, b, scale) for a, b in zip(got[2:6], expected[2:6], strict=True))
+            assert worst <= REL_TOL, f"{row.site} {info.path}: trace {got} != naive {expected}"
+            compared, largest = compared + 1, max(largest, worst)
+    modules = sum(1 for _ in work.model.named_modules())
+    return [
+        f"{modules} modules, {len(traced)} module calls traced (the root included), "
+        f"{compared} floating-point outputs: min, max and NaN/Inf counts equal the naive hooks', "
+        f"mean, std, mean |x| and zero fraction within {largest:.1e} relative (allowed {REL_TOL:.0e})"
+    ]
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+def measure(runs: dict[str, Run], model: nn.Module, x: Any, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Warm every method up, then time one call per method per round, rotating the order."""
+    names = list(runs)
+    for name in names:
+        for _ in range(warmup):
+            runs[name](model, x)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(runs[name](model, x))
+    return times
+
+
+# -- the workloads ----------------------------------------------------------------------------------
+
+
+def resnet_workload(quick: bool) -> Workload:
+    """ResNet-50 (one block per stage and batch 2 with ``quick``), batch 8 x 3 x 224 x 224."""
+    config = ResNetConfig(depths=[1, 1, 1, 1]) if quick else ResNetConfig()
+    batch = 2 if quick else 8
+    model = ResNetModel(config).eval()
+    x = torch.randn(batch, 3, 224, 224)
+    depths = "-".join(str(d) for d in config.depths or ())
+    title = f"ResNet ({config.layer_type}, depths {depths}), input {batch} x 3 x 224 x 224"
+    return Workload("resnet50", title, model, x)
+
+
+def gpt2_workload(quick: bool) -> Workload:
+    """GPT-2 (12 layers; 2 with ``quick``), batch 4 x 128 random token ids."""
+    config = GPT2Config(n_layer=2 if quick else 12)
+    model = GPT2Model(config).eval()
+    x = torch.randint(0, config.vocab_size, (4, 128))
+    return Workload("gpt2", f"GPT-2 {config.n_layer} layers, input ids 4 x 128", model, x)
+
+
+WORKLOADS: dict[str, Callable[[bool], Workload]] = {"resnet50": resnet_workload, "gpt2": gpt2_workload}
+
+
+def bench(work: Workload, rounds: int) -> Table:
+    """Check, then time every method on one workload."""
+    notes = check_trace(work)
+    runs, skipped = methods()
+    times = measure(runs, work.model, work.inputs, rounds, WARMUP)
+    return Table(work.key, work.title, times, notes + skipped)
+
+
+# -- reporting --------------------------------------------------------------------------------------
+
+
+def format_table(table: Table) -> str:
+    """One model's table: medians, ratios to plain and to the trace, round range, and the verdict."""
+    header = f"{'method':<20}{'median s':>10}{'x plain':>9}{'x trace':>9}{'range x plain':>16}"
+    lines = [table.title, *(f"  {note}" for note in table.notes), "", header]
+    for name, seconds in table.times.items():
+        per_round = table.ratios(name, "plain")
+        row = f"{name:<20}{statistics.median(seconds):>10.4f}{table.median_ratio(name, 'plain'):>9.3f}"
+        row += f"{table.median_ratio(name, 'trace'):>9.3f}{f'{min(per_round):.3f}..{max(per_round):.3f}':>16}"
+        lines.append(row)
+    verdict = "PASS" if passed(table) else "FAIL"
+    ratio = table.median_ratio("trace", "plain")
+    lines += [
+        "",
+        f"{table.key}: hookscope trace with statistics over plain: {ratio:.3f} (target <= {TARGET:.2f}): {verdict}",
+    ]
+    return "\n".join(lines)
+
+
+def table_to_json(table: Table) -> dict[str, Any]:
+    """A table as JSON-ready data, with medians and median ratios spelled out."""
+    data = asdict(table)
+    data["median_s"] = {name: statistics.median(values) for name, values in table.times.items()}
+    data["median_ratio_vs_plain"] = {name: table.median_ratio(name, "plain") for name in table.times}
+    data["median_ratio_vs_trace"] = {name: table.median_ratio(name, "trace") for name in table.times}
+    data["passed"] = passed(table)
+    return data
+
+
+def passed(table: Table) -> bool:
+    """True when the trace's median ratio over plain is within the target."""
+    return table.median_ratio("trace", "plain") <= TARGET
+
+
+# -- entry point ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options; ``--quick`` overrides ``--rounds`` and shrinks the models."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="which model (default all)")
+    parser.add_argument(
+        "--rounds", type=int, default=DEFAULT_ROUNDS, help=f"timed rounds (default {DEFAULT_ROUNDS}, >= {MIN_ROUNDS})"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_ROUNDS} rounds, small models")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if trace/plain exceeds {TARGET}")
+    args = parser.parse_args(argv)
+    if not args.quick and args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS} (use --quick for a smoke run)")
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    if args.quick:
+        args.rounds = QUICK_ROUNDS
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print the report, and return the exit code."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
+    print(f"torch {torch.__version__}, {threads}, {args.rounds} rounds, warm-up {WARMUP}, torch.no_grad(), eval mode")
+    tables = []
+    with torch.no_grad():
+        for key in MODELS if args.model == "all" else [args.model]:
+            table = bench(WORKLOADS[key](args.quick), args.rounds)
+            tables.append(table)
+            print(f"\n{format_table(table)}", flush=True)
+    if args.json is not None:
+        data = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds, "target": TARGET}
+        data |= {"warmup": WARMUP, "tables": [table_to_json(t) for t in tables]}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 1 if args.check and not all(map(passed, tables)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
