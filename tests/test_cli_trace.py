@@ -75,13 +75,27 @@ def test_a_model_that_raises_prints_where_and_exits_1(
 ) -> None:
     (tmp_path / "raising.py").write_text(RAISING)
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(capsys, "trace", "raising.py:build", "-s", "3x4")
+    code, out, err = run_cli(capsys, "trace", "raising.py:build", "-s", "3x4", "--csv", "partial.csv")
     assert code == 1
     assert "error: ValueError: this layer is broken" in err
     assert "the forward raised in '1.1' (Fails, call 0) with inputs [0] [3, 6] float32" in err
     assert "Traceback" not in err
-    assert "1.1 !" in out
-    assert "0       Linear" not in out
+    table = out.splitlines()[3:8]  # input line, header, rule, then one line per call
+    assert [line.split()[1:3] for line in table] == [
+        ["(root)", "!"],
+        ["0", "Linear"],
+        ["1", "!"],
+        ["1.0", "ReLU"],
+        ["1.1", "!"],
+    ]
+    rows = list(csv.DictReader((tmp_path / "partial.csv").read_text().splitlines()))
+    assert [(row["name"], row["status"]) for row in rows] == [
+        ("", "raised"),
+        ("0", "ok"),
+        ("1", "raised"),
+        ("1.0", "ok"),
+        ("1.1", "raised"),
+    ]
 
 
 def test_a_shape_the_model_refuses_names_the_layer(capsys: pytest.CaptureFixture[str]) -> None:

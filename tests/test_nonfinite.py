@@ -186,3 +186,24 @@ def test_rows_of_a_detector_are_gone_after_the_block() -> None:
         assert hs.attached(model)
     assert not detector.live
     assert not hs.attached(model)
+
+
+def test_a_caught_exception_inside_the_forward_is_not_blamed() -> None:
+    from tests.test_trace import CatchesChild
+
+    model = CatchesChild()
+    with hs.detect_nonfinite(model):
+        out = model(torch.randn(2, 4))
+    assert out.shape == (2, 4)
+
+
+def test_float8_outputs_are_checked() -> None:
+    class ToFloat8(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.float8_e4m3fn)
+
+    model = track(nn.Sequential(ToFloat8()))
+    with hs.detect_nonfinite(model):
+        model(torch.randn(4, 4))
+    with hs.detect_nonfinite(model), pytest.raises(NonFiniteError, match="came in with the input"):
+        model(torch.tensor([1.0, math.nan]))

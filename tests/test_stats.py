@@ -216,3 +216,12 @@ def test_chunks_far_from_zero_keep_their_variance() -> None:
     values = 5e3 + 1e-3 * torch.randn(3 << 20, generator=torch.Generator().manual_seed(0))
     stats = tensor_stats(values)
     assert stats.std == pytest.approx(values.double().std().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_huge_values_of_both_signs_do_not_overflow_the_mean(branching: bool) -> None:
+    values = torch.tensor([3e38, -3e38, 1.0, 2.0])
+    stats = measured(values, branching)
+    assert stats.mean == pytest.approx(0.75, abs=1e-15 * 3e38)  # float64 resolves ~1e23 at this scale
+    assert stats.finite
+    assert math.isfinite(stats.std)

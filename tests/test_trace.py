@@ -471,3 +471,145 @@ def test_small_cnn_full_table_golden_normalised() -> None:
         assert cells[-7:-1] == [f"{getattr(row.stats, f):.4g}" for f in ("min", "max", "mean", "std", "abs_mean")] + [
             f"{100 * row.stats.zero_frac:.1f}%"
         ]
+
+
+class Raiser(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("caught by the parent")
+
+
+class CatchesChild(nn.Module):
+    """``a`` raises, the forward catches it and goes on with ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Raiser()
+        self.b = nn.Linear(4, 4)
+        track(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.a(x)
+        except ValueError:
+            out: torch.Tensor = self.b(x)
+            return out
+
+
+class RaisesItsOwn(nn.Module):
+    """``block`` catches its child's error and raises a different one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Module()
+        self.block.a = Raiser()
+        self.block.forward = self._block_forward  # type: ignore[method-assign]
+        track(self)
+
+    def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.block.a(x)  # type: ignore[no-any-return]
+        except ValueError:
+            raise KeyError("the block's own error") from None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)  # type: ignore[no-any-return]
+
+
+def test_an_exception_caught_inside_the_forward_is_not_a_failure() -> None:
+    trace = hs.trace(CatchesChild(), torch.randn(2, 4))
+    assert trace.failure is None
+    assert [(row.name, row.status) for row in trace] == [("", "ok"), ("a", "raised"), ("b", "ok")]
+    assert "the forward raised" not in str(trace)
+
+
+def test_failure_is_where_the_final_error_was_raised() -> None:
+    model = RaisesItsOwn()
+    with hs.tracing(model) as tracer, pytest.raises(KeyError):
+        model(torch.randn(2, 4))
+    failure = tracer.trace.failure
+    assert failure is not None
+    assert failure.name == "block"
+
+
+def test_a_refused_second_thread_leaves_the_first_threads_trace_intact() -> None:
+    import threading
+
+    refused: list[BaseException] = []
+
+    class CallsFromAnotherThread(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.outer = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def other() -> None:
+                try:
+                    self.inner(x)
+                except hs.HookscopeError as error:
+                    refused.append(error)
+
+            worker = threading.Thread(target=other)
+            worker.start()
+            worker.join()
+            out: torch.Tensor = self.outer(self.inner(x))
+            return out
+
+    model = track(CallsFromAnotherThread())
+    trace = hs.trace(model, torch.randn(2, 4))
+    assert len(refused) == 1
+    assert "another thread" in str(refused[0])
+    assert [(row.name, row.status) for row in trace] == [("", "ok"), ("inner", "ok"), ("outer", "ok")]
+    assert all(len(row.outputs) == 1 for row in trace)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_tensors_are_shown_not_measured() -> None:
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    model = track(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval())
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    trace = hs.trace(model, x, src_key_padding_mask=padding)
+    nested = [info for row in trace for info in (*row.inputs, *row.outputs) if -1 in info.shape]
+    assert nested, "the fast path passes nested tensors between layers"
+    assert all(info.stats is None for info in nested)
+    assert "[3, ?, ?]" in str(trace)
+    with hs.detect_nonfinite(model):
+        model(x, src_key_padding_mask=padding)
+
+
+def test_input_stats_off_measures_outputs_only() -> None:
+    trace = hs.trace(SmallCNN(), SmallCNN.example(), input_stats=False)
+    assert trace["conv1"].inputs[0].stats is None  # the model's own input
+    assert trace["relu"].inputs[0].stats is not None  # conv1's output, measured anyway
+    assert trace.first_nonfinite() is None
+
+
+def test_first_nonfinite_needs_statistics() -> None:
+    trace = hs.trace(SmallCNN(), SmallCNN.example(), stats=False)
+    with pytest.raises(SpecError, match="stats=False"):
+        trace.first_nonfinite()
+
+
+def test_options_that_look_like_model_keywords_are_refused_with_the_fix() -> None:
+    layer = nn.TransformerDecoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    decoder = track(nn.TransformerDecoder(layer, num_layers=1).eval())
+    target, memory = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    with pytest.raises(SpecError, match=r"model_kwargs=\{'memory': \.\.\.\}"):
+        hs.trace(decoder, target, memory=memory)  # type: ignore[arg-type]
+    trace = hs.trace(decoder, target, model_kwargs={"memory": memory})
+    assert trace[0].inputs[1].path == "['memory']"
+
+
+def test_tied_weights_are_counted_once() -> None:
+    model = track(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model[1].weight = model[0].weight
+    trace = hs.trace(model, torch.randn(1, 4))
+    assert trace.meta["params"] == 16 + 4 + 4
+    assert "3 calls · 3 modules · 24 parameters" in str(trace)
+
+
+def test_repr_is_one_line() -> None:
+    trace = hs.trace(SmallCNN(), SmallCNN.example())
+    assert repr(trace) == "<Trace of SmallCNN: 5 calls of 5 modules; print() it>"

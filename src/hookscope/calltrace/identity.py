@@ -5,6 +5,9 @@ earlier module's output: the same tensor object, unchanged. Keyed by identity an
 against the tensor's version counter (bumped by every in-place op), the earlier result is
 reused instead of reading the values again; a tensor changed in place since is measured anew.
 Tensors are held by weak reference, so remembering them keeps no activation alive.
+
+Writes through ``tensor.data`` bypass the version counter (that is what ``.data`` is for), so
+a change made that way after a module returned is not seen: the earlier statistics are reused.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ class _Call:
     name: str
     class_name: str
     call: int
+    module_id: int
+    handled: BaseException | None  # the exception being handled when the call began, if any
     inputs: list[_Leaf]
     outputs: list[_Leaf] = field(default_factory=list)
 
@@ -58,8 +61,10 @@ class _Call:
 def signature(tensor: torch.Tensor) -> Signature:
     """What :mod:`nonfinite` needs of a tensor, without a host sync off the CPU."""
     if not tensor.is_floating_point() or not is_measurable(tensor) or tensor.numel() == 0:
-        return 0.0  # integers and booleans are always finite
+        return 0.0  # integers and booleans are always finite; nested and meta tensors are not read
     values = tensor.detach()
+    if values.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        values = values.to(torch.float32)  # float8 and other types without a sum kernel
     if values.device.type != "cpu":  # sum in float64: finite values cannot overflow it
         wide = torch.float32 if values.device.type == "mps" else torch.float64
         return values.sum(dtype=wide)
@@ -100,12 +105,15 @@ class NonFiniteDetector:
         self._open: list[_Call] = []
         self._seen: SeenTensors[tuple[Signature, str | None]] = SeenTensors()
         self._handled: BaseException | None = None
+        self._thread = 0
         specs = []
         for name, module in model.named_modules():
             specs.append(
                 HookSpec(name, module, "forward_pre", self._opener(name, module), with_kwargs=True, fitted=True)
             )
-            specs.append(HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, fitted=True))
+            specs.append(
+                HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True, fitted=True)
+            )
         self._group = HookGroup(model, specs, owner="detect_nonfinite", tracker=self._tracker, restore_mode=False)
 
     def _opener(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
@@ -113,15 +121,17 @@ class NonFiniteDetector:
 
         def open_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             leaves = [self._leaf(path, t, None) for path, t in input_leaves(args, kwargs)]
-            self._open.append(_Call(name, class_name, current(module), leaves))
+            self._open.append(_Call(name, class_name, current(module), id(module), sys.exc_info()[1], leaves))
 
         return open_call
 
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self._open:
-                return
+            if threading.get_ident() != self._thread or not self._open or self._open[-1].module_id != id(module):
+                return  # a call refused on another thread, or no open record for it
             record = self._open.pop()
+            if sys.exc_info()[1] is not record.handled:
+                return  # the call raised: it returned nothing to blame
             site = f"{name}#{record.call}"
             record.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "output")]
             self._calls.append(record)
@@ -146,6 +156,7 @@ class NonFiniteDetector:
         self._calls, self._open = [], []
         self._seen.clear()
         self._handled = sys.exc_info()[1]
+        self._thread = threading.get_ident()
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Read every sum at once and blame the first module that made a NaN/Inf."""
@@ -246,7 +257,8 @@ def detect_nonfinite(
     the first call (in the order calls return) whose output holds a NaN or Inf while its inputs
     did not. By default the check reads the device once, when the forward ends, and the error
     comes from the ``model(x)`` call; ``raise_immediately=True`` stops the forward at the
-    culprit, at the cost of a host sync per module on an accelerator.
+    culprit, at the cost of a host sync per module on an accelerator. (By default the one sync
+    is in the model's last hook: on CUDA, the single read of all the sums.)
 
     ``allow`` is a selector (or list) of modules whose non-finite outputs are intended, such as
     a module that builds a -inf attention mask: they are not blamed, and what they return

@@ -11,6 +11,7 @@ child's, a module's input an earlier module's output) is not measured twice.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -53,6 +54,38 @@ class _Leaf:
     source: str | None
 
 
+@dataclass(frozen=True)
+class _FinishedPass:
+    state: _Pass
+    model_name: str
+    seconds: float
+    error: BaseException | None  # the exception the forward ended with, if it failed
+    done: list[torch.cuda.Event]  # recorded after the last statistic on each CUDA device
+
+
+def _record_done(raws: list[RawStats]) -> list[torch.cuda.Event]:
+    """An event per CUDA device, after the pass's statistics kernels: no sync, just a marker."""
+    events = {}
+    for raw in raws:
+        device = raw.vector.device
+        if device.type == "cuda" and device not in events:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            events[device] = event
+    return list(events.values())
+
+
+def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's shape; a nested tensor's ragged sizes are -1 (shown as ``?``)."""
+    if not tensor.is_nested:
+        return tuple(tensor.shape)
+    return (tensor.size(0), *(-1,) * (tensor.dim() - 1))
+
+
+def stats_unread(stats: list[Any]) -> bool:
+    return bool(stats) and stats[0] is None
+
+
 @dataclass
 class _Draft:
     order: int
@@ -68,7 +101,9 @@ class _Draft:
     outputs: list[_Leaf] = field(default_factory=list)
     finished: int | None = None
     status: CallStatus = "ok"
+    error: BaseException | None = None  # what went through the call, when it raised
     timer: int | None = None
+    measured_before: float = 0.0  # the pass's measuring time when the call's timer started
     peak_bytes: int | None = None
 
 
@@ -83,6 +118,9 @@ class _Pass:
         self.finished = 0
         self.clock = CallClock()
         self.started = time.perf_counter()
+        self.thread = threading.get_ident()
+        self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
+        self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
 
 
 class Tracer:
@@ -113,7 +151,10 @@ class Tracer:
         self._peaks: dict[int, PeakMemory] = {}
         self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
         self._trace: Trace | None = None
+        self._finished: _FinishedPass | None = None  # the latest pass, statistics not yet read
         self._selected = _modules(model, layers)
+        unique = {id(p): p.numel() for _, m in self._selected for p in m.parameters(recurse=False)}
+        self._total_params = sum(unique.values())  # weights tied between modules counted once
         specs = []
         for name, module in self._selected:
             params = sum(p.numel() for p in module.parameters(recurse=False))
@@ -152,6 +193,7 @@ class Tracer:
             if self._memory and device is not None:
                 self._peak_memory(device).enter()
             if self._timing:
+                draft.measured_before = state.measuring
                 draft.timer = state.clock.start(device)
             state.rows.append(draft)
             state.stack.append(draft)
@@ -161,19 +203,20 @@ class Tracer:
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             state = self._pass
-            if not state.stack or state.stack[-1].module_id != id(module):
-                return  # no open row for it: the pass was reset while this call ran
+            if threading.get_ident() != state.thread or not state.stack or state.stack[-1].module_id != id(module):
+                return  # a call refused on another thread, or the pass was reset while this call ran
             draft = state.stack.pop()
             if draft.timer is not None:
-                state.clock.stop(draft.timer)
+                state.clock.stop(draft.timer, excluded=state.measuring - draft.measured_before)
             if self._memory and draft.inputs:
                 device = _device_of(draft.inputs)
                 if device is not None:
                     draft.peak_bytes = self._peak_memory(device).exit()
             draft.finished = state.finished
             state.finished += 1
-            if sys.exc_info()[1] is not draft.handled:
-                draft.status = "raised"
+            error = sys.exc_info()[1]
+            if error is not draft.handled:
+                draft.status, draft.error = "raised", error
                 return
             site = f"{name}#{draft.call}"
             draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
@@ -185,18 +228,22 @@ class Tracer:
         if known is not None:
             index, source = known
             if index is None and measure and is_measurable(tensor):
-                index = len(state.raws)
-                state.raws.append(raw_stats(tensor, scratch=self._scratch))
+                index = self._measure(state, tensor)
                 state.seen.put(tensor, (index, source))
         else:
             index, source = None, None
             if measure and is_measurable(tensor):
-                index = len(state.raws)
-                state.raws.append(raw_stats(tensor, scratch=self._scratch))
+                index = self._measure(state, tensor)
             if producer is not None or index is not None:
                 state.seen.put(tensor, (index, producer))
         dtype = str(tensor.dtype).removeprefix("torch.")
-        return _Leaf(path, tuple(tensor.shape), dtype, str(tensor.device), index, source)
+        return _Leaf(path, shape_of(tensor), dtype, str(tensor.device), index, source)
+
+    def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
+        began = time.perf_counter()
+        state.raws.append(raw_stats(tensor, scratch=self._scratch))
+        state.measuring += time.perf_counter() - began
+        return len(state.raws) - 1
 
     def _peak_memory(self, device: torch.device) -> PeakMemory:
         index = device.index or 0
@@ -213,24 +260,21 @@ class Tracer:
             peaks.clear()
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Read every statistic of the pass at once and build its :class:`Trace`."""
+        """Keep the finished pass; its statistics are read when the trace is first looked at.
+
+        Reading here would be a host sync inside the model's last hook; deferring it keeps the
+        whole forward free of syncs, so the first read happens after ``model(x)`` returned.
+        """
         state = self._pass
-        stats = read_stats(state.raws)
-        if self._timing:
-            state.clock.synchronize()
-        rows = [self._freeze(draft, stats, state.clock) for draft in state.rows]
-        self._trace = Trace(
-            _with_self_time(rows),
-            model=self._model(),
-            meta={
-                "hookscope": __version__,
-                "torch": torch.__version__,
-                "model": type(module).__name__,
-                "wall_ms": (time.perf_counter() - state.started) * 1e3,
-                "stats": self._stats,
-                "timing": self._timing,
-            },
+        error = sys.exc_info()[1]
+        self._finished = _FinishedPass(
+            state,
+            type(module).__name__,
+            time.perf_counter() - state.started,
+            error if error is not state.handled else None,
+            _record_done(state.raws),
         )
+        self._trace = None
 
     def pass_abandoned(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt): drop it."""
@@ -259,7 +303,9 @@ class Tracer:
             parent=draft.parent,
             finished=draft.finished,
             status=draft.status if draft.finished is not None else "raised",
-            time_ms=None if draft.timer is None or draft.finished is None else clock.read(draft.timer),
+            time_ms=None
+            if draft.timer is None or draft.finished is None or stats_unread(stats)
+            else clock.read(draft.timer),
             peak_bytes=draft.peak_bytes,
         )
 
@@ -267,10 +313,45 @@ class Tracer:
 
     @property
     def trace(self) -> Trace:
-        """The :class:`Trace` of the latest forward pass."""
-        if self._trace is None:
+        """The :class:`Trace` of the latest forward pass (its statistics are read on first access)."""
+        latest = self.latest
+        if latest is None:
             raise SpecError("no forward pass has been traced yet: call the model inside the tracing() block")
+        return latest
+
+    @property
+    def latest(self) -> Trace | None:
+        """The latest pass's :class:`Trace`, or None before the first forward."""
+        if self._trace is None and self._finished is not None:
+            self._trace = self._build(self._finished)
+            self._finished = None  # the rows hold what is needed; let the device vectors go
         return self._trace
+
+    def _build(self, finished: _FinishedPass) -> Trace:
+        """Read every statistic of a pass at once (one transfer per device) and make its rows."""
+        state = finished.state
+        meta: dict[str, Any] = {
+            "hookscope": __version__,
+            "torch": torch.__version__,
+            "model": finished.model_name,
+            "wall_ms": finished.seconds * 1e3,
+            "stats": self._stats,
+            "timing": self._timing,
+            "params": self._total_params,
+        }
+        for event in finished.done:
+            event.synchronize()  # the statistics were queued on the forward's streams
+        try:
+            stats: list[Any] = read_stats(state.raws)
+            if self._timing:
+                state.clock.synchronize()
+        except RuntimeError as error:  # a device that failed in the forward (a device-side assert)
+            stats = [None] * len(state.raws)
+            meta["stats_error"] = f"{type(error).__name__}: {error}"
+        rows = [self._freeze(draft, stats, state.clock) for draft in state.rows]
+        raised = [d for d in state.rows if d.error is not None and d.error is finished.error]
+        failure = max(d.order for d in raised) if finished.error is not None and raised else None
+        return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=failure)
 
     @property
     def live(self) -> bool:
@@ -341,10 +422,13 @@ def trace(
     - ``stats=False``: shapes only; ``input_stats=False``: skip inputs no traced module
       returned (the model's input, results of functional ops), which ``first_nonfinite``
       then takes as finite;
-    - ``timing=True``: per-call time (CUDA events on GPU); ``memory=True``: the rise of peak
-      CUDA memory per call;
+    - ``timing=True``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring
+      is taken out); ``memory=True``: the rise of peak CUDA memory per call (this resets
+      PyTorch's peak counter, ``torch.cuda.max_memory_allocated``, as it goes);
     - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
-      mode is left as it is.
+      mode is left as it is;
+    - ``model_kwargs``: keyword arguments for the model whose names clash with these options
+      (``nn.TransformerDecoder``'s ``memory=``); other keyword arguments go to the model.
 
     A forward that raises re-raises its error with a note naming the innermost module it went
     through and the shapes that went in; ``hs.tracing`` keeps the partial trace.
@@ -355,12 +439,21 @@ def trace(
     >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
     (4, '0', (3, 8), True)
     """
+    flags = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory, "grad": grad}
+    for option, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(
+                f"{option}= is trace's own option and takes True or False, not a {type(value).__name__}; "
+                f"to pass {option}= to the model, use model_kwargs={{{option!r}: ...}}"
+            )
+    if isinstance(layers, torch.Tensor):
+        raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
     with tracing(model, layers=layers, stats=stats, input_stats=input_stats, timing=timing, memory=memory) as tracer:
         try:
             with nullcontext() if grad else torch.no_grad():
                 model(*args, **{**kwargs, **(model_kwargs or {})})
         except Exception as error:
-            failure = tracer._trace.failure if tracer._trace is not None else None
+            failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is not None and hasattr(error, "add_note"):
                 error.add_note(f"hookscope.trace: the error went through {describe_call(failure)}")
             raise

@@ -133,7 +133,8 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     """The lines under the table: counts, the first non-finite call, a failure."""
     modules = len({row.name for row in trace.rows})
     shown = f"{len(rows)} of {len(trace)} calls shown" if len(rows) != len(trace) else f"{len(trace)} calls"
-    lines = [f"{shown} · {modules} modules · {sum({r.name: r.params for r in trace.rows}.values()):,} parameters"]
+    params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows}.values()))
+    lines = [f"{shown} · {modules} modules · {params:,} parameters"]
     culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None
     if culprit is not None:
         lines.append(f"first NaN/Inf: made by {culprit.site} ({culprit.class_name}) from finite inputs")

@@ -50,9 +50,15 @@ class Trace(Sequence[TraceRow]):
     """
 
     def __init__(
-        self, rows: list[TraceRow], *, model: nn.Module | None = None, meta: dict[str, Any] | None = None
+        self,
+        rows: list[TraceRow],
+        *,
+        model: nn.Module | None = None,
+        meta: dict[str, Any] | None = None,
+        failure: int | None = None,
     ) -> None:
         self.rows = rows
+        self._failure = failure
         self.meta = dict(meta or {})
         self._model = weakref.ref(model) if model is not None else None
         self._by_name: dict[str, list[TraceRow]] = {}
@@ -98,9 +104,9 @@ class Trace(Sequence[TraceRow]):
 
     @property
     def failure(self) -> TraceRow | None:
-        """The innermost call a failed forward's exception passed through, or None."""
-        raised = [row for row in self.rows if row.status == "raised"]
-        return max(raised, key=lambda row: row.order) if raised else None
+        """Where a failed forward raised: the innermost call the exception it ended with went
+        through. None when the forward returned, even if a call inside raised and was caught."""
+        return None if self._failure is None else self.rows[self._failure]
 
     def first_nonfinite(self, allow: Selector | Sequence[Selector] | None = None) -> TraceRow | None:
         """The first call, in the order calls returned, whose inputs were finite and output was not.
@@ -112,6 +118,8 @@ class Trace(Sequence[TraceRow]):
         named like a mask (``attention_mask``) is accepted too. Returns None when every output
         is finite, or when the values were already non-finite where they came in.
         """
+        if self.meta.get("stats") is False:
+            raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
         allowed = self._names_of(allow) if allow is not None else set()
         finished = sorted((row for row in self.rows if row.finished is not None), key=lambda row: row.finished or 0)
         for row in finished:
@@ -167,7 +175,11 @@ class Trace(Sequence[TraceRow]):
         return self.table()
 
     def __repr__(self) -> str:
-        return self.table()
+        modules = len({row.name for row in self.rows})
+        state = f", failed in {self.failure.site}" if self.failure is not None else ""
+        return (
+            f"<Trace of {self.meta.get('model', 'a model')}: {len(self)} calls of {modules} modules{state}; print() it>"
+        )
 
     def __rich__(self) -> Any:
         from hookscope.calltrace.render import rich_view

@@ -13,8 +13,8 @@ CallStatus = Literal["ok", "raised"]
 
 
 def format_shape(shape: tuple[int, ...]) -> str:
-    """``(2, 16, 32)`` -> ``"[2, 16, 32]"``; a scalar is ``"[]"``."""
-    return "[" + ", ".join(str(size) for size in shape) + "]"
+    """``(2, 16, 32)`` -> ``"[2, 16, 32]"``; a scalar is ``"[]"``; a ragged size (-1) is ``?``."""
+    return "[" + ", ".join("?" if size < 0 else str(size) for size in shape) + "]"
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,13 @@ class TensorInfo:
 class TraceRow:
     """One call of one module, in the order calls started.
 
-    ``depth`` is the nesting depth of the call (the root's call is 0), ``parent`` the ``order``
-    of the enclosing traced call. ``finished`` numbers calls in the order they returned, which
-    is the order in which their outputs came to exist. ``status`` is ``"raised"`` for a call
-    the exception of a failed forward passed through. ``time_ms`` includes the children's time,
-    ``self_ms`` does not; ``peak_bytes`` is the rise of peak CUDA memory during the call.
+    ``depth`` counts the traced calls the call runs inside (the model's own call is 0; with
+    ``layers=`` only the traced ones count), ``parent`` is the ``order`` of the innermost of
+    them. ``finished`` numbers calls in the order they returned, which is the order in which
+    their outputs came to exist. ``status`` is ``"raised"`` for a call an exception went
+    through (``Trace.failure`` says where a failed forward raised). ``time_ms`` includes the
+    children's time, ``self_ms`` does not; neither includes hookscope's own measuring on the
+    CPU. ``peak_bytes`` is the rise of peak CUDA memory during the call.
     """
 
     order: int

@@ -47,10 +47,11 @@ class CallClock:
         self._timings.append(timing)
         return len(self._timings) - 1
 
-    def stop(self, token: int) -> None:
-        """End the call's timer."""
+    def stop(self, token: int, *, excluded: float = 0.0) -> None:
+        """End the call's timer; ``excluded`` seconds (hookscope's own measuring inside the call)
+        are taken out of a wall-clock time. CUDA times include the measuring kernels."""
         timing = self._timings[token]
-        timing.end = time.perf_counter()
+        timing.end = time.perf_counter() - excluded
         if timing.events is not None:
             timing.events[1].record()
 

@@ -179,7 +179,8 @@ def trace_command(
     input_shape: InputShape = None,
     dtype: Dtype = None,
     depth: Annotated[
-        int | None, typer.Option("--depth", "-d", help="Show calls nested at most this deep (0: the model only).")
+        int | None,
+        typer.Option("--depth", "-d", min=0, help="Show calls nested at most this deep (0: the model only)."),
     ] = None,
     only: Annotated[
         list[str] | None,
@@ -201,33 +202,38 @@ def trace_command(
     """
     import torch
 
-    from hookscope.calltrace import tracing
+    from hookscope.calltrace import TraceRow, tracing
     from hookscope.calltrace.result import describe_call
     from hookscope.cli.sample import prepare
-    from hookscope.core.select import Selector
+    from hookscope.core.select import Selector, select
 
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     selectors: list[Selector] = [part.strip() for option in only or [] for part in option.split(",") if part.strip()]
     net = sample.model.eval()
+    if selectors:
+        select(net, selectors)  # a mistyped --filter fails now, not after the forward
     with tracing(net, timing=timing) as tracer:
         try:
             with torch.no_grad():
                 net(*sample.args, **sample.kwargs)
+            failed: tuple[Exception, TraceRow] | None = None
         except Exception as error:
-            failure = tracer._trace.failure if tracer._trace is not None else None
+            failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is None:
                 raise
-            typer.echo(tracer.trace.table(max_depth=depth))
-            typer.echo(f"error: {type(error).__name__}: {error}", err=True)
-            typer.echo(f"the forward raised in {describe_call(failure)}", err=True)
-            raise typer.Exit(EXIT_FAILURE) from None
+            failed = (error, failure)
     result = tracer.trace
     typer.echo(result.table(max_depth=depth, filter=selectors or None))
     for path, write in ((csv, result.to_csv), (json, result.to_json)):
         if path is not None:
             write(path)
             typer.echo(f"wrote {path}")
+    if failed is not None:  # the partial trace is shown and written; then the error, and exit 1
+        raised, where = failed
+        typer.echo(f"error: {type(raised).__name__}: {raised}", err=True)
+        typer.echo(f"the forward raised in {describe_call(where)}", err=True)
+        raise typer.Exit(EXIT_FAILURE)
 
 
 def main(argv: list[str] | None = None) -> None:
