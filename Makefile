@@ -36,6 +36,7 @@ test: lint
 bench: install-dev
 	$(BIN)/python bench/bench_hooks.py
 	$(BIN)/python bench/bench_capture.py
+	$(BIN)/python bench/bench_trace.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo

@@ -37,28 +37,26 @@ Run: ``.venv/bin/python bench/bench_capture.py`` (or ``make bench``); ``--quick`
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Run as a file, not as a package: make ``common`` (next to this file) importable from any working directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2Model, ResNetConfig, ResNetModel
 
+import common
 import hookscope as hs
 
 TARGET = 1.15
@@ -69,24 +67,17 @@ OPTIONAL_WARMUP = 1
 INSTALL_HINT = "pip install -e '.[bench]'"
 OPTIONAL = {"torchlens": "torchlens", "transformer-lens": "transformer_lens"}
 MIB = float(1 << 20)
-
-
-@dataclass
-class Timed:
-    """One timed forward: its seconds, and what the method kept (alive until this object is dropped)."""
-
-    seconds: float
-    kept: Any = None
-
-
-Run = Callable[[nn.Module, Any], Timed]
+# Sites whose value a later in-place op may rewrite, where the hand hooks then disagree with hookscope. In
+# ResNet's bottleneck the last conv layer ends in BatchNorm then Identity (both return the same tensor), and
+# the block then does ``hidden_state += residual`` in place.
+REWRITTEN = {"resnet50": re.compile(r"\.layer\.2\.(normalization|activation)$")}
 
 
 @dataclass
 class Method:
     """A way of running the forward, and how to list the tensors it kept."""
 
-    run: Run
+    run: common.Run
     tensors: Callable[[Any], list[torch.Tensor]] = lambda kept: []
 
 
@@ -100,18 +91,7 @@ class Footprint:
 
 
 @dataclass
-class Workload:
-    """A model and its input, plus the sites a later in-place op may rewrite (hand hooks then disagree)."""
-
-    key: str
-    title: str
-    model: nn.Module
-    inputs: Any
-    rewritten: re.Pattern[str] | None = None
-
-
-@dataclass
-class Table:
+class Table(common.RoundRatios):
     """Timings and footprints of one model's methods."""
 
     key: str
@@ -120,14 +100,6 @@ class Table:
     times: dict[str, list[float]]
     footprints: dict[str, Footprint]
     notes: list[str] = field(default_factory=list)
-
-    def ratios(self, name: str, baseline: str) -> list[float]:
-        """Per-round ratios ``name / baseline``."""
-        return [t / b for t, b in zip(self.times[name], self.times[baseline], strict=True)]
-
-    def median_ratio(self, name: str, baseline: str) -> float:
-        """Median of the per-round ratios ``name / baseline``."""
-        return statistics.median(self.ratios(name, baseline))
 
 
 # -- the methods ------------------------------------------------------------------------------------
@@ -138,18 +110,9 @@ def is_leaf(name: str, module: nn.Module) -> bool:
     return next(module.children(), None) is None
 
 
-def timed_call(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds taken by ``fn()`` after a full collection, and its result (alive until the timer stopped)."""
-    gc.collect()
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def run_plain(model: nn.Module, x: Any) -> Timed:
+def run_plain(model: nn.Module, x: Any) -> common.Timed:
     """The forward alone."""
-    seconds, _ = timed_call(lambda: model(x))
-    return Timed(seconds)
+    return common.Timed(common.timed_call(lambda: model(x)).seconds)
 
 
 def keep_output(store: dict[str, Any], name: str) -> Callable[[nn.Module, Any, Any], None]:
@@ -164,16 +127,16 @@ def keep_output(store: dict[str, Any], name: str) -> Callable[[nn.Module, Any, A
     return hook
 
 
-def run_hand_hooks(model: nn.Module, x: Any) -> Timed:
+def run_hand_hooks(model: nn.Module, x: Any) -> common.Timed:
     """``register_forward_hook(keep_output)`` on every leaf module, removed after the forward."""
     store: dict[str, Any] = {}
     handles = [m.register_forward_hook(keep_output(store, n)) for n, m in model.named_modules() if is_leaf(n, m)]
     try:
-        seconds, _ = timed_call(lambda: model(x))
+        timed = common.timed_call(lambda: model(x))
     finally:
         for handle in handles:
             handle.remove()
-    return Timed(seconds, store)
+    return common.Timed(timed.seconds, store)
 
 
 def hand_tensors(store: dict[str, Any]) -> list[torch.Tensor]:
@@ -181,14 +144,14 @@ def hand_tensors(store: dict[str, Any]) -> list[torch.Tensor]:
     return [t for value in store.values() for t in (value if isinstance(value, tuple) else (value,))]
 
 
-def run_hookscope(model: nn.Module, x: Any) -> Timed:
+def run_hookscope(model: nn.Module, x: Any) -> common.Timed:
     """``hs.capture(model, is_leaf)`` with defaults, removed after the forward (its values stay readable)."""
     recorder = hs.capture(model, is_leaf)
     try:
-        seconds, _ = timed_call(lambda: model(x))
+        timed = common.timed_call(lambda: model(x))
     finally:
         recorder.remove()
-    return Timed(seconds, recorder)
+    return common.Timed(timed.seconds, recorder)
 
 
 def hookscope_tensors(recorder: hs.Capture) -> list[torch.Tensor]:
@@ -218,56 +181,29 @@ def footprint(tensors: Iterable[torch.Tensor]) -> Footprint:
     return Footprint(values, nbytes, sum(storages.values()))
 
 
-def measure(
+def measure_kept(
     methods: dict[str, Method], model: nn.Module, x: Any, rounds: int, warmup: int
 ) -> tuple[dict[str, list[float]], dict[str, Footprint]]:
-    """Warm every method up, then time one forward per method per round, rotating the order.
-
-    Footprints are taken from the first timed round, after the timer stopped.
-    """
-    names = list(methods)
-    for name in names:
-        for _ in range(warmup):
-            methods[name].run(model, x)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    """Time the methods with :func:`common.measure`; also the footprint of what each kept in the first round."""
     footprints: dict[str, Footprint] = {}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            timed = methods[name].run(model, x)
-            times[name].append(timed.seconds)
-            if round_index == 0:
-                footprints[name] = footprint(methods[name].tensors(timed.kept))
-            del timed  # drop the kept values before the next method
+
+    def take_footprint(name: str, kept: Any) -> None:
+        footprints[name] = footprint(methods[name].tensors(kept))
+
+    runs = {name: method.run for name, method in methods.items()}
+    times = common.measure(runs, model, x, rounds, warmup, take_footprint)
     return times, footprints
 
 
 # -- the workloads ----------------------------------------------------------------------------------
 
 
-def gpt2_workload(quick: bool) -> Workload:
-    """GPT-2 (12 layers; 2 with ``quick``), batch 4 x 128 random token ids."""
-    config = GPT2Config(n_layer=2) if quick else GPT2Config()
-    model = GPT2Model(config).eval()
-    x = torch.randint(0, config.vocab_size, (4, 128))
-    return Workload("gpt2", f"GPT-2 {config.n_layer} layers, input ids 4 x 128", model, x)
+def build_workloads(quick: bool) -> list[common.Workload]:
+    """GPT-2 (12 layers; 2 with ``quick``) then ResNet-50 (smaller with ``quick``), built in that order."""
+    return [common.gpt2_workload(2 if quick else 12), common.resnet_workload(quick)]
 
 
-def resnet_workload(quick: bool) -> Workload:
-    """ResNet-50 (one block per stage and batch 2 with ``quick``), batch 8 x 3 x 224 x 224."""
-    config = ResNetConfig(depths=[1, 1, 1, 1]) if quick else ResNetConfig()
-    batch = 2 if quick else 8
-    model = ResNetModel(config).eval()
-    x = torch.randn(batch, 3, 224, 224)
-    depths = "-".join(str(d) for d in config.depths or ())
-    # The bottleneck's last conv layer ends in BatchNorm then Identity (both return the same tensor),
-    # and the block then does ``hidden_state += residual`` in place.
-    rewritten = re.compile(r"\.layer\.2\.(normalization|activation)$")
-    title = f"ResNet ({config.layer_type}, depths {depths}), input {batch} x 3 x 224 x 224"
-    return Workload("resnet50", title, model, x, rewritten)
-
-
-def check_capture(work: Workload) -> list[str]:
+def check_capture(work: common.Workload) -> list[str]:
     """Run hand hooks and hookscope once; assert they saw the same modules and agree where nothing rewrites.
 
     Returns notes for the report: leaf counts, and how many hand-hook values an in-place op changed.
@@ -275,6 +211,7 @@ def check_capture(work: Workload) -> list[str]:
     leaves = sum(1 for n, m in work.model.named_modules() if is_leaf(n, m))
     hand: dict[str, Any] = run_hand_hooks(work.model, work.inputs).kept
     recorder: hs.Capture = run_hookscope(work.model, work.inputs).kept
+    pattern = REWRITTEN.get(work.key)
     modules = {site.module for site in recorder.sites()}
     assert modules == set(hand), f"hookscope captured {len(modules)} modules, hand hooks {len(hand)}"
     rewritten = []
@@ -282,13 +219,13 @@ def check_capture(work: Workload) -> list[str]:
         ours = [recorder[site] for site in recorder.sites() if site.module == name]
         theirs = list(value) if isinstance(value, tuple) else [value]
         same = len(ours) == len(theirs) and all(map(torch.equal, ours, theirs))
-        if work.rewritten is not None and work.rewritten.search(name):
+        if pattern is not None and pattern.search(name):
             if not same:
                 rewritten.append(name)
         else:
             assert same, f"{name}: hookscope's value differs from the hand hook's, and no in-place op is expected"
     notes = [f"{leaves} leaf modules, {len(hand)} ran and were captured by both methods; values equal elsewhere"]
-    if work.rewritten is not None:
+    if pattern is not None:
         notes.append(
             f"{len(rewritten)} hand-hook values differ from hookscope's: an in-place op later rewrote them "
             "(hand hooks keep the rewritten tensor, hookscope copied it just before the write)"
@@ -296,17 +233,17 @@ def check_capture(work: Workload) -> list[str]:
     return notes
 
 
-def bench_main(work: Workload, rounds: int) -> Table:
+def bench_main(work: common.Workload, rounds: int) -> Table:
     """Check, then time plain / hand hooks / hookscope on one workload."""
     notes = check_capture(work)
-    times, footprints = measure(MAIN_METHODS, work.model, work.inputs, rounds, WARMUP)
+    times, footprints = measure_kept(MAIN_METHODS, work.model, work.inputs, rounds, WARMUP)
     return Table(work.key, work.title, "plain", times, footprints, notes)
 
 
 # -- optional comparisons (each in its own process) -------------------------------------------------
 
 
-def bench_torchlens(workloads: list[Workload], rounds: int) -> list[Table]:
+def bench_torchlens(workloads: list[common.Workload], rounds: int) -> list[Table]:
     """``torchlens.trace(model, x)`` (every op, default save) against the plain forward.
 
     torchlens wraps torch functions process-wide on first use; the wrappers are installed before each
@@ -316,13 +253,12 @@ def bench_torchlens(workloads: list[Workload], rounds: int) -> list[Table]:
     import torchlens
     from torchlens.backends.torch.wrappers import unwrap_torch, wrap_torch
 
-    def run_trace(model: nn.Module, x: Any) -> Timed:
+    def run_trace(model: nn.Module, x: Any) -> common.Timed:
         wrap_torch()
         try:
-            seconds, trace = timed_call(lambda: torchlens.trace(model, x))
+            return common.timed_call(lambda: torchlens.trace(model, x))
         finally:
             unwrap_torch()
-        return Timed(seconds, trace)
 
     def trace_tensors(trace: Any) -> list[torch.Tensor]:
         return [op.out for op in trace.layer_list if isinstance(op.out, torch.Tensor)]
@@ -330,7 +266,7 @@ def bench_torchlens(workloads: list[Workload], rounds: int) -> list[Table]:
     methods = {"plain": Method(run_plain), "torchlens trace": Method(run_trace, trace_tensors)}
     tables = []
     for work in workloads:
-        times, footprints = measure(methods, work.model, work.inputs, rounds, OPTIONAL_WARMUP)
+        times, footprints = measure_kept(methods, work.model, work.inputs, rounds, OPTIONAL_WARMUP)
         title = f"torchlens {torchlens.__version__}: {work.title}"
         note = f"trace with default options (every op kept), warm-up {OPTIONAL_WARMUP}"
         tables.append(Table(f"torchlens/{work.key}", title, "plain", times, footprints, [note]))
@@ -354,15 +290,16 @@ def bench_transformer_lens(quick: bool, rounds: int) -> list[Table]:
     bridge = TransformerBridge.boot_native(config).eval()
     x = torch.randint(0, 50257, (4, 128))
 
-    def run_with_cache(model: nn.Module, tokens: Any) -> Timed:
-        seconds, (_, cache) = timed_call(lambda: bridge.run_with_cache(tokens))
-        return Timed(seconds, cache)
+    def run_with_cache(model: nn.Module, tokens: Any) -> common.Timed:
+        timed = common.timed_call(lambda: bridge.run_with_cache(tokens))
+        _, cache = timed.kept
+        return common.Timed(timed.seconds, cache)
 
     def cache_tensors(cache: Any) -> list[torch.Tensor]:
         return [t for t in cache.values() if isinstance(t, torch.Tensor)]
 
     methods = {"plain": Method(run_plain), "run_with_cache": Method(run_with_cache, cache_tensors)}
-    times, footprints = measure(methods, bridge, x, rounds, OPTIONAL_WARMUP)
+    times, footprints = measure_kept(methods, bridge, x, rounds, OPTIONAL_WARMUP)
     version = importlib.metadata.version("transformer-lens")
     title = f"transformer-lens {version}: GPT-2-like bridge (boot_native), {n_layers} layers, input ids 4 x 128"
     note = f"its own model (logits included), not HF's GPT2Model; every hook point cached; warm-up {OPTIONAL_WARMUP}"
@@ -399,7 +336,7 @@ def format_table(table: Table) -> str:
         kept = table.footprints.get(name, Footprint(0, 0, 0))
         row = f"{name:<17}{statistics.median(seconds):>10.4f}{table.median_ratio(name, table.baseline):>9.3f}"
         row += f"{table.median_ratio(name, second):>14.3f}" if second else ""
-        row += f"{f'{min(per_round):.3f}..{max(per_round):.3f}':>16}"
+        row += f"{common.ratio_range(per_round):>16}"
         row += f"{kept.values:>8}{kept.bytes / MIB:>10.1f}{kept.distinct_bytes / MIB:>14.1f}"
         lines.append(row)
     if second:
@@ -411,11 +348,9 @@ def format_table(table: Table) -> str:
 
 def table_to_json(table: Table) -> dict[str, Any]:
     """A table as JSON-ready data, with medians and median ratios spelled out."""
-    data = asdict(table)
-    data["median_s"] = {name: statistics.median(values) for name, values in table.times.items()}
-    data["median_ratio_vs_plain"] = {name: table.median_ratio(name, "plain") for name in table.times}
-    if "hand hooks" in table.times:
-        data["median_ratio_vs_hand_hooks"] = {name: table.median_ratio(name, "hand hooks") for name in table.times}
+    main_table = "hand hooks" in table.times
+    data = asdict(table) | table.medians("plain", *(["hand hooks"] if main_table else []))
+    if main_table:
         data["passed"] = passed(table)
     return data
 
@@ -437,19 +372,17 @@ def passed(table: Table) -> bool:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options; ``--quick`` overrides ``--rounds`` and shrinks the models."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"timed rounds (>= {MIN_ROUNDS})")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_ROUNDS} rounds, small models")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if hookscope/plain exceeds {TARGET}")
+    common.add_run_options(
+        parser,
+        min_rounds=MIN_ROUNDS,
+        quick_help=f"smoke run: {QUICK_ROUNDS} rounds, small models",
+        check_help=f"exit 1 if hookscope/plain exceeds {TARGET}",
+    )
     parser.add_argument(
         "--only", choices=["hookscope", *OPTIONAL], help="run one part: the hookscope tables or one comparison"
     )
     args = parser.parse_args(argv)
-    if not args.quick and args.rounds < MIN_ROUNDS:
-        parser.error(f"--rounds must be at least {MIN_ROUNDS} (use --quick for a smoke run)")
-    if args.threads < 1:
-        parser.error("--threads must be at least 1")
+    common.check_run_options(parser, args, MIN_ROUNDS)
     if args.quick:
         args.rounds = QUICK_ROUNDS
     return args
@@ -457,22 +390,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run_part(part: str, args: argparse.Namespace) -> list[Table]:
     """The tables of one part, measured in this process."""
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    common.prepare_torch(args.threads)
     with torch.no_grad():
         if part == "transformer-lens":
             return bench_transformer_lens(args.quick, args.rounds)
-        workloads = [gpt2_workload(args.quick), resnet_workload(args.quick)]
         if part == "torchlens":
-            return bench_torchlens(workloads, args.rounds)
-        return [bench_main(work, args.rounds) for work in workloads]
+            return bench_torchlens(build_workloads(args.quick), args.rounds)
+        return [bench_main(work, args.rounds) for work in build_workloads(args.quick)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, and return the exit code."""
     args = parse_args(argv)
     parts = [args.only] if args.only else ["hookscope", *OPTIONAL]
-    threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
+    threads = common.threads_label(args.threads)
     print(f"torch {torch.__version__}, {threads}, {args.rounds} rounds, torch.no_grad(), eval mode, random weights")
     tables: list[Table] = []
     skipped: dict[str, str] = {}
@@ -488,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         data = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds, "target": TARGET}
         data |= {"tables": [table_to_json(t) for t in tables], "skipped": skipped}
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        common.write_json(args.json, data)
     main_tables = [t for t in tables if "hand hooks" in t.times]
     return 1 if args.check and not all(map(passed, main_tables)) else 0
 

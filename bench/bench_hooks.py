@@ -24,52 +24,46 @@ Run: ``.venv/bin/python bench/bench_hooks.py`` (or ``make bench``); ``--quick`` 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import os
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Run as a file, not as a package: make ``common`` (next to this file) importable from any working directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2Model
 
+import common
 import hookscope as hs
 
 TARGET = 1.05
 MIN_ROUNDS = 10
 WARMUP = 2
-BATCH = 4
-SEQ_LEN = 128
-
-Method = Callable[[nn.Module, torch.Tensor], float]
 
 
 def passthrough(module: nn.Module, args: Any, output: Any) -> None:
     """The hook under test: does nothing and returns None, so the output is kept."""
 
 
-def timed_forward(model: nn.Module, x: torch.Tensor) -> float:
-    """Seconds taken by one forward pass, with a full collection beforehand."""
-    gc.collect()
-    start = time.perf_counter()
-    model(x)
-    return time.perf_counter() - start
+def timed_forward(model: nn.Module, x: torch.Tensor) -> common.Timed:
+    """One forward pass, timed after a full collection; its output is freed inside the timer."""
+
+    def forward() -> None:
+        model(x)
+
+    return common.timed_call(forward)
 
 
-def run_plain(model: nn.Module, x: torch.Tensor) -> float:
+def run_plain(model: nn.Module, x: torch.Tensor) -> common.Timed:
     """(a) A forward with no hooks."""
     return timed_forward(model, x)
 
 
-def run_raw_hooks(model: nn.Module, x: torch.Tensor) -> float:
+def run_raw_hooks(model: nn.Module, x: torch.Tensor) -> common.Timed:
     """(b) ``register_forward_hook(passthrough)`` on every module, removed after the forward."""
     handles = [module.register_forward_hook(passthrough) for _, module in model.named_modules()]
     try:
@@ -79,17 +73,17 @@ def run_raw_hooks(model: nn.Module, x: torch.Tensor) -> float:
             handle.remove()
 
 
-def run_hookscope(model: nn.Module, x: torch.Tensor) -> float:
+def run_hookscope(model: nn.Module, x: torch.Tensor) -> common.Timed:
     """(c) ``hs.hooks`` with the same function on the same modules, removed after the forward."""
     with hs.hooks(model, {("", "*"): passthrough}):
         return timed_forward(model, x)
 
 
-METHODS: dict[str, Method] = {"plain": run_plain, "raw hooks": run_raw_hooks, "hookscope": run_hookscope}
+METHODS: dict[str, common.Run] = {"plain": run_plain, "raw hooks": run_raw_hooks, "hookscope": run_hookscope}
 
 
 @dataclass
-class Result:
+class Result(common.RoundRatios):
     """Timings and per-round ratios of one benchmark run."""
 
     torch_version: str
@@ -100,14 +94,6 @@ class Result:
     seq_len: int
     modules_hooked: int
     times: dict[str, list[float]] = field(default_factory=dict)
-
-    def ratios(self, name: str, baseline: str) -> list[float]:
-        """Per-round ratios ``name / baseline``."""
-        return [t / b for t, b in zip(self.times[name], self.times[baseline], strict=True)]
-
-    def median_ratio(self, name: str, baseline: str) -> float:
-        """Median of the per-round ratios ``name / baseline``."""
-        return statistics.median(self.ratios(name, baseline))
 
     @property
     def hookscope_over_raw(self) -> float:
@@ -120,15 +106,6 @@ class Result:
         return self.hookscope_over_raw <= TARGET
 
 
-def build_model(n_layer: int) -> tuple[nn.Module, torch.Tensor]:
-    """A GPT-2 of ``n_layer`` layers with random weights (no download), in eval mode, and its input."""
-    config = GPT2Config(n_layer=n_layer)
-    model: nn.Module = GPT2Model(config)
-    model.eval()
-    x = torch.randint(0, config.vocab_size, (BATCH, SEQ_LEN))
-    return model, x
-
-
 def check_hook_counts(model: nn.Module) -> int:
     """Number of modules hooked; asserts that hookscope attaches as many hooks as the raw method."""
     n_modules = len(list(model.named_modules()))
@@ -137,35 +114,20 @@ def check_hook_counts(model: nn.Module) -> int:
     return n_modules
 
 
-def measure(model: nn.Module, x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
-    """Warm every method up, then time one forward per method per round, rotating the order."""
-    names = list(METHODS)
-    for name in names:
-        for _ in range(WARMUP):
-            METHODS[name](model, x)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(METHODS[name](model, x))
-    return times
-
-
 def format_report(result: Result) -> str:
     """The printed table and summary lines."""
-    threads = f"{result.threads} thread{'s' if result.threads != 1 else ''}"
     lines = [
         f"GPT-2 {result.n_layer} layers, batch {result.batch} x {result.seq_len}, torch {result.torch_version}, "
-        f"{threads}, {result.rounds} rounds, {result.modules_hooked} modules hooked (root included)",
+        f"{common.threads_label(result.threads)}, {result.rounds} rounds, {result.modules_hooked} modules hooked "
+        "(root included)",
         "",
         f"{'method':<12}{'median s':>12}{'x plain':>10}{'x raw hooks':>14}{'round range x raw':>22}",
     ]
     for name in result.times:
-        per_round = result.ratios(name, "raw hooks")
         lines.append(
             f"{name:<12}{statistics.median(result.times[name]):>12.4f}"
             f"{result.median_ratio(name, 'plain'):>10.3f}{result.median_ratio(name, 'raw hooks'):>14.3f}"
-            f"{f'{min(per_round):.3f}..{max(per_round):.3f}':>22}"
+            f"{common.ratio_range(result.ratios(name, 'raw hooks')):>22}"
         )
     verdict = "PASS" if result.passed else "FAIL"
     lines += ["", f"hookscope over raw hooks: {result.hookscope_over_raw:.3f} (target <= {TARGET:.2f}): {verdict}"]
@@ -174,10 +136,7 @@ def format_report(result: Result) -> str:
 
 def to_json(result: Result) -> dict[str, Any]:
     """The result as JSON-ready data, with the medians and median ratios spelled out."""
-    data = asdict(result)
-    data["median_s"] = {name: statistics.median(values) for name, values in result.times.items()}
-    data["median_ratio_vs_plain"] = {name: result.median_ratio(name, "plain") for name in result.times}
-    data["median_ratio_vs_raw_hooks"] = {name: result.median_ratio(name, "raw hooks") for name in result.times}
+    data = asdict(result) | result.medians("plain", "raw hooks")
     data["hookscope_over_raw_hooks"] = result.hookscope_over_raw
     data["target"] = TARGET
     data["passed"] = result.passed
@@ -187,16 +146,14 @@ def to_json(result: Result) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options; ``--quick`` overrides ``--rounds`` and the depth."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f"timed rounds (>= {MIN_ROUNDS})")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 rounds, 2-layer model")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if hookscope/raw exceeds {TARGET}")
+    common.add_run_options(
+        parser,
+        min_rounds=MIN_ROUNDS,
+        quick_help="smoke run: 3 rounds, 2-layer model",
+        check_help=f"exit 1 if hookscope/raw exceeds {TARGET}",
+    )
     args = parser.parse_args(argv)
-    if not args.quick and args.rounds < MIN_ROUNDS:
-        parser.error(f"--rounds must be at least {MIN_ROUNDS} (use --quick for a smoke run)")
-    if args.threads < 1:
-        parser.error("--threads must be at least 1")
+    common.check_run_options(parser, args, MIN_ROUNDS)
     return args
 
 
@@ -204,16 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, and return the exit code."""
     args = parse_args(argv)
     rounds, n_layer = (3, 2) if args.quick else (args.rounds, 12)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    common.prepare_torch(args.threads)
     with torch.no_grad():
-        model, x = build_model(n_layer)
-        modules_hooked = check_hook_counts(model)
-        times = measure(model, x, rounds)
-    result = Result(torch.__version__, args.threads, rounds, n_layer, BATCH, SEQ_LEN, modules_hooked, times)
+        work = common.gpt2_workload(n_layer)
+        modules_hooked = check_hook_counts(work.model)
+        times = common.measure(METHODS, work.model, work.inputs, rounds, WARMUP)
+    result = Result(
+        torch.__version__, args.threads, rounds, n_layer, common.GPT2_BATCH, common.GPT2_SEQ_LEN, modules_hooked, times
+    )
     print(format_report(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+        common.write_json(args.json, to_json(result))
     return 1 if args.check and not result.passed else 0
 
 
