@@ -331,7 +331,8 @@ def test_peak_memory_of_nested_calls_includes_the_childrens_peaks() -> None:
 
 
 def test_table_options() -> None:
-    trace = hs.trace(Nested(), torch.randn(2, 4))
+    model = Nested()
+    trace = hs.trace(model, torch.randn(2, 4))
     assert [line.split()[1] for line in trace.table(max_depth=0).splitlines()[2:3]] == ["(root)"]
     shallow = trace.table(max_depth=1)
     assert "stem.0.0" not in shallow
@@ -351,7 +352,8 @@ def test_table_options() -> None:
 
 
 def test_lookup_by_unknown_name_suggests() -> None:
-    trace = hs.trace(SmallCNN(), SmallCNN.example())
+    model = SmallCNN()
+    trace = hs.trace(model, SmallCNN.example())
     with pytest.raises(SiteNotFoundError, match="did you mean 'conv1'"):
         trace["conv2"]
     assert trace["(root)"] is trace[0]
@@ -613,3 +615,16 @@ def test_tied_weights_are_counted_once() -> None:
 def test_repr_is_one_line() -> None:
     trace = hs.trace(SmallCNN(), SmallCNN.example())
     assert repr(trace) == "<Trace of SmallCNN: 5 calls of 5 modules; print() it>"
+
+
+def test_selectors_on_a_trace_whose_model_is_gone() -> None:
+    import gc
+
+    trace = hs.trace(Nested(), torch.randn(2, 4))
+    gc.collect()
+    assert "blocks.0.0" in trace.table(filter="blocks.*.0")
+    assert [row.name for row in trace.select(["stem", "re:heads\\..*"])] == ["stem", "heads.main", "heads.aux"]
+    with pytest.raises(hs.SelectionError, match="did you mean 'blocks.*.0'"):
+        trace.table(filter="blockz.*.0")
+    with pytest.raises(SpecError, match="the traced model is gone"):
+        trace.select(nn.Linear)

@@ -18,7 +18,7 @@ from torch import nn
 
 from hookscope._files import atomic_path
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
-from hookscope.core.select import Selector, compile_selector, select
+from hookscope.core.select import Selector, select, select_names
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
 
 __all__ = ["MASK_WORDS", "Trace", "accepted_input", "describe_call"]
@@ -134,12 +134,12 @@ class Trace(Sequence[TraceRow]):
         chosen: Any = list(selector) if isinstance(selector, (list, tuple)) else selector
         if model is not None:
             return {name for name, _ in select(model, chosen)}
-        if not isinstance(chosen, (str, list)) or (
-            isinstance(chosen, list) and not all(isinstance(s, str) for s in chosen)
-        ):
-            raise SpecError("the traced model is gone; only name, glob and 're:' selectors work on its trace now")
-        predicate = compile_selector(chosen)
-        return {name for name in self._by_name if predicate(name, nn.Module())}
+        try:  # the model is gone: names, globs and regexes still work on the rows
+            return set(select_names(list(self._by_name), chosen))
+        except SpecError:
+            raise SpecError(
+                "the traced model is gone; only name, glob and 're:' selectors work on its trace now"
+            ) from None
 
     # -- showing --------------------------------------------------------------------------------
 

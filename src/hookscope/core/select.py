@@ -29,14 +29,14 @@ import difflib
 import fnmatch
 import re
 from collections.abc import Callable, Iterable
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 import torch
 from torch import nn
 
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
-__all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select"]
+__all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select", "select_names"]
 
 Predicate = Callable[[str, nn.Module], bool]
 Selector: TypeAlias = (
@@ -153,6 +153,30 @@ def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
         if not any(member_predicate(name, module) for name, module in named):
             raise SelectionError(_no_match_message(member, named, within=selector if len(members) > 1 else None))
     return [(name, module) for name, module in named if predicate(name, module)]
+
+
+def select_names(names: list[str], selector: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The names a name-only selector (exact, glob, ``re:``, or a list of them) picks from ``names``.
+
+    For records that outlive their model (a trace's rows): the same rules and the same
+    did-you-mean errors as :func:`select`, without the modules.
+
+    >>> select_names(["", "fc", "conv1"], "conv*")
+    ['conv1']
+    """
+    members = list(selector) if isinstance(selector, (list, tuple)) else [selector]
+    if not all(isinstance(member, str) for member in members):
+        raise SpecError(
+            f"selector {describe_selector(selector)} needs the model; only names, globs and 're:' work here"
+        )
+    predicates = [_compile_string(member) for member in members]
+    stand_in = nn.Module()
+    named = [(name, stand_in) for name in names]
+    for member, predicate in zip(members, predicates, strict=True):
+        if not any(predicate(name, stand_in) for name in names):
+            within = cast(Selector, members) if len(members) > 1 else None
+            raise SelectionError(_no_match_message(member, named, within=within))
+    return [name for name in names if any(p(name, stand_in) for p in predicates)]
 
 
 def _compile_string(text: str) -> Predicate:
