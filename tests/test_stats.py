@@ -225,3 +225,12 @@ def test_huge_values_of_both_signs_do_not_overflow_the_mean(branching: bool) -> 
     assert stats.mean == pytest.approx(0.75, abs=1e-15 * 3e38)  # float64 resolves ~1e23 at this scale
     assert stats.finite
     assert math.isfinite(stats.std)
+    assert stats.abs_mean == pytest.approx(1.5e38, rel=1e-6)
+
+
+@pytest.mark.parametrize("branching", STRATEGIES)
+def test_a_constant_has_exactly_zero_spread(branching: bool) -> None:
+    stats = measured(torch.full((3 << 20,), 0.1), branching)
+    assert stats.std == 0.0
+    assert stats.mean == pytest.approx(0.1)
+    assert stats.abs_mean == pytest.approx(0.1)

@@ -251,6 +251,7 @@ def test_a_failed_forward_names_where_it_raised_and_cleans_up() -> None:
     assert [(row.name, row.status) for row in trace] == [("", "raised"), ("first", "ok"), ("boom", "raised")]
     assert trace.failure is not None
     assert trace.failure.name == "boom"
+    assert json.loads(trace.to_json())["meta"]["failure"] == trace.failure.order
     assert trace.failure.inputs[0].shape == (2, 4)
     assert "boom#0" in str(trace)
     assert "!" in str(trace)
@@ -566,19 +567,37 @@ def test_a_refused_second_thread_leaves_the_first_threads_trace_intact() -> None
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
-def test_nested_tensors_are_shown_not_measured() -> None:
+def test_nested_tensors_are_measured_over_their_components() -> None:
     layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
     model = track(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval())
     x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
     padding = torch.zeros(3, 5, dtype=torch.bool)
     padding[0, 3:] = True
-    trace = hs.trace(model, x, src_key_padding_mask=padding)
-    nested = [info for row in trace for info in (*row.inputs, *row.outputs) if -1 in info.shape]
-    assert nested, "the fast path passes nested tensors between layers"
-    assert all(info.stats is None for info in nested)
-    assert "[3, ?, ?]" in str(trace)
-    with hs.detect_nonfinite(model):
+    seen: list[torch.Tensor] = []
+    hook = model.layers[0].register_forward_hook(lambda _m, _a, out: seen.append(out))
+    try:
+        trace = hs.trace(model, x, src_key_padding_mask=padding)
+    finally:
+        hook.remove()
+    assert seen[0].is_nested, "the fast path passes nested tensors between layers"
+    row = trace["layers.0"]
+    assert row.outputs[0].shape == (3, -1, 8)
+    assert "[3, ?, 8]" in str(trace)
+    values = torch.cat([part.reshape(-1) for part in seen[0].unbind()]).double()
+    stats = row.outputs[0].stats
+    assert stats is not None
+    assert stats.count == values.numel() == (3 + 5 + 5) * 8
+    assert stats.mean == pytest.approx(values.mean().item(), rel=1e-5, abs=1e-6)
+    assert stats.max == pytest.approx(values.max().item())
+    with torch.no_grad():
+        model.layers[0].linear2.bias[0] = math.nan
+    culprit = hs.trace(model, x, src_key_padding_mask=padding).first_nonfinite()
+    assert culprit is not None
+    assert culprit.name == "layers.0.linear2"  # not the root: the nested input was measured, finite
+    assert -1 in culprit.inputs[0].shape
+    with hs.detect_nonfinite(model), pytest.raises(hs.NonFiniteError) as raised:
         model(x, src_key_padding_mask=padding)
+    assert raised.value.module == "layers.0.linear2"
 
 
 def test_input_stats_off_measures_outputs_only() -> None:
@@ -628,3 +647,19 @@ def test_selectors_on_a_trace_whose_model_is_gone() -> None:
         trace.table(filter="blockz.*.0")
     with pytest.raises(SpecError, match="the traced model is gone"):
         trace.select(nn.Linear)
+
+
+def test_numpy_booleans_are_flags_too() -> None:
+    import numpy as np
+
+    trace = hs.trace(SmallCNN(), SmallCNN.example(), stats=np.bool_(False))  # type: ignore[arg-type]
+    assert trace["fc"].stats is None
+
+
+def test_lazy_modules_count_zero_parameters_until_they_run() -> None:
+    model = track(nn.Sequential(nn.LazyLinear(3), nn.ReLU()))
+    assert hs.layers(model).total_params == 0
+    trace = hs.trace(model, torch.randn(2, 5))
+    assert trace["0"].outputs[0].shape == (2, 3)
+    assert trace["0"].params == 0  # counted when the hooks were attached, before the forward
+    assert hs.trace(model, torch.randn(2, 5))["0"].params == 18

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hookscope.core.attach import HookGroup
+from hookscope.core.params import count, own_count
 from hookscope.core.select import ensure_module
 from hookscope.core.sites import CallTracker
 
@@ -130,14 +131,14 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
         Layer(
             name,
             type(module).__name__,
-            sum(p.numel() for p in module.parameters(recurse=False)),
+            own_count(module),
             None if calls is None else calls.get(name, 0),
             name.count(".") + 1 if name else 0,
         )
         for name, module in named
     ]
     unique = list(model.parameters())
-    return LayerTable(rows, sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad))
+    return LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad))
 
 
 def _count_calls(

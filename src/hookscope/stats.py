@@ -126,12 +126,11 @@ class Stats:
 def is_measurable(tensor: torch.Tensor) -> bool:
     """True when :func:`raw_stats` can summarise ``tensor``: real or boolean values, in memory.
 
-    Complex, sparse, nested, quantized and ``meta`` tensors (weights not loaded yet) are
-    described by shape and dtype only.
+    Complex, sparse, quantized and ``meta`` tensors (weights not loaded yet) are described by
+    shape and dtype only. Nested tensors are measured over all their components' values.
     """
     return (
-        not tensor.is_nested
-        and tensor.layout == torch.strided
+        (tensor.layout == torch.strided or tensor.is_nested)
         and not tensor.is_complex()
         and not tensor.is_quantized
         and tensor.device.type != "meta"
@@ -312,6 +311,9 @@ def _accumulator(device: torch.device) -> torch.dtype:
 
 def _as_vector(tensor: torch.Tensor) -> torch.Tensor:
     """A flat floating view (or copy) to reduce: float32 for half and float32, float64 else."""
+    if tensor.is_nested:  # every component's values, one after the other
+        parts = [component.reshape(-1) for component in tensor.unbind()]
+        tensor = torch.cat(parts) if parts else torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     if tensor.dtype in _HALF_TYPES or tensor.dtype == torch.bool:
         tensor = tensor.to(torch.float32)
     elif not tensor.is_floating_point():
@@ -360,6 +362,8 @@ def _chunk_stats(
     if not (math.isfinite(low) and math.isfinite(high)):
         return None
     n = values.numel()
+    if low == high:  # a constant: exact, no sums needed
+        return low, high, n, low, 0.0, abs(low) * n, float(n) if low == 0.0 else 0.0
     total = float(values.sum())
     squares = float(torch.dot(values, values))
     if not (math.isfinite(total) and math.isfinite(squares)):  # finite values whose sums overflowed float32
@@ -378,13 +382,15 @@ def _chunk_stats(
         m2 = spread - offset * offset / n
     m2 = max(m2, 0.0)
     if low > 0.0 or high < 0.0:  # no zeros, one sign: |x| sums to |sum|
-        return low, high, n, mean, m2, abs(total), 0.0
+        return low, high, n, mean, m2, abs(mean * n), 0.0
     if low == 0.0:  # non-negative with zeros (after a ReLU): sum(sign(x)) counts the others
-        return low, high, n, mean, m2, total, n - float(torch.sign(values, out=_work(values, scratch)).sum())
+        return low, high, n, mean, m2, mean * n, n - float(torch.sign(values, out=_work(values, scratch)).sum())
     if high == 0.0:
-        return low, high, n, mean, m2, -total, n + float(torch.sign(values, out=_work(values, scratch)).sum())
+        return low, high, n, mean, m2, -mean * n, n + float(torch.sign(values, out=_work(values, scratch)).sum())
     magnitude = torch.abs(values, out=_work(values, scratch))  # both signs: |x| once
     abs_sum = float(magnitude.sum())
+    if not math.isfinite(abs_sum):  # finite values whose |x| sum overflowed float32
+        abs_sum = float(magnitude.sum(dtype=torch.float64))
     zeros = 0.0 if float(magnitude.amin()) > 0.0 else n - float(torch.sign(magnitude, out=magnitude).sum())
     return low, high, n, mean, m2, abs_sum, zeros
 
@@ -393,15 +399,17 @@ def _unconditional(values: torch.Tensor) -> torch.Tensor:
     """Device strategy: every field from kernels queued on the stream; nothing is read back."""
     accumulate = _accumulator(values.device)
     low, high = torch.aminmax(values)
-    first = values[0].to(accumulate)
-    shift = torch.where(torch.isfinite(first), first, torch.zeros_like(first))  # a NaN shift would poison all
-    centred = values.to(accumulate) - shift  # wide: finite float32 values cannot overflow it, nor its sums
+    first = values[0]
+    # Centre on the first value, unless it is not finite or so large that x - shift could overflow.
+    usable = torch.isfinite(first) & (first.abs() < torch.finfo(values.dtype).max / 2**20)
+    shift = torch.where(usable, first, torch.zeros_like(first))
+    centred = values - shift
     fields = [
         low,
         high,
         shift,
-        centred.sum(),
-        torch.dot(centred, centred),
+        centred.sum(dtype=accumulate),  # wide sums: finite values cannot overflow them
+        torch.linalg.vector_norm(centred, 2, dtype=accumulate).square(),  # no dot: it stops at 2**31 values
         torch.linalg.vector_norm(values, 1, dtype=accumulate),
         torch.count_nonzero(values == 0),
         torch.count_nonzero(torch.isnan(values)),

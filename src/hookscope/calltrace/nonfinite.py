@@ -60,9 +60,13 @@ class _Call:
 
 def signature(tensor: torch.Tensor) -> Signature:
     """What :mod:`nonfinite` needs of a tensor, without a host sync off the CPU."""
-    if not tensor.is_floating_point() or not is_measurable(tensor) or tensor.numel() == 0:
-        return 0.0  # integers and booleans are always finite; nested and meta tensors are not read
+    if not tensor.is_floating_point() or not is_measurable(tensor):
+        return 0.0  # integers and booleans are always finite; meta tensors hold no values
     values = tensor.detach()
+    if values.is_nested:  # every component's values
+        values = torch.cat([component.reshape(-1) for component in values.unbind()] or [values.new_empty(0)])
+    if values.numel() == 0:
+        return 0.0
     if values.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         values = values.to(torch.float32)  # float8 and other types without a sum kernel
     if values.device.type != "cpu":  # sum in float64: finite values cannot overflow it

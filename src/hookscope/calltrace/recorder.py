@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +29,7 @@ from hookscope.calltrace.result import Trace, describe_call
 from hookscope.calltrace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope.calltrace.timing import CallClock, PeakMemory
 from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.params import count, own_count
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
@@ -59,27 +61,29 @@ class _FinishedPass:
     state: _Pass
     model_name: str
     seconds: float
-    error: BaseException | None  # the exception the forward ended with, if it failed
-    done: list[torch.cuda.Event]  # recorded after the last statistic on each CUDA device
+    failure: int | None  # the innermost call the exception the forward ended with went through
+    done: list[torch.cuda.Event]  # recorded after the last statistic on each CUDA stream used
 
 
-def _record_done(raws: list[RawStats]) -> list[torch.cuda.Event]:
-    """An event per CUDA device, after the pass's statistics kernels: no sync, just a marker."""
-    events = {}
-    for raw in raws:
-        device = raw.vector.device
-        if device.type == "cuda" and device not in events:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(device))
-            events[device] = event
-    return list(events.values())
+def _record_done(streams: set[torch.cuda.Stream]) -> list[torch.cuda.Event]:
+    """An event on each CUDA stream statistics were queued on: no sync, just a marker."""
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        events.append(event)
+    return events
 
 
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
     """The tensor's shape; a nested tensor's ragged sizes are -1 (shown as ``?``)."""
     if not tensor.is_nested:
         return tuple(tensor.shape)
-    return (tensor.size(0), *(-1,) * (tensor.dim() - 1))
+    sizes = [component.shape for component in tensor.unbind()]
+    if not sizes:
+        return (0, *(-1,) * (tensor.dim() - 1))
+    ragged = (len({size[d] for size in sizes}) == 1 for d in range(tensor.dim() - 1))
+    return (len(sizes), *(sizes[0][d] if same else -1 for d, same in enumerate(ragged)))
 
 
 def stats_unread(stats: list[Any]) -> bool:
@@ -121,6 +125,7 @@ class _Pass:
         self.thread = threading.get_ident()
         self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
+        self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
 
 
 class Tracer:
@@ -153,11 +158,10 @@ class Tracer:
         self._trace: Trace | None = None
         self._finished: _FinishedPass | None = None  # the latest pass, statistics not yet read
         self._selected = _modules(model, layers)
-        unique = {id(p): p.numel() for _, m in self._selected for p in m.parameters(recurse=False)}
-        self._total_params = sum(unique.values())  # weights tied between modules counted once
+        self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
         specs = []
         for name, module in self._selected:
-            params = sum(p.numel() for p in module.parameters(recurse=False))
+            params = own_count(module)
             specs.append(
                 HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True, fitted=True)
             )
@@ -243,6 +247,8 @@ class Tracer:
         began = time.perf_counter()
         state.raws.append(raw_stats(tensor, scratch=self._scratch))
         state.measuring += time.perf_counter() - began
+        if tensor.is_cuda:
+            state.streams.add(torch.cuda.current_stream(tensor.device))
         return len(state.raws) - 1
 
     def _peak_memory(self, device: torch.device) -> PeakMemory:
@@ -267,12 +273,16 @@ class Tracer:
         """
         state = self._pass
         error = sys.exc_info()[1]
+        failed = error is not None and error is not state.handled
+        raised = [draft.order for draft in state.rows if failed and draft.error is error]
+        for draft in state.rows:
+            draft.error = None  # the traceback would keep the forward's activations alive
         self._finished = _FinishedPass(
             state,
             type(module).__name__,
             time.perf_counter() - state.started,
-            error if error is not state.handled else None,
-            _record_done(state.raws),
+            max(raised) if raised else None,
+            _record_done(state.streams),
         )
         self._trace = None
 
@@ -339,9 +349,9 @@ class Tracer:
             "timing": self._timing,
             "params": self._total_params,
         }
-        for event in finished.done:
-            event.synchronize()  # the statistics were queued on the forward's streams
         try:
+            for event in finished.done:
+                event.synchronize()  # the statistics were queued on the forward's streams
             stats: list[Any] = read_stats(state.raws)
             if self._timing:
                 state.clock.synchronize()
@@ -349,9 +359,8 @@ class Tracer:
             stats = [None] * len(state.raws)
             meta["stats_error"] = f"{type(error).__name__}: {error}"
         rows = [self._freeze(draft, stats, state.clock) for draft in state.rows]
-        raised = [d for d in state.rows if d.error is not None and d.error is finished.error]
-        failure = max(d.order for d in raised) if finished.error is not None and raised else None
-        return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=failure)
+        meta["failure"] = finished.failure
+        return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=finished.failure)
 
     @property
     def live(self) -> bool:
@@ -441,7 +450,7 @@ def trace(
     """
     flags = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory, "grad": grad}
     for option, value in flags.items():
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, np.bool_)):
             raise SpecError(
                 f"{option}= is trace's own option and takes True or False, not a {type(value).__name__}; "
                 f"to pass {option}= to the model, use model_kwargs={{{option!r}: ...}}"

@@ -134,12 +134,10 @@ class Trace(Sequence[TraceRow]):
         chosen: Any = list(selector) if isinstance(selector, (list, tuple)) else selector
         if model is not None:
             return {name for name, _ in select(model, chosen)}
-        try:  # the model is gone: names, globs and regexes still work on the rows
-            return set(select_names(list(self._by_name), chosen))
-        except SpecError:
-            raise SpecError(
-                "the traced model is gone; only name, glob and 're:' selectors work on its trace now"
-            ) from None
+        members = chosen if isinstance(chosen, list) else [chosen]
+        if not all(isinstance(member, str) for member in members):
+            raise SpecError("the traced model is gone; only name, glob and 're:' selectors work on its trace now")
+        return set(select_names(list(self._by_name), chosen))  # names, globs and regexes still work
 
     # -- showing --------------------------------------------------------------------------------
 

@@ -165,6 +165,8 @@ def select_names(names: list[str], selector: str | list[str] | tuple[str, ...]) 
     ['conv1']
     """
     members = list(selector) if isinstance(selector, (list, tuple)) else [selector]
+    if not members:
+        raise SpecError(f"an empty {type(selector).__name__} selects nothing; expected {_FORMS}")
     if not all(isinstance(member, str) for member in members):
         raise SpecError(
             f"selector {describe_selector(selector)} needs the model; only names, globs and 're:' work here"
