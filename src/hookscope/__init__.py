@@ -31,6 +31,7 @@ from hookscope.errors import (
     SpecError,
     UnsupportedModelError,
 )
+from hookscope.grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
 from hookscope.stats import RunningStats, Stats, tensor_stats
@@ -41,6 +42,11 @@ __all__ = [
     "Capture",
     "CaptureError",
     "FileFormatError",
+    "GradFlag",
+    "GradMonitor",
+    "GradRecord",
+    "GradStep",
+    "GradSummary",
     "HookGroup",
     "HookSpec",
     "HookscopeError",
@@ -75,4 +81,5 @@ __all__ = [
     "tensor_stats",
     "trace",
     "tracing",
+    "watch_grads",
 ]

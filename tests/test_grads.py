@@ -1,0 +1,300 @@
+"""hs.watch_grads: per-call gradients equal autograd's, across steps, with the flags the summary raises."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hookscope as hs
+from hookscope.errors import SpecError
+from tests.models import LinearInplaceReLU, SharedTwice, gpt2_input, tiny_gpt2, track
+
+
+def norms(step: hs.GradStep, what: str) -> dict[str, float]:
+    return {f"{r.layer}:{r.path}": r.norm for r in step.records if r.what == what}
+
+
+def test_inplace_relu_gradients_equal_autograd() -> None:
+    torch.manual_seed(0)
+    model = LinearInplaceReLU()
+    x = torch.randn(6, 4)
+    weights = torch.randn(6, 4)
+    with hs.watch_grads(model) as monitor:
+        (model(x) * weights).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    fc_out = model.fc(x)
+    act_out = torch.relu(fc_out)
+    want_fc, want_act = torch.autograd.grad((act_out * weights).sum(), [fc_out, act_out])
+    got = norms(step, "grad_output")
+    assert got["fc#0:output"] == pytest.approx(want_fc.norm().item(), rel=1e-6)  # before the in-place ReLU
+    assert got["act#0:output"] == pytest.approx(want_act.norm().item(), rel=1e-6)
+    assert norms(step, "grad_input")["act#0:[0]"] == pytest.approx(want_fc.norm().item(), rel=1e-6)
+    max_abs = {r.layer: r.max_abs for r in step.of("grad_output")}
+    assert max_abs["fc#0"] == pytest.approx(want_fc.abs().max().item())
+
+
+@dataclass
+class Halves:
+    left: torch.Tensor
+    right: torch.Tensor
+
+
+class SplitHalves(nn.Module):
+    def forward(self, x: torch.Tensor) -> Halves:
+        left, right = x.chunk(2, dim=-1)
+        return Halves(left * 2, right * 3)
+
+
+class UsesDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.split = SplitHalves()
+        track(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        halves = self.split(self.fc(x))
+        return halves.left.sum(-1) * halves.right.sum(-1)
+
+
+def test_dataclass_outputs_get_gradients() -> None:
+    torch.manual_seed(0)
+    model = UsesDataclass()
+    x = torch.randn(3, 4)
+    with hs.watch_grads(model, "split") as monitor:
+        model(x).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    halves = model.split(model.fc(x))
+    want_left, want_right = torch.autograd.grad(
+        (halves.left.sum(-1) * halves.right.sum(-1)).sum(), [halves.left, halves.right]
+    )
+    got = norms(step, "grad_output")
+    assert got["split#0:output.left"] == pytest.approx(want_left.norm().item(), rel=1e-6)
+    assert got["split#0:output.right"] == pytest.approx(want_right.norm().item(), rel=1e-6)
+
+
+def test_a_module_called_twice_gets_one_record_per_call() -> None:
+    torch.manual_seed(0)
+    model = SharedTwice()
+    x = torch.randn(5, 4)
+    with hs.watch_grads(model, "shared", params=False) as monitor:
+        model(x).pow(2).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    first = model.shared(x)
+    second = model.shared(torch.relu(first))
+    want_first, want_second = torch.autograd.grad(model.head(second).pow(2).sum(), [first, second])
+    got = norms(step, "grad_output")
+    assert got == pytest.approx(
+        {"shared#0:output": want_first.norm().item(), "shared#1:output": want_second.norm().item()}, rel=1e-6
+    )
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+        track(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        out: torch.Tensor = self.head(hidden)
+        return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_are_counted_once(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    x = torch.randn(3, 4, requires_grad=True)
+    with hs.watch_grads(model, params=False) as monitor:
+        model(x).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    layers = [r.layer for r in step.of("grad_output")]
+    assert sorted(layers) == sorted(set(layers))  # no call twice
+    assert {"block.0#0", "block.1#0", "block.2#0", "head#0"} <= set(layers)
+    inner = model.block[0](x)
+    want = torch.autograd.grad(model.head(model.block[2](torch.tanh(inner))).sum(), inner)[0]
+    assert norms(step, "grad_output")["block.0#0:output"] == pytest.approx(want.norm().item(), rel=1e-6)
+
+
+def test_gpt2_block_gradients_equal_autograd() -> None:
+    model = tiny_gpt2().train()
+    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.0
+    model.eval()  # no dropout, so the reference forward is the same function
+    ids = gpt2_input()
+    with hs.watch_grads(model, "h.*", "ln_f", params=False) as monitor:
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        step = monitor.step()
+    assert step is not None
+    captured: dict[str, torch.Tensor] = {}
+    hooks = [
+        model.get_submodule(name).register_forward_hook(
+            lambda _m, _a, out, name=name: captured.__setitem__(name, out[0] if isinstance(out, tuple) else out)
+        )
+        for name in ("h.0", "h.1.mlp")
+    ]
+    try:
+        loss = model(input_ids=ids).last_hidden_state.pow(2).mean()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    want = torch.autograd.grad(loss, [captured["h.0"], captured["h.1.mlp"]])
+    got = {r.layer: r.norm for r in step.of("grad_output") if r.path in ("output", "output[0]")}
+    assert got["h.0#0"] == pytest.approx(want[0].norm().item(), rel=1e-5)
+    assert got["h.1.mlp#0"] == pytest.approx(want[1].norm().item(), rel=1e-5)
+
+
+class NaNBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        out.view(-1)[0] = math.nan
+        return out
+
+
+class PoisonsBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = NaNBackward.apply(x)
+        return out
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_a_nan_made_in_one_layers_backward_is_traced_to_it(k: int) -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(6):
+        layers += [nn.Linear(8, 8), PoisonsBackward() if i == k else nn.Identity(), nn.Tanh()]
+    model = track(nn.Sequential(*layers))
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(4, 8)).sum().backward()
+        monitor.step()
+    summary = monitor.summary()
+    assert summary.layers("nonfinite") == [f"{3 * k + 1}#0"]
+    assert "first NaN/Inf in backward order" in str(summary)
+
+
+def deep_sigmoid_mlp(std: float | None) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(20):
+        linear = nn.Linear(16, 16)
+        if std is not None:
+            nn.init.normal_(linear.weight, std=std)
+            nn.init.zeros_(linear.bias)
+        layers += [linear, nn.Sigmoid()]
+    return track(nn.Sequential(*layers))
+
+
+def train(model: nn.Module, monitor: hs.GradMonitor, steps: int, x: torch.Tensor | None = None) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = x if x is not None else torch.randn(8, 16, generator=generator)
+        model(batch).pow(2).mean().backward()
+        monitor.step()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_deep_sigmoid_mlp_with_small_weights_is_flagged_vanishing() -> None:
+    model = deep_sigmoid_mlp(std=0.01)
+    with hs.watch_grads(model, nn.Linear) as monitor:
+        train(model, monitor, 3)
+    vanishing = monitor.summary().layers("vanishing")
+    assert "0#0" in vanishing  # the first layers get almost nothing back
+    assert "38#0" not in vanishing  # the last layer is the reference
+
+
+def test_a_huge_weight_is_flagged_exploding() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 1)))
+    with torch.no_grad():
+        model[2].weight.mul_(1e6)
+    with hs.watch_grads(model) as monitor:
+        train(model, monitor, 2)
+    summary = monitor.summary()
+    assert "1#0" in summary.layers("exploding")  # the gradient entering the tanh is scaled by 1e6
+
+
+def test_a_relu_fed_negative_bias_is_flagged_dead() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1)))
+    with torch.no_grad():
+        model[0].bias[[1, 5]] = -100.0  # channels 1 and 5 never fire
+    with hs.watch_grads(model, dead_window=3) as monitor:
+        train(model, monitor, 3)
+    dead = monitor.summary().of("dead")
+    assert [(flag.layer, flag.detail) for flag in dead] == [("1", "2 channels zero for every sample: 1, 5")]
+    assert monitor.records[-1].dead == {"1": [1, 5]}
+
+
+def test_every_n_records_only_those_steps() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)))
+    hooked: list[int] = []
+    with hs.watch_grads(model, every=3) as monitor:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for index in range(7):
+            out = model(torch.randn(4, 16))
+            hooked.append(len(out._backward_hooks or {}))  # tensor hooks on the model's output
+            out.sum().backward()
+            result = monitor.step()
+            assert (result is not None) == (index % 3 == 0)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [step.step for step in monitor.records] == [0, 3, 6]
+    assert hooked == [1, 0, 0, 1, 0, 0, 1]  # skipped steps hook nothing
+    frame = monitor.history()
+    assert list(frame.index) == [0, 3, 6]
+    assert list(frame.columns) == ["0", "1", "2"]
+    assert monitor.history("ratio", what="param").shape == (3, 4)
+
+
+def test_parameter_records_give_norm_and_ratio() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(4, 3)))
+    with hs.watch_grads(model, activations=False) as monitor:
+        model(torch.randn(2, 4)).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    weight = {r.path: r for r in step.of("param")}["0.weight"]
+    assert weight.norm == pytest.approx(model[0].weight.grad.norm().item(), rel=1e-6)  # type: ignore[union-attr]
+    assert weight.ratio == pytest.approx(weight.norm / model[0].weight.norm().item(), rel=1e-6)
+    assert step.of("grad_output") == []
+
+
+def test_bad_arguments() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(SpecError, match="every=0"):
+        hs.watch_grads(model, every=0)
+    with pytest.raises(SpecError, match="watch nothing"):
+        hs.watch_grads(model, params=False, activations=False)
+    with pytest.raises(hs.SelectionError, match="matched 0 of 2 modules"):
+        hs.watch_grads(model, "1")
+    with hs.watch_grads(model) as monitor:
+        pass
+    with pytest.raises(SpecError, match="vanishing"):
+        monitor.summary(vanishing=2.0)
+
+
+def test_the_same_mlp_initialised_for_the_sigmoid_is_not_flagged() -> None:
+    model = deep_sigmoid_mlp(std=8 / math.sqrt(16))  # four times LeCun's: the sigmoid's slope is 1/4
+    with hs.watch_grads(model, nn.Linear) as monitor:
+        train(model, monitor, 3)
+    assert monitor.summary().layers("vanishing") == []
