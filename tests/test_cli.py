@@ -76,11 +76,14 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
     steps = [line.split(".")[0] for line in lines if line[:1].isdigit()]
-    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9"]
+    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10"]
     text = "\n".join(lines)
     assert "5 calls · 5 modules · 618 parameters" in text
     assert "NonFiniteError: NaN or +inf first appears in output of 'fc' (Linear, call 0)" in text
     assert "first_nonfinite(): fc#0, inputs finite, 1 NaN out" in text
+    poor, good = [line for line in lines if "first/last layer gradient norm" in line]
+    assert "layers flagged vanishing" in poor
+    assert "no layer flagged" in good
 
 
 @pytest.mark.skipif(shutil.which("hookscope", path=os.path.dirname(sys.executable)) is None, reason="not installed")

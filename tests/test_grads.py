@@ -298,3 +298,58 @@ def test_the_same_mlp_initialised_for_the_sigmoid_is_not_flagged() -> None:
     with hs.watch_grads(model, nn.Linear) as monitor:
         train(model, monitor, 3)
     assert monitor.summary().layers("vanishing") == []
+
+
+def test_plots_draw_the_recorded_steps(tmp_path: Any) -> None:
+    from matplotlib.image import imread
+
+    model = deep_sigmoid_mlp(std=0.5)
+    with hs.watch_grads(model) as monitor:
+        train(model, monitor, 3)
+    flow = hs.plots.grad_flow(monitor)
+    assert len(flow.axes) == 1
+    axis = flow.axes[0]
+    assert axis.get_yscale() == "log"
+    assert len(axis.get_xticklabels()) == 40  # 20 Linear + 20 Sigmoid calls, forward order
+    assert axis.get_xticklabels()[0].get_text() == "0"
+    history = hs.plots.grad_history(monitor, layers=["0", "38"])
+    assert [line.get_label() for line in history.axes[0].get_lines()] == ["0", "38"]
+    for name, figure in (("flow.png", flow), ("history.png", history)):
+        figure.savefig(tmp_path / name)
+        pixels = imread(tmp_path / name)
+        assert pixels.std() > 0.05, f"{name} looks blank"
+    with pytest.raises(SpecError, match="step 7 was not recorded"):
+        hs.plots.grad_flow(monitor, step=7)
+    with pytest.raises(SpecError, match="were not recorded"):
+        hs.plots.grad_history(monitor, layers=["nope"])
+
+
+def test_plots_mark_non_finite_layers() -> None:
+    model = track(nn.Sequential(nn.Linear(8, 8), PoisonsBackward(), nn.Tanh()))
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(2, 8)).sum().backward()
+        monitor.step()
+    axis = hs.plots.grad_flow(monitor, what="grad_input").axes[0]
+    assert any(collection.get_label() == "NaN/Inf" for collection in axis.collections)
+
+
+def test_tensorboard_gets_each_step_once(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    writer = SummaryWriter(str(tmp_path))
+    with hs.watch_grads(model, every=2) as monitor:
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            monitor.step()
+            monitor.to_tensorboard(writer)
+            monitor.to_tensorboard(writer)  # nothing new: nothing written twice
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    ratios = events.Scalars("grads/param/0.weight/ratio")
+    assert [event.step for event in ratios] == [0, 2, 4]
+    norms = {event.step: event.value for event in events.Scalars("grads/grad_output/2#0/norm")}
+    assert norms[4] == pytest.approx({r.layer: r.norm for r in monitor.records[-1].of("grad_output")}["2#0"])

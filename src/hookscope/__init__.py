@@ -12,6 +12,7 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
+from hookscope import plots
 from hookscope._version import __version__
 from hookscope.calltrace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
 from hookscope.calltrace.nonfinite import NonFiniteDetector, detect_nonfinite
@@ -76,6 +77,7 @@ __all__ = [
     "layers",
     "load",
     "map_tensors",
+    "plots",
     "run_with_capture",
     "select",
     "tensor_stats",

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from hookscope._version import __version__
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["app", "main"]
 
@@ -234,6 +234,50 @@ def trace_command(
         typer.echo(f"error: {type(raised).__name__}: {raised}", err=True)
         typer.echo(f"the forward raised in {describe_call(where)}", err=True)
         raise typer.Exit(EXIT_FAILURE)
+
+
+@app.command("grads")
+def grads_command(
+    model: ModelSpec,
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    steps: Annotated[int, typer.Option("--steps", "-n", min=1, help="Training steps to run.")] = 3,
+    lr: Annotated[float, typer.Option("--lr", min=0.0, help="SGD learning rate.")] = 0.01,
+    png: Annotated[Path | None, typer.Option("--png", help="Save the gradient-flow plot of the last step.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs and targets.")] = 0,
+) -> None:
+    """Train MODEL for a few SGD steps on random data and print the layers whose gradients look wrong.
+
+    The loss is synthetic: cross-entropy against random labels for a (batch, classes) output,
+    else mean squared error against random targets. For a quick look at gradient flow at init.
+    """
+    from hookscope.cli.sample import prepare
+    from hookscope.cli.training import train_steps
+    from hookscope.grads.monitor import watch_grads
+
+    if png is not None and png.suffix.lower() != ".png":
+        raise SpecError(f"--png {png}: expected a file name ending in .png")
+    sample = prepare(model, input_shape, dtype, seed)
+    typer.echo(sample.describe_input())
+    with watch_grads(sample.model) as monitor:
+        sample.run(
+            lambda _net, _args, _kwargs: train_steps(
+                sample,
+                monitor,
+                steps=steps,
+                lr=lr,
+                shape=input_shape,
+                dtype=dtype,
+                seed=seed,
+                report=lambda index, loss: typer.echo(f"step {index}: loss {loss:.4g}"),
+            )
+        )
+    typer.echo(str(monitor.summary()))
+    if png is not None:
+        from hookscope.plots import grad_flow
+
+        grad_flow(monitor).savefig(png, dpi=100)
+        typer.echo(f"wrote {png}")
 
 
 def main(argv: list[str] | None = None) -> None:

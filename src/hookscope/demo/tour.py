@@ -4,7 +4,8 @@ Each step is what people hand-write with ``register_forward_hook`` today, done w
 print shapes, extract features to numpy and save them, print value ranges, show that every hook
 is gone afterwards -- also after a forward that raised -- then capture in one line, and show a
 value that a hand-written hook gets wrong because an in-place op rewrites it later; finally
-trace every call with its statistics, and find the layer that makes the first NaN.
+trace every call with its statistics, find the layer that makes the first NaN, and watch the
+gradients of a deep sigmoid MLP vanish with a poor initialisation and flow with a good one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hookscope.capturing import load, run_with_capture
 from hookscope.core.attach import attached
 from hookscope.demo.models import SmallCNN
 from hookscope.errors import NonFiniteError
+from hookscope.grads.monitor import watch_grads
 from hookscope.hooks import hooks
 from hookscope.layers import layers
 
@@ -85,6 +87,10 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
 
     _step(write, 9, "which layer makes the first NaN", "with hs.detect_nonfinite(model): model(x)")
     _nan_origin(model, x, write)
+
+    _step(write, 10, "gradients through 20 sigmoid layers", "with hs.watch_grads(mlp, nn.Linear): ...")
+    for label, std in (("weights N(0, 0.1^2)", 0.1), ("weights N(0, (8/sqrt(16))^2)", 2.0)):
+        _gradient_flow(label, std, write)
     return saved
 
 
@@ -190,6 +196,36 @@ def _nan_origin(model: nn.Module, x: torch.Tensor, write: Write) -> None:
     if culprit is not None and culprit.stats is not None:
         inputs = "finite" if all(info.finite for info in culprit.inputs) else "not finite"
         write(f"   hs.trace(...).first_nonfinite(): {culprit.site}, inputs {inputs}, {culprit.stats.nan} NaN out")
+
+
+def _sigmoid_mlp(std: float, depth: int = 20, width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        linear = nn.Linear(width, width)
+        nn.init.normal_(linear.weight, std=std)
+        nn.init.zeros_(linear.bias)
+        layers += [linear, nn.Sigmoid()]
+    return nn.Sequential(*layers)
+
+
+def _gradient_flow(label: str, std: float, write: Write) -> None:
+    """Three SGD steps of a 20-layer sigmoid MLP; how much gradient reaches the first layer."""
+    model = _sigmoid_mlp(std)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    with watch_grads(model, nn.Linear, params=False) as monitor:
+        for _ in range(3):
+            model(torch.randn(8, 16, generator=generator)).pow(2).mean().backward()
+            monitor.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    norms = [record.norm for record in monitor.records[-1].of("grad_output")]
+    vanishing = monitor.summary().layers("vanishing")
+    write(
+        f"   {label:<30} first/last layer gradient norm {norms[0] / norms[-1]:.1e}: "
+        + (f"{len(vanishing)} of {len(norms)} layers flagged vanishing" if vanishing else "no layer flagged")
+    )
 
 
 def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:

@@ -107,6 +107,7 @@ class GradMonitor:
         self._recording = True
         self._records: list[GradStep] = []
         self._dead: dict[str, deque[torch.Tensor]] = {}
+        self._written = -1  # the last step sent to TensorBoard
         specs = []
         if activations:
             for name, module in self._selected:
@@ -271,6 +272,16 @@ class GradMonitor:
         The thresholds and their defaults are in :mod:`hookscope.grads.summary`.
         """
         return summarise(self._records, vanishing=vanishing, exploding=exploding, growth=growth, window=window)
+
+    def to_tensorboard(self, writer: Any) -> None:
+        """Write the steps recorded since the last call to a ``SummaryWriter`` as scalars.
+
+        Call it after ``monitor.step()`` (every step or now and then): each step is written
+        once, tagged ``grads/grad_output/<module>#<call>/norm``, ``grads/param/<name>/ratio``, ...
+        """
+        from hookscope.grads.sinks import write_tensorboard
+
+        self._written = write_tensorboard(self._records, writer, after=self._written)
 
     # -- lifetime -------------------------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+"""Gradient plots: the flow through the layers at one step, and norms over steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.grads.records import GradRecord, GradStep
+
+if TYPE_CHECKING:
+    from hookscope.grads.monitor import GradMonitor
+
+__all__ = ["grad_flow", "grad_history", "new_figure"]
+
+_MAX_LINES = 8
+
+
+def new_figure(width: float, height: float) -> Any:
+    """A pyplot-free ``Figure`` (no window, no global state), or a clear error without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise MissingDependencyError("plots need matplotlib: pip install 'hookscope[plots]'") from error
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
+    steps = list(source.records) if hasattr(source, "records") else list(source)
+    if not steps:
+        raise SpecError("nothing recorded yet: call monitor.step() after a backward pass first")
+    return steps
+
+
+def _label(record: GradRecord, repeated: set[str]) -> str:
+    if record.what == "param":
+        return record.path
+    name = record.module or "(root)"
+    return f"{name}#{record.call}" if name in repeated else name
+
+
+def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = None, what: str = "grad_output") -> Any:
+    """Mean and max |g| per layer at one recorded step (the latest by default), log scale.
+
+    Layers run left to right in forward order; a layer whose gradient held a NaN/Inf is marked
+    with a red cross at the top. ``what`` is ``grad_output`` (default), ``grad_input`` or
+    ``param``.
+
+    Example::
+
+        grad_flow(monitor).savefig("grad_flow.png")
+    """
+    steps = _steps(source)
+    chosen = steps[-1] if step is None else next((s for s in steps if s.step == step), None)
+    if chosen is None:
+        raise SpecError(f"step {step} was not recorded; recorded steps: {[s.step for s in steps][:20]}")
+    records = [r for r in chosen.of(what) if r.path in ("output", "[0]", "output[0]") or r.what == "param"]  # type: ignore[arg-type]
+    if not records:
+        raise SpecError(f"step {chosen.step} has no {what} records; try what='param' or 'grad_output'")
+    repeated = {r.module for r in records if r.call > 0}
+    labels = [_label(r, repeated) for r in records]
+    positions = list(range(len(records)))
+    fig = new_figure(max(6.0, 0.28 * len(records) + 2), 4.5)
+    ax = fig.add_subplot()
+    finite = [r.finite for r in records]
+    ax.bar(positions, [_positive(r.max_abs) for r in records], color="#9ecae1", label="max |g|")
+    ax.bar(positions, [_positive(r.mean_abs) for r in records], color="#3182bd", label="mean |g|")
+    ax.set_yscale("log")
+    bad = [p for p, ok in zip(positions, finite, strict=True) if not ok]
+    if bad:
+        top = max((_positive(r.max_abs) for r in records if r.finite), default=1.0)
+        ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3, label="NaN/Inf")
+    ax.set_xticks(positions, labels, rotation=90, fontsize=7)
+    ax.set_ylabel("|gradient|")
+    ax.set_title(f"gradient flow ({what}), step {chosen.step}")
+    ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def grad_history(
+    source: GradMonitor | Sequence[GradStep],
+    *,
+    layers: Sequence[str] | None = None,
+    metric: str = "norm",
+    what: str = "grad_output",
+) -> Any:
+    """One line per layer: ``metric`` (``norm``, ``mean_abs``, ``max_abs``, ``ratio``) over the
+    recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history` does
+    (default: up to 8 spread evenly from first to last)."""
+    from hookscope.grads.records import history_frame
+
+    frame = history_frame(_steps(source), metric, what)
+    if frame.empty:
+        raise SpecError(f"no {what} records to plot")
+    columns = list(frame.columns)
+    if layers is None:
+        stride = max(1, math.ceil(len(columns) / _MAX_LINES))
+        chosen = columns[::stride]
+    else:
+        unknown = [layer for layer in layers if layer not in columns]
+        if unknown:
+            raise SpecError(f"layers {unknown} were not recorded; recorded: {columns[:12]}")
+        chosen = list(layers)
+    fig = new_figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    for column in chosen:
+        ax.plot(frame.index, frame[column].clip(lower=1e-45), marker="o", markersize=3, label=column)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{what} {metric} over steps")
+    ax.legend(loc="best", fontsize=7)
+    return fig
+
+
+def _positive(value: float) -> float:
+    return value if math.isfinite(value) and value > 0 else 1e-45
