@@ -21,7 +21,7 @@ def test_all_is_sorted_and_complete() -> None:
 def test_import_is_light() -> None:
     code = (
         "import sys, hookscope; "
-        "heavy = {'typer', 'rich', 'matplotlib', 'zarr', 'jinja2', 'transformers', 'pandas'} & set(sys.modules); "
+        "heavy = {'typer', 'rich', 'matplotlib', 'zarr', 'jinja2', 'transformers', 'pandas', 'tensorboard', 'safetensors'} & set(sys.modules); "
         "print(sorted(heavy))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
