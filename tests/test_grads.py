@@ -353,3 +353,20 @@ def test_tensorboard_gets_each_step_once(tmp_path: Any) -> None:
     assert [event.step for event in ratios] == [0, 2, 4]
     norms = {event.step: event.value for event in events.Scalars("grads/grad_output/2#0/norm")}
     assert norms[4] == pytest.approx({r.layer: r.norm for r in monitor.records[-1].of("grad_output")}["2#0"])
+
+
+def test_micro_batches_of_one_step_merge_per_site() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    first, second = torch.randn(3, 4), torch.randn(5, 4)
+    with hs.watch_grads(model, "0", params=False) as monitor:
+        for batch in (first, second):
+            model(batch).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    [record] = step.of("grad_output")
+    outputs = [model[0](batch) for batch in (first, second)]
+    grads = [torch.autograd.grad(torch.tanh(out).sum(), out)[0] for out in outputs]
+    together = torch.cat([g.reshape(-1) for g in grads])
+    assert record.count == together.numel()
+    assert record.norm == pytest.approx(together.norm().item(), rel=1e-6)

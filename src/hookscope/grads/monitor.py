@@ -194,12 +194,10 @@ class GradMonitor:
         return result
 
     def _read(self, step: _Step, index: int) -> GradStep:
-        slots = sorted(step.raws)
-        params = self._parameter_stats() if self._params else []
-        stats = read_stats([step.raws[s] for s in slots])
-        by_slot = dict(zip(slots, stats, strict=True))
+        # One entry per site; the same site in several micro-batches (gradient accumulation,
+        # several backward passes before step()) merges into one set of statistics.
         order = {slot: rank for rank, slot in enumerate(dict.fromkeys(step.fired))}
-        records = []
+        sites: dict[tuple[str, int, str, str], tuple[str, RawStats, int | None]] = {}
         for call in step.calls:
             kinds: tuple[tuple[GradWhat, list[tuple[str, int]]], ...] = (
                 ("grad_output", call.outputs),
@@ -207,19 +205,18 @@ class GradMonitor:
             )
             for what, leaves in kinds:
                 for path, slot in leaves:
-                    if slot in by_slot:
-                        records.append(
-                            GradRecord.of(
-                                index,
-                                call.name,
-                                call.class_name,
-                                call.call,
-                                what,
-                                path,
-                                by_slot[slot],
-                                order=order.get(slot),
-                            )
-                        )
+                    if slot not in step.raws:
+                        continue  # no gradient reached this tensor
+                    key = (call.name, call.call, what, path)
+                    known = sites.get(key)
+                    raw = step.raws[slot] if known is None else merge_raw(known[1], step.raws[slot])
+                    sites[key] = (call.class_name, raw, order.get(slot) if known is None else known[2])
+        params = self._parameter_stats() if self._params else []
+        stats = read_stats([raw for _, raw, _ in sites.values()])
+        records = [
+            GradRecord.of(index, name, class_name, call, what, path, measured, order=rank)  # type: ignore[arg-type]
+            for ((name, call, what, path), (class_name, _, rank)), measured in zip(sites.items(), stats, strict=True)
+        ]
         records += [GradRecord.of_parameter(index, name, grad, weight) for name, grad, weight in params]
         dead = self._update_dead(step)
         return GradStep(index, records, dead)
