@@ -37,6 +37,7 @@ bench: install-dev
 	$(BIN)/python bench/bench_hooks.py
 	$(BIN)/python bench/bench_capture.py
 	$(BIN)/python bench/bench_trace.py
+	$(BIN)/python bench/bench_grads.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo

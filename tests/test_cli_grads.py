@@ -50,7 +50,9 @@ def test_grads_flags_a_vanishing_mlp(
 def test_grads_of_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "grads", "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2", "-s", "2x8", "-n", "2")
     assert code == 0, err
-    assert "recorded steps" in out
+    assert out.splitlines()[0] == "input: input_ids (2, 8) int64"
+    assert [line.split(":")[0] for line in out.splitlines()[1:3]] == ["step 0", "step 1"]
+    assert "2 recorded steps" in out
 
 
 def test_grads_bad_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -121,18 +121,16 @@ def test_checkpointed_blocks_are_counted_once(reentrant: bool) -> None:
         model(x).sum().backward()
         step = monitor.step()
     assert step is not None
-    layers = [r.layer for r in step.of("grad_output")]
-    assert sorted(layers) == sorted(set(layers))  # no call twice
-    assert {"block.0#0", "block.1#0", "block.2#0", "head#0"} <= set(layers)
+    counts = {r.layer: r.count for r in step.of("grad_output")}
+    assert {"block.0#0", "block.1#0", "block.2#0", "head#0"} <= set(counts)
+    assert counts["block.0#0"] == 3 * 4  # one call's gradient, not two merged
     inner = model.block[0](x)
     want = torch.autograd.grad(model.head(model.block[2](torch.tanh(inner))).sum(), inner)[0]
     assert norms(step, "grad_output")["block.0#0:output"] == pytest.approx(want.norm().item(), rel=1e-6)
 
 
 def test_gpt2_block_gradients_equal_autograd() -> None:
-    model = tiny_gpt2().train()
-    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.0
-    model.eval()  # no dropout, so the reference forward is the same function
+    model = tiny_gpt2()  # eval mode: no dropout, so the reference forward is the same function
     ids = gpt2_input()
     with hs.watch_grads(model, "h.*", "ln_f", params=False) as monitor:
         model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
@@ -262,7 +260,7 @@ def test_every_n_records_only_those_steps() -> None:
     assert hooked == [1, 0, 0, 1, 0, 0, 1]  # skipped steps hook nothing
     frame = monitor.history()
     assert list(frame.index) == [0, 3, 6]
-    assert list(frame.columns) == ["0", "1", "2"]
+    assert list(frame.columns) == ["0#0", "1#0", "2#0"]
     assert monitor.history("ratio", what="param").shape == (3, 4)
 
 
@@ -312,8 +310,8 @@ def test_plots_draw_the_recorded_steps(tmp_path: Any) -> None:
     assert axis.get_yscale() == "log"
     assert len(axis.get_xticklabels()) == 40  # 20 Linear + 20 Sigmoid calls, forward order
     assert axis.get_xticklabels()[0].get_text() == "0"
-    history = hs.plots.grad_history(monitor, layers=["0", "38"])
-    assert [line.get_label() for line in history.axes[0].get_lines()] == ["0", "38"]
+    history = hs.plots.grad_history(monitor, layers=["0#0", "38#0"])
+    assert [line.get_label() for line in history.axes[0].get_lines()] == ["0#0", "38#0"]
     for name, figure in (("flow.png", flow), ("history.png", history)):
         figure.savefig(tmp_path / name)
         pixels = imread(tmp_path / name)
@@ -370,3 +368,164 @@ def test_micro_batches_of_one_step_merge_per_site() -> None:
     together = torch.cat([g.reshape(-1) for g in grads])
     assert record.count == together.numel()
     assert record.norm == pytest.approx(together.norm().item(), rel=1e-6)
+
+
+class Looped(nn.Module):
+    """One layer applied three times, each application checkpointed (reentrant or not)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.layer = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        track(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = checkpoint(lambda t: torch.tanh(self.layer(t)), x, use_reentrant=self.reentrant)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_layer_checkpointed_in_a_loop_keeps_each_call(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = Looped(reentrant)
+    x = torch.randn(2, 4, requires_grad=True)
+    with hs.watch_grads(model, "layer", params=False) as monitor:
+        model(x).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    outs, hidden = [], x
+    for _ in range(3):
+        out = model.layer(hidden)
+        outs.append(out)
+        hidden = torch.tanh(out)
+    want = torch.autograd.grad(model.head(hidden).sum(), outs)
+    got = {r.layer: r.norm for r in step.of("grad_output")}
+    assert got == pytest.approx({f"layer#{i}": want[i].norm().item() for i in range(3)}, rel=1e-6)
+
+
+def test_hooks_on_leaf_tensors_come_off_each_step() -> None:
+    class UsesItsWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.queries = nn.Parameter(torch.randn(3, 4))
+            self.mix = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mix(self.queries) @ x.T
+
+    model = track(UsesItsWeight())
+    with hs.watch_grads(model) as monitor:
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            monitor.step()
+            assert not model.queries._backward_hooks  # type: ignore[attr-defined]
+    step = monitor.records[-1]
+    assert {r.column for r in step.of("grad_input")} == {"mix#0"}
+
+
+def test_keyword_inputs_get_grad_input_records() -> None:
+    class TakesKeyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, *, hidden: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.fc(hidden)
+            return out
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = TakesKeyword()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.inner(hidden=x * 2)
+            return out
+
+    model = track(Outer())
+    with hs.watch_grads(model, "inner", params=False) as monitor:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    assert [r.column for r in step.of("grad_input")] == ["inner#0:['hidden']"]
+
+
+def test_a_nan_from_a_functional_op_is_still_flagged() -> None:
+    class SqrtBetween(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.a(x) * 0  # sqrt'(0) is infinite
+            out: torch.Tensor = self.b(hidden.sqrt())
+            return out
+
+    model = track(SqrtBetween())
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.step()
+    [flag] = monitor.summary().of("nonfinite")
+    assert flag.layer == "a#0"
+    assert "outside the watched modules" in flag.detail
+
+
+def test_nan_in_parameter_gradients_only_is_flagged() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 2)))
+    with hs.watch_grads(model, activations=False) as monitor:
+        model(torch.randn(1, 2)).sum().backward()
+        model[0].weight.grad[0, 0] = math.nan  # type: ignore[index]
+        monitor.step()
+    [flag] = monitor.summary().of("nonfinite")
+    assert flag.layer == "0.weight"
+
+
+def test_a_relu_reused_at_two_widths_does_not_break_the_forward() -> None:
+    class TwoWidths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wide = nn.Linear(4, 8)
+            self.narrow = nn.Linear(8, 3)
+            self.act = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.narrow(self.act(self.wide(x))))
+
+    model = track(TwoWidths())
+    with hs.watch_grads(model, dead_window=1) as monitor:
+        model(torch.randn(5, 4)).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    assert set(step.dead) <= {"act", "act#1"}
+
+
+def test_step_without_a_forward_records_nothing() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 2)))
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(1, 2)).sum().backward()
+        assert monitor.step() is not None
+        assert monitor.step() is None  # called twice: nothing new ran
+    assert len(monitor.records) == 1
+
+
+def test_root_parameters_are_watched() -> None:
+    class WithToken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token = nn.Parameter(torch.ones(4))
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.fc(x + self.token)
+            return out
+
+    model = track(WithToken())
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(2, 4)).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    assert {r.path for r in step.of("param")} == {"token", "fc.weight", "fc.bias"}

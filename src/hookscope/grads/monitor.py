@@ -11,11 +11,15 @@ give it. A tensor that is one module's output and the next one's input is hooked
 
 Each gradient is summarised on its device by :func:`hookscope.stats.raw_stats` inside the hook;
 nothing is read until :meth:`GradMonitor.step`, which reads the whole step at once.
+
+Limits: a tensor hook on a view that is later changed in place does not fire (autograd
+rebases the view), so such a site has no record; and hooks fire for every backward through a
+tensor, so a second ``torch.autograd.grad`` over the same graph (a gradient penalty) adds its
+gradients to the step's statistics.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,20 +27,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookscope.calltrace.identity import SeenTensors
 from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
-from hookscope.errors import SpecError
+from hookscope.errors import HookscopeError, SpecError
 from hookscope.grads.records import GradRecord, GradStep, GradWhat
+from hookscope.grads.replay import Replay
 from hookscope.grads.summary import GradSummary, summarise
-from hookscope.stats import RawStats, merge_raw, raw_stats, read_stats
+from hookscope.stats import RawStats, Stats, is_measurable, merge_raw, raw_stats, read_stats
 
 __all__ = ["DEAD_UNIT_TYPES", "GradMonitor", "watch_grads"]
 
-# Activations whose output is exactly zero for a dead unit.
+# Activations whose output is exactly zero for a dead unit (nn.Threshold only with value 0).
 DEAD_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Threshold)
 
 
@@ -64,18 +70,27 @@ class _Step:
         self.fired: list[int] = []  # slots in the order their gradients arrived (backward order)
         self.slots = 0
         self.seen: SeenTensors[int] = SeenTensors()
-        self.alive: dict[str, torch.Tensor] = {}  # dead-unit modules: channels that were ever non-zero
-        self.inputs: dict[tuple[int, int], list[tuple[str, int]]] = {}  # (module id, call) -> input slots
-        self.recorded: set[tuple[int, int]] = set()  # calls recorded in a forward (not a recomputation)
+        self.alive: dict[tuple[str, int], torch.Tensor] = {}  # ReLU-like outputs: channels ever non-zero
+        self.open: dict[int, list[tuple[int, list[tuple[str, int]]] | None]] = {}  # module id -> open calls
+        self.replay = Replay()
+        self.handles: list[RemovableHandle] = []  # hooks on leaf tensors, which outlive the step
+        self.closed = False
+
+    def close(self) -> None:
+        """No more gradients for this step; hooks left on leaf tensors come off."""
+        self.closed = True
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 class GradMonitor:
     """Gradient statistics of a model over a training loop; made by :func:`watch_grads`.
 
     Call :meth:`step` once per optimiser step, after ``loss.backward()`` and before
-    ``optimizer.zero_grad()``; it reads the step's statistics (one transfer per device) and
-    appends them to :attr:`records`. ``every=N`` records every N-th step only: on the others
-    the hooks return at once.
+    ``optimizer.zero_grad()``; it reads the step's statistics (a few transfers, none inside a
+    hook) and appends them to :attr:`records`. ``every=N`` records every N-th step only: on the
+    others the hooks return after one check.
     """
 
     def __init__(
@@ -91,27 +106,28 @@ class GradMonitor:
         ensure_module(model)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise SpecError(f"every={every!r} is not a positive whole number of steps; 1 records every step")
-        if not isinstance(dead_window, int) or dead_window < 1:
+        if not isinstance(dead_window, int) or isinstance(dead_window, bool) or dead_window < 1:
             raise SpecError(f"dead_window={dead_window!r} is not a positive number of steps")
         if not (params or activations):
             raise SpecError("params=False and activations=False watch nothing; keep at least one")
-        self._model = weakref.ref(model)
         self._params = params
         self._activations = activations
         self._every = every
         self._dead_window = dead_window
         self._selected = _modules(model, selectors)
-        self._tracker = CallTracker()
+        self._parameters = _parameters(model, self._selected, whole=not selectors)
+        self._tracker = CallTracker(listener=self)
+        self._pass_grad = True
         self._step_index = 0
         self._current = _Step()
         self._recording = True
         self._records: list[GradStep] = []
-        self._dead: dict[str, deque[torch.Tensor]] = {}
+        self._dead: dict[tuple[str, int], deque[torch.Tensor]] = {}
         self._written = -1  # the last step sent to TensorBoard
         specs = []
         if activations:
             for name, module in self._selected:
-                specs.append(HookSpec(name, module, "forward_pre", self._pre_hook(), fitted=True))
+                specs.append(HookSpec(name, module, "forward_pre", self._pre_hook(), with_kwargs=True, fitted=True))
                 specs.append(
                     HookSpec(name, module, "forward", self._forward_hook(name, module), always_call=True, fitted=True)
                 )
@@ -119,41 +135,55 @@ class GradMonitor:
 
     # -- hooks ----------------------------------------------------------------------------------
 
-    def _pre_hook(self) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+    def _pre_hook(self) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         current = self._tracker.current
 
-        def before_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
+        def before_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self._recording:
+                return
+            step = self._current
+            if not torch.is_grad_enabled():
+                if self._pass_grad and not _in_backward():
+                    step.replay.skip(id(module), current(module))  # a reentrant checkpoint's first run
+                return
+            if _in_backward():  # a checkpoint re-running its block inside the backward
+                call = step.replay.enter(id(module))
+                if call is None:  # hooked in the forward already (non-reentrant): not again
+                    step.open.setdefault(id(module), []).append(None)
+                    return
+            else:
+                call = current(module)
             # Inputs are hooked before the module runs: a module that changes its input in place
             # (ReLU(inplace=True)) must not turn grad_input into the gradient of its output.
-            if not self._recording or not torch.is_grad_enabled():
-                return  # not a recorded step, or no autograd (a reentrant checkpoint's first forward)
-            step, key = self._current, (id(module), current(module))
-            if _in_backward() and key in step.recorded:
-                return  # a checkpointed block recomputing a call already hooked in its forward
-            step.recorded.add(key)
-            step.inputs[key] = [
-                (path, self._watch(step, t))
-                for i, arg in enumerate(args)
-                for path, t in flatten_tensors(arg, f"[{i}]")
-                if t.requires_grad
-            ]
+            leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
+            leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
+            inputs = [(path, self._watch(step, t)) for path, t in leaves if t.requires_grad]
+            step.open.setdefault(id(module), []).append((call, inputs))
 
         return before_forward
 
     def _forward_hook(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        current, class_name = self._tracker.current, type(module).__name__
-        watches_units = isinstance(module, DEAD_UNIT_TYPES)
+        class_name = type(module).__name__
+        watches_units = isinstance(module, DEAD_UNIT_TYPES) and getattr(module, "value", 0) == 0
 
         def after_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not self._recording:
+                return
             step = self._current
-            inputs = step.inputs.pop((id(module), current(module)), None)
-            if inputs is None or output is None:
-                return  # not recorded, or the call raised
+            stack = step.open.get(id(module))
+            if not stack:
+                return  # its pre-hook recorded nothing (no grad)
+            opened = stack.pop()
+            if _in_backward():
+                step.replay.exit()
+            if opened is None or output is None:
+                return  # hooked already, or the call raised
+            call, inputs = opened
             outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output) if t.requires_grad]
             if outputs or inputs:
-                step.calls.append(_Call(name, class_name, current(module), outputs, inputs))
+                step.calls.append(_Call(name, class_name, call, outputs, inputs))
             if watches_units and isinstance(output, torch.Tensor):
-                _note_alive(step, name, output)
+                _note_alive(step, (name, call), output)
 
         return after_forward
 
@@ -166,28 +196,48 @@ class GradMonitor:
         step.seen.put(tensor, slot)
 
         def on_grad(grad: torch.Tensor) -> None:
-            if step is not self._current:
-                return  # a backward of a step already closed, or after remove()
+            if step.closed or not is_measurable(grad):
+                return  # a step already read, or a sparse gradient
             raw = raw_stats(grad)
             step.raws[slot] = merge_raw(step.raws[slot], raw) if slot in step.raws else raw
             step.fired.append(slot)
 
-        tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
+        handle = tensor.register_hook(on_grad)  # type: ignore[no-untyped-call]
+        if tensor.is_leaf:  # a parameter or an input passed in: its hooks would stay after the step
+            step.handles.append(handle)
         return slot
+
+    # -- passes (told by the call tracker) ------------------------------------------------------
+
+    def pass_started(self, module: nn.Module) -> None:
+        """Remember whether this forward runs with grad (a no-grad call inside it is a checkpoint)."""
+        self._pass_grad = torch.is_grad_enabled()
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Nothing to do: a step ends at :meth:`step`, not with a forward."""
+
+    def pass_abandoned(self) -> None:
+        """A forward cut short leaves nothing to undo."""
+
+    def refuse_thread(self) -> Exception:
+        """Another thread entered while a forward is open."""
+        return HookscopeError("watch_grads is already watching a forward pass on another thread; one thread at a time")
 
     # -- steps ----------------------------------------------------------------------------------
 
     def step(self) -> GradStep | None:
         """Close the current step: read its statistics and append them to :attr:`records`.
 
-        Returns the step's :class:`GradStep`, or None on a step ``every`` skips.
+        Returns the step's :class:`GradStep`, or None on a step ``every`` skips and on a step
+        in which no watched module ran with grad (``step()`` called twice, say).
         """
         step, index = self._current, self._step_index
         self._current = _Step()
         self._step_index += 1
         recorded = self._recording
         self._recording = self._step_index % self._every == 0
-        if not recorded:
+        step.close()
+        if not recorded or (self._activations and not step.calls):
             return None
         result = self._read(step, index)
         self._records.append(result)
@@ -221,31 +271,35 @@ class GradMonitor:
         dead = self._update_dead(step)
         return GradStep(index, records, dead)
 
-    def _parameter_stats(self) -> list[tuple[str, Any, float]]:
-        """``(name, Stats of the gradient, weight norm)`` of every parameter with a gradient."""
-        named = [
-            (f"{module_name}.{name}" if module_name else name, parameter)
-            for module_name, module in self._selected
-            for name, parameter in module.named_parameters(recurse=False)
-            if parameter.grad is not None
-        ]
+    def _parameter_stats(self) -> list[tuple[str, Stats, float]]:
+        """``(name, Stats of the gradient, weight norm)`` of every watched parameter with a gradient."""
+        named = [(n, p) for n, p in self._parameters if p.grad is not None and is_measurable(p.grad)]
         if not named:
             return []
         grads = read_stats([raw_stats(p.grad) for _, p in named])  # type: ignore[arg-type]
-        norms = torch.stack([torch.linalg.vector_norm(p.detach().float()) for _, p in named]).tolist()
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, parameter) in enumerate(named):
+            by_device.setdefault(parameter.device, []).append(i)
+        norms = [0.0] * len(named)
+        for indices in by_device.values():  # one read per device
+            values = torch.stack([torch.linalg.vector_norm(named[i][1].detach().float()) for i in indices])
+            for i, value in zip(indices, values.tolist(), strict=True):
+                norms[i] = value
         return [(name, g, w) for (name, _), g, w in zip(named, grads, norms, strict=True)]
 
     def _update_dead(self, step: _Step) -> dict[str, list[int]]:
-        for name, alive in step.alive.items():
-            window = self._dead.setdefault(name, deque(maxlen=self._dead_window))
+        for key, alive in step.alive.items():
+            window = self._dead.get(key)
+            if window is None or (window and window[-1].shape != alive.shape):
+                window = self._dead[key] = deque(maxlen=self._dead_window)  # new, or its width changed
             window.append(alive)
         dead = {}
-        for name, window in self._dead.items():
+        for (name, call), window in self._dead.items():
             if len(window) == self._dead_window:
                 ever = torch.stack(list(window)).any(0)
                 channels = (~ever).nonzero().flatten().tolist()
                 if channels:
-                    dead[name] = channels
+                    dead[name if call == 0 else f"{name}#{call}"] = channels
         return dead
 
     # -- reading --------------------------------------------------------------------------------
@@ -256,7 +310,8 @@ class GradMonitor:
         return list(self._records)
 
     def history(self, metric: str = "norm", what: str = "grad_output") -> Any:
-        """A pandas DataFrame, steps x layers, of one statistic (``norm``, ``mean_abs``, ``max_abs``)."""
+        """A pandas DataFrame, steps x layers, of one statistic (``norm``, ``mean_abs``, ``max_abs``,
+        ``nan``, ``inf``; ``ratio`` with ``what="param"``). Columns are the records' layer names."""
         from hookscope.grads.records import history_frame
 
         return history_frame(self._records, metric, what)
@@ -288,8 +343,9 @@ class GradMonitor:
         return self._group.live
 
     def remove(self) -> None:
-        """Remove the hooks; the records stay. Tensor hooks of a forward not yet backpropagated do nothing."""
-        self._current = _Step()
+        """Remove the hooks. What the open step caught so far is kept for a last :meth:`step`;
+        gradients arriving after this are not recorded."""
+        self._current.close()
         self._group.remove()
 
     def __enter__(self) -> GradMonitor:
@@ -299,14 +355,15 @@ class GradMonitor:
         self.remove()
 
 
-def _note_alive(step: _Step, name: str, output: torch.Tensor) -> None:
+def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None:
     """OR into the step which channels of a ReLU-like output were non-zero for some sample."""
     if output.dim() < 2:
         return
     channel = 1 if output.dim() >= 4 else output.dim() - 1  # NCHW: dim 1; (N, C) and (N, T, C): last
     with torch.no_grad():
         alive = output.detach().ne(0).movedim(channel, -1).reshape(-1, output.shape[channel]).any(0)
-    step.alive[name] = step.alive[name] | alive if name in step.alive else alive
+    known = step.alive.get(key)
+    step.alive[key] = alive if known is None or known.shape != alive.shape else known | alive
 
 
 def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[str, nn.Module]]:
@@ -318,6 +375,22 @@ def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[st
         if id(module) not in seen:
             seen.add(id(module))
             chosen.append((name, module))
+    return chosen
+
+
+def _parameters(
+    model: nn.Module, selected: list[tuple[str, nn.Module]], *, whole: bool
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters watched: the whole model's, or those inside the selected modules (each once)."""
+    if whole:
+        return list(model.named_parameters())
+    seen: set[int] = set()
+    chosen = []
+    for module_name, module in selected:
+        for name, parameter in module.named_parameters(prefix=module_name):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                chosen.append((name, parameter))
     return chosen
 
 

@@ -47,8 +47,16 @@ class GradRecord:
 
     @property
     def layer(self) -> str:
-        """``module#call`` for activations, the parameter's dotted name for parameters."""
-        return self.path if self.what == "param" else f"{self.module}#{self.call}"
+        """``module#call`` for activations (``(root)#0`` for the model), the parameter's name for parameters."""
+        return self.path if self.what == "param" else f"{self.module or '(root)'}#{self.call}"
+
+    @property
+    def column(self) -> str:
+        """:attr:`layer`, with ``:path`` when the tensor is not the call's only output or first input:
+        the name used by history tables, plots and TensorBoard tags."""
+        if self.what == "param" or self.path in ("output", "[0]"):
+            return self.layer
+        return f"{self.layer}:{self.path}"
 
     @classmethod
     def of(
@@ -71,7 +79,7 @@ class GradRecord:
         """A parameter's record: ``ratio`` is its gradient's norm over the weight's norm."""
         numbers = _numbers(stats)
         module, _, _ = name.rpartition(".")
-        ratio = numbers["norm"] / weight_norm if weight_norm > 0 else math.inf
+        ratio = numbers["norm"] / weight_norm if weight_norm > 0 else math.nan  # a zero weight: no ratio
         return cls(step, module, "", 0, "param", name, **numbers, ratio=ratio)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,19 +122,13 @@ def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
         import pandas as pd  # type: ignore[import-untyped,unused-ignore]
     except ImportError as error:
         raise MissingDependencyError("history() needs pandas: pip install pandas") from error
-    repeated = {r.module for step in steps for r in step.records if r.what != "param" and r.call > 0}
     rows: dict[int, dict[str, float]] = {}
     for step in steps:
         row = rows.setdefault(step.step, {})
         for record in step.of(what):  # type: ignore[arg-type]
-            call = f"#{record.call}" if record.module in repeated else ""
-            key = record.layer if record.what == "param" else f"{record.module or '(root)'}{call}{_suffix(record)}"
+            key = record.column
             value = getattr(record, metric)
             row[key] = math.nan if value is None else float(value)
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "step"
     return frame
-
-
-def _suffix(record: GradRecord) -> str:
-    return "" if record.path in ("output", "[0]") else f":{record.path}"

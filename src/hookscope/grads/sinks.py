@@ -12,10 +12,7 @@ __all__ = ["write_tensorboard"]
 
 
 def _tag(record: GradRecord) -> str:
-    if record.what == "param":
-        return f"grads/param/{record.path}"
-    suffix = "" if record.path in ("output", "[0]") else record.path
-    return f"grads/{record.what}/{record.module or '(root)'}#{record.call}{suffix}"
+    return f"grads/{record.what}/{record.column}"
 
 
 def write_tensorboard(steps: Sequence[GradStep], writer: Any, *, after: int) -> int:

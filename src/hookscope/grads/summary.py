@@ -20,6 +20,7 @@ channels of a ReLU-like output that were zero for every sample of the monitor's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -82,7 +83,7 @@ def summarise(
         raise SpecError("expected exploding > 0, growth > 1 and window >= 2 (steps)")
     found: dict[tuple[FlagKind, str], tuple[list[int], str]] = {}
 
-    def flag(kind: FlagKind, layer: str, step: int, detail: str) -> None:
+    def flag(kind: FlagKind, layer: str, detail: str, *, step: int) -> None:
         steps_seen, _ = found.setdefault((kind, layer), ([], detail))
         steps_seen.append(step)
         found[(kind, layer)] = (steps_seen, detail)
@@ -90,39 +91,53 @@ def summarise(
     history: dict[str, list[tuple[int, float]]] = {}
     for step in steps:
         judged = step.of("grad_output") or step.of("param")
-        norms = {record.layer: record.norm for record in judged if record.finite}
+        squares: dict[str, float] = {}
+        for record in judged:  # a layer with several outputs: the norm of all of them together
+            if record.finite:
+                squares[record.layer] = squares.get(record.layer, 0.0) + record.norm**2
+        norms = {layer: math.sqrt(value) for layer, value in squares.items()}
         largest = max(norms.values(), default=0.0)
         for layer, norm in norms.items():
             history.setdefault(layer, []).append((step.step, norm))
             if largest > 0 and norm < vanishing * largest:
-                flag("vanishing", layer, step.step, f"norm below {vanishing:g} of the largest layer's")
+                flag("vanishing", layer, f"norm below {vanishing:g} of the largest layer's", step=step.step)
             if norm > exploding:
-                flag("exploding", layer, step.step, f"norm above {exploding:g}")
+                flag("exploding", layer, f"norm above {exploding:g}", step=step.step)
         origin = _nonfinite_origin(step)
         if origin is not None:
-            flag("nonfinite", origin, step.step, "first NaN/Inf in backward order (grad_input, finite grad_output)")
+            flag("nonfinite", *origin, step=step.step)
         for name, channels in step.dead.items():
-            flag("dead", name, step.step, f"{len(channels)} channels zero for every sample: {_listing(channels)}")
+            flag("dead", name, f"{len(channels)} channels zero for every sample: {_listing(channels)}", step=step.step)
     for layer, points in history.items():
         for (_, before), (at, now) in zip(points, points[window - 1 :], strict=False):
             if before > 0 and now / before >= growth:
-                flag("exploding", layer, at, f"norm grew {growth:g}x or more within {window} steps")
+                flag("exploding", layer, f"norm grew {growth:g}x or more within {window} steps", step=at)
     flags = tuple(GradFlag(kind, layer, tuple(sorted(set(s))), detail) for (kind, layer), (s, detail) in found.items())
     return GradSummary(flags, len(steps))
 
 
-def _nonfinite_origin(step: GradStep) -> str | None:
-    """The first call, in backward order, whose grad_input is non-finite and grad_output finite."""
+def _nonfinite_origin(step: GradStep) -> tuple[str, str] | None:
+    """``(layer, detail)`` of the step's first NaN/Inf gradient, or None when all are finite.
+
+    The first call, in backward order, whose grad_input is non-finite while its grad_output is
+    finite made it. Failing that (a functional op between modules, the loss, or parameters
+    only), the earliest non-finite gradient in backward order is named, saying so.
+    """
+    if all(record.finite for record in step.records):
+        return None
     outputs: dict[str, bool] = {}
     for record in step.of("grad_output"):
         outputs[record.layer] = outputs.get(record.layer, True) and record.finite
     inputs = sorted((r for r in step.of("grad_input") if not r.finite and r.order is not None), key=_order)
     for record in inputs:
         if outputs.get(record.layer, False):
-            return record.layer
-    if any(not record.finite for record in step.records):
-        return "(loss)" if not outputs or not any(outputs.values()) else None
-    return None
+            return record.layer, "first NaN/Inf in backward order (grad_input, finite grad_output)"
+    activations = sorted((r for r in step.records if r.what != "param" and not r.finite), key=_order)
+    if activations:
+        first = activations[0]
+        return first.column, "first NaN/Inf in backward order; it came from outside the watched modules"
+    parameters = [r for r in step.of("param") if not r.finite]
+    return parameters[0].layer, f"NaN/Inf in {len(parameters)} parameter gradient(s), first in model order"
 
 
 def _order(record: GradRecord) -> int:

@@ -67,9 +67,11 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     ax.bar(positions, [_positive(r.max_abs) for r in records], color="#9ecae1", label="max |g|")
     ax.bar(positions, [_positive(r.mean_abs) for r in records], color="#3182bd", label="mean |g|")
     ax.set_yscale("log")
+    shown = [v for r in records for v in (r.mean_abs, r.max_abs) if math.isfinite(v) and v > 0]
+    top = max(shown, default=1.0)
+    ax.set_ylim(min(shown, default=top) / 2, top * 2)  # zeros and NaN are left out, not drawn at 1e-45
     bad = [p for p, ok in zip(positions, finite, strict=True) if not ok]
     if bad:
-        top = max((_positive(r.max_abs) for r in records if r.finite), default=1.0)
         ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3, label="NaN/Inf")
     ax.set_xticks(positions, labels, rotation=90, fontsize=7)
     ax.set_ylabel("|gradient|")
@@ -87,7 +89,7 @@ def grad_history(
 ) -> Any:
     """One line per layer: ``metric`` (``norm``, ``mean_abs``, ``max_abs``, ``ratio``) over the
     recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history` does
-    (default: up to 8 spread evenly from first to last)."""
+    (default: up to 8 spread evenly from first to last), e.g. ``"h.0#0"`` or ``"fc.weight"``."""
     from hookscope.grads.records import history_frame
 
     frame = history_frame(_steps(source), metric, what)
@@ -105,7 +107,8 @@ def grad_history(
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for column in chosen:
-        ax.plot(frame.index, frame[column].clip(lower=1e-45), marker="o", markersize=3, label=column)
+        values = frame[column].where(frame[column] > 0)  # zeros cannot sit on a log axis: gaps
+        ax.plot(frame.index, values, marker="o", markersize=3, label=column)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
@@ -115,4 +118,4 @@ def grad_history(
 
 
 def _positive(value: float) -> float:
-    return value if math.isfinite(value) and value > 0 else 1e-45
+    return value if math.isfinite(value) and value > 0 else math.nan  # no bar
