@@ -529,3 +529,16 @@ def test_root_parameters_are_watched() -> None:
         step = monitor.step()
     assert step is not None
     assert {r.path for r in step.of("param")} == {"token", "fc.weight", "fc.bias"}
+
+
+def test_repr_and_html() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 2)))
+    model.add_module("<b>", nn.Identity())
+    with hs.watch_grads(model) as monitor:
+        assert repr(monitor) == "<GradMonitor of 2 modules: 0 steps recorded, live>"
+        model(torch.randn(1, 2)).sum().backward()
+        monitor.step()
+    html = monitor._repr_html_()
+    assert "&lt;b&gt;#0" in html
+    assert "<b>#0" not in html
+    assert "no gradient problems found in 1 recorded steps" in html

@@ -351,6 +351,25 @@ class GradMonitor:
     def __enter__(self) -> GradMonitor:
         return self
 
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<GradMonitor of {len(self._selected)} modules: {len(self._records)} steps recorded, {state}>"
+
+    def _repr_html_(self) -> str:
+        """The summary and the latest step's gradient norms, for Jupyter."""
+        import html
+
+        head = f"<p><b>{html.escape(repr(self))}</b></p><pre>{html.escape(str(self.summary()))}</pre>"
+        if not self._records:
+            return head
+        rows = "".join(
+            f"<tr><td>{html.escape(r.column)}</td><td>{r.what}</td><td>{r.norm:.4g}</td>"
+            f"<td>{r.mean_abs:.4g}</td><td>{r.max_abs:.4g}</td><td>{r.nan}/{r.inf}</td></tr>"
+            for r in self._records[-1].records
+        )
+        header = "<tr><th>layer</th><th>what</th><th>norm</th><th>mean |g|</th><th>max |g|</th><th>nan/inf</th></tr>"
+        return f"{head}<table><thead>{header}</thead><tbody>{rows}</tbody></table>"
+
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
