@@ -238,8 +238,8 @@ def test_a_relu_fed_negative_bias_is_flagged_dead() -> None:
     with hs.watch_grads(model, dead_window=3) as monitor:
         train(model, monitor, 3)
     dead = monitor.summary().of("dead")
-    assert [(flag.layer, flag.detail) for flag in dead] == [("1", "2 channels zero for every sample: 1, 5")]
-    assert monitor.records[-1].dead == {"1": [1, 5]}
+    assert [(flag.layer, flag.detail) for flag in dead] == [("1#0", "2 channels zero for every sample: 1, 5")]
+    assert monitor.records[-1].dead == {"1#0": [1, 5]}
 
 
 def test_every_n_records_only_those_steps() -> None:
@@ -309,7 +309,7 @@ def test_plots_draw_the_recorded_steps(tmp_path: Any) -> None:
     axis = flow.axes[0]
     assert axis.get_yscale() == "log"
     assert len(axis.get_xticklabels()) == 40  # 20 Linear + 20 Sigmoid calls, forward order
-    assert axis.get_xticklabels()[0].get_text() == "0"
+    assert axis.get_xticklabels()[0].get_text() == "0#0"
     history = hs.plots.grad_history(monitor, layers=["0#0", "38#0"])
     assert [line.get_label() for line in history.axes[0].get_lines()] == ["0#0", "38#0"]
     for name, figure in (("flow.png", flow), ("history.png", history)):
@@ -500,7 +500,7 @@ def test_a_relu_reused_at_two_widths_does_not_break_the_forward() -> None:
         model(torch.randn(5, 4)).sum().backward()
         step = monitor.step()
     assert step is not None
-    assert set(step.dead) <= {"act", "act#1"}
+    assert set(step.dead) <= {"act#0", "act#1"}
 
 
 def test_step_without_a_forward_records_nothing() -> None:
@@ -508,8 +508,12 @@ def test_step_without_a_forward_records_nothing() -> None:
     with hs.watch_grads(model) as monitor:
         model(torch.randn(1, 2)).sum().backward()
         assert monitor.step() is not None
-        assert monitor.step() is None  # called twice: nothing new ran
-    assert len(monitor.records) == 1
+        model.zero_grad(set_to_none=True)
+        assert monitor.step() is None  # nothing ran and no parameter has a gradient
+        model(torch.randn(1, 2)).sum().backward()
+        model.zero_grad(set_to_none=False)
+        assert monitor.step() is not None  # the forward ran: its records are there
+    assert len(monitor.records) == 2
 
 
 def test_root_parameters_are_watched() -> None:
@@ -542,3 +546,130 @@ def test_repr_and_html() -> None:
     assert "&lt;b&gt;#0" in html
     assert "<b>#0" not in html
     assert "no gradient problems found in 1 recorded steps" in html
+
+
+class Shared(nn.Module):
+    """``blk`` twice and ``drop`` around ``a``, inside one reentrant checkpointed function."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blk = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.scale = nn.Tanh()
+        track(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def region(t: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.scale(self.a(self.scale(self.blk(self.blk(t)))))
+            return out
+
+        out: torch.Tensor = checkpoint(region, x, use_reentrant=self.reentrant)
+        return out
+
+
+def test_a_module_called_twice_in_one_checkpointed_region_keeps_its_call_numbers() -> None:
+    results = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = Shared(reentrant)
+        with hs.watch_grads(model, params=False) as monitor:
+            model(torch.randn(2, 4, requires_grad=True)).pow(2).sum().backward()
+            step = monitor.step()
+        assert step is not None
+        results[reentrant] = [(r.layer, round(r.norm, 6)) for r in step.of("grad_output")]
+    assert results[True] == results[False]
+    assert [layer for layer, _ in results[True]] == ["blk#0", "blk#1", "scale#0", "a#0", "scale#1"]
+
+
+def test_a_no_grad_call_inside_a_training_forward_is_not_a_checkpoint() -> None:
+    class Teacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(4, 4)
+            track(self)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            trained = checkpoint(self.enc, x, use_reentrant=True)
+            with torch.no_grad():
+                target = self.enc(x * 2)  # a frozen target, not a checkpoint
+            out: torch.Tensor = (trained - target).pow(2).sum()
+            return out
+
+    torch.manual_seed(0)
+    model = Teacher()
+    x = torch.randn(2, 4, requires_grad=True)
+    with hs.watch_grads(model, "enc", params=False) as monitor:
+        model(x).backward()
+        step = monitor.step()
+    assert step is not None
+    assert [r.layer for r in step.of("grad_output")] == ["enc#0"]
+
+
+def test_a_whole_model_checkpointed_from_outside_is_recorded() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    x = torch.randn(3, 4, requires_grad=True)
+    with hs.watch_grads(model, params=False) as monitor:
+        checkpoint(model, x, use_reentrant=True).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    assert [r.layer for r in step.of("grad_output")] == ["0#0", "1#0", "2#0"]
+
+
+def test_a_parameter_passed_in_to_every_micro_batch_is_counted_once_per_step() -> None:
+    class Queries(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.queries = nn.Parameter(torch.randn(6, 4))
+            self.mix = nn.Linear(4, 4)
+            track(self)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mix(self.queries) @ x.T
+
+    torch.manual_seed(0)
+    model = Queries()
+    batches = [torch.randn(3, 4), torch.randn(3, 4)]
+    with hs.watch_grads(model, "mix", params=False) as monitor:
+        for batch in batches:
+            model(batch).sum().backward()
+        step = monitor.step()
+    assert step is not None
+    [record] = step.of("grad_input")
+    each = [torch.autograd.grad(model(batch).sum(), model.queries)[0] for batch in batches]
+    assert record.count == 2 * 24  # both micro-batches' gradients, each counted once
+    assert record.norm == pytest.approx(math.sqrt(sum(g.pow(2).sum().item() for g in each)), rel=1e-6)
+
+
+def test_dead_unit_windows_start_over_for_calls_that_stop_running() -> None:
+    class Variable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = nn.ReLU()
+            self.times = 3
+            track(self)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.times):
+                x = self.act(self.fc(x)) - 1  # from the second call on, everything is negative
+            return x
+
+    torch.manual_seed(0)
+    model = Variable()
+    with hs.watch_grads(model, dead_window=2) as monitor:
+        for times in (3, 3, 1, 1):
+            model.times = times
+            model(torch.randn(5, 4)).sum().backward()
+            monitor.step()
+    assert "act#2" in monitor.records[1].dead
+    assert "act#2" not in monitor.records[3].dead
+
+
+def test_all_zero_gradients_are_flagged() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+    with hs.watch_grads(model) as monitor:
+        (model(torch.randn(3, 2)) * 0).sum().backward()
+        monitor.step()
+    assert set(monitor.summary().layers("vanishing")) == {"0#0", "1#0"}

@@ -36,7 +36,7 @@ from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.grads.records import GradRecord, GradStep, GradWhat
-from hookscope.grads.replay import Replay
+from hookscope.grads.replay import Replay, checkpoint_context
 from hookscope.grads.summary import GradSummary, summarise
 from hookscope.stats import RawStats, Stats, is_measurable, merge_raw, raw_stats, read_stats
 
@@ -57,6 +57,7 @@ class _Call:
     name: str
     class_name: str
     call: int
+    sequence: int  # when the call started in the forward: records come out in forward order
     outputs: list[tuple[str, int]]  # (path, slot)
     inputs: list[tuple[str, int]] = field(default_factory=list)
 
@@ -71,7 +72,8 @@ class _Step:
         self.slots = 0
         self.seen: SeenTensors[int] = SeenTensors()
         self.alive: dict[tuple[str, int], torch.Tensor] = {}  # ReLU-like outputs: channels ever non-zero
-        self.open: dict[int, list[tuple[int, list[tuple[str, int]]] | None]] = {}  # module id -> open calls
+        self.open: dict[int, list[tuple[int, int, list[tuple[str, int]]] | None]] = {}  # module id -> open calls
+        self.sequence = 0  # watched calls started in this step's forwards
         self.replay = Replay()
         self.handles: list[RemovableHandle] = []  # hooks on leaf tensors, which outlive the step
         self.closed = False
@@ -90,7 +92,7 @@ class GradMonitor:
     Call :meth:`step` once per optimiser step, after ``loss.backward()`` and before
     ``optimizer.zero_grad()``; it reads the step's statistics (a few transfers, none inside a
     hook) and appends them to :attr:`records`. ``every=N`` records every N-th step only: on the
-    others the hooks return after one check.
+    others the monitor's hooks return after one check (the call counter still counts).
     """
 
     def __init__(
@@ -117,7 +119,6 @@ class GradMonitor:
         self._selected = _modules(model, selectors)
         self._parameters = _parameters(model, self._selected, whole=not selectors)
         self._tracker = CallTracker(listener=self)
-        self._pass_grad = True
         self._step_index = 0
         self._current = _Step()
         self._recording = True
@@ -142,23 +143,27 @@ class GradMonitor:
             if not self._recording:
                 return
             step = self._current
+            opened = step.open.setdefault(id(module), [])
+            opened.append(None)  # replaced below when this call is hooked; popped by the forward hook
             if not torch.is_grad_enabled():
-                if self._pass_grad and not _in_backward():
-                    step.replay.skip(id(module), current(module))  # a reentrant checkpoint's first run
+                if not _in_backward() and (context := checkpoint_context()) is not None:
+                    step.replay.skip(context, id(module), step.sequence, current(module))  # re-run in backward
+                step.sequence += 1
                 return
             if _in_backward():  # a checkpoint re-running its block inside the backward
-                call = step.replay.enter(id(module))
-                if call is None:  # hooked in the forward already (non-reentrant): not again
-                    step.open.setdefault(id(module), []).append(None)
-                    return
+                context = checkpoint_context()
+                claimed = None if context is None else step.replay.claim(context, id(module))
+                if claimed is None:
+                    return  # non-reentrant re-run: hooked in the forward already
+                sequence, call = claimed
             else:
-                call = current(module)
+                sequence, call = step.sequence, current(module)
+                step.sequence += 1
             # Inputs are hooked before the module runs: a module that changes its input in place
             # (ReLU(inplace=True)) must not turn grad_input into the gradient of its output.
             leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
             leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
-            inputs = [(path, self._watch(step, t)) for path, t in leaves if t.requires_grad]
-            step.open.setdefault(id(module), []).append((call, inputs))
+            opened[-1] = (call, sequence, [(path, self._watch(step, t)) for path, t in leaves if t.requires_grad])
 
         return before_forward
 
@@ -172,16 +177,14 @@ class GradMonitor:
             step = self._current
             stack = step.open.get(id(module))
             if not stack:
-                return  # its pre-hook recorded nothing (no grad)
+                return  # opened before this step began
             opened = stack.pop()
-            if _in_backward():
-                step.replay.exit()
             if opened is None or output is None:
-                return  # hooked already, or the call raised
-            call, inputs = opened
+                return  # not hooked (no grad, or hooked in the forward already), or the call raised
+            call, sequence, inputs = opened
             outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output) if t.requires_grad]
             if outputs or inputs:
-                step.calls.append(_Call(name, class_name, call, outputs, inputs))
+                step.calls.append(_Call(name, class_name, call, sequence, outputs, inputs))
             if watches_units and isinstance(output, torch.Tensor):
                 _note_alive(step, (name, call), output)
 
@@ -210,14 +213,14 @@ class GradMonitor:
     # -- passes (told by the call tracker) ------------------------------------------------------
 
     def pass_started(self, module: nn.Module) -> None:
-        """Remember whether this forward runs with grad (a no-grad call inside it is a checkpoint)."""
-        self._pass_grad = torch.is_grad_enabled()
+        """A forward begins: nothing to prepare (a step spans any number of forwards)."""
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Nothing to do: a step ends at :meth:`step`, not with a forward."""
 
     def pass_abandoned(self) -> None:
-        """A forward cut short leaves nothing to undo."""
+        """A forward cut short (KeyboardInterrupt): forget the calls it left open."""
+        self._current.open.clear()
 
     def refuse_thread(self) -> Exception:
         """Another thread entered while a forward is open."""
@@ -229,7 +232,7 @@ class GradMonitor:
         """Close the current step: read its statistics and append them to :attr:`records`.
 
         Returns the step's :class:`GradStep`, or None on a step ``every`` skips and on a step
-        in which no watched module ran with grad (``step()`` called twice, say).
+        in which no watched module ran with grad and no watched parameter has a gradient.
         """
         step, index = self._current, self._step_index
         self._current = _Step()
@@ -237,7 +240,7 @@ class GradMonitor:
         recorded = self._recording
         self._recording = self._step_index % self._every == 0
         step.close()
-        if not recorded or (self._activations and not step.calls):
+        if not recorded or not (step.calls or (self._params and any(p.grad is not None for _, p in self._parameters))):
             return None
         result = self._read(step, index)
         self._records.append(result)
@@ -248,7 +251,8 @@ class GradMonitor:
         # several backward passes before step()) merges into one set of statistics.
         order = {slot: rank for rank, slot in enumerate(dict.fromkeys(step.fired))}
         sites: dict[tuple[str, int, str, str], tuple[str, RawStats, int | None]] = {}
-        for call in step.calls:
+        merged: dict[tuple[str, int, str, str], set[int]] = {}
+        for call in sorted(step.calls, key=lambda c: c.sequence):  # forward order, re-runs included
             kinds: tuple[tuple[GradWhat, list[tuple[str, int]]], ...] = (
                 ("grad_output", call.outputs),
                 ("grad_input", call.inputs),
@@ -258,6 +262,9 @@ class GradMonitor:
                     if slot not in step.raws:
                         continue  # no gradient reached this tensor
                     key = (call.name, call.call, what, path)
+                    if slot in merged.setdefault(key, set()):
+                        continue  # one tensor (a parameter passed in) seen by several micro-batches: once
+                    merged[key].add(slot)
                     known = sites.get(key)
                     raw = step.raws[slot] if known is None else merge_raw(known[1], step.raws[slot])
                     sites[key] = (call.class_name, raw, order.get(slot) if known is None else known[2])
@@ -288,6 +295,8 @@ class GradMonitor:
         return [(name, g, w) for (name, _), g, w in zip(named, grads, norms, strict=True)]
 
     def _update_dead(self, step: _Step) -> dict[str, list[int]]:
+        for key in [key for key in self._dead if key not in step.alive]:
+            del self._dead[key]  # a call that did not run this step: its window starts over
         for key, alive in step.alive.items():
             window = self._dead.get(key)
             if window is None or (window and window[-1].shape != alive.shape):
@@ -299,7 +308,7 @@ class GradMonitor:
                 ever = torch.stack(list(window)).any(0)
                 channels = (~ever).nonzero().flatten().tolist()
                 if channels:
-                    dead[name if call == 0 else f"{name}#{call}"] = channels
+                    dead[f"{name or '(root)'}#{call}"] = channels
         return dead
 
     # -- reading --------------------------------------------------------------------------------
@@ -311,7 +320,7 @@ class GradMonitor:
 
     def history(self, metric: str = "norm", what: str = "grad_output") -> Any:
         """A pandas DataFrame, steps x layers, of one statistic (``norm``, ``mean_abs``, ``max_abs``,
-        ``nan``, ``inf``; ``ratio`` with ``what="param"``). Columns are the records' layer names."""
+        ``nan``, ``inf``; ``ratio`` with ``what="param"``). Columns are the records' ``column`` names."""
         from hookscope.grads.records import history_frame
 
         return history_frame(self._records, metric, what)

@@ -3,52 +3,49 @@
 ``torch.utils.checkpoint(..., use_reentrant=True)`` runs its block under ``no_grad`` in the
 forward, so nothing there can be hooked, and runs it again with grad inside the backward. The
 call counter cannot number those re-runs (each starts a pass of its own), so the forward's
-skipped calls are remembered in order and handed out again: a re-run region (from a watched
-module entered with nothing open until it closes) takes the *last* unclaimed call of the module
-that opens it -- backward visits checkpointed regions last first -- and the calls inside it take
-the next unclaimed calls of their modules, in forward order.
+calls are remembered per checkpoint and claimed back in the same order when it re-runs. A
+checkpoint is recognised by the autograd context object of PyTorch's ``CheckpointFunction``,
+found on the stack: the same object is there in its forward and in its backward. The stack is
+looked at only on this rare path (a watched module called without grad, or inside a backward).
 """
 
 from __future__ import annotations
 
-__all__ = ["Replay"]
+import sys
+from types import FrameType
+
+__all__ = ["Replay", "checkpoint_context"]
+
+_CHECKPOINT_FILE = "checkpoint.py"
+
+
+def checkpoint_context() -> int | None:
+    """The identity of the innermost reentrant checkpoint running on this thread, or None."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("forward", "backward") and code.co_filename.endswith(_CHECKPOINT_FILE):
+            context = frame.f_locals.get("ctx")
+            if context is not None:
+                return id(context)
+        frame = frame.f_back
+    return None
 
 
 class Replay:
-    """The calls skipped without grad in one step's forward, claimed back during its backward."""
+    """The calls one step's reentrant checkpoints ran without grad, claimed back in backward."""
 
-    __slots__ = ("_claimed", "_cursor", "_depth", "_skipped")
+    __slots__ = ("_skipped",)
 
     def __init__(self) -> None:
-        self._skipped: list[tuple[int, int]] = []  # (module id, call index), forward order
-        self._claimed: list[bool] = []
-        self._cursor = 0
-        self._depth = 0
+        # (checkpoint, module id) -> [(forward sequence number, call index), ...] not yet claimed
+        self._skipped: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
-    def skip(self, module_id: int, call: int) -> None:
-        """The forward ran this call without grad (inside a reentrant checkpoint)."""
-        self._skipped.append((module_id, call))
-        self._claimed.append(False)
+    def skip(self, context: int, module_id: int, sequence: int, call: int) -> None:
+        """Checkpoint ``context`` ran this call without grad in the forward."""
+        self._skipped.setdefault((context, module_id), []).append((sequence, call))
 
-    def enter(self, module_id: int) -> int | None:
-        """A call re-run in backward begins: the forward call index it repeats, or None."""
-        if self._depth == 0:
-            found = next(
-                (i for i in range(len(self._skipped) - 1, -1, -1) if self._free(i, module_id)),
-                None,
-            )
-        else:
-            found = next((i for i in range(self._cursor, len(self._skipped)) if self._free(i, module_id)), None)
-        self._depth += 1
-        if found is None:
-            return None
-        self._claimed[found] = True
-        self._cursor = found
-        return self._skipped[found][1]
-
-    def exit(self) -> None:
-        """A call re-run in backward ends."""
-        self._depth = max(self._depth - 1, 0)
-
-    def _free(self, index: int, module_id: int) -> bool:
-        return not self._claimed[index] and self._skipped[index][0] == module_id
+    def claim(self, context: int, module_id: int) -> tuple[int, int] | None:
+        """The ``(sequence, call)`` a re-run in backward repeats, in the forward's order; or None."""
+        waiting = self._skipped.get((context, module_id))
+        return waiting.pop(0) if waiting else None

@@ -99,7 +99,9 @@ def summarise(
         largest = max(norms.values(), default=0.0)
         for layer, norm in norms.items():
             history.setdefault(layer, []).append((step.step, norm))
-            if largest > 0 and norm < vanishing * largest:
+            if largest == 0:
+                flag("vanishing", layer, "every gradient is exactly zero", step=step.step)
+            elif norm < vanishing * largest:
                 flag("vanishing", layer, f"norm below {vanishing:g} of the largest layer's", step=step.step)
             if norm > exploding:
                 flag("exploding", layer, f"norm above {exploding:g}", step=step.step)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookscope.errors import MissingDependencyError, SpecError
-from hookscope.grads.records import GradRecord, GradStep
+from hookscope.grads.records import GradStep
 
 if TYPE_CHECKING:
     from hookscope.grads.monitor import GradMonitor
@@ -33,13 +33,6 @@ def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
     return steps
 
 
-def _label(record: GradRecord, repeated: set[str]) -> str:
-    if record.what == "param":
-        return record.path
-    name = record.module or "(root)"
-    return f"{name}#{record.call}" if name in repeated else name
-
-
 def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = None, what: str = "grad_output") -> Any:
     """Mean and max |g| per layer at one recorded step (the latest by default), log scale.
 
@@ -58,8 +51,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     records = [r for r in chosen.of(what) if r.path in ("output", "[0]", "output[0]") or r.what == "param"]  # type: ignore[arg-type]
     if not records:
         raise SpecError(f"step {chosen.step} has no {what} records; try what='param' or 'grad_output'")
-    repeated = {r.module for r in records if r.call > 0}
-    labels = [_label(r, repeated) for r in records]
+    labels = [record.column for record in records]
     positions = list(range(len(records)))
     fig = new_figure(max(6.0, 0.28 * len(records) + 2), 4.5)
     ax = fig.add_subplot()
