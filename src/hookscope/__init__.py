@@ -12,7 +12,7 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
-from hookscope import plots
+from hookscope import edits, plots
 from hookscope._version import __version__
 from hookscope.calltrace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
 from hookscope.calltrace.nonfinite import NonFiniteDetector, detect_nonfinite
@@ -21,8 +21,10 @@ from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope.core.select import Selector, select
 from hookscope.core.sites import Site
 from hookscope.core.tree import flatten_tensors, map_tensors
+from hookscope.editing import EditContext, Editor, edit, run_with_edits
 from hookscope.errors import (
     CaptureError,
+    EditError,
     FileFormatError,
     HookscopeError,
     MissingDependencyError,
@@ -42,6 +44,9 @@ __all__ = [
     "Cache",
     "Capture",
     "CaptureError",
+    "EditContext",
+    "EditError",
+    "Editor",
     "FileFormatError",
     "GradFlag",
     "GradMonitor",
@@ -72,6 +77,8 @@ __all__ = [
     "attached",
     "capture",
     "detect_nonfinite",
+    "edit",
+    "edits",
     "flatten_tensors",
     "hooks",
     "layers",
@@ -79,6 +86,7 @@ __all__ = [
     "map_tensors",
     "plots",
     "run_with_capture",
+    "run_with_edits",
     "select",
     "tensor_stats",
     "trace",

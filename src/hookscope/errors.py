@@ -15,7 +15,9 @@ does::
     ├── MissingDependencyError (ImportError)  an optional package is needed and not installed
     ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
     │                                      budget, or its value was changed in place after capture
-    └── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
+    ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
+    └── EditError (ValueError)             an edit returned a value the model cannot take (wrong
+                                           shape, dtype or device) or named a part that is not there
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
 line prints exactly that line.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "EditError",
     "FileFormatError",
     "HookscopeError",
     "MissingDependencyError",
@@ -96,3 +99,11 @@ class NonFiniteError(HookscopeError, FloatingPointError):
         self.module = module
         self.call = call
         self.path = path
+
+
+class EditError(HookscopeError, ValueError):
+    """An edit cannot be applied as asked.
+
+    Raised at the call where it happens, naming the site: an edit that returned a different
+    shape, dtype or device than the value it replaces, a path or index that is not there.
+    """

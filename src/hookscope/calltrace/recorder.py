@@ -32,7 +32,7 @@ from hookscope.core.attach import HookGroup, HookSpec
 from hookscope.core.params import count, own_count
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
-from hookscope.core.tree import flatten_tensors
+from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
 
@@ -41,9 +41,7 @@ __all__ = ["Tracer", "input_leaves", "trace", "tracing"]
 
 def input_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of a call's positional and keyword inputs: paths ``[0]``, ``['mask']``."""
-    leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
-    leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
-    return leaves
+    return call_leaves(args, kwargs)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["flatten_tensors", "iter_leaves", "map_tensors", "map_tensors_with_paths"]
+__all__ = ["call_leaves", "flatten_tensors", "iter_leaves", "map_call_tensors", "map_tensors", "map_tensors_with_paths"]
 
 
 def iter_leaves(value: Any, root: str = "output") -> Iterator[tuple[str, Any]]:
@@ -77,6 +77,25 @@ def map_tensors_with_paths(fn: Callable[[str, torch.Tensor], Any], value: Any, r
     (tensor([1.]), tensor([0.]))
     """
     return _rebuild(value, root, fn)
+
+
+def call_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a call's positional and keyword inputs: paths ``[0]``, ``['mask']``.
+
+    >>> [path for path, _ in call_leaves((torch.zeros(1),), {"mask": torch.ones(1)})]
+    ['[0]', "['mask']"]
+    """
+    leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
+    leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
+    return leaves
+
+
+def map_call_tensors(
+    fn: Callable[[str, torch.Tensor], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` rebuilt with ``fn(path, tensor)`` for every tensor, paths as in :func:`call_leaves`."""
+    new_args = tuple(_rebuild(arg, f"[{i}]", fn) for i, arg in enumerate(args))
+    return new_args, {key: _rebuild(value, f"[{key!r}]", fn) for key, value in kwargs.items()}
 
 
 def _is_namedtuple(value: Any) -> bool:

@@ -1,0 +1,212 @@
+"""Built-in edits for :func:`hookscope.edit`: ablate, patch, steer, scale, clamp, add noise, replace.
+
+Each returns an edit, a callable ``edit(value, ctx) -> value``, and takes the same optional
+keywords: the part to touch (``channels=``, ``neurons=``, ``positions=``, ``heads=`` with
+``num_heads=``, ``mask=``; see :mod:`hookscope.editing.part`) and ``path=``, which tensor of a
+structured value to edit (``"output[0]"`` of a transformers block; by default the first tensor).
+Every edit is out of place: the module's own tensor is never written, so autograd stays intact
+and an edit in a training step gets gradients.
+
+>>> import torch, hookscope as hs
+>>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+>>> with hs.edit(model, {"0": hs.edits.zero(neurons=[0, 1])}):
+...     out = model(torch.ones(2, 3))
+>>> out[:, :2].abs().sum().item()
+0.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookscope.core.sites import Site
+from hookscope.editing.context import EditContext
+from hookscope.editing.part import Part
+from hookscope.errors import EditError, SiteNotFoundError, SpecError
+
+__all__ = ["Edit", "add", "clamp", "mean", "noise", "patch", "replace", "scale", "zero"]
+
+
+class Edit:
+    """A built-in edit: what it does, to which part, of which tensor (``path``)."""
+
+    def __init__(self, *, path: str | None = None, part: Part) -> None:
+        if path is not None and not isinstance(path, str):
+            raise SpecError(f"path={path!r}: expected a tree path such as 'output[0]' or 'output.logits'")
+        self.path = path
+        self.part = part
+
+    def __call__(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        return self.apply(value, self.part.mask_for(value, ctx.site), ctx)
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        """The edited value; ``mask`` (None: everything) is the part to change."""
+        raise NotImplementedError
+
+    def _where(self, mask: torch.Tensor | None, new: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return new if mask is None else torch.where(mask, new, value)
+
+    def __repr__(self) -> str:
+        named = {k: v for k, v in vars(self.part).items() if v is not None and not k.startswith("_")}
+        options = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in named.items())
+        where = f"{options}, path={self.path!r}" if self.path else options
+        return f"hs.edits.{type(self).__name__.lower()}({where})"
+
+
+class Zero(Edit):
+    """Zero ablation."""
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        return torch.zeros_like(value) if mask is None else value.masked_fill(mask, 0)
+
+
+class Scale(Edit):
+    def __init__(self, factor: float, **options: Any) -> None:
+        super().__init__(**options)
+        self.factor = factor
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        return self._where(mask, value * self.factor, value)
+
+
+class Clamp(Edit):
+    def __init__(self, low: float | None, high: float | None, **options: Any) -> None:
+        if low is None and high is None:
+            raise SpecError("clamp() needs min= or max= (or both)")
+        super().__init__(**options)
+        self.low, self.high = low, high
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        return self._where(mask, value.clamp(self.low, self.high), value)
+
+
+class Add(Edit):
+    def __init__(self, vector: torch.Tensor, factor: float, **options: Any) -> None:
+        if not isinstance(vector, torch.Tensor):
+            raise SpecError(f"add() takes a tensor (a steering vector), not a {type(vector).__name__}")
+        super().__init__(**options)
+        self.vector, self.factor = vector, factor
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        delta = self.vector.to(device=value.device, dtype=value.dtype) * self.factor
+        _broadcasts(delta, value, ctx, "the vector")
+        return value + (delta if mask is None else delta * mask)
+
+
+class Noise(Edit):
+    def __init__(self, std: float, seed: int, **options: Any) -> None:
+        if std < 0:
+            raise SpecError(f"noise(std={std}) is negative; expected a standard deviation >= 0")
+        super().__init__(**options)
+        self.std = std
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        drawn = torch.randn(value.shape, generator=self.generator).to(device=value.device, dtype=value.dtype)
+        return value + (drawn * self.std if mask is None else drawn * self.std * mask)
+
+
+class Replace(Edit):
+    def __init__(self, tensor: torch.Tensor, **options: Any) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(f"replace() takes a tensor, not a {type(tensor).__name__}")
+        super().__init__(**options)
+        self.tensor = tensor
+
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        new = self.tensor.to(device=value.device, dtype=value.dtype)
+        _broadcasts(new, value, ctx, "the replacement")
+        return self._where(mask, new.expand_as(value), value)
+
+
+class FromCache(Edit):
+    """Values captured in another run (``hs.capture``/``hs.run_with_capture``), looked up by site."""
+
+    def __init__(self, cache: Any, **options: Any) -> None:
+        if not hasattr(cache, "resolve"):
+            raise SpecError(
+                f"expected a Cache from hs.run_with_capture or hs.capture(...).cache, not {type(cache).__name__}"
+            )
+        super().__init__(**options)
+        self.cache = cache
+
+    def source(self, ctx: EditContext) -> torch.Tensor:
+        path = ctx.path.removeprefix("output") if ctx.side == "output" else ctx.path
+        site = Site(ctx.name, ctx.call, ctx.side, path)
+        try:
+            return self.cache[site]  # type: ignore[no-any-return]
+        except SiteNotFoundError as error:
+            raise EditError(f"{ctx.site}: the cache holds no value for {site} ({error})") from None
+
+
+class Mean(FromCache):
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        average = self.source(ctx).to(device=value.device, dtype=value.dtype).mean(0, keepdim=True)
+        _broadcasts(average, value, ctx, "the cached mean")
+        return self._where(mask, average.expand_as(value), value)
+
+
+class Patch(FromCache):
+    def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
+        cached = self.source(ctx).to(device=value.device, dtype=value.dtype)
+        if cached.shape != value.shape:
+            raise EditError(
+                f"{ctx.site}: the cached value has shape {tuple(cached.shape)}, this run {tuple(value.shape)}; "
+                "patch between runs of the same input shape"
+            )
+        return self._where(mask, cached, value)
+
+
+def _broadcasts(new: torch.Tensor, value: torch.Tensor, ctx: EditContext, what: str) -> None:
+    try:
+        shape = torch.broadcast_shapes(new.shape, value.shape)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        shape = None
+    if shape != value.shape:
+        raise EditError(f"{ctx.site}: {what} of shape {tuple(new.shape)} does not broadcast to {tuple(value.shape)}")
+
+
+def _options(path: str | None, part: dict[str, Any]) -> dict[str, Any]:
+    return {"path": path, "part": Part.of(**part)}
+
+
+def zero(*, path: str | None = None, **part: Any) -> Edit:
+    """Zero ablation of the value (or of its ``channels=``, ``neurons=``, ``positions=``, ... part)."""
+    return Zero(**_options(path, part))
+
+
+def scale(factor: float, *, path: str | None = None, **part: Any) -> Edit:
+    """Multiply by ``factor``."""
+    return Scale(factor, **_options(path, part))
+
+
+def clamp(min: float | None = None, max: float | None = None, *, path: str | None = None, **part: Any) -> Edit:  # noqa: A002
+    """Clamp to ``[min, max]`` (either may be left out)."""
+    return Clamp(min, max, **_options(path, part))
+
+
+def add(vector: torch.Tensor, scale: float = 1.0, *, path: str | None = None, **part: Any) -> Edit:
+    """Add ``scale * vector`` (steering); the vector broadcasts against the value (e.g. shape ``(d_model,)``)."""
+    return Add(vector, scale, **_options(path, part))
+
+
+def noise(std: float, seed: int = 0, *, path: str | None = None, **part: Any) -> Edit:
+    """Add Gaussian noise of standard deviation ``std``, drawn from a generator seeded with ``seed``."""
+    return Noise(std, seed, **_options(path, part))
+
+
+def replace(tensor: torch.Tensor, *, path: str | None = None, **part: Any) -> Edit:
+    """Replace with ``tensor`` (broadcast against the value)."""
+    return Replace(tensor, **_options(path, part))
+
+
+def mean(cache: Any, *, path: str | None = None, **part: Any) -> Edit:
+    """Mean ablation: the value captured at the same site in ``cache``, averaged over the batch (dim 0)."""
+    return Mean(cache, **_options(path, part))
+
+
+def patch(cache: Any, *, path: str | None = None, **part: Any) -> Edit:
+    """Activation patching: the value captured at the same site and call in another run (``cache``)."""
+    return Patch(cache, **_options(path, part))

@@ -1,0 +1,202 @@
+"""hs.edit: ablate, patch, steer, scale, clamp, replace; scoped, composable, checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope.errors import EditError, SpecError
+from tests.models import KeywordOnly, SharedTwice, SmallCNN, gpt2_input, tiny_gpt2, track
+
+
+def test_the_identity_edit_changes_nothing_bit_for_bit() -> None:
+    model = tiny_gpt2()
+    ids = gpt2_input()
+    with torch.no_grad():
+        plain = model(input_ids=ids).last_hidden_state
+        with hs.edit(model, {"h.*": lambda value, ctx: value}):
+            edited = model(input_ids=ids).last_hidden_state
+    assert torch.equal(plain, edited)
+
+
+def test_patching_every_block_reproduces_the_clean_run_bit_for_bit() -> None:
+    model = tiny_gpt2()
+    clean_ids = gpt2_input()
+    corrupted_ids = (clean_ids + 7) % 64
+    with torch.no_grad():
+        clean, cache = hs.run_with_capture(model, input_ids=clean_ids, layers="h.*")
+        corrupted = model(input_ids=corrupted_ids).last_hidden_state
+        patched = hs.run_with_edits(model, input_ids=corrupted_ids, edits={"h.*": hs.edits.patch(cache)})
+    assert not torch.equal(corrupted, clean.last_hidden_state)
+    assert torch.equal(patched.last_hidden_state, clean.last_hidden_state)
+
+
+def test_mean_ablation_equals_the_hand_computation() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)))
+    reference_batch, x = torch.randn(10, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        _, cache = hs.run_with_capture(model, reference_batch, layers="0")
+        out = hs.run_with_edits(model, x, edits={"0": hs.edits.mean(cache, neurons=[1, 4])})
+        hidden = model[0](x)
+        average = model[0](reference_batch).mean(0)
+        hidden[:, [1, 4]] = average[[1, 4]]
+        want = model[2](torch.tanh(hidden))
+    assert torch.allclose(out, want, rtol=0, atol=1e-6)
+
+
+def test_zeroing_a_conv_channel_equals_zeroing_the_next_input_by_hand() -> None:
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = SmallCNN.example()
+    with torch.no_grad():
+        out = hs.run_with_edits(model, x, edits={"conv1": hs.edits.zero(channels=[2, 7])})
+        features = model.conv1(x)
+        features[:, [2, 7]] = 0
+        want = model.fc(torch.flatten(model.pool(model.relu(features)), 1))
+    assert torch.equal(out, want)
+
+
+def test_steering_one_position_leaves_earlier_positions_alone() -> None:
+    model = tiny_gpt2()
+    ids = gpt2_input()
+    vector = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).last_hidden_state
+        steered = hs.run_with_edits(
+            model, input_ids=ids, edits={"h.0": hs.edits.add(vector, scale=4.0, positions=[3])}
+        ).last_hidden_state
+    assert torch.equal(steered[:, :3], plain[:, :3])  # the causal mask: earlier positions see nothing
+    assert not torch.allclose(steered[:, 3:], plain[:, 3:])
+
+
+def test_scale_clamp_replace_noise_and_heads() -> None:
+    model = track(nn.Sequential(nn.Identity()))
+    x = torch.arange(8.0).view(1, 2, 4)
+    cases = {
+        "scale": (hs.edits.scale(2.0, neurons=[0]), x * torch.tensor([2.0, 1, 1, 1])),
+        "clamp": (hs.edits.clamp(max=3.0), x.clamp(max=3.0)),
+        "replace": (
+            hs.edits.replace(torch.tensor(-1.0), positions=[1]),
+            torch.cat([x[:, :1], -torch.ones(1, 1, 4)], 1),
+        ),
+        "heads": (hs.edits.zero(heads=[1], num_heads=2), x * torch.tensor([1.0, 1, 0, 0])),
+        "mask": (hs.edits.zero(mask=x > 5), x.masked_fill(x > 5, 0)),
+    }
+    for name, (edit, want) in cases.items():
+        assert torch.equal(hs.run_with_edits(model, x, edits={"0": edit}), want), name
+    first = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
+    second = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
+    assert torch.equal(first, second)
+    assert not torch.equal(first, x)
+
+
+def test_several_edits_on_one_site_apply_in_order() -> None:
+    model = track(nn.Sequential(nn.Identity()))
+    x = torch.ones(1, 3)
+    out = hs.run_with_edits(model, x, edits={"0": [hs.edits.scale(3.0), hs.edits.clamp(max=2.0)]})
+    assert torch.equal(out, torch.full((1, 3), 2.0))
+    out = hs.run_with_edits(model, x, edits={"0": [hs.edits.clamp(max=2.0), hs.edits.scale(3.0)]})
+    assert torch.equal(out, torch.full((1, 3), 3.0))
+
+
+def test_a_capture_sees_the_edit_when_attached_after_it() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    x = torch.randn(2, 3)
+    with hs.edit(model, {"0": hs.edits.zero()}), hs.capture(model, "0") as after:
+        model(x)
+    assert torch.equal(after["0"], torch.zeros(2, 3))
+    with hs.capture(model, "0") as before, hs.edit(model, {"0": hs.edits.zero()}):
+        out = model(x)
+    assert not torch.equal(before["0"], torch.zeros(2, 3))
+    assert torch.equal(out, torch.zeros(2, 3))  # the model itself saw the edit either way
+
+
+def test_edits_keep_autograd() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    x = torch.randn(4, 3)
+    with hs.edit(model, {"0": hs.edits.scale(2.0, neurons=[0])}):
+        model(x).sum().backward()
+    edited = model[0].weight.grad.clone()  # type: ignore[union-attr]
+    model.zero_grad()
+    hidden = model[0](x)
+    hidden = hidden * torch.tensor([2.0, 1.0, 1.0])
+    model[1](hidden).sum().backward()
+    assert torch.allclose(edited, model[0].weight.grad)  # type: ignore[arg-type]
+
+
+def test_calls_choose_which_call_of_a_shared_module() -> None:
+    torch.manual_seed(0)
+    model = SharedTwice()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=1)
+        want = model.head(torch.zeros(2, 4))
+    assert torch.equal(out, want)
+    with torch.no_grad():
+        first_only = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=[0])
+        want = model.head(model.shared(torch.relu(torch.zeros(2, 4))))
+    assert torch.equal(first_only, want)
+
+
+def test_input_edits_reach_keyword_inputs() -> None:
+    torch.manual_seed(0)
+    model = KeywordOnly()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = hs.run_with_edits(
+            model, x, edits={"block": hs.edits.replace(torch.tensor([5.0]), path="['scale']")}, on="input"
+        )
+        want = model.block.fc(x) * 5.0
+    assert torch.equal(out, want)
+
+
+def test_a_wrong_shape_is_an_edit_error_naming_the_site_and_no_hook_stays() -> None:
+    model = tiny_gpt2()
+    with pytest.raises(EditError, match=r"h\.1#0:output: the edit returned shape \(2, 8\)") as raised:
+        hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.1": lambda value, ctx: value.sum(-1)})
+    assert "expected shape (2, 8, 32) float32" in str(raised.value)
+    assert not hs.attached(model)
+
+
+def test_bad_parts_and_paths_are_named() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 3)))
+    x = torch.randn(1, 2)
+    with pytest.raises(EditError, match=r"0#0:output: neurons=\[5\] outside the 3"):
+        hs.run_with_edits(model, x, edits={"0": hs.edits.zero(neurons=[5])})
+    with pytest.raises(EditError, match="no tensor at 'output.logits'; the tensors are at output"):
+        hs.run_with_edits(model, x, edits={"0": hs.edits.zero(path="output.logits")})
+    with pytest.raises(EditError, match="not a multiple of num_heads=2"):
+        hs.run_with_edits(model, x, edits={"0": hs.edits.zero(heads=[0], num_heads=2)})
+    with pytest.raises(SpecError, match="heads= needs num_heads="):
+        hs.edits.zero(heads=[0])
+    with pytest.raises(SpecError, match="not callables"):
+        hs.edit(model, {"0": "zero"})  # type: ignore[dict-item]
+    with pytest.raises(SpecError, match="calls="):
+        hs.edit(model, {"0": hs.edits.zero()}, calls=-1)
+    with pytest.raises(hs.SelectionError):
+        hs.edit(model, {"1": hs.edits.zero()})
+    assert not hs.attached(model)
+
+
+def test_patch_refuses_a_cache_of_another_shape() -> None:
+    model = track(nn.Sequential(nn.Linear(2, 3)))
+    _, cache = hs.run_with_capture(model, torch.randn(4, 2), layers="0")
+    with pytest.raises(EditError, match="the cached value has shape"):
+        hs.run_with_edits(model, torch.randn(2, 2), edits={"0": hs.edits.patch(cache)})
+    _, other = hs.run_with_capture(model, torch.randn(4, 2), layers="")
+    with pytest.raises(EditError, match="the cache holds no value"):
+        hs.run_with_edits(model, torch.randn(4, 2), edits={"0": hs.edits.patch(other)})
+
+
+def test_repr_of_edits_and_editor() -> None:
+    edit = hs.edits.zero(channels=[1, 2])
+    assert repr(edit) == "hs.edits.zero(channels=[1, 2])"
+    model = track(nn.Sequential(nn.Linear(2, 2)))
+    with hs.edit(model, {"0": [edit, hs.edits.scale(2.0)]}) as editor:
+        assert repr(editor) == "<Editor on outputs of 0 (2 edits); live>"
+    assert repr(editor) == "<Editor on outputs of 0 (2 edits); removed>"
