@@ -76,7 +76,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
     steps = [line.split(".")[0] for line in lines if line[:1].isdigit()]
-    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10"]
+    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"]
     text = "\n".join(lines)
     assert "5 calls · 5 modules · 618 parameters" in text
     assert "NonFiniteError: NaN or +inf first appears in output of 'fc' (Linear, call 0)" in text
@@ -84,6 +84,10 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     poor, good = [line for line in lines if "first/last layer gradient norm" in line]
     assert "layers flagged vanishing" in poor
     assert "no layer flagged" in good
+    assert "most active conv1 channel:" in text
+    patched = [line for line in lines if "patched in" in line]
+    assert len(patched) == 3
+    assert patched[-1].endswith("restores 100.0% of it")  # the last block's whole clean output: the clean run
 
 
 @pytest.mark.skipif(shutil.which("hookscope", path=os.path.dirname(sys.executable)) is None, reason="not installed")

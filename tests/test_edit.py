@@ -26,9 +26,10 @@ def test_patching_every_block_reproduces_the_clean_run_bit_for_bit() -> None:
     clean_ids = gpt2_input()
     corrupted_ids = (clean_ids + 7) % 64
     with torch.no_grad():
-        clean, cache = hs.run_with_capture(model, input_ids=clean_ids, layers="h.*")
+        blocks = r"re:h\.\d+"  # the blocks themselves ("h.*" would also reach inside them)
+        clean, cache = hs.run_with_capture(model, input_ids=clean_ids, layers=blocks)
         corrupted = model(input_ids=corrupted_ids).last_hidden_state
-        patched = hs.run_with_edits(model, input_ids=corrupted_ids, edits={"h.*": hs.edits.patch(cache)})
+        patched = hs.run_with_edits(model, input_ids=corrupted_ids, edits={blocks: hs.edits.patch(cache)})
     assert not torch.equal(corrupted, clean.last_hidden_state)
     assert torch.equal(patched.last_hidden_state, clean.last_hidden_state)
 

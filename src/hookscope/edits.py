@@ -48,11 +48,16 @@ class Edit:
     def _where(self, mask: torch.Tensor | None, new: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return new if mask is None else torch.where(mask, new, value)
 
+    def settings(self) -> dict[str, Any]:
+        """What the edit does, for its repr (the part and path are added)."""
+        return {}
+
     def __repr__(self) -> str:
         named = {k: v for k, v in vars(self.part).items() if v is not None and not k.startswith("_")}
-        options = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in named.items())
-        where = f"{options}, path={self.path!r}" if self.path else options
-        return f"hs.edits.{type(self).__name__.lower()}({where})"
+        parts = [f"{k}={v!r}" for k, v in self.settings().items()]
+        parts += [f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in named.items()]
+        parts += [f"path={self.path!r}"] if self.path else []
+        return f"hs.edits.{type(self).__name__.lower()}({', '.join(parts)})"
 
 
 class Zero(Edit):
@@ -67,6 +72,9 @@ class Scale(Edit):
         super().__init__(**options)
         self.factor = factor
 
+    def settings(self) -> dict[str, Any]:
+        return {"factor": self.factor}
+
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
         return self._where(mask, value * self.factor, value)
 
@@ -77,6 +85,9 @@ class Clamp(Edit):
             raise SpecError("clamp() needs min= or max= (or both)")
         super().__init__(**options)
         self.low, self.high = low, high
+
+    def settings(self) -> dict[str, Any]:
+        return {k: v for k, v in (("min", self.low), ("max", self.high)) if v is not None}
 
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
         return self._where(mask, value.clamp(self.low, self.high), value)
@@ -100,8 +111,11 @@ class Noise(Edit):
         if std < 0:
             raise SpecError(f"noise(std={std}) is negative; expected a standard deviation >= 0")
         super().__init__(**options)
-        self.std = std
+        self.std, self.seed = std, seed
         self.generator = torch.Generator().manual_seed(seed)
+
+    def settings(self) -> dict[str, Any]:
+        return {"std": self.std, "seed": self.seed}
 
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
         drawn = torch.randn(value.shape, generator=self.generator).to(device=value.device, dtype=value.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -278,6 +278,59 @@ def grads_command(
 
         grad_flow(monitor).savefig(png, dpi=100)
         typer.echo(f"wrote {png}")
+
+
+@app.command("edit")
+def edit_command(
+    model: ModelSpec,
+    edit: Annotated[
+        list[str],
+        typer.Option(
+            "--edit",
+            "-e",
+            help="SELECTOR=KIND[:key=value]..., e.g. 'layer1.0.conv2=zero:channels=0,3'; kinds: zero, scale "
+            "(factor=), clamp (min=, max=), noise (std=, seed=). Repeat for several edits, applied in order.",
+            show_default=False,
+        ),
+    ],
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    on: Annotated[str, typer.Option("--on", help="Edit what the modules return (output) or take (input).")] = "output",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+) -> None:
+    """Run MODEL with and without edits and print how much the final output changed."""
+    import torch
+
+    from hookscope.cli.edit_specs import parse_edit
+    from hookscope.cli.sample import prepare
+    from hookscope.core.tree import flatten_tensors
+    from hookscope.editing import edit as attach_edits
+
+    parsed: dict[Any, list[Any]] = {}
+    for text in edit:
+        selector, built = parse_edit(text)
+        parsed.setdefault(selector, []).append(built)
+    if on not in ("output", "input"):
+        raise SpecError(f"--on {on!r} is not 'output' or 'input'")
+    sample = prepare(model, input_shape, dtype, seed)
+    typer.echo(sample.describe_input())
+    net = sample.model.eval()
+    with torch.no_grad():
+        plain = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
+        with attach_edits(net, parsed, on=on) as editor:  # type: ignore[arg-type]
+            typer.echo(f"edits on {', '.join(editor.sites)}")
+            edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
+    before = [t for _, t in flatten_tensors(plain) if t.is_floating_point()]
+    after = [t for _, t in flatten_tensors(edited) if t.is_floating_point()]
+    if not before or len(before) != len(after):
+        raise SpecError("the model's output holds no floating-point tensor to compare")
+    a, b = before[0].double().flatten(), after[0].double().flatten()
+    delta = (b - a).abs()
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    typer.echo(
+        f"output {tuple(before[0].shape)}: max |delta| {delta.max().item():.4g}, mean |delta| "
+        f"{delta.mean().item():.4g}, cosine similarity {cosine:.6f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

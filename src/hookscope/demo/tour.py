@@ -5,7 +5,8 @@ print shapes, extract features to numpy and save them, print value ranges, show 
 is gone afterwards -- also after a forward that raised -- then capture in one line, and show a
 value that a hand-written hook gets wrong because an in-place op rewrites it later; finally
 trace every call with its statistics, find the layer that makes the first NaN, and watch the
-gradients of a deep sigmoid MLP vanish with a poor initialisation and flow with a good one.
+gradients of a deep sigmoid MLP vanish with a poor initialisation and flow with a good one;
+and edit what a layer returns: ablate a channel, patch activations from one run into another.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope import edits
 from hookscope._files import atomic_path
 from hookscope.calltrace import trace
 from hookscope.calltrace.nonfinite import detect_nonfinite
 from hookscope.capturing import load, run_with_capture
 from hookscope.core.attach import attached
 from hookscope.demo.models import SmallCNN
+from hookscope.editing import run_with_edits
 from hookscope.errors import NonFiniteError
 from hookscope.grads.monitor import watch_grads
 from hookscope.hooks import hooks
@@ -91,6 +94,12 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
     _step(write, 10, "gradients through 20 sigmoid layers", "with hs.watch_grads(mlp, nn.Linear): ...")
     for label, std in (("weights N(0, 0.1^2)", 0.1), ("weights N(0, (8/sqrt(16))^2)", 2.0)):
         _gradient_flow(label, std, write)
+
+    _step(write, 11, "ablate the most active channel", 'hs.run_with_edits(model, x, edits={"conv1": zero(...)})')
+    _ablate_most_active(model, x, write)
+
+    _step(write, 12, "activation patching on GPT-2", "edits={blocks: hs.edits.patch(clean_cache)}")
+    _patch_gpt2(write)
     return saved
 
 
@@ -226,6 +235,48 @@ def _gradient_flow(label: str, std: float, write: Write) -> None:
         f"   {label:<30} first/last layer gradient norm {norms[0] / norms[-1]:.1e}: "
         + (f"{len(vanishing)} of {len(norms)} layers flagged vanishing" if vanishing else "no layer flagged")
     )
+
+
+def _ablate_most_active(model: nn.Module, x: torch.Tensor, write: Write) -> None:
+    with torch.no_grad():
+        plain, cache = run_with_capture(model, x, layers="conv1")
+        channel = int(cache["conv1"].clamp(min=0).mean((0, 2, 3)).argmax())
+        ablated = run_with_edits(model, x, edits={"conv1": edits.zero(channels=[channel])})
+    change = (ablated - plain).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(plain.flatten(), ablated.flatten(), dim=0).item()
+    write(f"   most active conv1 channel: {channel}; zeroing it moves the logits by up to {change:.3f}")
+    write(
+        f"   (cosine similarity of the logits {cosine:.4f}); predicted class {int(plain.argmax())} -> "
+        f"{int(ablated.argmax())}"
+    )
+
+
+def _patch_gpt2(write: Write) -> None:
+    try:
+        from transformers import GPT2Config, GPT2Model
+    except ImportError:
+        write("   (needs transformers: pip install transformers; a 2-layer GPT-2 is built from a config)")
+        return
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = GPT2Model(config).eval()  # type: ignore[no-untyped-call]
+    clean = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    corrupted = clean.clone()
+    corrupted[0, 2] = (corrupted[0, 2] + 1) % 64  # one token changed
+    blocks = r"re:h\.\d+"
+
+    def gap(output: Any) -> float:
+        return float((output.last_hidden_state[0, -1] - target).abs().max())
+
+    with torch.no_grad():
+        reference, cache = run_with_capture(model, input_ids=clean, layers=blocks)
+        target = reference.last_hidden_state[0, -1]
+        broken = gap(model(input_ids=corrupted))
+        write(f"   token 2 corrupted: the last position's output moves by {broken:.3f}")
+        for name, positions in (("h.0", [2]), ("h.1", [2]), ("h.1", None)):
+            patched = run_with_edits(model, input_ids=corrupted, edits={name: edits.patch(cache, positions=positions)})
+            where = "at position 2" if positions else "at every position"
+            write(f"   clean {name} output patched in {where:<18} restores {1 - gap(patched) / broken:6.1%} of it")
 
 
 def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
