@@ -43,6 +43,7 @@ def test_several_edits_on_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
         (["--edit", "conv1=zero:colour=1"], "unknown option 'colour'"),
         (["--edit", "conv1=zero:channels=99"], "channels=[99] outside the 16"),
         (["--edit", "conv9=zero"], "did you mean 'conv1'"),
+        (["--edit", "conv1=zero:std=1"], "unknown keyword 'std' for this edit"),
     ],
 )
 def test_bad_edit_specs_are_one_line_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

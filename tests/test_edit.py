@@ -201,3 +201,65 @@ def test_repr_of_edits_and_editor() -> None:
     with hs.edit(model, {"0": [edit, hs.edits.scale(2.0)]}) as editor:
         assert repr(editor) == "<Editor on outputs of 0 (2 edits); live>"
     assert repr(editor) == "<Editor on outputs of 0 (2 edits); removed>"
+
+
+def test_in_place_ops_after_an_edit_write_neither_the_cache_nor_the_users_tensor() -> None:
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True)))
+    x = torch.randn(4, 3)
+    _, cache = hs.run_with_capture(model, x, layers="0")
+    kept = cache["0"].clone()
+    for _ in range(2):  # the second run reads the cache again
+        out = hs.run_with_edits(model, x, edits={"0": hs.edits.patch(cache)})
+        assert torch.equal(out, kept.relu())
+    assert torch.equal(cache["0"], kept)
+    replacement = torch.full((3,), -1.0)
+    hs.run_with_edits(model, x, edits={"0": hs.edits.replace(replacement)})
+    assert torch.equal(replacement, torch.full((3,), -1.0))
+    hs.run_with_edits(model, x, edits={"0": hs.edits.mean(cache)})  # a broadcast mean, then ReLU(inplace)
+
+
+def test_a_reduced_cache_cannot_be_used_for_mean_ablation() -> None:
+    model = track(nn.Sequential(nn.Linear(3, 4)))
+    _, cache = hs.run_with_capture(model, torch.randn(5, 3), layers="0", reduce="mean:0")
+    with pytest.raises(EditError, match="reduce='mean:0'"):
+        hs.run_with_edits(model, torch.randn(2, 3), edits={"0": hs.edits.mean(cache)})
+
+
+def test_positions_need_a_sequence_and_masks_must_fit() -> None:
+    model = track(nn.Sequential(nn.Identity()))
+    with pytest.raises(EditError, match="positions= needs a"):
+        hs.run_with_edits(model, torch.ones(2, 4), edits={"0": hs.edits.zero(positions=[1])})
+    with pytest.raises(EditError, match="does not broadcast to the value's"):
+        hs.run_with_edits(
+            model, torch.ones(2, 4), edits={"0": hs.edits.zero(mask=torch.ones(3, 2, 4, dtype=torch.bool))}
+        )
+    out = hs.run_with_edits(model, torch.ones(1, 4), edits={"0": hs.edits.zero(heads=[-1], num_heads=2)})
+    assert torch.equal(out, torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+
+
+def test_noise_is_the_same_in_every_run_and_differs_between_sites() -> None:
+    model = track(nn.Sequential(nn.Identity(), nn.Identity()))
+    x = torch.zeros(1, 6)
+    edit = hs.edits.noise(1.0, seed=5)
+    first = hs.run_with_edits(model, x, edits={"0": edit})
+    again = hs.run_with_edits(model, x, edits={"0": edit})
+    assert torch.equal(first, again)
+    both = hs.run_with_edits(model, x, edits={"0": edit, "1": hs.edits.noise(1.0, seed=5)})
+    assert not torch.equal(both - first, first)  # the second site drew other numbers
+
+
+def test_input_paths_may_be_written_as_errors_show_them() -> None:
+    torch.manual_seed(0)
+    model = KeywordOnly()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = hs.run_with_edits(
+            model, x, edits={"block": hs.edits.replace(torch.tensor([5.0]), path="input['scale']")}, on="input"
+        )
+        assert torch.equal(out, model.block.fc(x) * 5.0)
+
+
+def test_a_misspelt_keyword_is_a_spec_error_with_a_hint() -> None:
+    with pytest.raises(SpecError, match="did you mean 'channels'"):
+        hs.edits.zero(chanels=[1])

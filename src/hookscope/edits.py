@@ -3,7 +3,8 @@
 Each returns an edit, a callable ``edit(value, ctx) -> value``, and takes the same optional
 keywords: the part to touch (``channels=``, ``neurons=``, ``positions=``, ``heads=`` with
 ``num_heads=``, ``mask=``; see :mod:`hookscope.editing.part`) and ``path=``, which tensor of a
-structured value to edit (``"output[0]"`` of a transformers block; by default the first tensor).
+structured value to edit (``"output[0]"`` of a transformers block, ``"[0]"`` or ``"['mask']"``
+for inputs; by default the first tensor).
 Every edit is out of place: the module's own tensor is never written, so autograd stays intact
 and an edit in a training step gets gradients.
 
@@ -17,6 +18,8 @@ and an edit in a training step gets gradients.
 
 from __future__ import annotations
 
+import difflib
+import zlib
 from typing import Any
 
 import torch
@@ -46,7 +49,11 @@ class Edit:
         raise NotImplementedError
 
     def _where(self, mask: torch.Tensor | None, new: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return new if mask is None else torch.where(mask, new, value)
+        if mask is not None:
+            return torch.where(mask, new, value)
+        # A fresh tensor of the value's own shape: never a broadcast view or someone else's tensor
+        # (the user's replacement, a cache), which an in-place op further on would write into.
+        return new.expand_as(value).clone()
 
     def settings(self) -> dict[str, Any]:
         """What the edit does, for its repr (the part and path are added)."""
@@ -112,13 +119,16 @@ class Noise(Edit):
             raise SpecError(f"noise(std={std}) is negative; expected a standard deviation >= 0")
         super().__init__(**options)
         self.std, self.seed = std, seed
-        self.generator = torch.Generator().manual_seed(seed)
 
     def settings(self) -> dict[str, Any]:
         return {"std": self.std, "seed": self.seed}
 
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
-        drawn = torch.randn(value.shape, generator=self.generator).to(device=value.device, dtype=value.dtype)
+        # One generator per site and call, seeded from (seed, site): the same edit gives the same
+        # noise in every run, and two sites with the same seed get different noise.
+        generator = torch.Generator(device=value.device)
+        generator.manual_seed(zlib.crc32(f"{self.seed}:{ctx.name}:{ctx.call}:{ctx.path}".encode()))
+        drawn = torch.randn(value.shape, generator=generator, device=value.device, dtype=value.dtype)
         return value + (drawn * self.std if mask is None else drawn * self.std * mask)
 
 
@@ -150,15 +160,25 @@ class FromCache(Edit):
         path = ctx.path.removeprefix("output") if ctx.side == "output" else ctx.path
         site = Site(ctx.name, ctx.call, ctx.side, path)
         try:
-            return self.cache[site]  # type: ignore[no-any-return]
+            cached: torch.Tensor = self.cache[site]
         except SiteNotFoundError as error:
             raise EditError(f"{ctx.site}: the cache holds no value for {site} ({error})") from None
+        return cached.detach()  # the other run's graph is not this run's business
+
+    def _reduced(self) -> str:
+        reduce = getattr(self.cache, "meta", {}).get("reduce")
+        return f" (the capture was taken with reduce={reduce!r}: capture without it)" if reduce else ""
 
 
 class Mean(FromCache):
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
-        average = self.source(ctx).to(device=value.device, dtype=value.dtype).mean(0, keepdim=True)
-        _broadcasts(average, value, ctx, "the cached mean")
+        cached = self.source(ctx)
+        if cached.dim() != value.dim() or cached.shape[1:] != value.shape[1:]:
+            raise EditError(
+                f"{ctx.site}: the cached values have shape {tuple(cached.shape)}, this run {tuple(value.shape)}; "
+                f"a mean over the batch needs the same shape past dim 0{self._reduced()}"
+            )
+        average = cached.float().mean(0, keepdim=True).to(device=value.device, dtype=value.dtype)
         return self._where(mask, average.expand_as(value), value)
 
 
@@ -168,7 +188,7 @@ class Patch(FromCache):
         if cached.shape != value.shape:
             raise EditError(
                 f"{ctx.site}: the cached value has shape {tuple(cached.shape)}, this run {tuple(value.shape)}; "
-                "patch between runs of the same input shape"
+                f"patch between runs of the same input shape{self._reduced()}"
             )
         return self._where(mask, cached, value)
 
@@ -182,7 +202,18 @@ def _broadcasts(new: torch.Tensor, value: torch.Tensor, ctx: EditContext, what: 
         raise EditError(f"{ctx.site}: {what} of shape {tuple(new.shape)} does not broadcast to {tuple(value.shape)}")
 
 
+_PART_KEYWORDS = ("channels", "neurons", "positions", "heads", "num_heads", "mask")
+
+
 def _options(path: str | None, part: dict[str, Any]) -> dict[str, Any]:
+    unknown = [key for key in part if key not in _PART_KEYWORDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _PART_KEYWORDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SpecError(
+            f"unknown keyword {unknown[0]!r} for this edit; the part is named with "
+            f"{', '.join(_PART_KEYWORDS)}, the tensor with path={hint}"
+        )
     return {"path": path, "part": Part.of(**part)}
 
 

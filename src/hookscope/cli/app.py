@@ -320,15 +320,16 @@ def edit_command(
         with attach_edits(net, parsed, on=on) as editor:  # type: ignore[arg-type]
             typer.echo(f"edits on {', '.join(editor.sites)}")
             edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-    before = [t for _, t in flatten_tensors(plain) if t.is_floating_point()]
+    before = [(p, t) for p, t in flatten_tensors(plain) if t.is_floating_point()]
     after = [t for _, t in flatten_tensors(edited) if t.is_floating_point()]
     if not before or len(before) != len(after):
         raise SpecError("the model's output holds no floating-point tensor to compare")
-    a, b = before[0].double().flatten(), after[0].double().flatten()
+    path, first = before[0]
+    a, b = first.double().flatten(), after[0].double().flatten()
     delta = (b - a).abs()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
     typer.echo(
-        f"output {tuple(before[0].shape)}: max |delta| {delta.max().item():.4g}, mean |delta| "
+        f"{path} {tuple(first.shape)}: max |delta| {delta.max().item():.4g}, mean |delta| "
         f"{delta.mean().item():.4g}, cosine similarity {cosine:.6f}"
     )
 

@@ -134,6 +134,8 @@ def _run(
         raise EditError(f"{context('').site}: there is no tensor to edit")
     by_path = dict(leaves)
     wanted = getattr(fn, "path", None)
+    if wanted is not None and wanted.startswith("input") and not leaves[0][0].startswith("output"):
+        wanted = wanted.removeprefix("input")  # the input side's paths are [0], ['mask'], as errors show
     path = leaves[0][0] if wanted is None else wanted
     if path not in by_path:
         raise EditError(f"{context(path).site}: no tensor at {path!r}; the tensors are at {', '.join(by_path)}")

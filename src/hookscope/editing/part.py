@@ -23,6 +23,8 @@ from hookscope.errors import EditError, SpecError
 
 __all__ = ["Part"]
 
+_MAX_MASKS = 64  # masks kept per part (one per shape and device); the mask= tensor is read when first used
+
 
 def _indices(name: str, values: int | Iterable[int] | None) -> tuple[int, ...] | None:
     if values is None:
@@ -33,7 +35,7 @@ def _indices(name: str, values: int | Iterable[int] | None) -> tuple[int, ...] |
     return chosen
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Part:
     """The selected part of a value (every keyword None: the whole value)."""
 
@@ -85,6 +87,8 @@ class Part:
         known = self._masks.get(key)
         if known is None:
             known = self._build(value, site)
+            if len(self._masks) >= _MAX_MASKS:  # a generation loop grows the sequence every step
+                self._masks.clear()
             self._masks[key] = known  # built once per shape and device: no host work on later calls
         return known
 
@@ -94,6 +98,10 @@ class Part:
         if self.channels is not None:
             result = result & self._along(value, 1, self.channels, "channels", site)
         if self.positions is not None:
+            if ndim < 3:
+                raise EditError(
+                    f"{site}: positions= needs a (batch, sequence, ...) value; this one has shape {tuple(value.shape)}"
+                )
             result = result & self._along(value, 1, self.positions, "positions", site)
         if self.neurons is not None:
             result = result & self._along(value, ndim - 1, self.neurons, "neurons", site)
@@ -104,18 +112,20 @@ class Part:
                     f"{site}: the last dim has {width} values, not a multiple of num_heads={self.num_heads}"
                 )
             size = width // self.num_heads
-            units = [head * size + i for head in self.heads for i in range(size) if 0 <= head < self.num_heads]
-            if len(units) != len(self.heads) * size:
-                raise EditError(f"{site}: heads={list(self.heads)} outside 0..{self.num_heads - 1}")
+            if any(not -self.num_heads <= head < self.num_heads for head in self.heads):
+                raise EditError(f"{site}: heads={list(self.heads)} outside the {self.num_heads} heads")
+            units = [(head % self.num_heads) * size + i for head in self.heads for i in range(size)]
             result = result & self._along(value, ndim - 1, tuple(units), "heads", site)
         if self.mask is not None:
             mask = self.mask.to(value.device)
             try:
-                torch.broadcast_shapes(mask.shape, value.shape)  # type: ignore[no-untyped-call]
+                fits = torch.broadcast_shapes(mask.shape, value.shape) == value.shape  # type: ignore[no-untyped-call]
             except RuntimeError:
+                fits = False
+            if not fits:
                 raise EditError(
-                    f"{site}: mask of shape {tuple(mask.shape)} does not broadcast against {tuple(value.shape)}"
-                ) from None
+                    f"{site}: mask of shape {tuple(mask.shape)} does not broadcast to the value's {tuple(value.shape)}"
+                )
             result = result & mask
         return result
 
