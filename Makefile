@@ -38,6 +38,7 @@ bench: install-dev
 	$(BIN)/python bench/bench_capture.py
 	$(BIN)/python bench/bench_trace.py
 	$(BIN)/python bench/bench_grads.py
+	$(BIN)/python bench/bench_edit.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo
