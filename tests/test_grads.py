@@ -258,10 +258,10 @@ def test_every_n_records_only_those_steps() -> None:
             optimizer.zero_grad()
     assert [step.step for step in monitor.records] == [0, 3, 6]
     assert hooked == [1, 0, 0, 1, 0, 0, 1]  # skipped steps hook nothing
-    frame = monitor.history()
+    frame = monitor.history
     assert list(frame.index) == [0, 3, 6]
     assert list(frame.columns) == ["0#0", "1#0", "2#0"]
-    assert monitor.history("ratio", what="param").shape == (3, 4)
+    assert monitor.history_of("ratio", what="param").shape == (3, 4)
 
 
 def test_parameter_records_give_norm_and_ratio() -> None:

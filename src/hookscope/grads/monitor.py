@@ -318,7 +318,15 @@ class GradMonitor:
         """Every recorded step, oldest first."""
         return list(self._records)
 
-    def history(self, metric: str = "norm", what: str = "grad_output") -> Any:
+    @property
+    def history(self) -> Any:
+        """Steps x layers of the gradient norm with respect to each call's output, as pandas.
+
+        :meth:`history_of` gives any other statistic or kind.
+        """
+        return self.history_of()
+
+    def history_of(self, metric: str = "norm", what: str = "grad_output") -> Any:
         """A pandas DataFrame, steps x layers, of one statistic (``norm``, ``mean_abs``, ``max_abs``,
         ``nan``, ``inf``; ``ratio`` with ``what="param"``). Columns are the records' ``column`` names."""
         from hookscope.grads.records import history_frame
@@ -444,6 +452,6 @@ def watch_grads(
                 monitor.step()
                 optimizer.step(); optimizer.zero_grad()
         print(monitor.summary())
-        monitor.history()            # steps x layers, pandas
+        monitor.history              # steps x layers, pandas
     """
     return GradMonitor(model, selectors, params=params, activations=activations, every=every, dead_window=dead_window)

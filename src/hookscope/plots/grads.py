@@ -80,7 +80,7 @@ def grad_history(
     what: str = "grad_output",
 ) -> Any:
     """One line per layer: ``metric`` (``norm``, ``mean_abs``, ``max_abs``, ``ratio``) over the
-    recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history` does
+    recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history_of` does
     (default: up to 8 spread evenly from first to last), e.g. ``"h.0#0"`` or ``"fc.weight"``."""
     from hookscope.grads.records import history_frame
 
