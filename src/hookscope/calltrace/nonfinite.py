@@ -26,7 +26,7 @@ from torch import nn
 from hookscope.calltrace.identity import SeenTensors
 from hookscope.calltrace.recorder import input_leaves
 from hookscope.calltrace.result import MASK_WORDS
-from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
@@ -87,7 +87,7 @@ def _kind(value: float) -> float:
     return -math.inf if value == -math.inf else 0.0
 
 
-class NonFiniteDetector:
+class NonFiniteDetector(Scoped):
     """Hooks that raise :class:`~hookscope.errors.NonFiniteError` at the module making the first NaN/Inf.
 
     Made by :func:`detect_nonfinite`; removed on leaving the ``with`` block or by ``remove()``.
@@ -232,21 +232,6 @@ class NonFiniteDetector:
         return float(leaf.signature) == -math.inf and any(word in leaf.path.lower() for word in MASK_WORDS)
 
     # -- lifetime ---------------------------------------------------------------------------------
-
-    @property
-    def live(self) -> bool:
-        """True until the hooks have been removed."""
-        return self._group.live
-
-    def remove(self) -> None:
-        """Remove every hook. Safe to call twice."""
-        self._group.remove()
-
-    def __enter__(self) -> NonFiniteDetector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 def detect_nonfinite(

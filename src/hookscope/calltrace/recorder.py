@@ -28,7 +28,7 @@ from hookscope.calltrace.identity import SeenTensors
 from hookscope.calltrace.result import Trace, describe_call
 from hookscope.calltrace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope.calltrace.timing import CallClock, PeakMemory
-from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.params import count, own_count
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
@@ -126,7 +126,7 @@ class _Pass:
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
 
 
-class Tracer:
+class Tracer(Scoped):
     """Hooks that record a :class:`Trace` of every forward pass; made by :func:`tracing`.
 
     ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
@@ -360,21 +360,10 @@ class Tracer:
         meta["failure"] = finished.failure
         return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=finished.failure)
 
-    @property
-    def live(self) -> bool:
-        """True until the hooks have been removed."""
-        return self._group.live
-
     def remove(self) -> None:
         """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
         self._scratch = Scratch()  # let go of the work buffer
         self._group.remove()
-
-    def __enter__(self) -> Tracer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"

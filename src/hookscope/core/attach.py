@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
@@ -34,7 +34,17 @@ from hookscope.core.select import ensure_module
 from hookscope.core.sites import CallTracker
 from hookscope.errors import SpecError, UnsupportedModelError
 
-__all__ = ["HOOK_KINDS", "AttachedHook", "HookGroup", "HookKind", "HookSpec", "attached", "check_kind", "live_groups"]
+__all__ = [
+    "HOOK_KINDS",
+    "AttachedHook",
+    "HookGroup",
+    "HookKind",
+    "HookSpec",
+    "Scoped",
+    "attached",
+    "check_kind",
+    "live_groups",
+]
 
 HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
 HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
@@ -281,6 +291,31 @@ class HookGroup:
     def __repr__(self) -> str:
         state = "live" if self._live else "removed"
         return f"<HookGroup #{self.number} owner={self.owner!r}: {len(self)} hooks, {state}>"
+
+
+ScopedT = TypeVar("ScopedT", bound="Scoped")
+
+
+class Scoped:
+    """``RemovableHandle``'s contract for a feature that owns a :class:`HookGroup` (``_group``):
+    ``live``, an idempotent ``remove()``, and a ``with`` block that removes on exit."""
+
+    _group: HookGroup
+
+    @property
+    def live(self) -> bool:
+        """True until the hooks have been removed."""
+        return self._group.live
+
+    def remove(self) -> None:
+        """Remove every hook of this object. Safe to call twice."""
+        self._group.remove()
+
+    def __enter__(self: ScopedT) -> ScopedT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def attached(model: nn.Module) -> list[AttachedHook]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
@@ -30,7 +30,7 @@ EditFn = Callable[[torch.Tensor, EditContext], torch.Tensor]
 Calls = Literal["all"] | int | Sequence[int]
 
 
-class Editor:
+class Editor(Scoped):
     """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``."""
 
     def __init__(
@@ -105,21 +105,6 @@ class Editor:
     def sites(self) -> list[str]:
         """The modules edited, in model order, with how many edits each."""
         return [f"{name or '(root)'} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
-
-    @property
-    def live(self) -> bool:
-        """True until the hooks have been removed."""
-        return self._group.live
-
-    def remove(self) -> None:
-        """Remove every edit hook. Safe to call twice."""
-        self._group.remove()
-
-    def __enter__(self) -> Editor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.calltrace.identity import SeenTensors
-from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import flatten_tensors
@@ -86,7 +86,7 @@ class _Step:
         self.handles.clear()
 
 
-class GradMonitor:
+class GradMonitor(Scoped):
     """Gradient statistics of a model over a training loop; made by :func:`watch_grads`.
 
     Call :meth:`step` once per optimiser step, after ``loss.backward()`` and before
@@ -354,19 +354,11 @@ class GradMonitor:
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    @property
-    def live(self) -> bool:
-        """True until the hooks have been removed."""
-        return self._group.live
-
     def remove(self) -> None:
         """Remove the hooks. What the open step caught so far is kept for a last :meth:`step`;
         gradients arriving after this are not recorded."""
         self._current.close()
         self._group.remove()
-
-    def __enter__(self) -> GradMonitor:
-        return self
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
@@ -386,9 +378,6 @@ class GradMonitor:
         )
         header = "<tr><th>layer</th><th>what</th><th>norm</th><th>mean |g|</th><th>max |g|</th><th>nan/inf</th></tr>"
         return f"{head}<table><thead>{header}</thead><tbody>{rows}</tbody></table>"
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None:
