@@ -263,3 +263,19 @@ def test_input_paths_may_be_written_as_errors_show_them() -> None:
 def test_a_misspelt_keyword_is_a_spec_error_with_a_hint() -> None:
     with pytest.raises(SpecError, match="did you mean 'channels'"):
         hs.edits.zero(chanels=[1])
+
+
+@pytest.mark.parametrize(
+    ("part", "shape"),
+    [({"positions": [0]}, (2, 1, 3)), ({"neurons": [0]}, (2, 3, 1)), ({"channels": [1, 2]}, (2, 3, 4, 4))],
+)
+def test_zero_along_one_dim_matches_a_mask(part: dict[str, list[int]], shape: tuple[int, ...]) -> None:
+    model = track(nn.Sequential(nn.Identity()))
+    x = torch.arange(float(torch.Size(shape).numel())).view(shape) + 1
+    fast = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(**part)})
+    dim = {"positions": 1, "channels": 1, "neurons": x.dim() - 1}[next(iter(part))]
+    want = x.clone()
+    want.index_fill_(dim, torch.tensor(next(iter(part.values()))), 0)
+    assert torch.equal(fast, want)
+    masked = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(mask=want == 0)})
+    assert torch.equal(masked, want)

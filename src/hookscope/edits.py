@@ -70,6 +70,13 @@ class Edit:
 class Zero(Edit):
     """Zero ablation."""
 
+    def __call__(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        along = self.part.along_one_dim(value, ctx.site)
+        if along is not None:  # a few indices along one dim: index_fill is several times faster than a mask
+            dim, indices = along
+            return value.index_fill(dim, indices, 0)
+        return super().__call__(value, ctx)
+
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
         return torch.zeros_like(value) if mask is None else value.masked_fill(mask, 0)
 

@@ -46,6 +46,9 @@ class Part:
     num_heads: int | None = None
     mask: torch.Tensor | None = None
     _masks: dict[tuple[tuple[int, ...], str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _indices: dict[tuple[tuple[int, ...], str], tuple[int, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(
@@ -78,6 +81,25 @@ class Part:
     def whole(self) -> bool:
         """True when no part was named: the edit applies to the whole value."""
         return all(v is None for v in (self.channels, self.neurons, self.positions, self.heads, self.mask))
+
+    def along_one_dim(self, value: torch.Tensor, site: str) -> tuple[int, torch.Tensor] | None:
+        """``(dim, indices)`` when the part is a plain index along one dim (``channels=``,
+        ``neurons=``, ``positions=`` or ``heads=`` alone), for ``index_fill``; else None."""
+        named = [name for name in ("channels", "neurons", "positions", "heads") if getattr(self, name) is not None]
+        if len(named) != 1 or self.mask is not None:
+            return None
+        mask = self.mask_for(value, site)  # checks the indices, and names the site if they are wrong
+        if mask is None:
+            return None
+        key = (tuple(value.shape), str(value.device))
+        known = self._indices.get(key)
+        if known is None:
+            dim = 1 if named[0] in ("channels", "positions") else value.dim() - 1
+            known = (dim, mask.reshape(-1).nonzero().reshape(-1))
+            if len(self._indices) >= _MAX_MASKS:
+                self._indices.clear()
+            self._indices[key] = known
+        return known
 
     def mask_for(self, value: torch.Tensor, site: str) -> torch.Tensor | None:
         """A boolean mask that broadcasts against ``value`` (None for the whole value)."""
