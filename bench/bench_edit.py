@@ -204,19 +204,15 @@ def table_to_json(table: Table) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options; ``--quick`` overrides ``--rounds`` and shrinks the model."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_run_options(
-        parser,
+    return common.parse_run_args(
+        argv,
+        description=__doc__.splitlines()[0],
         min_rounds=MIN_ROUNDS,
         default_rounds=DEFAULT_ROUNDS,
         quick_help=f"smoke run: {QUICK_ROUNDS} rounds, {QUICK_N_LAYER}-layer GPT-2",
         check_help=f"exit 1 if edit/plain exceeds {TARGET}",
+        quick_rounds=QUICK_ROUNDS,
     )
-    args = parser.parse_args(argv)
-    common.check_run_options(parser, args, MIN_ROUNDS)
-    if args.quick:
-        args.rounds = QUICK_ROUNDS
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

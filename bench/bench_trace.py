@@ -306,20 +306,18 @@ def passed(table: Table) -> bool:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options; ``--quick`` overrides ``--rounds`` and shrinks the models."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="which model (default all)")
-    common.add_run_options(
-        parser,
+    return common.parse_run_args(
+        argv,
+        description=__doc__.splitlines()[0],
         min_rounds=MIN_ROUNDS,
         default_rounds=DEFAULT_ROUNDS,
         quick_help=f"smoke run: {QUICK_ROUNDS} rounds, small models",
         check_help=f"exit 1 if trace/plain exceeds {TARGET}",
+        quick_rounds=QUICK_ROUNDS,
+        extra=lambda parser: parser.add_argument(
+            "--model", choices=[*MODELS, "all"], default="all", help="which model (default all)"
+        ),
     )
-    args = parser.parse_args(argv)
-    common.check_run_options(parser, args, MIN_ROUNDS)
-    if args.quick:
-        args.rounds = QUICK_ROUNDS
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,32 @@ def check_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--rounds must be at least {min_rounds} (use --quick for a smoke run)")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+
+
+def parse_run_args(
+    argv: Sequence[str] | None,
+    *,
+    description: str,
+    min_rounds: int,
+    default_rounds: int,
+    quick_rounds: int,
+    quick_help: str,
+    check_help: str,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The command line of a benchmark script: ``extra`` options first, then the shared run options;
+    ``--quick`` overrides ``--rounds``."""
+    parser = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(parser)
+    add_run_options(
+        parser, min_rounds=min_rounds, default_rounds=default_rounds, quick_help=quick_help, check_help=check_help
+    )
+    args = parser.parse_args(argv)
+    check_run_options(parser, args, min_rounds)
+    if args.quick:
+        args.rounds = quick_rounds
+    return args
 
 
 def threads_label(threads: int) -> str:
