@@ -42,7 +42,7 @@ class Edit:
         self.part = part
 
     def __call__(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
-        return self.apply(value, self.part.mask_for(value, ctx.site), ctx)
+        return self.apply(value, self.part.mask_for(value, ctx), ctx)
 
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
         """The edited value; ``mask`` (None: everything) is the part to change."""
@@ -71,7 +71,7 @@ class Zero(Edit):
     """Zero ablation."""
 
     def __call__(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
-        along = self.part.along_one_dim(value, ctx.site)
+        along = self.part.along_one_dim(value, ctx)
         if along is not None:  # a few indices along one dim: index_fill is several times faster than a mask
             dim, indices = along
             return value.index_fill(dim, indices, 0)
@@ -178,14 +178,22 @@ class FromCache(Edit):
 
 
 class Mean(FromCache):
+    def __init__(self, cache: Any, **options: Any) -> None:
+        super().__init__(cache, **options)
+        self._averages: dict[tuple[Any, ...], torch.Tensor] = {}
+
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
-        cached = self.source(ctx)
-        if cached.dim() != value.dim() or cached.shape[1:] != value.shape[1:]:
-            raise EditError(
-                f"{ctx.site}: the cached values have shape {tuple(cached.shape)}, this run {tuple(value.shape)}; "
-                f"a mean over the batch needs the same shape past dim 0{self._reduced()}"
-            )
-        average = cached.float().mean(0, keepdim=True).to(device=value.device, dtype=value.dtype)
+        key = (ctx.name, ctx.call, ctx.path, tuple(value.shape[1:]), value.device, value.dtype)
+        average = self._averages.get(key)
+        if average is None:  # looked up, checked and averaged once per site and shape, not at every call
+            cached = self.source(ctx)
+            if cached.dim() != value.dim() or cached.shape[1:] != value.shape[1:]:
+                raise EditError(
+                    f"{ctx.site}: the cached values have shape {tuple(cached.shape)}, this run {tuple(value.shape)}; "
+                    f"a mean over the batch needs the same shape past dim 0{self._reduced()}"
+                )
+            average = cached.float().mean(0, keepdim=True).to(device=value.device, dtype=value.dtype)
+            self._averages[key] = average
         return self._where(mask, average.expand_as(value), value)
 
 

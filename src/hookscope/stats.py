@@ -46,7 +46,7 @@ many batches or steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -60,7 +60,9 @@ __all__ = [
     "RunningStats",
     "Scratch",
     "Stats",
+    "accumulator",
     "finalize",
+    "flat_values",
     "is_measurable",
     "merge_raw",
     "raw_stats",
@@ -150,7 +152,7 @@ def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: S
     values = _as_vector(tensor.detach())
     count = values.numel()
     if count == 0:  # filled on the device: a host-made tensor would be a copy, i.e. a sync
-        empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=_accumulator(values.device), device=values.device)
+        empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=accumulator(values.device), device=values.device)
         empty[_ZEROS:] = 0.0
         return RawStats(0, empty)
     if branching is None:
@@ -250,11 +252,6 @@ class Scratch:
             self._buffers[key] = buffer
         return buffer[: values.numel()]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
 
 class RunningStats:
     """Statistics of many tensors (batches, steps), folded in on the device as they come.
@@ -297,27 +294,29 @@ class RunningStats:
         return read_stats([self._raw])[0]
 
 
-def stats_of(tensors: Iterable[torch.Tensor]) -> list[Stats]:
-    """The :class:`Stats` of each tensor, read with one transfer per device."""
-    return read_stats([raw_stats(t) for t in tensors])
-
-
 # -- the two strategies ------------------------------------------------------------------------
 
 
-def _accumulator(device: torch.device) -> torch.dtype:
+def accumulator(device: torch.device) -> torch.dtype:
+    """The dtype sums accumulate in on ``device``: float64, or float32 where there is none."""
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def flat_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as one flat tensor; a nested tensor's components one after the other."""
+    if not tensor.is_nested:
+        return tensor.reshape(-1)
+    parts = [component.reshape(-1) for component in tensor.unbind()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _as_vector(tensor: torch.Tensor) -> torch.Tensor:
     """A flat floating view (or copy) to reduce: float32 for half and float32, float64 else."""
-    if tensor.is_nested:  # every component's values, one after the other
-        parts = [component.reshape(-1) for component in tensor.unbind()]
-        tensor = torch.cat(parts) if parts else torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    tensor = flat_values(tensor)
     if tensor.dtype in _HALF_TYPES or tensor.dtype == torch.bool:
         tensor = tensor.to(torch.float32)
     elif not tensor.is_floating_point():
-        tensor = tensor.to(_accumulator(tensor.device))
+        tensor = tensor.to(accumulator(tensor.device))
     elif tensor.dtype not in (torch.float32, torch.float64):
         tensor = tensor.to(torch.float32)  # float8 and other exotic types
     return tensor.reshape(-1)
@@ -397,7 +396,7 @@ def _chunk_stats(
 
 def _unconditional(values: torch.Tensor) -> torch.Tensor:
     """Device strategy: every field from kernels queued on the stream; nothing is read back."""
-    accumulate = _accumulator(values.device)
+    accumulate = accumulator(values.device)
     low, high = torch.aminmax(values)
     first = values[0]
     # Centre on the first value, unless it is not finite or so large that x - shift could overflow.

@@ -24,14 +24,13 @@ import torch
 from torch import nn
 
 from hookscope.calltrace.identity import SeenTensors
-from hookscope.calltrace.recorder import input_leaves
 from hookscope.calltrace.result import MASK_WORDS
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
-from hookscope.core.tree import flatten_tensors
+from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, NonFiniteError
-from hookscope.stats import is_measurable
+from hookscope.stats import accumulator, flat_values, is_measurable
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
 
@@ -62,16 +61,13 @@ def signature(tensor: torch.Tensor) -> Signature:
     """What :mod:`nonfinite` needs of a tensor, without a host sync off the CPU."""
     if not tensor.is_floating_point() or not is_measurable(tensor):
         return 0.0  # integers and booleans are always finite; meta tensors hold no values
-    values = tensor.detach()
-    if values.is_nested:  # every component's values
-        values = torch.cat([component.reshape(-1) for component in values.unbind()] or [values.new_empty(0)])
+    values = flat_values(tensor.detach())
     if values.numel() == 0:
         return 0.0
     if values.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         values = values.to(torch.float32)  # float8 and other types without a sum kernel
     if values.device.type != "cpu":  # sum in float64: finite values cannot overflow it
-        wide = torch.float32 if values.device.type == "mps" else torch.float64
-        return values.sum(dtype=wide)
+        return values.sum(dtype=accumulator(values.device))
     total = float(values.sum(dtype=torch.float32) if values.dtype in (torch.float16, torch.bfloat16) else values.sum())
     if math.isfinite(total):
         return 0.0
@@ -124,7 +120,7 @@ class NonFiniteDetector(Scoped):
         current, class_name = self._tracker.current, type(module).__name__
 
         def open_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            leaves = [self._leaf(path, t, None) for path, t in input_leaves(args, kwargs)]
+            leaves = [self._leaf(path, t, None) for path, t in call_leaves(args, kwargs)]
             self._open.append(_Call(name, class_name, current(module), id(module), sys.exc_info()[1], leaves))
 
         return open_call

@@ -36,12 +36,7 @@ from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
 
-__all__ = ["Tracer", "input_leaves", "trace", "tracing"]
-
-
-def input_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of a call's positional and keyword inputs: paths ``[0]``, ``['mask']``."""
-    return call_leaves(args, kwargs)
+__all__ = ["Tracer", "trace", "tracing"]
 
 
 @dataclass
@@ -84,10 +79,6 @@ def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
     return (len(sizes), *(sizes[0][d] if same else -1 for d, same in enumerate(ragged)))
 
 
-def stats_unread(stats: list[Any]) -> bool:
-    return bool(stats) and stats[0] is None
-
-
 @dataclass
 class _Draft:
     order: int
@@ -104,6 +95,7 @@ class _Draft:
     finished: int | None = None
     status: CallStatus = "ok"
     error: BaseException | None = None  # what went through the call, when it raised
+    cuda: torch.device | None = None  # the call's CUDA device, for its timer and memory counter
     timer: int | None = None
     measured_before: float = 0.0  # the pass's measuring time when the call's timer started
     peak_bytes: int | None = None
@@ -178,7 +170,7 @@ class Tracer(Scoped):
         def open_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             state = self._pass
             parent = state.stack[-1] if state.stack else None
-            leaves = input_leaves(args, kwargs)
+            leaves = call_leaves(args, kwargs)
             draft = _Draft(
                 order=len(state.rows),
                 depth=len(state.stack),
@@ -191,7 +183,7 @@ class Tracer(Scoped):
                 handled=sys.exc_info()[1],
                 inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
             )
-            device = _cuda_device(leaves)
+            device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
             if self._memory and device is not None:
                 self._peak_memory(device).enter()
             if self._timing:
@@ -210,10 +202,8 @@ class Tracer(Scoped):
             draft = state.stack.pop()
             if draft.timer is not None:
                 state.clock.stop(draft.timer, excluded=state.measuring - draft.measured_before)
-            if self._memory and draft.inputs:
-                device = _device_of(draft.inputs)
-                if device is not None:
-                    draft.peak_bytes = self._peak_memory(device).exit()
+            if self._memory and draft.cuda is not None:
+                draft.peak_bytes = self._peak_memory(draft.cuda).exit()
             draft.finished = state.finished
             state.finished += 1
             error = sys.exc_info()[1]
@@ -242,9 +232,10 @@ class Tracer(Scoped):
         return _Leaf(path, shape_of(tensor), dtype, str(tensor.device), index, source)
 
     def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
-        began = time.perf_counter()
+        began = time.perf_counter() if self._timing else 0.0
         state.raws.append(raw_stats(tensor, scratch=self._scratch))
-        state.measuring += time.perf_counter() - began
+        if self._timing:
+            state.measuring += time.perf_counter() - began
         if tensor.is_cuda:
             state.streams.add(torch.cuda.current_stream(tensor.device))
         return len(state.raws) - 1
@@ -294,7 +285,7 @@ class Tracer(Scoped):
             "this trace is already recording a forward pass on another thread; trace one thread at a time"
         )
 
-    def _freeze(self, draft: _Draft, stats: list[Any], clock: CallClock) -> TraceRow:
+    def _freeze(self, draft: _Draft, stats: list[Any], clock: CallClock | None) -> TraceRow:
         def info(leaf: _Leaf) -> TensorInfo:
             measured = None if leaf.stats_index is None else stats[leaf.stats_index]
             return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source)
@@ -311,9 +302,7 @@ class Tracer(Scoped):
             parent=draft.parent,
             finished=draft.finished,
             status=draft.status if draft.finished is not None else "raised",
-            time_ms=None
-            if draft.timer is None or draft.finished is None or stats_unread(stats)
-            else clock.read(draft.timer),
+            time_ms=None if clock is None or draft.timer is None or draft.finished is None else clock.read(draft.timer),
             peak_bytes=draft.peak_bytes,
         )
 
@@ -356,8 +345,8 @@ class Tracer(Scoped):
         except RuntimeError as error:  # a device that failed in the forward (a device-side assert)
             stats = [None] * len(state.raws)
             meta["stats_error"] = f"{type(error).__name__}: {error}"
-        rows = [self._freeze(draft, stats, state.clock) for draft in state.rows]
-        meta["failure"] = finished.failure
+        clock = state.clock if self._timing and "stats_error" not in meta else None  # unread times: none
+        rows = [self._freeze(draft, stats, clock) for draft in state.rows]
         return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=finished.failure)
 
     def remove(self) -> None:
@@ -462,26 +451,13 @@ def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> 
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
     if not selectors:
         raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
-    seen: set[int] = set()
-    chosen = []
-    for name, module in select(model, selectors):
-        if id(module) not in seen:
-            seen.add(id(module))
-            chosen.append((name, module))
-    return chosen
+    return select(model, selectors)  # a union, each module once, in model order
 
 
 def _cuda_device(leaves: list[tuple[str, torch.Tensor]]) -> torch.device | None:
     for _, tensor in leaves:
         if tensor.device.type == "cuda":
             return tensor.device
-    return None
-
-
-def _device_of(infos: list[_Leaf]) -> torch.device | None:
-    for leaf in infos:
-        if leaf.device.startswith("cuda"):
-            return torch.device(leaf.device)
     return None
 
 

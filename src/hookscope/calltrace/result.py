@@ -227,7 +227,7 @@ class Trace(Sequence[TraceRow]):
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = 1) -> str:
         """Every row with every input and output tensor, as strict JSON (NaN and Inf are written
         as the strings ``"nan"``, ``"inf"``, ``"-inf"``); written to ``path`` when given."""
-        document = {"meta": self.meta, "rows": [row.to_dict() for row in self.rows]}
+        document = {"meta": {**self.meta, "failure": self._failure}, "rows": [row.to_dict() for row in self.rows]}
         return _write(path, json.dumps(_strict(document), indent=indent, allow_nan=False) + "\n")
 
 

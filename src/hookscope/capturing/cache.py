@@ -152,11 +152,7 @@ class Cache(Mapping[str, torch.Tensor]):
         from hookscope.capturing.files import save_tensors
 
         tensors = {str(site): self._checked(site) for site in self._entries}
-        sites = [
-            {"site": str(site), "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
-            for site, tensor in zip(self._entries, tensors.values(), strict=True)
-        ]
-        return save_tensors(path, tensors, {**self.meta, "sites": sites})
+        return save_tensors(path, tensors, self.meta)  # names, dtypes and shapes are in the file itself
 
     # -- names ------------------------------------------------------------------------------------
 
@@ -284,5 +280,4 @@ def load(path: str | os.PathLike[str]) -> Cache:
                 f"{os.fspath(path)!r} holds a tensor named {key!r}, not a hookscope site such as 'fc#0:output'; "
                 "it was not written by Cache.save: read it with safetensors, numpy or torch directly"
             ) from None
-    meta.pop("sites", None)
     return Cache(entries, meta=meta)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,10 +30,10 @@ from hookscope.capturing.cache import Cache
 from hookscope.capturing.guard import storage_key
 from hookscope.capturing.keeper import Keeper
 from hookscope.capturing.reduce import Reduction, parse_reduction
-from hookscope.core.attach import HookGroup, HookSpec
+from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
 from hookscope.core.sites import CallTracker, Site
-from hookscope.core.tree import flatten_tensors
+from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import CaptureError, SpecError
 
 __all__ = ["Capture", "capture", "run_with_capture"]
@@ -52,7 +52,7 @@ class _StopForward(Exception):  # noqa: N818 (a signal, not an error)
         self.owner = owner
 
 
-class Capture:
+class Capture(Scoped):
     """Hooks that keep values of selected modules; reads like the :class:`Cache` of the latest pass.
 
     Made by :func:`capture`; attached at once, removed by ``remove()`` or on leaving ``with``.
@@ -94,7 +94,7 @@ class Capture:
         self._stop = stop
         self._tracker = CallTracker(listener=self)
         self._model = model
-        self._selected = _unique(pair for selector in selectors for pair in select(model, selector))
+        self._selected = select(model, list(selectors))  # a union, each module once, in model order
         meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
         self._keeper = Keeper(
             detach=detach,
@@ -133,9 +133,7 @@ class Capture:
                 raise _StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
             if want(call):
-                leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
-                leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
-                keep(name, call, "input", leaves, args)
+                keep(name, call, "input", call_leaves(args, kwargs), args)
                 if last_what == "input":
                     self._done(module)
 
@@ -237,11 +235,6 @@ class Capture:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    @property
-    def live(self) -> bool:
-        """True until the hooks have been removed."""
-        return self._group.live
-
     def remove(self) -> None:
         """Remove every hook of this capture; the values stay readable. Safe to call twice."""
         try:
@@ -249,26 +242,14 @@ class Capture:
         finally:
             self._group.remove()
 
-    def __enter__(self) -> Capture:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, *exc_info: object) -> bool:
         self.remove()
-        return isinstance(exc, _StopForward) and exc.owner is self
+        stopped = exc_info[1] if len(exc_info) > 1 else None
+        return isinstance(stopped, _StopForward) and stopped.owner is self  # the stop signal ends the block
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
         return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
-
-
-def _unique(pairs: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    seen: set[int] = set()
-    unique = []
-    for name, module in pairs:
-        if id(module) not in seen:
-            seen.add(id(module))
-            unique.append((name, module))
-    return unique
 
 
 def _describe(model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:

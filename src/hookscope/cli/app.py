@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from hookscope._version import __version__
+from hookscope.core.select import Selector
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["app", "main"]
@@ -91,7 +92,6 @@ def layers_command(
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
     from hookscope.cli.sample import SampleRun, build_model
     from hookscope.cli.specs import make_input
-    from hookscope.errors import SpecError
     from hookscope.layers import layers
 
     if no_run and input_shape is not None:
@@ -145,13 +145,11 @@ def capture_command(
     from hookscope.capturing import run_with_capture
     from hookscope.capturing.files import SUPPORTED_SUFFIXES
     from hookscope.cli.sample import prepare
-    from hookscope.core.select import Selector
-    from hookscope.errors import SpecError
 
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:  # before the model runs, not after
         formats = ", ".join(SUPPORTED_SUFFIXES)
         raise SpecError(f"--out {out}: {out.suffix or 'no extension'} is not a capture format; use {formats}")
-    selectors: list[Selector] = [part.strip() for option in layers for part in option.split(",") if part.strip()]
+    selectors = _selectors(layers)
     call_choice: int | str = int(calls) if calls.isdigit() else calls
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
@@ -205,11 +203,11 @@ def trace_command(
     from hookscope.calltrace import TraceRow, tracing
     from hookscope.calltrace.result import describe_call
     from hookscope.cli.sample import prepare
-    from hookscope.core.select import Selector, select
+    from hookscope.core.select import select
 
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
-    selectors: list[Selector] = [part.strip() for option in only or [] for part in option.split(",") if part.strip()]
+    selectors = _selectors(only or [])
     net = sample.model.eval()
     if selectors:
         select(net, selectors)  # a mistyped --filter fails now, not after the forward
@@ -332,6 +330,11 @@ def edit_command(
         f"{path} {tuple(first.shape)}: max |delta| {delta.max().item():.4g}, mean |delta| "
         f"{delta.mean().item():.4g}, cosine similarity {cosine:.6f}"
     )
+
+
+def _selectors(options: list[str]) -> list[Selector]:
+    """Selectors from a repeatable option whose values may also be comma-separated."""
+    return [part.strip() for option in options for part in option.split(",") if part.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:

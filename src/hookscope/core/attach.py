@@ -314,8 +314,9 @@ class Scoped:
     def __enter__(self: ScopedT) -> ScopedT:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> bool | None:
         self.remove()
+        return None
 
 
 def attached(model: nn.Module) -> list[AttachedHook]:

@@ -66,38 +66,26 @@ class Editor(Scoped):
         self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, restore_mode=False)
 
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
-        current, want = self._tracker.current, self._want
+        current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
 
         def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             call = current(module)
             if not want(call):
                 return None
-
-            def context(path: str) -> EditContext:
-                return EditContext(name, call, module, "output", path, args, kwargs)
-
-            for fn in fns:
-                path, new = _run(fn, flatten_tensors(output), context)
-                output = map_tensors_with_paths(_swap(path, new), output)
-            return output
+            leaves = _apply(targets, flatten_tensors(output), name, call, module, "output", args, kwargs)
+            return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output)
 
         return edit_output
 
     def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
-        current, want = self._tracker.current, self._want
+        current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
 
         def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             call = current(module)
             if not want(call):
                 return None
-
-            def context(path: str) -> EditContext:
-                return EditContext(name, call, module, "input", path, args, kwargs)
-
-            for fn in fns:
-                path, new = _run(fn, call_leaves(args, kwargs), context)
-                args, kwargs = map_call_tensors(_swap(path, new), args, kwargs)
-            return args, kwargs
+            leaves = _apply(targets, call_leaves(args, kwargs), name, call, module, "input", args, kwargs)
+            return map_call_tensors(lambda path, tensor: leaves.get(path, tensor), args, kwargs)
 
         return edit_input
 
@@ -111,36 +99,53 @@ class Editor(Scoped):
         return f"<Editor on {self._side}s of {', '.join(self.sites)}; {state}>"
 
 
-def _run(
-    fn: EditFn, leaves: list[tuple[str, torch.Tensor]], context: Callable[[str], EditContext]
-) -> tuple[str, torch.Tensor]:
-    """Apply one edit to its tensor; check that what comes back can take the original's place."""
+def _targets(fns: list[EditFn], side: EditSide) -> list[tuple[EditFn, str | None]]:
+    """Each edit with the path it asks for, read once at attach time (None: the first tensor).
+
+    Input paths may be written as errors show them (``input[0]``) or as they are (``[0]``).
+    """
+    targets = []
+    for fn in fns:
+        wanted = getattr(fn, "path", None)
+        if side == "input" and wanted is not None:
+            wanted = wanted.removeprefix("input")
+        targets.append((fn, wanted))
+    return targets
+
+
+def _apply(
+    targets: list[tuple[EditFn, str | None]],
+    found: list[tuple[str, torch.Tensor]],
+    name: str,
+    call: int,
+    module: nn.Module,
+    side: EditSide,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """Run the edits in order on the call's tensors (``{path: tensor}``, edited ones replaced),
+    checking that each result can take the original's place."""
+    leaves = dict(found)
     if not leaves:
-        raise EditError(f"{context('').site}: there is no tensor to edit")
-    by_path = dict(leaves)
-    wanted = getattr(fn, "path", None)
-    if wanted is not None and wanted.startswith("input") and not leaves[0][0].startswith("output"):
-        wanted = wanted.removeprefix("input")  # the input side's paths are [0], ['mask'], as errors show
-    path = leaves[0][0] if wanted is None else wanted
-    if path not in by_path:
-        raise EditError(f"{context(path).site}: no tensor at {path!r}; the tensors are at {', '.join(by_path)}")
-    old = by_path[path]
-    ctx = context(path)
-    new = fn(old, ctx)
-    if not isinstance(new, torch.Tensor):
-        raise EditError(
-            f"{ctx.site}: the edit returned a {type(new).__name__}, expected a tensor like {_describe(old)}"
-        )
-    if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
-        raise EditError(
-            f"{ctx.site}: the edit returned {_describe(new)}, expected {_describe(old)} (the value it replaces)"
-        )
-    return path, new
-
-
-def _swap(path: str, new: torch.Tensor) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """A tree-map function putting ``new`` at ``path`` and keeping every other tensor."""
-    return lambda at, tensor: new if at == path else tensor
+        raise EditError(f"{EditContext(name, call, module, side, '', args, kwargs).site}: there is no tensor to edit")
+    first = found[0][0]
+    for fn, wanted in targets:
+        path = first if wanted is None else wanted
+        ctx = EditContext(name, call, module, side, path, args, kwargs)
+        old = leaves.get(path)
+        if old is None:
+            raise EditError(f"{ctx.site}: no tensor at {path!r}; the tensors are at {', '.join(leaves)}")
+        new = fn(old, ctx)
+        if not isinstance(new, torch.Tensor):
+            raise EditError(
+                f"{ctx.site}: the edit returned a {type(new).__name__}, expected a tensor like {_describe(old)}"
+            )
+        if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+            raise EditError(
+                f"{ctx.site}: the edit returned {_describe(new)}, expected {_describe(old)} (the value it replaces)"
+            )
+        leaves[path] = new
+    return leaves
 
 
 def _describe(tensor: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hookscope.editing.context import EditContext
 from hookscope.errors import EditError, SpecError
 
 __all__ = ["Part"]
@@ -82,13 +83,13 @@ class Part:
         """True when no part was named: the edit applies to the whole value."""
         return all(v is None for v in (self.channels, self.neurons, self.positions, self.heads, self.mask))
 
-    def along_one_dim(self, value: torch.Tensor, site: str) -> tuple[int, torch.Tensor] | None:
+    def along_one_dim(self, value: torch.Tensor, ctx: EditContext) -> tuple[int, torch.Tensor] | None:
         """``(dim, indices)`` when the part is a plain index along one dim (``channels=``,
         ``neurons=``, ``positions=`` or ``heads=`` alone), for ``index_fill``; else None."""
         named = [name for name in ("channels", "neurons", "positions", "heads") if getattr(self, name) is not None]
         if len(named) != 1 or self.mask is not None:
             return None
-        mask = self.mask_for(value, site)  # checks the indices, and names the site if they are wrong
+        mask = self.mask_for(value, ctx)  # checks the indices, and names the site if they are wrong
         if mask is None:
             return None
         key = (tuple(value.shape), str(value.device))
@@ -101,14 +102,14 @@ class Part:
             self._indices[key] = known
         return known
 
-    def mask_for(self, value: torch.Tensor, site: str) -> torch.Tensor | None:
+    def mask_for(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor | None:
         """A boolean mask that broadcasts against ``value`` (None for the whole value)."""
         if self.whole:
             return None
         key = (tuple(value.shape), str(value.device))
         known = self._masks.get(key)
         if known is None:
-            known = self._build(value, site)
+            known = self._build(value, ctx.site)  # the site's name is formatted only here, once per shape
             if len(self._masks) >= _MAX_MASKS:  # a generation loop grows the sequence every step
                 self._masks.clear()
             self._masks[key] = known  # built once per shape and device: no host work on later calls

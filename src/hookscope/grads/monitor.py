@@ -33,7 +33,7 @@ from hookscope.calltrace.identity import SeenTensors
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
-from hookscope.core.tree import flatten_tensors
+from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.grads.records import GradRecord, GradStep, GradWhat
 from hookscope.grads.replay import Replay, checkpoint_context
@@ -46,10 +46,12 @@ __all__ = ["DEAD_UNIT_TYPES", "GradMonitor", "watch_grads"]
 DEAD_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Threshold)
 
 
+_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (a checkpointed block recomputing its forward)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _GRAPH_TASK() != -1
 
 
 @dataclass
@@ -119,6 +121,8 @@ class GradMonitor(Scoped):
         self._selected = _modules(model, selectors)
         self._parameters = _parameters(model, self._selected, whole=not selectors)
         self._tracker = CallTracker(listener=self)
+        self._pass_grad = True
+        self._pass_checkpointed = False
         self._step_index = 0
         self._current = _Step()
         self._recording = True
@@ -146,12 +150,12 @@ class GradMonitor(Scoped):
             opened = step.open.setdefault(id(module), [])
             opened.append(None)  # replaced below when this call is hooked; popped by the forward hook
             if not torch.is_grad_enabled():
-                if not _in_backward() and (context := checkpoint_context()) is not None:
+                if not _in_backward() and (context := self._no_grad_context()) is not None:
                     step.replay.skip(context, id(module), step.sequence, current(module))  # re-run in backward
                 step.sequence += 1
                 return
             if _in_backward():  # a checkpoint re-running its block inside the backward
-                context = checkpoint_context()
+                context = checkpoint_context() if step.replay.waiting else None  # non-reentrant: no walk
                 claimed = None if context is None else step.replay.claim(context, id(module))
                 if claimed is None:
                     return  # non-reentrant re-run: hooked in the forward already
@@ -161,8 +165,7 @@ class GradMonitor(Scoped):
                 step.sequence += 1
             # Inputs are hooked before the module runs: a module that changes its input in place
             # (ReLU(inplace=True)) must not turn grad_input into the gradient of its output.
-            leaves = [leaf for i, arg in enumerate(args) for leaf in flatten_tensors(arg, f"[{i}]")]
-            leaves += [leaf for key, value in kwargs.items() for leaf in flatten_tensors(value, f"[{key!r}]")]
+            leaves = call_leaves(args, kwargs)
             opened[-1] = (call, sequence, [(path, self._watch(step, t)) for path, t in leaves if t.requires_grad])
 
         return before_forward
@@ -213,7 +216,15 @@ class GradMonitor(Scoped):
     # -- passes (told by the call tracker) ------------------------------------------------------
 
     def pass_started(self, module: nn.Module) -> None:
-        """A forward begins: nothing to prepare (a step spans any number of forwards)."""
+        """A forward begins. One that begins without grad is looked at once: inside a reentrant
+        checkpoint (``checkpoint(model, x)``), or plain evaluation, whose calls need no stack walk."""
+        self._pass_grad = torch.is_grad_enabled()
+        self._pass_checkpointed = not self._pass_grad and checkpoint_context() is not None
+
+    def _no_grad_context(self) -> int | None:
+        """The reentrant checkpoint a call made without grad runs in, walking the stack only where
+        one can be: a no-grad call inside a forward that had grad, or a checkpointed forward."""
+        return checkpoint_context() if self._pass_grad or self._pass_checkpointed else None
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Nothing to do: a step ends at :meth:`step`, not with a forward."""
@@ -394,13 +405,7 @@ def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None
 def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[str, nn.Module]]:
     if not selectors:
         return [(name, module) for name, module in model.named_modules() if name]
-    seen: set[int] = set()
-    chosen = []
-    for name, module in select(model, list(selectors)):
-        if id(module) not in seen:
-            seen.add(id(module))
-            chosen.append((name, module))
-    return chosen
+    return select(model, list(selectors))  # a union, each module once, in model order
 
 
 def _parameters(

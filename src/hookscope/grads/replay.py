@@ -45,6 +45,11 @@ class Replay:
         """Checkpoint ``context`` ran this call without grad in the forward."""
         self._skipped.setdefault((context, module_id), []).append((sequence, call))
 
+    @property
+    def waiting(self) -> bool:
+        """True while some call skipped in the forward has not been claimed back."""
+        return any(self._skipped.values())
+
     def claim(self, context: int, module_id: int) -> tuple[int, int] | None:
         """The ``(sequence, call)`` a re-run in backward repeats, in the forward's order; or None."""
         waiting = self._skipped.get((context, module_id))
