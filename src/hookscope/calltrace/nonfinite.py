@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,7 +104,6 @@ class NonFiniteDetector(Scoped):
         self._open: list[_Call] = []
         self._seen: SeenTensors[tuple[Signature, str | None]] = SeenTensors()
         self._handled: BaseException | None = None
-        self._thread = 0
         specs = []
         for name, module in model.named_modules():
             specs.append(
@@ -127,7 +125,7 @@ class NonFiniteDetector(Scoped):
 
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if threading.get_ident() != self._thread or not self._open or self._open[-1].module_id != id(module):
+            if not self._tracker.owns() or not self._open or self._open[-1].module_id != id(module):
                 return  # a call refused on another thread, or no open record for it
             record = self._open.pop()
             if sys.exc_info()[1] is not record.handled:
@@ -156,7 +154,6 @@ class NonFiniteDetector(Scoped):
         self._calls, self._open = [], []
         self._seen.clear()
         self._handled = sys.exc_info()[1]
-        self._thread = threading.get_ident()
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Read every sum at once and blame the first module that made a NaN/Inf."""

@@ -11,7 +11,6 @@ child's, a module's input an earlier module's output) is not measured twice.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -112,7 +111,6 @@ class _Pass:
         self.finished = 0
         self.clock = CallClock()
         self.started = time.perf_counter()
-        self.thread = threading.get_ident()
         self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
@@ -197,7 +195,7 @@ class Tracer(Scoped):
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             state = self._pass
-            if threading.get_ident() != state.thread or not state.stack or state.stack[-1].module_id != id(module):
+            if not self._tracker.owns() or not state.stack or state.stack[-1].module_id != id(module):
                 return  # a call refused on another thread, or the pass was reset while this call ran
             draft = state.stack.pop()
             if draft.timer is not None:

@@ -32,7 +32,7 @@ from hookscope.capturing.keeper import Keeper
 from hookscope.capturing.reduce import Reduction, parse_reduction
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
-from hookscope.core.sites import CallTracker, Site
+from hookscope.core.sites import CallTracker, Site, call_filter
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import CaptureError, SpecError
 
@@ -90,7 +90,7 @@ class Capture(Scoped):
                 "use calls='first', a call index, or stop=False"
             )
         self._whats = _check_keep(keep)
-        self._want = _call_filter(calls)
+        self._want = call_filter(calls, also=("last",))
         self._stop = stop
         self._tracker = CallTracker(listener=self)
         self._model = model
@@ -285,19 +285,6 @@ def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if isinstance(candidate, torch.dtype):
         return candidate
     raise SpecError(f"dtype={dtype!r} is not a torch dtype; expected e.g. torch.float16 or 'bfloat16'")
-
-
-def _call_filter(calls: Calls) -> Callable[[int], bool]:
-    if calls in ("all", "last"):
-        return lambda index: True
-    if calls == "first":
-        return lambda index: index == 0
-    if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0:
-        return lambda index: index == calls
-    raise SpecError(
-        f"calls={calls!r} is not 'all' (default), 'first', 'last' or a call index >= 0; "
-        "for the last call of a module use calls='last'"
-    )
 
 
 def capture(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, Protocol, get_args
@@ -22,7 +23,7 @@ from torch import nn
 
 from hookscope.errors import HookscopeError, SpecError
 
-__all__ = ["CallTracker", "PassListener", "Site", "SiteKind", "is_reentered"]
+__all__ = ["CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
@@ -162,6 +163,11 @@ class CallTracker:
             if self._open_calls == 0 and self._listener is not None:
                 self._listener.pass_ended(module, args, kwargs or {}, output)
 
+    def owns(self) -> bool:
+        """True on the thread whose pass is open: a closing hook running for a call refused on
+        another thread (``always_call`` hooks run for those too) must leave the pass alone."""
+        return self._open_calls > 0 and threading.get_ident() == self._thread
+
     def current(self, module: nn.Module) -> int:
         """Index of ``module``'s innermost open call (valid inside its hooks)."""
         stack = self._open.get(id(module))
@@ -190,3 +196,26 @@ class CallTracker:
         return HookscopeError(
             "these hooks are already counting a forward pass on another thread; attach one group per thread"
         )
+
+
+def call_filter(calls: object, *, also: tuple[str, ...] = ()) -> Callable[[int], bool]:
+    """Which call indices of a module to act on: ``"all"``, ``"first"``, an index, or a list of
+    indices; a feature accepting more words (a capture's ``"last"``) names them in ``also``, and
+    they pass every index here.
+
+    >>> keep = call_filter([0, 2])
+    >>> [keep(i) for i in range(3)]
+    [True, False, True]
+    """
+    if calls == "all" or calls in also:
+        return lambda index: True
+    if calls == "first":
+        return lambda index: index == 0
+    if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0:
+        return lambda index: index == calls
+    if isinstance(calls, (list, tuple, set)) and calls and all(isinstance(c, int) and c >= 0 for c in calls):
+        chosen = set(calls)
+        return lambda index: index in chosen
+    words = ", ".join(repr(w) for w in ("first", *also))
+    hint = "; for the last call of a module use calls='last'" if "last" in also else ""
+    raise SpecError(f"calls={calls!r} is not 'all' (default), {words}, a call index >= 0, or a list of them{hint}")

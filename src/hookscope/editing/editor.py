@@ -19,7 +19,7 @@ from torch import nn
 
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
-from hookscope.core.sites import CallTracker
+from hookscope.core.sites import CallTracker, call_filter
 from hookscope.core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope.editing.context import EditContext, EditSide
 from hookscope.errors import EditError, SpecError
@@ -48,7 +48,7 @@ class Editor(Scoped):
             raise SpecError(
                 "edits: expected a non-empty mapping {selector: edit or [edits]}, e.g. {'fc': hs.edits.zero()}"
             )
-        self._want = _call_filter(calls)
+        self._want = call_filter(calls)
         self._side: EditSide = on
         self._tracker = CallTracker()
         plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
@@ -160,17 +160,6 @@ def _functions(selector: Selector, chosen: EditFn | Sequence[EditFn]) -> list[Ed
             "hs.edits.zero() or a function (value, ctx) -> value, or a list of them"
         )
     return functions  # type: ignore[return-value]
-
-
-def _call_filter(calls: Calls) -> Callable[[int], bool]:
-    if calls == "all":
-        return lambda index: True
-    if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0:
-        return lambda index: index == calls
-    if isinstance(calls, (list, tuple, set)) and calls and all(isinstance(c, int) and c >= 0 for c in calls):
-        chosen = set(calls)
-        return lambda index: index in chosen
-    raise SpecError(f"calls={calls!r} is not 'all' (default), a call index >= 0, or a list of them")
 
 
 def edit(
