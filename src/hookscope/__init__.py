@@ -32,8 +32,11 @@ from hookscope.errors import (
     SelectionError,
     SiteNotFoundError,
     SpecError,
+    StoreError,
+    StoreWriteError,
     UnsupportedModelError,
 )
+from hookscope.extracting import Store, StoreArray, extract, open_store
 from hookscope.grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
@@ -68,6 +71,10 @@ __all__ = [
     "SiteNotFoundError",
     "SpecError",
     "Stats",
+    "Store",
+    "StoreArray",
+    "StoreError",
+    "StoreWriteError",
     "TensorInfo",
     "Trace",
     "TraceRow",
@@ -79,11 +86,13 @@ __all__ = [
     "detect_nonfinite",
     "edit",
     "edits",
+    "extract",
     "flatten_tensors",
     "hooks",
     "layers",
     "load",
     "map_tensors",
+    "open_store",
     "plots",
     "run_with_capture",
     "run_with_edits",

@@ -16,8 +16,13 @@ does::
     ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
     │                                      budget, or its value was changed in place after capture
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
-    └── EditError (ValueError)             an edit returned a value the model cannot take (wrong
-                                           shape, dtype or device) or named a part that is not there
+    ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
+    │                                      shape, dtype or device) or named a part that is not there
+    └── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
+        │                                  ``out`` is taken or unwritable, the stored configuration
+        │                                  differs, the store is incomplete
+        └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
+                                           recorded, and the same call resumes after it
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
 line prints exactly that line.
@@ -35,6 +40,8 @@ __all__ = [
     "SelectionError",
     "SiteNotFoundError",
     "SpecError",
+    "StoreError",
+    "StoreWriteError",
     "UnsupportedModelError",
 ]
 
@@ -107,3 +114,25 @@ class EditError(HookscopeError, ValueError):
     Raised at the call where it happens, naming the site: an edit that returned a different
     shape, dtype or device than the value it replaces, a path or index that is not there.
     """
+
+
+class StoreError(HookscopeError, OSError):
+    """A feature store (``hs.extract``, ``hs.open_store``) cannot be made, resumed or read as asked.
+
+    Raised before any work when ``out`` holds something else or cannot be written, when a store
+    is resumed with a different configuration (the message lists each difference), and on
+    opening a store that was left incomplete.
+    """
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreWriteError(StoreError):
+    """Writing a feature store failed part-way, e.g. the disk is full.
+
+    Every chunk recorded as done has landed; running the same extraction again resumes after them.
+    The command line exits with 1 (a failure at run time), not 2.
+    """
+
+    exit_code = 1

@@ -332,6 +332,143 @@ def edit_command(
     )
 
 
+@app.command("extract")
+def extract_command(
+    model: ModelSpec,
+    data: Annotated[
+        str,
+        typer.Option(
+            "--data",
+            "-D",
+            help="random:N[:SHAPE], a .npy/.npz/.pt/.safetensors file, or package.module:factory "
+            "(a Dataset, DataLoader or iterable of batches).",
+            show_default=False,
+        ),
+    ],
+    layers: Annotated[
+        list[str],
+        typer.Option(
+            "--layers",
+            "-l",
+            help="Modules to store: names, globs or 're:' regexes; repeat or comma-separate.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="The zarr store to write, e.g. feats.zarr.", show_default=False)
+    ],
+    reduce: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reduce",
+            "-r",
+            help="Reduce before storing: mean:1, cls, last, max:1, ... for every layer, or SELECTOR=SPEC for some "
+            "(repeat; the first that selects a layer applies).",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Store floating values as fp16, bf16, fp32 or fp64.")
+    ] = None,
+    model_dtype: Annotated[
+        str | None, typer.Option("--model-dtype", help="Cast the model first: fp16, bf16, ...")
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device", help="Run on this device (cuda, cuda:1, cpu); under torchrun, cuda means each rank's own GPU."
+        ),
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward.")] = 32,
+    num_workers: Annotated[int, typer.Option("--num-workers", min=0, help="DataLoader worker processes.")] = 0,
+    chunk_rows: Annotated[
+        int | None, typer.Option("--chunk-rows", min=1, help="Rows per chunk, a multiple of the batch size.")
+    ] = None,
+    keep: Annotated[str, typer.Option("--keep", help="output, input or both.")] = "output",
+    calls: Annotated[str, typer.Option("--calls", help="all, first, last, or a call index.")] = "all",
+    mask: Annotated[
+        str, typer.Option("--mask", help="Batch key of the padding mask for token reductions; 'none' to ignore it.")
+    ] = "auto",
+    compression: Annotated[str, typer.Option("--compression-level", help="zstd level (1-22), or 'none'.")] = "3",
+    progress: Annotated[
+        bool | None, typer.Option("--progress/--no-progress", help="Show progress (default: on a terminal).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume/--no-resume", help="Continue a store a stopped run left (default).")
+    ] = True,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a store made another way.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of random weights (hf-config) and random: data.")] = 0,
+) -> None:
+    """Run MODEL over a data set and store the chosen layers' values for every row in a zarr store.
+
+    Resumable: run the same command again after a crash and it continues. Under
+    `torchrun --nproc-per-node N -m hookscope extract ...` the ranks share the chunks.
+    """
+    import shlex
+    import time
+
+    import torch
+
+    from hookscope.cli.data_specs import load_data
+    from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
+    from hookscope.cli.sample import build_model
+    from hookscope.cli.specs import parse_dtype
+    from hookscope.extracting import extract
+
+    level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
+    reductions = parse_reductions(reduce or [])
+    call_choice: int | str = int(calls) if calls.isdigit() else calls
+    storage = parse_dtype(dtype) if dtype is not None else None
+    command = "hookscope " + shlex.join(sys.argv[1:])
+    with distributed_job(device) as (rank, run_on):
+        torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
+        net = build_model(model, model_dtype).to(run_on)
+        dataset = load_data(data, net, seed=seed)
+        started = time.perf_counter()
+        store = extract(
+            net,
+            dataset,
+            _selectors(layers),
+            out,
+            reduce=reductions,
+            dtype=storage,
+            device=run_on,
+            batch_size=None if _is_batched(dataset) else batch_size,
+            num_workers=num_workers,
+            chunk_rows=chunk_rows,
+            keep=keep,
+            calls=call_choice,
+            mask=None if mask.strip().lower() == "none" else mask,
+            progress=progress,
+            resume=resume,
+            overwrite=overwrite,
+            compression_level=level,
+            model_spec=model,
+            command=command,
+        )
+        elapsed = time.perf_counter() - started
+        if rank == 0:
+            typer.echo(repr(store))
+            size = store_size(out)
+            typer.echo(
+                f"wrote {len(store):,} rows of {len(store.sites)} sites to {out} in {elapsed:.1f} s"
+                + (f" ({size} on disk)" if size else "")
+            )
+
+
+def _int_option(name: str, text: str) -> int:
+    if not text.strip().lstrip("-").isdecimal():
+        raise SpecError(f"{name} {text!r} is not an integer")
+    return int(text)
+
+
+def _is_batched(data: Any) -> bool:
+    """True for data that comes in batches already (a loader, a list or iterable of batches)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    return isinstance(data, (DataLoader, IterableDataset, list, tuple)) or not hasattr(data, "__getitem__")
+
+
 def _selectors(options: list[str]) -> list[Selector]:
     """Selectors from a repeatable option whose values may also be comma-separated."""
     return [part.strip() for option in options for part in option.split(",") if part.strip()]
@@ -341,8 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hookscope`` console script; exits with the codes in the module doc."""
     try:  # usage errors (unknown command or option) are typer's: usage text and exit code 2
         app(args=argv, prog_name="hookscope")
-    except HookscopeError as error:
-        _fail(error, EXIT_BAD_INPUT)
+    except HookscopeError as error:  # bad input, unless the error says it is a failure at run time
+        _fail(error, getattr(error, "exit_code", EXIT_BAD_INPUT))
     except Exception as error:  # a failure at run time: one line, not a traceback
         _fail(error, EXIT_FAILURE)
 

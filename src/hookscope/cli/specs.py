@@ -32,7 +32,7 @@ from torch import nn
 from hookscope.core.select import ensure_module
 from hookscope.errors import MissingDependencyError, SpecError
 
-__all__ = ["DEMO_MODELS", "load_model", "make_input", "parse_dtype", "parse_shape"]
+__all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_dtype", "parse_shape"]
 
 FORMS = "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or 'hf-config:<model_type>[?key=value&...]'"
 DEFAULT_SEQUENCE_LENGTH = 16
@@ -72,13 +72,22 @@ def load_model(spec: str) -> nn.Module:
     elif spec.startswith("hf-config:"):
         model = _hf_config(spec, spec[len("hf-config:") :])
     else:
-        target, colon, attribute = spec.rpartition(":")  # rpartition: 'C:\models\net.py:build' works
-        if not colon or not target or not attribute:
-            raise _error(spec, "it names no factory (the part after ':')", f"expected {FORMS}")
-        is_file = target.endswith(".py") or "/" in target or os.sep in target
-        module = _load_file(spec, target) if is_file else _import(spec, target)
-        model = _build(spec, _attribute(spec, module, target, attribute), attribute)
+        found, attribute = load_attribute(spec)
+        model = _build(spec, found, attribute)
     return model.eval()
+
+
+def load_attribute(spec: str, *, kind: str = "model", forms: str = FORMS) -> tuple[object, str]:
+    """What ``package.module:attr`` or ``path/to/file.py:attr`` names, and the attribute's name.
+
+    ``kind`` and ``forms`` word the errors: ``"data"`` specs share this with models.
+    """
+    target, colon, attribute = spec.rpartition(":")  # rpartition: 'C:\models\net.py:build' works
+    if not colon or not target or not attribute:
+        raise _error(spec, "it names no factory (the part after ':')", f"expected {forms}", kind)
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    module = _load_file(spec, target, kind) if is_file else _import(spec, target, kind, forms)
+    return _attribute(spec, module, target, attribute, kind), attribute
 
 
 def make_input(
@@ -149,8 +158,8 @@ def parse_dtype(text: str) -> torch.dtype:
     raise SpecError(f"dtype {text!r} is not understood; expected one of {', '.join(_DTYPES)}")
 
 
-def _error(spec: str, problem: str, fix: str) -> SpecError:
-    return SpecError(f"model {spec!r}: {problem}; {fix}")
+def _error(spec: str, problem: str, fix: str, kind: str = "model") -> SpecError:
+    return SpecError(f"{kind} {spec!r}: {problem}; {fix}")
 
 
 def _close(word: str, names: list[str]) -> str:
@@ -167,30 +176,32 @@ def _demo(spec: str, name: str) -> nn.Module:
     return DEMO_MODELS[name]()
 
 
-def _import(spec: str, name: str) -> object:
+def _import(spec: str, name: str, kind: str = "model", forms: str = FORMS) -> object:
     try:
         return importlib.import_module(name)
     except ImportError as error:
         prefix = difflib.get_close_matches(name, ["demo", "hf-config"], n=1, cutoff=0.7)  # 'hf_config:gpt2'
         fix = f"did you mean '{prefix[0]}:...'?" if prefix else "check the name and that it is installed"
         problem = f"module {name!r} cannot be imported ({type(error).__name__}: {error})"
-        raise _error(spec, problem, f"{fix}; expected {FORMS}") from error
+        raise _error(spec, problem, f"{fix}; expected {forms}", kind) from error
     except Exception as error:  # the module ran and failed: say so, not 'not found'
-        raise _error(spec, f"importing module {name!r} raised {type(error).__name__}: {error}", "fix it") from error
+        problem = f"importing module {name!r} raised {type(error).__name__}: {error}"
+        raise _error(spec, problem, "fix it", kind) from error
 
 
-def _load_file(spec: str, target: str) -> object:
+def _load_file(spec: str, target: str, kind: str = "model") -> object:
     path = Path(target).expanduser().resolve()  # relative paths: against the current directory
     if not path.is_file():
         raise _error(
             spec,
             f"file {target!r} not found (looked at {path})",
             "check the path; it is read relative to the current directory",
+            kind,
         )
     name = f"_hookscope_model_file_{next(_file_counter)}_{path.stem}"  # private: never shadows a real module
     loader_spec = importlib.util.spec_from_file_location(name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise _error(spec, f"file {target!r} cannot be loaded as a Python module", "name a '.py' file")
+        raise _error(spec, f"file {target!r} cannot be loaded as a Python module", "name a '.py' file", kind)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module  # dataclasses and pickling look classes up by their module name
     sys.path.insert(0, str(path.parent))  # like `python file.py`: sibling imports work while it runs
@@ -198,18 +209,19 @@ def _load_file(spec: str, target: str) -> object:
         loader_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
-        raise _error(spec, f"running file {target!r} raised {type(error).__name__}: {error}", "fix the file") from error
+        problem = f"running file {target!r} raised {type(error).__name__}: {error}"
+        raise _error(spec, problem, "fix the file", kind) from error
     finally:
         sys.path.remove(str(path.parent))
     return module
 
 
-def _attribute(spec: str, module: object, target: str, dotted: str) -> object:
+def _attribute(spec: str, module: object, target: str, dotted: str, kind: str = "model") -> object:
     found, where = module, target  # name the file as given, not its private module name
     for part in dotted.split("."):
         if not hasattr(found, part):
             names = [name for name in dir(found) if not name.startswith("_")]
-            raise _error(spec, f"{where!r} has no attribute {part!r}", _close(part, names))
+            raise _error(spec, f"{where!r} has no attribute {part!r}", _close(part, names), kind)
         found, where = getattr(found, part), f"{where}:{part}" if where == target else f"{where}.{part}"
     return found
 

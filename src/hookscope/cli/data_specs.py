@@ -1,0 +1,154 @@
+"""Turn the ``--data`` text of ``hookscope extract`` into something ``hs.extract`` reads.
+
+Forms::
+
+    random:N[:SHAPE]          N random rows shaped SHAPE (e.g. 3x32x32; token ids of length
+                              SHAPE for a transformers text model), seeded per row by --seed
+    path.npy                  one array of rows, memory-mapped
+    path.npz / .safetensors   arrays of rows sharing their first dimension
+    path.pt                   a tensor, or a dict of tensors (torch.load(weights_only=True))
+    package.module:factory    a Dataset, DataLoader or iterable of batches (called if callable)
+    path/to/file.py:factory   the same, from a file
+
+A single array is the model's main input (``input_ids``/``pixel_values`` for transformers
+models, else the one positional input); several arrays are keyword inputs by their names.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope.cli.specs import load_attribute, make_input, parse_shape
+from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.extracting.data import TensorRows
+
+__all__ = ["DATA_FORMS", "RandomRows", "load_data"]
+
+DATA_FORMS = (
+    "'random:N[:SHAPE]', a .npy/.npz/.pt/.safetensors file, 'package.module:factory' or 'path/to/file.py:factory'"
+)
+_FILE_SUFFIXES = (".npy", ".npz", ".pt", ".safetensors")
+
+
+class RandomRows(torch.utils.data.Dataset[Any]):
+    """``rows`` random inputs, each made from its own seed, so any row is the same in every run.
+
+    Row ``i`` does not depend on which other rows are fetched with it, so a resumed run and
+    every process of a sharded one see the same data without it being stored anywhere.
+
+    >>> rows = RandomRows(10, (3,), seed=0)
+    >>> torch.equal(rows.__getitems__([4, 5])[1], rows.__getitems__([5])[0])
+    True
+    """
+
+    collates_itself = True
+
+    def __init__(
+        self, rows: int, shape: tuple[int, ...], *, seed: int, key: str | None = None, vocab_size: int = 0
+    ) -> None:
+        self.rows = rows
+        self.shape = shape
+        self.seed = seed
+        self.key = key
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        values = torch.stack([self._row(int(index)) for index in indices])
+        return {self.key: values} if self.key is not None else values
+
+    def _row(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{index}".encode()))
+        if self.vocab_size:
+            return torch.randint(0, self.vocab_size, self.shape, generator=generator)
+        return torch.randn(self.shape, generator=generator)
+
+
+def load_data(spec: str, model: nn.Module, *, seed: int = 0) -> Any:
+    """The data ``spec`` names, ready for ``hs.extract`` (see the module doc for the forms)."""
+    text = spec.strip()
+    if text.startswith("random:"):
+        return _random(text, model, seed)
+    suffix = Path(text).suffix.lower()
+    if suffix in _FILE_SUFFIXES:
+        return _file(text, Path(text).expanduser(), suffix, model)
+    if ":" in text:
+        found, attribute = load_attribute(text, kind="data", forms=DATA_FORMS)
+        return _made(text, found, attribute)
+    raise SpecError(f"data {spec!r} is not understood; expected {DATA_FORMS}")
+
+
+def _random(spec: str, model: nn.Module, seed: int) -> RandomRows:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[1].strip().isdecimal() or int(parts[1]) < 1:
+        raise SpecError(f"data {spec!r}: expected 'random:N' or 'random:N:SHAPE' with N >= 1, e.g. random:1000:3x32x32")
+    rows = int(parts[1])
+    sample_shape = f"1x{parts[2]}" if len(parts) == 3 else None
+    if len(parts) == 3:
+        parse_shape(parts[2])  # the message names the shape itself
+    args, kwargs = make_input(model, sample_shape)  # the model's kind of input: token ids, pixels, a tensor
+    key, sample = next(iter(kwargs.items())) if kwargs else (None, args[0])
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0) if not sample.is_floating_point() else 0
+    return RandomRows(rows, tuple(sample.shape[1:]), seed=seed, key=key, vocab_size=int(vocab or 0))
+
+
+def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> TensorRows:
+    if not path.is_file():
+        raise SpecError(f"data {spec!r}: file not found (looked at {path.resolve()}); check the path")
+    try:
+        columns = _read(path, suffix)
+    except SpecError:
+        raise
+    except Exception as error:
+        raise SpecError(f"data {spec!r} cannot be read as {suffix}: {type(error).__name__}: {error}") from error
+    if isinstance(columns, Mapping) and len(columns) == 1:
+        columns = next(iter(columns.values()))
+    if not isinstance(columns, Mapping):
+        main = getattr(model, "main_input_name", None)
+        return TensorRows({main: columns} if isinstance(main, str) else columns)
+    return TensorRows(dict(columns))
+
+
+def _read(path: Path, suffix: str) -> Any:
+    if suffix == ".npy":
+        return np.load(path, mmap_mode="r")
+    if suffix == ".npz":
+        with np.load(path) as archive:
+            return {name: archive[name] for name in archive.files}
+    if suffix == ".pt":
+        loaded = torch.load(path, weights_only=True, mmap=True)
+        if isinstance(loaded, torch.Tensor) or (
+            isinstance(loaded, Mapping) and all(isinstance(v, torch.Tensor) for v in loaded.values())
+        ):
+            return loaded
+        raise SpecError(f"data {str(path)!r} holds a {type(loaded).__name__}; expected a tensor or a dict of tensors")
+    try:
+        from safetensors.torch import load_file
+    except ImportError as error:
+        raise MissingDependencyError(f"data {str(path)!r} needs safetensors: pip install safetensors") from error
+    return load_file(path)
+
+
+def _made(spec: str, found: object, attribute: str) -> Any:
+    readable = (torch.utils.data.Dataset, torch.utils.data.DataLoader, torch.Tensor, np.ndarray)
+    if isinstance(found, readable) or not callable(found):
+        return found
+    try:
+        return found()
+    except Exception as error:
+        raise SpecError(
+            f"data {spec!r}: factory {attribute!r} raised {type(error).__name__}: {error}; it is called with no "
+            "arguments and must return a Dataset, a DataLoader or an iterable of batches"
+        ) from error

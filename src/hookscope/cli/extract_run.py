@@ -1,0 +1,85 @@
+"""What ``hookscope extract`` needs around ``hs.extract``: reductions from text, torchrun, sizes.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the command joins the process group
+itself: gloo for CPU runs, nccl with each rank on its own GPU (``LOCAL_RANK``) for ``--device
+cuda``, and leaves it again at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._units import format_bytes
+from hookscope.errors import SpecError
+
+__all__ = ["distributed_job", "every_module", "parse_reductions", "store_size"]
+
+
+def every_module(name: str, module: nn.Module) -> bool:
+    """The selector of a ``--reduce`` given without ``SELECTOR=``: every layer not named before."""
+    return True
+
+
+def parse_reductions(options: list[str]) -> Any:
+    """``--reduce`` values: one spec for every layer, or ``SELECTOR=SPEC`` pairs (first match wins).
+
+    >>> parse_reductions(["mean:1"]), parse_reductions(["h.*=mean:1", "last"])
+    ('mean:1', {'h.*': 'mean:1', <function every_module ...>: 'last'})
+    """
+    if not options:
+        return None
+    pairs: dict[Any, str] = {}
+    default: str | None = None
+    for option in options:
+        selector, equals, spec = option.rpartition("=")
+        if not equals:
+            if default is not None:
+                raise SpecError(f"--reduce {default!r} and --reduce {option!r} both apply to every layer; keep one")
+            default = option.strip()
+            continue
+        if not selector.strip() or not spec.strip():
+            raise SpecError(f"--reduce {option!r} is not SELECTOR=SPEC, e.g. 'h.*=mean:1'")
+        pairs[selector.strip()] = spec.strip()
+    if not pairs:
+        return default
+    if default is not None:
+        pairs[every_module] = default
+    return pairs
+
+
+@contextmanager
+def distributed_job(device: str | None) -> Iterator[tuple[int, torch.device]]:
+    """``(rank, device)`` of this process; joins torchrun's process group when launched by it."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        yield rank, torch.device(device or "cpu")
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is not None and device.startswith("cuda"):
+        run_on = torch.device("cuda", local) if device == "cuda" else torch.device(device)
+        torch.cuda.set_device(run_on)
+        backend = "nccl"
+    else:
+        run_on, backend = torch.device(device or "cpu"), "gloo"
+    dist.init_process_group(backend=backend)
+    try:
+        yield dist.get_rank(), run_on
+    finally:
+        dist.destroy_process_group()
+
+
+def store_size(path: Path) -> str:
+    """Bytes on disk under ``path``, e.g. ``'1.2 MiB'``; empty when it is not a local directory."""
+    if not path.is_dir():
+        return ""
+    return format_bytes(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))

@@ -1,0 +1,442 @@
+"""``hs.extract``: the features of a whole data set, streamed to a zarr store, resumable, sharded.
+
+The steps, on every process (one, or each rank of a ``torch.distributed`` job):
+
+1. read what ``out`` holds already and decide: a new store, a resumed one, or a refusal;
+2. run the first batch (the probe) to learn the sites and the shape of a row: the layout;
+3. compare the configuration with the stored one (every difference named) and meet the other
+   ranks; rank 0 makes the store; meet again;
+4. read the manifest and share the chunks still to do between the ranks, round robin;
+5. run the batches of this rank's chunks, the writer thread storing each chunk as it fills;
+6. meet; rank 0 checks that every chunk is done and marks the store complete; meet.
+
+A failure at any step is shared at the next meeting, so no rank waits for one that gave up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope._version import __version__
+from hookscope.capturing.reduce import Reduction
+from hookscope.core.select import Selector, describe_selector, ensure_module
+from hookscope.core.sites import Site
+from hookscope.errors import SpecError, StoreError, StoreWriteError
+from hookscope.extracting.config import differences, model_identity
+from hookscope.extracting.data import Batch, IndexedSource, Inputs, Source, make_source
+from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope.extracting.pipeline import SiteCaptures, forward, probe_layout_values, run_batches
+from hookscope.extracting.progress import ExtractProgress
+from hookscope.extracting.ranks import Ranks, resolve_ranks
+from hookscope.extracting.reduce import TokenMask
+from hookscope.extracting.store import Store, open_store
+from hookscope.extracting.writer import ChunkWriter, WriterThread
+from hookscope.extracting.zarr_io import (
+    FORMAT,
+    Manifest,
+    Target,
+    clear,
+    create_store,
+    open_group,
+    read_meta,
+    target_of,
+    write_meta,
+    zarr_module,
+)
+
+__all__ = ["extract"]
+
+T = TypeVar("T")
+
+
+def extract(
+    model: nn.Module,
+    data: Any,
+    layers: Selector | Sequence[Selector],
+    out: str | Path | Any,
+    *,
+    reduce: str | Reduction | Mapping[Any, str | Reduction | None] | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    num_workers: int | None = None,
+    chunk_rows: int | None = None,
+    keep: str = "output",
+    calls: Any = "all",
+    mask: str | None = "auto",
+    inputs: Inputs | None = None,
+    indices: Sequence[int] | None = None,
+    progress: bool | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    eval_mode: bool = True,
+    compression_level: int | None = 3,
+    model_spec: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    command: str | None = None,
+) -> Store:
+    """Run ``model`` over ``data`` and store the values of ``layers`` for every row in a zarr store.
+
+    One array per site (a module's output; every call of a reused module; every tensor of a
+    tuple or ``ModelOutput``), shaped ``(N, ...)`` and chunked along the rows. Returns the
+    complete :class:`Store`.
+
+    ``data``: a ``DataLoader`` (not shuffling), a map-style ``Dataset`` (batched by
+    ``batch_size``, default 32, with ``num_workers``; ``indices`` picks rows), a tensor or array
+    of rows or a dict of them (keyword inputs), or any iterable of batches. A batch is a
+    tensor, a dict of keyword inputs, or a tuple whose first element is the input (labels
+    after it are ignored); ``inputs=lambda batch: (args, kwargs)`` says otherwise.
+
+    Options: ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a
+    function, or a dict ``{selector: reduction}``, first match wins; ``"mean:1"``, ``"last"``
+    and the others over dim 1 use only real tokens when the batch has an ``attention_mask``,
+    see ``mask``), ``dtype`` to store floats in (``torch.float16``, ``"bfloat16"``), ``device``
+    to put the inputs on (default: the model's), ``keep`` and ``calls`` as in
+    :func:`hookscope.capture`, ``chunk_rows`` (a multiple of the batch; default up to 1,024
+    rows or 8 MiB per chunk), ``compression_level`` (zstd; None for none), ``progress``
+    (default: when standard error is a terminal). The model runs under ``torch.no_grad()``, in
+    eval mode unless ``eval_mode=False``; its mode is restored after.
+
+    Resuming: a store left by a run that stopped is continued by the same call (``resume=True``,
+    the default): done chunks are skipped and the result is bit-identical to an uninterrupted
+    run. A store made with another configuration (model, layers, reductions, dtype, rows, ...)
+    is refused with every difference named, unless ``overwrite=True`` replaces it.
+
+    Many processes: call it on every rank of a ``torch.distributed`` job (torchrun,
+    accelerate); each rank writes whole chunks of its own and rank 0 marks the store complete.
+
+    Example::
+
+        store = hs.extract(model, loader, layers=["h.5", "ln_f"], out="feats.zarr", reduce="mean:1")
+        store["h.5"][:10]                       # numpy rows 0..9
+    """
+    ensure_module(model)
+    zarr_module()
+    target = target_of(out)
+    ranks = resolve_ranks(rank, world_size)
+    source = make_source(data, batch_size=batch_size, num_workers=num_workers, indices=indices, inputs=inputs)
+    if not source.indexed and ranks.world_size > 1:
+        raise SpecError(
+            f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
+            "one, or tensors); this data is a stream that only one process can read in order"
+        )
+    storage = _storage_dtype(dtype)
+    mask_key, mask_required = _mask_option(mask)
+    run_on = torch.device(device) if device is not None else _model_device(model)
+    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    captures = SiteCaptures(model, selectors, reduce=reduce, keep=keep, calls=calls, dtype=storage, mask=TokenMask())
+    job = _Job(
+        model=model,
+        source=source,
+        target=target,
+        ranks=ranks,
+        captures=captures,
+        device=run_on,
+        mask_key=mask_key,
+        mask_required=mask_required,
+        progress=progress,
+        compression_level=compression_level,
+    )
+    config = {
+        "model": model_identity(model, model_spec),
+        "layers": [_layer_text(s) for s in selectors],
+        "keep": keep,
+        "calls": calls,
+        "dtype": None if storage is None else str(storage).removeprefix("torch."),
+        "reduce": captures.reductions,
+        "mask": mask_key,
+        "rows": source.rows,
+        "batch_size": source.batch_size,
+    }
+    modes = {name: module.training for name, module in model.named_modules()}
+    if eval_mode:
+        model.eval()
+    try:
+        with captures:
+            return job.run(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
+    finally:
+        for name, module in model.named_modules():
+            module.training = modes.get(name, module.training)
+
+
+class _Job:
+    """One process's part of an extraction (see the module doc for the steps)."""
+
+    def __init__(self, **parts: Any) -> None:
+        self.model: nn.Module = parts["model"]
+        self.source: Source = parts["source"]
+        self.target: Target = parts["target"]
+        self.ranks: Ranks = parts["ranks"]
+        self.captures: SiteCaptures = parts["captures"]
+        self.device: torch.device = parts["device"]
+        self.mask_key: str | None = parts["mask_key"]
+        self.mask_required: bool = parts["mask_required"]
+        self.progress: bool | None = parts["progress"]
+        self.compression_level: int | None = parts["compression_level"]
+        self._rows_seen = 0
+
+    def step(self, name: str, work: Callable[[], T]) -> T:
+        """Run ``work`` on every rank, then meet: a failure on any rank is raised on all."""
+        failure: Exception | None = None
+        result: Any = None
+        try:
+            result = work()
+        except Exception as error:
+            failure = error
+        self.ranks.agree(failure, name)
+        return result  # type: ignore[no-any-return]
+
+    def run(
+        self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
+    ) -> Store:
+        existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        stored_chunk_rows = existing["config"].get("chunk_rows") if existing and chunk_rows is None else None
+        probe, values, layout = self.step("on the first batch", lambda: self._probe(chunk_rows or stored_chunk_rows))
+        config = {**config, "chunk_rows": layout.chunk_rows}
+        meta = _meta(config, layout, command)
+        if existing:
+            self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
+            if existing.get("state") == "complete":
+                return open_store(self.target.store if self.target.path is None else self.target.path)
+        if self.ranks.is_main:
+            self.step("making the store", lambda: self._make(existing, layout, meta))
+        else:
+            self.step("making the store", lambda: None)
+        group = open_group(self.target, writable=True)
+        manifest = Manifest(group)
+        done = manifest.done()
+        self.step("writing chunks", lambda: self._write(group, manifest, done, layout, (probe, values)))
+        if self.ranks.is_main:
+            self.step("completing the store", lambda: self._complete(group, manifest, layout, meta))
+        else:
+            self.step("completing the store", lambda: None)
+        return open_store(self.target.store if self.target.path is None else self.target.path)
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _existing(self, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+        """The stored hookscope attributes to resume, or None for a new store (after checks)."""
+        meta = read_meta(self.target)
+        if meta is None:
+            return None
+        if meta == {}:
+            if overwrite:
+                return None
+            raise StoreError(
+                f"out {self.target.label!r} is a zarr store that hookscope did not make; choose another path, or "
+                "overwrite=True (--overwrite) to replace it"
+            )
+        if overwrite or meta.get("state") == "creating":  # 'creating': cut short before any data
+            return None
+        if not resume:
+            raise StoreError(
+                f"out {self.target.label!r} already holds a feature store ({meta.get('state')}); resume=True continues "
+                "it, overwrite=True (--overwrite) replaces it, or choose another path"
+            )
+        if meta.get("format") != FORMAT:
+            raise StoreError(
+                f"out {self.target.label!r} is a store of format {meta.get('format')!r}; this hookscope writes format "
+                f"{FORMAT}: overwrite=True replaces it"
+            )
+        return meta
+
+    def _probe(self, chunk_rows: int | None) -> tuple[Batch, dict[Site, torch.Tensor], Layout]:
+        probe = self.source.probe()
+        values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
+        if not values:
+            raise SpecError(
+                "the layers captured no tensor on the first batch: they did not run, or returned no tensor; "
+                "check the layers with hs.layers(model, batch)"
+            )
+        checked = dict(probe_layout_values(probe, values))
+        names = array_names(list(checked))
+        sites = tuple(
+            SiteLayout(
+                name=names[site],
+                site=str(site),
+                layer=site.module,
+                shape=tuple(value.shape[1:]),
+                dtype=str(value.dtype).removeprefix("torch."),
+                reduce=self.captures.reductions.get(site.module),
+            )
+            for site, value in checked.items()
+        )
+        widest = max(site.row_bytes for site in sites)
+        batch = self.source.batch_size
+        rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
+        return probe, checked, Layout(sites, self.source.rows, batch, rows)
+
+    def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
+        if existing is None:
+            if read_meta(self.target) is not None:
+                clear(self.target)  # overwrite=True, or a store cut short while it was being made
+            create_store(self.target, layout, meta, self.compression_level)
+
+    def _write(
+        self,
+        group: Any,
+        manifest: Manifest,
+        done: set[int],
+        layout: Layout,
+        probe: tuple[Batch, dict[Site, torch.Tensor]],
+    ) -> None:
+        indexed = isinstance(self.source, IndexedSource)
+        owned: set[int] | None = None
+        if indexed:
+            assert layout.chunks is not None
+            todo = [c for c in range(layout.chunks) if c not in done]
+            mine = todo[self.ranks.rank :: self.ranks.world_size]
+            owned = set(mine)
+            total: int | None = sum(layout.span(c)[1] - layout.span(c)[0] for c in mine)
+        else:
+            total = (
+                None if layout.rows is None else layout.rows - sum(layout.span(c)[1] - layout.span(c)[0] for c in done)
+            )
+        writer = ChunkWriter(
+            group=group,
+            layout=layout,
+            manifest=manifest,
+            done=done,
+            owned=owned,
+            label=self.target.label,
+            total_chunks=lambda: layout.chunks,
+        )
+        thread = WriterThread(writer, [site.as_bits for site in layout.sites])
+        label = f"extract → {Path(self.target.label).name}" + (
+            f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else ""
+        )
+        enabled = self.progress if self.ranks.is_main else False
+        with ExtractProgress(total, enabled=enabled, label=label, written=lambda: writer.bytes_written) as bar:
+            if isinstance(self.source, IndexedSource):
+                batches = self.source.batches([layout.span(c) for c in sorted(owned or ())])
+            else:
+                batches = self.source.stream()
+            try:
+                end = run_batches(
+                    self.model,
+                    batches,
+                    captures=self.captures,
+                    layout=layout,
+                    writer=thread,
+                    device=self.device,
+                    mask_key=self.mask_key,
+                    mask_required=self.mask_required,
+                    reused=probe,
+                    on_batch=lambda rows, ran: bar.advance(rows if ran else 0, ran=ran),
+                )
+            except BaseException:
+                with contextlib.suppress(BaseException):  # the forward's error is the one to report
+                    thread.close()  # what was queued lands, and is recorded, before it propagates
+                raise
+            thread.close(end)
+        if indexed or layout.rows is not None:
+            expected = layout.rows
+            if not indexed and expected is not None and end != expected:
+                raise SpecError(f"the data yielded {end} rows; expected {expected} (the rows it held when counted)")
+        unfinished = writer.unfinished()
+        if unfinished:
+            chunk, filled, wanted = unfinished[0]
+            raise SpecError(
+                f"chunk {chunk} received {filled} of its {wanted} rows: the data yielded fewer rows than its length "
+                "said; check the data set's __len__"
+            )
+        self._rows_seen = end
+
+    def _complete(self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any]) -> None:
+        rows = layout.rows if layout.rows is not None else self._rows_seen
+        chunks = math.ceil(rows / layout.chunk_rows)
+        missing = sorted(set(range(chunks)) - manifest.done())
+        if missing:
+            raise StoreWriteError(
+                f"{len(missing)} of {chunks} chunks are not recorded as done (first: {missing[0]}); run the same "
+                "extraction again to write them"
+            )
+        write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks})
+
+
+def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[str, Any]:
+    import zarr
+
+    return {
+        "format": FORMAT,
+        "state": "writing",
+        "rows": layout.rows,
+        "chunks": layout.chunks,
+        "config": config,
+        "sites": [site.to_json() for site in layout.sites],
+        "versions": {
+            "hookscope": __version__,
+            "torch": torch.__version__,
+            "zarr": zarr.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "command": command if command is not None else shlex.join(sys.argv),
+    }
+
+
+def _same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """Raise ``StoreError`` naming every difference between the stored and the wanted configuration."""
+
+    def comparable(meta: dict[str, Any]) -> dict[str, Any]:
+        sites = {site["name"]: _site_text(site) for site in meta.get("sites", [])}
+        return {**meta.get("config", {}), "sites": sites}
+
+    found = differences(comparable(stored), comparable(wanted))
+    if found:
+        raise StoreError(
+            f"out {target.label!r} was made with another configuration, so its rows cannot be continued: "
+            + "; ".join(found)
+            + "; run with the stored configuration to resume, overwrite=True (--overwrite) to start again, "
+            "or choose another path"
+        )
+
+
+def _site_text(site: dict[str, Any]) -> str:
+    """``"h.0#0:output (N, 768) float32 reduce=mean:1"``: one stored site, as a difference shows it."""
+    shape = "".join(f", {n}" for n in site.get("shape", []))
+    reduce = f" reduce={site['reduce']}" if site.get("reduce") else ""
+    return f"{site.get('site')} (N{shape}) {site.get('dtype')}{reduce}"
+
+
+def _layer_text(selector: object) -> str:
+    """A selector as the store records it: names, globs and regexes as written, others described."""
+    return selector if isinstance(selector, str) else describe_selector(selector)
+
+
+def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    raise SpecError(f"dtype={dtype!r} is not a floating torch dtype; expected e.g. torch.float16 or 'bfloat16'")
+
+
+def _mask_option(mask: str | None) -> tuple[str | None, bool]:
+    if mask is None:
+        return None, False
+    if mask == "auto":
+        return "attention_mask", False
+    if isinstance(mask, str) and mask:
+        return mask, True
+    raise SpecError(f"mask={mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,100 @@
+"""What a store was made with, so that a resumed run can refuse to mix two configurations.
+
+A resumed run appends rows to arrays written earlier. If the model, the layers, a reduction,
+the dtype or the rows changed in between, the store would hold rows of two extractions and
+look whole. So the configuration is recorded when the store is made and compared, key by key,
+before anything is written again; every difference is named.
+
+The model is identified by its class, its parameter count and a fingerprint: a hash of each
+parameter's and buffer's name, shape, dtype and the bytes of up to 4,096 evenly spaced values.
+It tells another checkpoint or a fine-tuned copy from the model that made the store, without
+reading every weight of a large model (one changed weight among millions can slip through).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SAMPLED_VALUES", "differences", "model_identity"]
+
+SAMPLED_VALUES = 4096
+
+
+def model_identity(model: nn.Module, spec: str | None) -> dict[str, Any]:
+    """``{"spec", "class", "parameters", "fingerprint"}`` of ``model``; ``spec`` defaults to the class."""
+    cls = type(model)
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    params = {id(p): p for p in model.parameters()}
+    return {
+        "spec": spec or qualified,
+        "class": qualified,
+        "parameters": sum(p.numel() for p in params.values()),
+        "fingerprint": fingerprint(model),
+    }
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A hash of names, shapes, dtypes and sampled values of every parameter and buffer.
+
+    >>> a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    >>> fingerprint(a) == fingerprint(a), fingerprint(a) == fingerprint(b)
+    (True, False)
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    for name, tensor in tensors:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        if tensor.is_meta or tensor.numel() == 0:
+            continue  # weights that are not loaded yet (offloaded models): structure only
+        digest.update(_sample_bytes(tensor.detach()))
+    return digest.hexdigest()
+
+
+def _sample_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.reshape(-1)
+    if flat.numel() > SAMPLED_VALUES:
+        picks = torch.linspace(0, flat.numel() - 1, SAMPLED_VALUES, device=flat.device).long()
+        flat = flat[picks]
+    flat = flat.cpu()
+    if flat.dtype.itemsize in (1, 2, 4, 8) and not flat.dtype.is_complex:
+        flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.dtype.itemsize])
+    return flat.numpy().tobytes()
+
+
+def differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
+    """Each key whose value differs, as ``"key: stored A, now B"``, nested keys dotted.
+
+    >>> differences({"dtype": "float32", "model": {"class": "A"}}, {"dtype": "bfloat16", "model": {"class": "A"}})
+    ["dtype: stored 'float32', now 'bfloat16'"]
+    """
+    found: list[str] = []
+    for key in sorted(set(stored) | set(wanted), key=str):
+        a, b = stored.get(key, _ABSENT), wanted.get(key, _ABSENT)
+        label = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            found.extend(differences(a, b, prefix=f"{label}."))
+        elif _canonical(a) != _canonical(b):
+            found.append(f"{label}: stored {_short(a)}, now {_short(b)}")
+    return found
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)  # tuples and lists compare alike, as JSON stores them
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
