@@ -334,6 +334,7 @@ def edit_command(
 
 @app.command("extract")
 def extract_command(
+    ctx: typer.Context,
     model: ModelSpec,
     data: Annotated[
         str,
@@ -419,7 +420,7 @@ def extract_command(
     reductions = parse_reductions(reduce or [])
     call_choice: int | str = int(calls) if calls.isdigit() else calls
     storage = parse_dtype(dtype) if dtype is not None else None
-    command = "hookscope " + shlex.join(sys.argv[1:])
+    command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
@@ -477,7 +478,8 @@ def _selectors(options: list[str]) -> list[Selector]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hookscope`` console script; exits with the codes in the module doc."""
     try:  # usage errors (unknown command or option) are typer's: usage text and exit code 2
-        app(args=argv, prog_name="hookscope")
+        given = list(sys.argv[1:] if argv is None else argv)
+        app(args=given, prog_name="hookscope", obj={"argv": given})  # extract records its command line
     except HookscopeError as error:  # bad input, unless the error says it is a failure at run time
         _fail(error, getattr(error, "exit_code", EXIT_BAD_INPUT))
     except Exception as error:  # a failure at run time: one line, not a traceback

@@ -171,11 +171,12 @@ class Store:
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"sites: {', '.join(self.sites[:8])}"
         return f"no site {key!r} in {self.path}; {hint}"
 
-    def to_hf_dataset(self, sites: list[str] | None = None) -> Any:
+    def to_hf_dataset(self, sites: list[str] | None = None, *, cache_dir: str | None = None) -> Any:
         """The rows as a Hugging Face ``datasets.Dataset``, one column per site (``pip install datasets``).
 
-        Rows are read chunk by chunk and written to the datasets cache, so the store never has to
-        fit in memory. Values kept as bits (bfloat16, float8) become float32.
+        Rows are read chunk by chunk and written to the datasets cache (``cache_dir``, default the
+        datasets library's), so the store never has to fit in memory. Values kept as bits
+        (bfloat16, float8) become float32.
         """
         try:
             import datasets
@@ -185,8 +186,11 @@ class Store:
             raise StoreError("to_hf_dataset reads a store by path; this store is not on a local path")
         names = [self[key].name for key in (sites or self.sites)]
         features = datasets.Features({name: _hf_feature(datasets, self[name]) for name in names})
-        return datasets.Dataset.from_generator(
-            _hf_rows, features=features, gen_kwargs={"path": str(self.target.path), "names": names}
+        return datasets.Dataset.from_generator(  # a tuple: datasets would shard a list between workers
+            _hf_rows,
+            features=features,
+            gen_kwargs={"path": str(self.target.path), "names": tuple(names)},
+            cache_dir=cache_dir,
         )
 
     def __repr__(self) -> str:
@@ -227,7 +231,7 @@ def _hf_feature(datasets: Any, array: StoreArray) -> Any:
     return kind(shape=shape, dtype=value)
 
 
-def _hf_rows(path: str, names: list[str]) -> Iterator[dict[str, Any]]:
+def _hf_rows(path: str, names: tuple[str, ...]) -> Iterator[dict[str, Any]]:
     store = open_store(path)
     step = store.chunk_rows
     for start in range(0, len(store), step):

@@ -1,0 +1,151 @@
+"""``hookscope extract``: every ``--data`` form, reductions from text, dtypes, reruns and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hookscope as hs
+from hookscope.cli.extract_run import every_module, parse_reductions
+from tests.test_cli import run_cli
+from tests.test_extract import store_files
+
+GPT2 = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=32"
+
+
+def test_random_rows_through_a_demo_cnn(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "f.zarr"
+    code, stdout, err = run_cli(
+        capsys, "extract", "demo:cnn", "--data", "random:40:3x32x32", "-l", "conv1,fc", "-o", str(out), "-b", "16"
+    )
+    assert code == 0, err
+    assert f"wrote 40 rows of 2 sites to {out}" in stdout
+    assert "on disk" in stdout
+    store = hs.open_store(out)
+    assert store["conv1"].shape == (40, 16, 30, 30)
+    assert store.meta["config"]["model"]["spec"] == "demo:cnn"
+    assert store.meta["command"] == f"hookscope extract demo:cnn --data random:40:3x32x32 -l conv1,fc -o {out} -b 16"
+
+
+def test_gpt2_tokens_with_reductions_per_layer(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "f.zarr"
+    argv = ["extract", GPT2, "--data", "random:24:12", "-l", "h.0,h.1,ln_f", "-o", str(out), "-b", "8"]
+    code, _, err = run_cli(capsys, *argv, "--reduce", "ln_f=last", "--reduce", "mean:1", "--dtype", "bf16")
+    assert code == 0, err
+    store = hs.open_store(out)
+    assert store.meta["config"]["reduce"] == {"h.0": "mean:1", "h.1": "mean:1", "ln_f": "last:1"}
+    assert store.torch("ln_f").dtype == torch.bfloat16
+    assert store["h.1"].shape == (24, 32)
+    before = store_files(out)
+    code, _, err = run_cli(capsys, *argv, "--reduce", "ln_f=last", "--reduce", "mean:1", "--dtype", "bf16")
+    assert code == 0
+    assert store_files(out) == before
+    code, _, err = run_cli(capsys, *argv, "--reduce", "mean:1")
+    assert code == 2
+    assert "another configuration" in err
+    assert "dtype: stored 'bfloat16', now None" in err
+    assert "reduce.ln_f: stored 'last:1', now 'mean:1'" in err
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".pt", ".safetensors"])
+def test_tensor_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, suffix: str) -> None:
+    images = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / f"rows{suffix}"
+    if suffix == ".npy":
+        np.save(path, images.numpy())
+    elif suffix == ".npz":
+        np.savez(path, images=images.numpy())
+    elif suffix == ".pt":
+        torch.save({"images": images}, path)
+    else:
+        save_file({"images": images}, path)
+    out = tmp_path / "f.zarr"
+    code, _, err = run_cli(capsys, "extract", "demo:cnn", "--data", str(path), "-l", "fc", "-o", str(out), "-b", "4")
+    assert code == 0, err
+    from hookscope.demo.models import SmallCNN
+
+    torch.manual_seed(0)  # the command's --seed 0 builds the same weights
+    expected = SmallCNN().eval()(images).detach().numpy()
+    assert np.allclose(hs.open_store(out)["fc"][:], expected, atol=1e-6)
+
+
+def test_several_arrays_are_keyword_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ids = torch.randint(0, 64, (6, 8))
+    mask = torch.ones(6, 8, dtype=torch.long)
+    mask[0, 4:] = 0
+    path = tmp_path / "tokens.npz"
+    np.savez(path, input_ids=ids.numpy(), attention_mask=mask.numpy())
+    out = tmp_path / "f.zarr"
+    code, _, err = run_cli(
+        capsys, "extract", GPT2, "--data", str(path), "-l", "ln_f", "-o", str(out), "--reduce", "last"
+    )
+    assert code == 0, err
+    assert hs.open_store(out).meta["config"]["mask"] == "attention_mask"
+
+
+def test_a_factory_returning_a_loader(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "data.py").write_text(
+        "import torch\n"
+        "def loader():\n"
+        "    rows = torch.utils.data.TensorDataset(torch.randn(12, 3, 32, 32), torch.zeros(12))\n"
+        "    return torch.utils.data.DataLoader(rows, batch_size=5)\n"
+    )
+    out = tmp_path / "f.zarr"
+    spec = f"{tmp_path / 'data.py'}:loader"
+    code, _, err = run_cli(capsys, "extract", "demo:cnn", "--data", spec, "-l", "pool", "-o", str(out))
+    assert code == 0, err
+    store = hs.open_store(out)
+    assert len(store) == 12
+    assert store.meta["config"]["batch_size"] == 5
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("random:ten:4", "expected 'random:N'"),
+        ("random:4:3xx", "input shape '3xx' is not understood"),
+        ("nope.npy", "file not found"),
+        (
+            "no_such_module_here:make",
+            "data 'no_such_module_here:make': module 'no_such_module_here' cannot be imported",
+        ),
+        ("plain", "is not understood; expected 'random:N[:SHAPE]'"),
+    ],
+)
+def test_bad_data_specs_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, spec: str, message: str) -> None:
+    code, _, err = run_cli(capsys, "extract", "demo:cnn", "--data", spec, "-l", "fc", "-o", str(tmp_path / "f.zarr"))
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_a_missing_layer_and_a_taken_out(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "f.zarr"
+    code, _, err = run_cli(capsys, "extract", "demo:cnn", "--data", "random:8", "-l", "fcc", "-o", str(out))
+    assert code == 2
+    assert "did you mean 'fc'" in err
+    run_cli(capsys, "extract", "demo:cnn", "--data", "random:8", "-l", "fc", "-o", str(out))
+    code, _, err = run_cli(
+        capsys, "extract", "demo:cnn", "--data", "random:8", "-l", "fc", "-o", str(out), "--no-resume"
+    )
+    assert code == 2
+    assert "already holds a feature store" in err
+    code, _, err = run_cli(
+        capsys, "extract", "demo:cnn", "--data", "random:16", "-l", "fc", "-o", str(out), "--overwrite"
+    )
+    assert code == 0
+    assert len(hs.open_store(out)) == 16
+
+
+def test_parse_reductions() -> None:
+    assert parse_reductions([]) is None
+    assert parse_reductions(["re:h\\.\\d+=mean:1", "cls"]) == {"re:h\\.\\d+": "mean:1", every_module: "cls"}
+    with pytest.raises(hs.SpecError, match="both apply to every layer"):
+        parse_reductions(["mean:1", "last"])
+    with pytest.raises(hs.SpecError, match="SELECTOR=SPEC"):
+        parse_reductions(["=mean:1"])

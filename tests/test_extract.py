@@ -1,0 +1,413 @@
+"""``hs.extract`` and ``hs.open_store`` on real models: rows equal the forward, every data form,
+padding-aware reductions, dtypes, resuming, refusals, and a store any zarr reader opens."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import hookscope as hs
+from hookscope.core.attach import attached
+from tests.models import LinearInplaceReLU, MixedOutputs, SharedTwice, SmallCNN, tiny_gpt2, track
+
+
+def run(model: nn.Module, data: Any, layers: Any, out: Path | Any, **options: Any) -> hs.Store:
+    return hs.extract(model, data, layers, out, progress=False, **options)
+
+
+def store_files(path: Path) -> dict[str, bytes]:
+    """Every file of a store, by relative path: two stores are bit-identical when these are equal."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def no_writer_thread() -> bool:
+    return not any(t.name == "hookscope-extract-writer" for t in threading.enumerate())
+
+
+class Pairs(Dataset[tuple[torch.Tensor, int]]):
+    """A map-style data set of (image, label) pairs, as most data sets are."""
+
+    def __init__(self, rows: int) -> None:
+        self.images = torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], index % 10
+
+
+# -- rows are what the model computes -------------------------------------------------------------
+
+
+def test_rows_equal_the_forward_of_each_batch(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(50, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    store = run(model, images, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=16)
+    assert store.complete
+    assert len(store) == 50
+    assert store.sites == ["conv1", "fc"]
+    with torch.no_grad(), hs.capture(model, "conv1", "fc") as cap:
+        for start in range(0, 50, 16):
+            model(images[start : start + 16])
+            assert np.array_equal(store["conv1"][start : start + 16], cap["conv1"].numpy())
+            assert np.array_equal(store["fc"][start : start + 16], cap["fc"].numpy())
+    assert store["conv1"].shape == (50, 16, 30, 30)
+    assert not attached(model)
+    assert no_writer_thread()
+
+
+def test_in_place_op_after_the_layer_does_not_change_its_rows(tmp_path: Path) -> None:
+    model = LinearInplaceReLU().eval()
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    store = run(model, x, "fc", tmp_path / "f.zarr", batch_size=8)
+    expected = model.fc(x).detach().numpy()
+    assert (store["fc"][:] < 0).any()  # the ReLU after it ran in place; the stored rows kept their negatives
+    assert np.allclose(store["fc"][:], expected, atol=1e-6)
+
+
+def test_every_call_of_a_reused_module_is_its_own_array(tmp_path: Path) -> None:
+    model = SharedTwice().eval()
+    x = torch.randn(12, 4)
+    store = run(model, x, ["shared", "head"], tmp_path / "f.zarr", batch_size=4)
+    assert store.sites == ["shared#0:output", "shared#1:output", "head"]
+    first = model.shared(x)
+    assert np.allclose(store["shared#0:output"][:], first.detach().numpy(), atol=1e-6)
+    assert np.allclose(store["shared#1:output"][:], model.shared(torch.relu(first)).detach().numpy(), atol=1e-6)
+    with pytest.raises(hs.SiteNotFoundError, match="several sites"):
+        store["shared"]
+
+
+def test_structured_outputs_store_each_tensor(tmp_path: Path) -> None:
+    model = MixedOutputs()
+    x = torch.randn(6, 3)
+    store = run(model, x, ["tuple_out", "dict_out", "dataclass_out"], tmp_path / "f.zarr", batch_size=3)
+    assert store.sites == ["tuple_out", "dict_out#0:output['a']", "dict_out#0:output['b'][0]", "dataclass_out"]
+    assert np.allclose(store["tuple_out"][:], (x * 2).numpy())
+    assert np.allclose(store["dict_out#0:output['b'][0]"][:], (x * 2 - 1).numpy())
+    assert np.allclose(store["dataclass_out"][:], ((x * 2 + 1) * 3).numpy())
+
+
+def test_gpt2_token_reductions_use_only_real_tokens(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    lengths = torch.tensor([10, 7, 3, 10, 1, 5])
+    mask = (torch.arange(10) < lengths[:, None]).long()
+    ids = torch.randint(1, 64, (6, 10), generator=torch.Generator().manual_seed(0)) * mask
+    data = {"input_ids": ids, "attention_mask": mask}
+    store = run(
+        model, data, ["h.0", "h.1", "ln_f"], tmp_path / "f.zarr", batch_size=6, reduce={"ln_f": "last", "h.*": "mean:1"}
+    )
+    _, cache = hs.run_with_capture(model, input_ids=ids, attention_mask=mask, layers=["h.0", "ln_f"])
+    for row, length in enumerate(lengths.tolist()):
+        assert np.allclose(store["h.0"][row], cache["h.0"][row, :length].mean(0).numpy(), atol=1e-5)
+        assert np.allclose(store["ln_f"][row], cache["ln_f"][row, length - 1].numpy(), atol=1e-6)
+    assert store["h.1"].shape == (6, 32)
+    assert store.meta["config"]["reduce"] == {"h.0": "mean:1", "h.1": "mean:1", "ln_f": "last:1"}
+    unmasked = run(model, data, "h.0", tmp_path / "g.zarr", batch_size=6, reduce="mean:1", mask=None)
+    assert np.allclose(unmasked["h.0"][1], cache["h.0"][1].mean(0).numpy(), atol=1e-5)  # pads averaged in
+
+
+def test_bfloat16_is_stored_as_bits_and_read_back_exactly(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(20, 3, 32, 32)
+    store = run(model, images, "fc", tmp_path / "f.zarr", batch_size=8, dtype="bfloat16")
+    expected = model(images).detach().to(torch.bfloat16)
+    raw = zarr.open_group(tmp_path / "f.zarr", mode="r")["fc"]
+    assert raw.dtype == np.uint16
+    assert raw.attrs["hookscope"]["dtype"] == "bfloat16"
+    assert store.torch("fc").dtype == torch.bfloat16
+    assert torch.equal(store.torch("fc"), expected)
+    assert store["fc"].dtype == np.float32
+    assert np.array_equal(store["fc"][:5], expected[:5].float().numpy())
+
+
+def test_float16_storage_and_inputs(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(8, 3, 32, 32)
+    store = run(model, images, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=4, dtype=torch.float16, keep="both")
+    assert "conv1#0:input[0]" in store.sites
+    assert np.array_equal(store["conv1#0:input[0]"][:], images.half().numpy())
+    assert store["fc#0:output"].dtype == np.float16
+
+
+# -- every form of data ----------------------------------------------------------------------------
+
+
+def test_stream_of_unknown_length_grows_the_arrays(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    chunks = [torch.randn(7, 4), torch.randn(7, 4), torch.randn(5, 4)]
+
+    def batches() -> Iterator[torch.Tensor]:
+        yield from chunks
+
+    store = run(model, batches(), "0", tmp_path / "f.zarr", chunk_rows=14)
+    assert len(store) == 19
+    assert store["0"].shape == (19, 3)
+    assert store.meta["rows"] == 19
+    assert store.meta["config"]["rows"] is None
+    assert np.allclose(store["0"][:], model(torch.cat(chunks)).detach().numpy(), atol=1e-6)
+    assert store.done_chunks() == {0, 1}
+
+
+def test_list_of_batches_and_dataloader_with_labels(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    pairs = Pairs(10)
+    listed = [(pairs.images[:6], torch.zeros(6)), (pairs.images[6:], torch.zeros(4))]
+    a = run(model, listed, "fc", tmp_path / "a.zarr")
+    b = run(model, DataLoader(pairs, batch_size=6), "fc", tmp_path / "b.zarr")
+    c = run(model, pairs, "fc", tmp_path / "c.zarr", batch_size=6)
+    assert np.array_equal(a["fc"][:], b["fc"][:])
+    assert np.array_equal(b["fc"][:], c["fc"][:])
+    assert len(a) == len(b) == 10
+    dropped = run(model, DataLoader(pairs, batch_size=4, drop_last=True), "fc", tmp_path / "d.zarr")
+    assert len(dropped) == 8
+
+
+def test_indices_pick_rows_in_their_order(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    pairs = Pairs(20)
+    picks = [17, 3, 3, 9, 0]
+    store = run(model, pairs, "fc", tmp_path / "f.zarr", batch_size=2, indices=picks)
+    expected = model(pairs.images[picks]).detach().numpy()
+    assert np.allclose(store["fc"][:], expected, atol=1e-6)
+
+
+def test_keyword_columns_and_a_custom_inputs_function(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(2))
+    by_key = run(model, {"input_ids": ids}, "ln_f", tmp_path / "a.zarr", batch_size=4, reduce="last")
+    custom = run(
+        model, [{"tokens": ids}], "ln_f", tmp_path / "b.zarr", reduce="last", inputs=lambda b: ((b["tokens"],), {})
+    )
+    assert by_key["ln_f"].shape == (8, 32)
+    assert np.allclose(by_key["ln_f"][:], custom["ln_f"][:], atol=1e-5)  # batches of 4 and one of 8: same rows
+
+
+def test_shuffling_or_sharded_loaders_are_refused(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    with pytest.raises(hs.SpecError, match="shuffles"):
+        run(model, DataLoader(Pairs(8), batch_size=4, shuffle=True), "fc", tmp_path / "f.zarr")
+    with pytest.raises(hs.SpecError, match="batch_size=8 differs"):
+        run(model, DataLoader(Pairs(8), batch_size=4), "fc", tmp_path / "f.zarr", batch_size=8)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_data_of_no_known_form(tmp_path: Path) -> None:
+    with pytest.raises(hs.SpecError, match="data of type int"):
+        run(SmallCNN(), 5, "fc", tmp_path / "f.zarr")
+    with pytest.raises(hs.SpecError, match="batch of type str"):
+        run(SmallCNN(), ["not a batch"], "fc", tmp_path / "f.zarr")
+
+
+# -- bad input: clear errors, no hooks, nothing half-written ----------------------------------------
+
+
+def test_a_layer_not_in_the_model_names_the_closest(tmp_path: Path) -> None:
+    model = SmallCNN()
+    with pytest.raises(hs.SelectionError, match="did you mean 'conv1'"):
+        run(model, torch.randn(4, 3, 32, 32), "conv_1", tmp_path / "f.zarr")
+    assert not (tmp_path / "f.zarr").exists()
+    assert not attached(model)
+
+
+def test_batches_of_inconsistent_shapes_name_the_site(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    batches = [torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5))]
+    with pytest.raises(hs.SpecError, match=r"site 'h.0#0:output' gave \(2, 5, 32\) float32 for rows 4..5.*mean:1"):
+        run(model, batches, "h.0", tmp_path / "f.zarr", chunk_rows=2)
+    assert not attached(model)
+    assert no_writer_thread()
+    with pytest.raises(hs.StoreError, match="incomplete: 2 of 3 chunks written"):
+        hs.open_store(tmp_path / "f.zarr")
+    partial = hs.open_store(tmp_path / "f.zarr", partial=True)
+    assert partial.done_chunks() == {0, 1}
+    assert not partial.complete
+
+
+def test_reductions_must_keep_the_batch(tmp_path: Path) -> None:
+    x = torch.randn(4, 4)
+    for spec in ("mean", "mean:0"):
+        with pytest.raises(hs.SpecError, match="batch"):
+            run(nn.Sequential(nn.Linear(4, 2)), x, "0", tmp_path / "f.zarr", reduce=spec)
+    with pytest.raises(hs.SpecError, match="first dimension must be the batch"):
+        run(nn.Sequential(nn.Linear(4, 2)), x, "0", tmp_path / "f.zarr", reduce=lambda t: t.sum(0))
+    with pytest.raises(hs.SpecError, match="none of the layers"):
+        run(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), x, "0", tmp_path / "f.zarr", reduce={"1": "mean:1"})
+
+
+def test_out_that_is_not_a_store_is_never_replaced(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(4, 4)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(hs.StoreError, match="is a file"):
+        run(model, x, "0", tmp_path / "file")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "notes.txt").write_text("keep me")
+    with pytest.raises(hs.StoreError, match="holds files and is not a zarr store"):
+        run(model, x, "0", tmp_path / "dir", overwrite=True)
+    assert (tmp_path / "dir" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(hs.StoreError, match="cannot be written"):
+        run(model, x, "0", tmp_path / "file" / "f.zarr")  # its parent is a file
+    zarr.create_group(store=str(tmp_path / "other.zarr"))
+    with pytest.raises(hs.StoreError, match="hookscope did not make"):
+        run(model, x, "0", tmp_path / "other.zarr")
+    assert run(model, x, "0", tmp_path / "other.zarr", overwrite=True).complete
+
+
+# -- resuming and refusing ------------------------------------------------------------------------
+
+
+class FailsOnce(Dataset[torch.Tensor]):
+    """Rows of a tensor; fetching ``fail_at`` raises until ``armed`` is turned off."""
+
+    def __init__(self, rows: torch.Tensor, fail_at: int) -> None:
+        self.rows, self.fail_at, self.armed = rows, fail_at, True
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.armed and index == self.fail_at:
+            raise RuntimeError("the data went away")
+        return self.rows[index]
+
+
+def test_a_run_that_failed_part_way_resumes_to_the_same_bits(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    whole = run(model, images, ["conv1", "fc"], tmp_path / "whole.zarr", batch_size=8, chunk_rows=16)
+    data = FailsOnce(images, fail_at=41)
+    with pytest.raises(RuntimeError, match="went away"):
+        run(model, data, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=8, chunk_rows=16)
+    assert hs.open_store(tmp_path / "f.zarr", partial=True).done_chunks() == {0, 1}
+    data.armed = False
+    resumed = run(model, data, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=8, chunk_rows=16)
+    assert resumed.complete
+    assert store_files(tmp_path / "f.zarr") == store_files(tmp_path / "whole.zarr")
+    assert whole.meta["chunks"] == 4
+
+
+def test_a_different_configuration_is_refused_with_every_difference(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(16, 3, 32, 32)
+    run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8)
+    other = SmallCNN().eval()  # other random weights
+    with pytest.raises(hs.StoreError) as refused:
+        run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=8, dtype="float16")
+    message = str(refused.value)
+    for difference in ("model.fingerprint: stored", "dtype: stored None, now 'float16'", "rows: stored 16, now 12"):
+        assert difference in message
+    with pytest.raises(hs.StoreError, match="already holds a feature store"):
+        run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8, resume=False)
+    replaced = run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=8, overwrite=True)
+    assert len(replaced) == 12
+
+
+def test_a_complete_store_is_not_computed_again(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(32, 3, 32, 32)
+    run(model, images, "fc", tmp_path / "f.zarr", batch_size=8)
+    before = store_files(tmp_path / "f.zarr")
+    forwards = []
+    with hs.hooks(model, {"": lambda module, args, output: forwards.append(1)}):
+        again = run(model, images, "fc", tmp_path / "f.zarr", batch_size=8)
+    assert again.complete
+    assert len(forwards) == 1
+    assert store_files(tmp_path / "f.zarr") == before
+
+
+class FullDisk(zarr.storage.WrapperStore[Any]):
+    """A store that fails like a full disk after ``room`` data chunks have been written."""
+
+    def __init__(self, store: Any, room: int) -> None:
+        super().__init__(store)
+        self.room = room
+
+    async def set(self, key: str, value: Any) -> None:
+        if "/c/" in key and not key.startswith("_hookscope"):
+            if self.room == 0:
+                raise OSError(28, "No space left on device")
+            self.room -= 1
+        await super().set(key, value)
+
+
+def test_disk_full_part_way_keeps_a_truthful_manifest_and_resumes(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(48, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    run(model, images, ["conv1", "fc"], tmp_path / "whole.zarr", batch_size=8, chunk_rows=8)
+    full = FullDisk(zarr.storage.LocalStore(tmp_path / "f.zarr"), room=5)  # chunks 0, 1 whole; 2 half
+    with pytest.raises(hs.StoreWriteError, match=r"No space left on device; 2 of 6 chunks are recorded as done"):
+        run(model, images, ["conv1", "fc"], full, batch_size=8, chunk_rows=8)
+    assert not attached(model)
+    assert no_writer_thread()
+    assert hs.open_store(tmp_path / "f.zarr", partial=True).done_chunks() == {0, 1}
+    resumed = run(model, images, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=8, chunk_rows=8)
+    assert resumed.complete
+    assert store_files(tmp_path / "f.zarr") == store_files(tmp_path / "whole.zarr")
+
+
+def test_train_mode_is_restored_and_dropout_is_off(tmp_path: Path) -> None:
+    model = track(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))).train()
+    x = torch.ones(16, 4)
+    store = run(model, x, "1", tmp_path / "f.zarr", batch_size=8)
+    assert model.training
+    assert model[1].training
+    assert np.allclose(store["1"][:], model.eval()(x).detach().numpy())
+
+
+# -- reading the store ----------------------------------------------------------------------------
+
+
+def test_plain_zarr_reads_the_store(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    run(model, torch.randn(10, 3, 32, 32), ["conv1", "fc"], tmp_path / "f.zarr", batch_size=5)
+    group = zarr.open_group(tmp_path / "f.zarr", mode="r")
+    assert sorted(group.array_keys()) == ["conv1", "fc"]
+    fc = group["fc"]
+    assert fc.shape == (10, 10)
+    assert fc.chunks == (10, 10)
+    assert fc.metadata.dimension_names == ("row", "fc.1")
+    meta = group.attrs["hookscope"]
+    assert meta["state"] == "complete"
+    assert meta["rows"] == 10
+    assert meta["versions"]["zarr"] == zarr.__version__
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["config"]["model"]["class"].endswith("SmallCNN")
+    assert meta["command"]
+    assert fc.compressors[0].to_dict()["name"] == "zstd"
+
+
+def test_store_lookup_repr_and_html(tmp_path: Path) -> None:
+    store = run(SmallCNN().eval(), torch.randn(4, 3, 32, 32), ["conv1", "fc"], tmp_path / "f.zarr")
+    assert store["fc#0:output"].site == "fc#0:output"
+    assert "fc" in store
+    with pytest.raises(hs.SiteNotFoundError, match="did you mean 'fc'"):
+        store["fcc"]
+    text = repr(store)
+    assert "4 rows, 2 sites, complete" in text
+    assert "(N, 16, 30, 30)" in text
+    assert "<table>" in store._repr_html_()
+    assert np.asarray(store["fc"]).shape == (4, 10)
+
+
+def test_to_hf_dataset(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    store = run(SmallCNN().eval(), torch.randn(6, 3, 32, 32), ["pool", "fc"], tmp_path / "f.zarr", dtype="bfloat16")
+    dataset = store.to_hf_dataset(cache_dir=str(tmp_path / "hf-cache"))
+    assert len(dataset) == 6
+    assert dataset.column_names == ["pool", "fc"]
+    assert np.allclose(np.asarray(dataset[2]["fc"]), store["fc"][2])
+    assert np.asarray(dataset[0]["pool"]).shape == (16, 1, 1)
+
+
+def test_open_store_refuses_what_is_not_a_store(tmp_path: Path) -> None:
+    with pytest.raises(hs.StoreError, match="holds nothing"):
+        hs.open_store(tmp_path / "missing.zarr")
