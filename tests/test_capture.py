@@ -425,7 +425,7 @@ class TestBadInput:
             ({"reduce": "avg:1"}, "reduce='avg:1' names no reduction"),
             ({"reduce": "mean:x"}, "dimensions must be integers"),
             ({"reduce": "first"}, "needs exactly one dimension"),
-            ({"dtype": "half-ish"}, "not a torch dtype"),
+            ({"dtype": "half-ish"}, "dtype .half-ish. is not understood; expected one of"),
             ({"max_bytes": "lots"}, "size 'lots' is not understood"),
             ({"max_bytes": 0}, "must be positive"),
             ({"copy": "sometimes"}, "copy='sometimes' is not one of"),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import hookscope as hs
 from hookscope.cli import main
 from hookscope.demo.models import SmallCNN
 from hookscope.demo.tour import run_tour
@@ -76,7 +77,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
     steps = [line.split(".")[0] for line in lines if line[:1].isdigit()]
-    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"]
+    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"]
     text = "\n".join(lines)
     assert "5 calls · 5 modules · 618 parameters" in text
     assert "NonFiniteError: NaN or +inf first appears in output of 'fc' (Linear, call 0)" in text
@@ -88,6 +89,9 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     patched = [line for line in lines if "patched in" in line]
     assert len(patched) == 3
     assert patched[-1].endswith("restores 100.0% of it")  # the last block's whole clean output: the clean run
+    assert "the first run stopped: reading row 300 failed; 2 of 4 chunks had landed" in text
+    assert "512 rows, 2 sites, complete" in text
+    assert hs.open_store(tmp_path / "features.zarr")["conv1"].shape == (512, 16)
 
 
 @pytest.mark.skipif(shutil.which("hookscope", path=os.path.dirname(sys.executable)) is None, reason="not installed")

@@ -149,3 +149,23 @@ def test_parse_reductions() -> None:
         parse_reductions(["mean:1", "last"])
     with pytest.raises(hs.SpecError, match="SELECTOR=SPEC"):
         parse_reductions(["=mean:1"])
+
+
+def test_a_write_that_failed_part_way_exits_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "data.py").write_text(
+        "import torch\n"
+        "import hookscope as hs\n"
+        "class Rows(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 64\n"
+        "    def __getitem__(self, index):\n"
+        "        if index == 40:\n"
+        "            raise hs.StoreWriteError('the volume went read-only')\n"
+        "        return torch.randn(3, 32, 32)\n"
+    )
+    out = tmp_path / "f.zarr"
+    argv = ["extract", "demo:cnn", "--data", f"{tmp_path / 'data.py'}:Rows", "-l", "fc", "-o", str(out), "-b", "8"]
+    code, _, err = run_cli(capsys, *argv, "--chunk-rows", "16")
+    assert code == 1  # a failure at run time, not bad input
+    assert err.strip() == "error: the volume went read-only"
+    assert hs.open_store(out, partial=True).done_chunks() == {0, 1}

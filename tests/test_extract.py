@@ -13,7 +13,7 @@ import pytest
 import torch
 import zarr
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hookscope as hs
 from hookscope.core.attach import attached
@@ -158,6 +158,41 @@ def test_stream_of_unknown_length_grows_the_arrays(tmp_path: Path) -> None:
     assert store.done_chunks() == {0, 1}
 
 
+def test_a_stream_that_failed_part_way_resumes(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    chunks = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+
+    def batches(fail_at: int | None) -> Iterator[torch.Tensor]:
+        for index, chunk in enumerate(chunks):
+            if index == fail_at:
+                raise RuntimeError("the stream broke")
+            yield chunk
+
+    whole = run(model, batches(None), "0", tmp_path / "whole.zarr", chunk_rows=12)
+    with pytest.raises(RuntimeError, match="stream broke"):
+        run(model, batches(3), "0", tmp_path / "f.zarr", chunk_rows=12)
+    partial = hs.open_store(tmp_path / "f.zarr", partial=True)
+    assert partial.done_chunks() == {0}
+    assert partial["0"].shape == (12, 3)
+    ran: list[int] = []
+    with hs.hooks(model, {"": lambda module, args, output: ran.append(len(args[0]))}):
+        resumed = run(model, batches(None), "0", tmp_path / "f.zarr", chunk_rows=12)
+    assert ran == [6, 6, 6, 6]  # the probe, then the batches after the done chunk: rows 12..29
+    assert resumed.complete
+    assert len(resumed) == 30
+    assert whole.meta["chunks"] == 3
+    assert store_files(tmp_path / "f.zarr") == store_files(tmp_path / "whole.zarr")
+
+
+def test_a_store_cut_short_while_being_made_is_made_again(tmp_path: Path) -> None:
+    zarr.create_group(store=str(tmp_path / "f.zarr"), attributes={"hookscope": {"format": 1, "state": "creating"}})
+    with pytest.raises(hs.StoreError, match="cut short while it was being made"):
+        hs.open_store(tmp_path / "f.zarr")
+    store = run(nn.Sequential(nn.Linear(4, 3)), torch.randn(8, 4), "0", tmp_path / "f.zarr")
+    assert store.complete
+    assert len(store) == 8
+
+
 def test_list_of_batches_and_dataloader_with_labels(tmp_path: Path) -> None:
     model = SmallCNN().eval()
     pairs = Pairs(10)
@@ -198,6 +233,9 @@ def test_shuffling_or_sharded_loaders_are_refused(tmp_path: Path) -> None:
         run(model, DataLoader(Pairs(8), batch_size=4, shuffle=True), "fc", tmp_path / "f.zarr")
     with pytest.raises(hs.SpecError, match="batch_size=8 differs"):
         run(model, DataLoader(Pairs(8), batch_size=4), "fc", tmp_path / "f.zarr", batch_size=8)
+    sharded = DistributedSampler(Pairs(8), num_replicas=2, rank=0, shuffle=False)
+    with pytest.raises(hs.SpecError, match="extract shards the rows between processes itself"):
+        run(model, DataLoader(Pairs(8), batch_size=4, sampler=sharded), "fc", tmp_path / "f.zarr")
     assert not (tmp_path / "f.zarr").exists()
 
 
@@ -299,12 +337,23 @@ def test_a_different_configuration_is_refused_with_every_difference(tmp_path: Pa
     model = SmallCNN().eval()
     images = torch.randn(16, 3, 32, 32)
     run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8)
+    before = store_files(tmp_path / "f.zarr")
     other = SmallCNN().eval()  # other random weights
     with pytest.raises(hs.StoreError) as refused:
-        run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=8, dtype="float16")
+        run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=4, dtype="fp16")
     message = str(refused.value)
-    for difference in ("model.fingerprint: stored", "dtype: stored None, now 'float16'", "rows: stored 16, now 12"):
+    for difference in (
+        "model.fingerprint: stored",
+        "dtype: stored None, now 'float16'",
+        "rows: stored 16, now 12",
+        "batch_size: stored 8, now 4",
+    ):
         assert difference in message
+    with pytest.raises(hs.StoreError, match=r"data.first_batch: stored '\w+', now '\w+'"):
+        run(model, torch.randn(16, 3, 32, 32), ["fc"], tmp_path / "f.zarr", batch_size=8)  # other rows, same count
+    with pytest.raises(hs.StoreError, match="eval_mode: stored True, now False"):
+        run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8, eval_mode=False)
+    assert store_files(tmp_path / "f.zarr") == before
     with pytest.raises(hs.StoreError, match="already holds a feature store"):
         run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8, resume=False)
     replaced = run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=8, overwrite=True)
@@ -320,7 +369,7 @@ def test_a_complete_store_is_not_computed_again(tmp_path: Path) -> None:
     with hs.hooks(model, {"": lambda module, args, output: forwards.append(1)}):
         again = run(model, images, "fc", tmp_path / "f.zarr", batch_size=8)
     assert again.complete
-    assert len(forwards) == 1
+    assert forwards == []  # the configuration is compared without running the model
     assert store_files(tmp_path / "f.zarr") == before
 
 
@@ -352,6 +401,17 @@ def test_disk_full_part_way_keeps_a_truthful_manifest_and_resumes(tmp_path: Path
     resumed = run(model, images, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=8, chunk_rows=8)
     assert resumed.complete
     assert store_files(tmp_path / "f.zarr") == store_files(tmp_path / "whole.zarr")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rows_through_pinned_copies_equal_the_forward(tmp_path: Path) -> None:
+    model = tiny_gpt2().cuda()
+    ids = torch.randint(0, 64, (40, 8), generator=torch.Generator().manual_seed(0))
+    store = run(model, ids, ["h.0", "ln_f"], tmp_path / "f.zarr", batch_size=8, chunk_rows=16, dtype="bf16")
+    with torch.no_grad():
+        expected = model(ids.cuda()).last_hidden_state.to(torch.bfloat16).cpu()
+    assert torch.equal(store.torch("ln_f"), expected)
+    assert store["h.0"].shape == (40, 8, 32)
 
 
 def test_train_mode_is_restored_and_dropout_is_off(tmp_path: Path) -> None:

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from hookscope._bits import numpy_dtype
 from hookscope.cli.data_specs import RandomRows
 from hookscope.core.sites import Site
 from hookscope.errors import SpecError
 from hookscope.extracting.config import differences, fingerprint, model_identity
 from hookscope.extracting.data import TensorRows, make_source, split_batch
-from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows, stored_dtype
+from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
 from hookscope.extracting.reduce import TokenMask, describe_reduction, extraction_reduction
 
 
@@ -90,7 +91,8 @@ def test_layout_spans_and_dtypes() -> None:
     assert site.as_bits
     assert site.stored == np.uint16
     assert site.row_bytes == 20
-    assert stored_dtype(torch.int64) == np.int64
+    assert numpy_dtype(torch.int64) == np.int64
+    assert numpy_dtype(torch.float8_e4m3fn) == np.uint8
     assert SiteLayout.from_json(site.to_json()) == site
     with pytest.raises(SpecError, match=r"gave \(8, 11\) bfloat16 for rows 16..23"):
         site.check(torch.zeros(8, 11, dtype=torch.bfloat16), 8, 16)
@@ -123,6 +125,9 @@ def test_fingerprint_sees_weights_not_identity() -> None:
     with torch.no_grad():
         b.weight[0, 0] += 1  # sampled: the first value is always one of those read
     assert fingerprint(a) != fingerprint(b)
+    big = nn.Module()
+    big.register_buffer("codes", torch.zeros(38_597_376, dtype=torch.uint8))  # float32 steps would round past its end
+    assert len(fingerprint(big)) == 32
     meta = nn.Linear(3, 3, device="meta")
     assert model_identity(meta, None)["parameters"] == 12  # structure only, nothing read
 

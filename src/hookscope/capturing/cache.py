@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._bits import NUMPY_LACKS
 from hookscope._units import format_bytes
 from hookscope.core.sites import Site
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
@@ -29,7 +30,6 @@ from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, S
 __all__ = ["Cache", "load", "tensor_bytes"]
 
 _KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<what>[a-z_]+)(?P<path>.*))?$")
-_NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
 
 
@@ -133,7 +133,7 @@ class Cache(Mapping[str, torch.Tensor]):
         arrays = {}
         for site in self._entries:
             tensor = self._checked(site).detach().cpu()
-            if tensor.dtype in _NUMPY_LACKS:
+            if tensor.dtype in NUMPY_LACKS:
                 tensor = tensor.float()
             arrays[str(site)] = tensor.resolve_conj().numpy()
         return arrays

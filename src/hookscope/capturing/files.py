@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._bits import UINT_OF_WIDTH
 from hookscope._files import atomic_path
 from hookscope.errors import FileFormatError, HookscopeError, MissingDependencyError, SpecError
 
@@ -41,7 +42,6 @@ SUPPORTED_SUFFIXES: tuple[str, ...] = (".safetensors", ".npz", ".pt")
 _RESERVED = "__hookscope__"  # the npz member (and forbidden tensor key) that holds the metadata
 _FORMAT = "hookscope.tensors"
 _VERSION = 1
-_UINT_OF_WIDTH = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 _NUMPY_DTYPES = frozenset(
     {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32}
     | {torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
@@ -186,7 +186,7 @@ def _encode(tensor: torch.Tensor, native: frozenset[torch.dtype]) -> torch.Tenso
     """``tensor`` if the format holds its dtype, else its bits as a same-width uint (or flat bytes)."""
     if tensor.dtype in native:
         return tensor
-    same_width = _UINT_OF_WIDTH.get(tensor.element_size())
+    same_width = UINT_OF_WIDTH.get(tensor.element_size())
     if same_width is not None and same_width in native:
         return tensor.view(same_width)
     return tensor.reshape(-1).view(torch.uint8)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hookscope._dtypes import floating_dtype
 from hookscope._units import parse_bytes
 from hookscope._version import __version__
 from hookscope.capturing.cache import Cache
@@ -279,12 +280,7 @@ def _check_keep(keep: Keep | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    candidate = getattr(torch, str(dtype), None)
-    if isinstance(candidate, torch.dtype):
-        return candidate
-    raise SpecError(f"dtype={dtype!r} is not a torch dtype; expected e.g. torch.float16 or 'bfloat16'")
+    return floating_dtype(dtype)
 
 
 def capture(

@@ -381,7 +381,10 @@ def extract_command(
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward.")] = 32,
-    num_workers: Annotated[int, typer.Option("--num-workers", min=0, help="DataLoader worker processes.")] = 0,
+    num_workers: Annotated[
+        int | None,
+        typer.Option("--num-workers", min=0, help="DataLoader worker processes (default: a loader's own, else 0)."),
+    ] = None,
     chunk_rows: Annotated[
         int | None, typer.Option("--chunk-rows", min=1, help="Rows per chunk, a multiple of the batch size.")
     ] = None,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._dtypes import parse_dtype
 from hookscope.core.select import ensure_module
 from hookscope.errors import MissingDependencyError, SpecError
 
@@ -51,12 +52,6 @@ DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn}
 # class attribute, by qualified class name so nothing is imported to look them up.
 _EXAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"hookscope.demo.models.SmallCNN": (1, 3, 32, 32)}
 
-_DTYPES: dict[str, torch.dtype] = {
-    **dict.fromkeys(("float32", "fp32", "f32", "float"), torch.float32),
-    **dict.fromkeys(("float16", "fp16", "f16", "half"), torch.float16),
-    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
-    **dict.fromkeys(("float64", "fp64", "f64", "double"), torch.float64),
-}
 _file_counter = itertools.count()
 
 
@@ -140,22 +135,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
         f"input shape {text!r} is not understood; expected positive sizes joined by 'x' or ',', "
         "e.g. 1x3x224x224 or 1,16"
     )
-
-
-def parse_dtype(text: str) -> torch.dtype:
-    """Read a floating dtype name: ``float32``/``fp32``/``f32``, ``fp16``/``half``, ``bf16``, ``float64``.
-
-    >>> parse_dtype("bf16"), parse_dtype("torch.float16")
-    (torch.bfloat16, torch.float16)
-    >>> parse_dtype("int8")
-    Traceback (most recent call last):
-    ...
-    hookscope.errors.SpecError: dtype 'int8' is not understood; ...
-    """
-    key = text.strip().lower().removeprefix("torch.")
-    if key in _DTYPES:
-        return _DTYPES[key]
-    raise SpecError(f"dtype {text!r} is not understood; expected one of {', '.join(_DTYPES)}")
 
 
 def _error(spec: str, problem: str, fix: str, kind: str = "model") -> SpecError:

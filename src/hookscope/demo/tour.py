@@ -6,7 +6,8 @@ is gone afterwards -- also after a forward that raised -- then capture in one li
 value that a hand-written hook gets wrong because an in-place op rewrites it later; finally
 trace every call with its statistics, find the layer that makes the first NaN, and watch the
 gradients of a deep sigmoid MLP vanish with a poor initialisation and flow with a good one;
-and edit what a layer returns: ablate a channel, patch activations from one run into another.
+and edit what a layer returns: ablate a channel, patch activations from one run into another;
+and stream the features of a whole data set to a zarr store, resuming after a run that failed.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
 
     _step(write, 12, "activation patching on GPT-2", "edits={blocks: hs.edits.patch(clean_cache)}")
     _patch_gpt2(write)
+
+    _step(
+        write, 13, "a data set's features to a zarr store, resumed", 'hs.extract(model, data, layers, "features.zarr")'
+    )
+    _extract_data_set(model, out_dir / "features.zarr", write)
     return saved
 
 
@@ -277,6 +283,44 @@ def _patch_gpt2(write: Write) -> None:
             patched = run_with_edits(model, input_ids=corrupted, edits={name: edits.patch(cache, positions=positions)})
             where = "at position 2" if positions else "at every position"
             write(f"   clean {name} output patched in {where:<18} restores {1 - gap(patched) / broken:6.1%} of it")
+
+
+class _FailsOnce(torch.utils.data.Dataset[torch.Tensor]):
+    """Generated images; fetching row ``fail_at`` raises the first time, as a crash would stop a run."""
+
+    def __init__(self, rows: int, fail_at: int) -> None:
+        self.images = torch.randn(rows, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+        self.fail_at = fail_at
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.fail_at:
+            self.fail_at = -1
+            raise RuntimeError(f"reading row {index} failed")
+        return self.images[index]
+
+
+def _extract_data_set(model: nn.Module, out: Path, write: Write) -> None:
+    try:
+        from hookscope.extracting import extract, open_store
+
+        data = _FailsOnce(512, fail_at=300)
+        options: dict[str, Any] = {"reduce": {"conv1": "mean:2,3"}, "batch_size": 64, "chunk_rows": 128}
+        try:
+            extract(model, data, ["conv1", "fc"], out, overwrite=True, progress=False, **options)
+        except RuntimeError as error:
+            done = len(open_store(out, partial=True).done_chunks())
+            write(f"   the first run stopped: {error}; {done} of 4 chunks had landed")
+        store = extract(model, data, ["conv1", "fc"], out, progress=False, **options)
+    except ImportError as error:  # zarr 3 needs Python 3.11
+        write(f"   (skipped: {error})")
+        return
+    write("   the same call again resumed after them:")
+    for line in repr(store).splitlines():
+        write("   " + line)
+    write(f"   hs.open_store({out.name!r})['fc'][:2].shape == {open_store(out)['fc'][:2].shape}")
 
 
 def _raise_in_hook(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope._dtypes import floating_dtype
 from hookscope._version import __version__
 from hookscope.capturing.reduce import Reduction
 from hookscope.core.select import Selector, describe_selector, ensure_module
 from hookscope.core.sites import Site
 from hookscope.errors import SpecError, StoreError, StoreWriteError
-from hookscope.extracting.config import differences, model_identity
+from hookscope.extracting.config import data_identity, differences, model_identity
 from hookscope.extracting.data import Batch, IndexedSource, Inputs, Source, make_source
 from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
 from hookscope.extracting.pipeline import SiteCaptures, forward, probe_layout_values, run_batches
@@ -50,6 +51,7 @@ from hookscope.extracting.zarr_io import (
     create_store,
     open_group,
     read_meta,
+    remove_partial_files,
     target_of,
     write_meta,
     zarr_module,
@@ -132,7 +134,7 @@ def extract(
             f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
             "one, or tensors); this data is a stream that only one process can read in order"
         )
-    storage = _storage_dtype(dtype)
+    storage = floating_dtype(dtype)
     mask_key, mask_required = _mask_option(mask)
     run_on = torch.device(device) if device is not None else _model_device(model)
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
@@ -158,7 +160,8 @@ def extract(
         "reduce": captures.reductions,
         "mask": mask_key,
         "rows": source.rows,
-        "batch_size": source.batch_size,
+        "eval_mode": eval_mode,
+        "compression_level": compression_level,
     }
     modes = {name: module.training for name, module in model.named_modules()}
     if eval_mode:
@@ -185,14 +188,14 @@ class _Job:
         self.mask_required: bool = parts["mask_required"]
         self.progress: bool | None = parts["progress"]
         self.compression_level: int | None = parts["compression_level"]
-        self._rows_seen = 0
 
-    def step(self, name: str, work: Callable[[], T]) -> T:
-        """Run ``work`` on every rank, then meet: a failure on any rank is raised on all."""
+    def step(self, name: str, work: Callable[[], T], *, main_only: bool = False) -> T:
+        """Run ``work`` (on rank 0 alone with ``main_only``), then meet: a failure on any rank is raised on all."""
         failure: Exception | None = None
         result: Any = None
         try:
-            result = work()
+            if self.ranks.is_main or not main_only:
+                result = work()
         except Exception as error:
             failure = error
         self.ranks.agree(failure, name)
@@ -202,26 +205,26 @@ class _Job:
         self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
     ) -> Store:
         existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
-        stored_chunk_rows = existing["config"].get("chunk_rows") if existing and chunk_rows is None else None
-        probe, values, layout = self.step("on the first batch", lambda: self._probe(chunk_rows or stored_chunk_rows))
-        config = {**config, "chunk_rows": layout.chunk_rows}
-        meta = _meta(config, layout, command)
-        if existing:
+        probe = self.step("reading the first batch", self.source.probe)
+        config = {**config, "batch_size": self.source.batch_size, "data": data_identity(probe, self.source)}
+        stored_rows = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
+        if existing is not None and existing.get("state") == "complete":  # done: compare, without running anything
+            wanted = {"config": {**config, "chunk_rows": stored_rows}, "sites": existing.get("sites", [])}
+            self.step("comparing configurations", lambda: _same_config(self.target, existing, wanted))
+            return self._opened()
+        values, layout = self.step("on the first batch", lambda: self._layout(probe, stored_rows))
+        meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
+        if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
-            if existing.get("state") == "complete":
-                return open_store(self.target.store if self.target.path is None else self.target.path)
-        if self.ranks.is_main:
-            self.step("making the store", lambda: self._make(existing, layout, meta))
-        else:
-            self.step("making the store", lambda: None)
+        self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
         group = open_group(self.target, writable=True)
         manifest = Manifest(group)
-        done = manifest.done()
-        self.step("writing chunks", lambda: self._write(group, manifest, done, layout, (probe, values)))
-        if self.ranks.is_main:
-            self.step("completing the store", lambda: self._complete(group, manifest, layout, meta))
-        else:
-            self.step("completing the store", lambda: None)
+        done = self.step("reading the manifest", manifest.done)  # every rank reads it before any rank writes
+        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, (probe, values)))
+        self.step("completing the store", lambda: self._complete(group, manifest, layout, meta, rows), main_only=True)
+        return self._opened()
+
+    def _opened(self) -> Store:
         return open_store(self.target.store if self.target.path is None else self.target.path)
 
     # -- steps ------------------------------------------------------------------------------------
@@ -252,8 +255,8 @@ class _Job:
             )
         return meta
 
-    def _probe(self, chunk_rows: int | None) -> tuple[Batch, dict[Site, torch.Tensor], Layout]:
-        probe = self.source.probe()
+    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[dict[Site, torch.Tensor], Layout]:
+        """Run the first batch; its sites, row shapes and dtypes make the layout."""
         values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
         if not values:
             raise SpecError(
@@ -276,13 +279,15 @@ class _Job:
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        return probe, checked, Layout(sites, self.source.rows, batch, rows)
+        return checked, Layout(sites, self.source.rows, batch, rows)
 
     def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
-        if existing is None:
-            if read_meta(self.target) is not None:
-                clear(self.target)  # overwrite=True, or a store cut short while it was being made
-            create_store(self.target, layout, meta, self.compression_level)
+        if existing is not None:
+            remove_partial_files(self.target)  # temporary files of writes a killed run left half-done
+            return
+        if read_meta(self.target) is not None:
+            clear(self.target)  # overwrite=True, or a store cut short while it was being made
+        create_store(self.target, layout, meta, self.compression_level)
 
     def _write(
         self,
@@ -291,38 +296,29 @@ class _Job:
         done: set[int],
         layout: Layout,
         probe: tuple[Batch, dict[Site, torch.Tensor]],
-    ) -> None:
-        indexed = isinstance(self.source, IndexedSource)
+    ) -> int:
+        """Run and write this rank's chunks; return the rows the data held."""
+        source = self.source
         owned: set[int] | None = None
-        if indexed:
+        if isinstance(source, IndexedSource):
             assert layout.chunks is not None
             todo = [c for c in range(layout.chunks) if c not in done]
             mine = todo[self.ranks.rank :: self.ranks.world_size]
             owned = set(mine)
             total: int | None = sum(layout.span(c)[1] - layout.span(c)[0] for c in mine)
+            batches = source.batches([layout.span(c) for c in mine])
         else:
-            total = (
-                None if layout.rows is None else layout.rows - sum(layout.span(c)[1] - layout.span(c)[0] for c in done)
-            )
+            total = None if layout.rows is None else layout.rows - sum(_rows(layout, c) for c in done)
+            batches = source.stream()
         writer = ChunkWriter(
-            group=group,
-            layout=layout,
-            manifest=manifest,
-            done=done,
-            owned=owned,
-            label=self.target.label,
-            total_chunks=lambda: layout.chunks,
+            group=group, layout=layout, manifest=manifest, done=done, owned=owned, label=self.target.label
         )
-        thread = WriterThread(writer, [site.as_bits for site in layout.sites])
-        label = f"extract → {Path(self.target.label).name}" + (
-            f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else ""
-        )
-        enabled = self.progress if self.ranks.is_main else False
-        with ExtractProgress(total, enabled=enabled, label=label, written=lambda: writer.bytes_written) as bar:
-            if isinstance(self.source, IndexedSource):
-                batches = self.source.batches([layout.span(c) for c in sorted(owned or ())])
-            else:
-                batches = self.source.stream()
+        name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
+        shown = self.progress if self.ranks.is_main else False
+        with ExtractProgress(
+            total, enabled=shown, label=f"extract → {name}", written=lambda: writer.bytes_written
+        ) as bar:
+            thread = WriterThread(writer)
             try:
                 end = run_batches(
                     self.model,
@@ -334,28 +330,26 @@ class _Job:
                     mask_key=self.mask_key,
                     mask_required=self.mask_required,
                     reused=probe,
-                    on_batch=lambda rows, ran: bar.advance(rows if ran else 0, ran=ran),
+                    on_batch=bar.advance,
                 )
             except BaseException:
                 with contextlib.suppress(BaseException):  # the forward's error is the one to report
                     thread.close()  # what was queued lands, and is recorded, before it propagates
                 raise
             thread.close(end)
-        if indexed or layout.rows is not None:
-            expected = layout.rows
-            if not indexed and expected is not None and end != expected:
-                raise SpecError(f"the data yielded {end} rows; expected {expected} (the rows it held when counted)")
-        unfinished = writer.unfinished()
-        if unfinished:
-            chunk, filled, wanted = unfinished[0]
+        if not isinstance(source, IndexedSource) and layout.rows is not None and end != layout.rows:
+            raise SpecError(f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted")
+        short = writer.unfinished()
+        if short:
+            chunk, filled, wanted = short[0]
             raise SpecError(
-                f"chunk {chunk} received {filled} of its {wanted} rows: the data yielded fewer rows than its length "
-                "said; check the data set's __len__"
+                f"chunk {chunk} received {filled} of its {wanted} rows: the data yielded fewer rows than it said "
+                "it held (check the data set's __len__)"
             )
-        self._rows_seen = end
+        return end
 
-    def _complete(self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any]) -> None:
-        rows = layout.rows if layout.rows is not None else self._rows_seen
+    def _complete(self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any], end: int) -> None:
+        rows = layout.rows if layout.rows is not None else end
         chunks = math.ceil(rows / layout.chunk_rows)
         missing = sorted(set(range(chunks)) - manifest.done())
         if missing:
@@ -364,6 +358,17 @@ class _Job:
                 "extraction again to write them"
             )
         write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks})
+
+
+def _rows(layout: Layout, chunk: int) -> int:
+    first, stop = layout.span(chunk)
+    return stop - first
+
+
+def _reusable_chunk_rows(existing: dict[str, Any] | None, batch_size: int) -> int | None:
+    """The stored chunking, to resume with, when it still fits the batch (else the default, and a difference)."""
+    stored = existing["config"].get("chunk_rows") if existing else None
+    return stored if isinstance(stored, int) and stored % batch_size == 0 else None
 
 
 def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[str, Any]:
@@ -414,15 +419,6 @@ def _site_text(site: dict[str, Any]) -> str:
 def _layer_text(selector: object) -> str:
     """A selector as the store records it: names, globs and regexes as written, others described."""
     return selector if isinstance(selector, str) else describe_selector(selector)
-
-
-def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if isinstance(found, torch.dtype) and found.is_floating_point:
-        return found
-    raise SpecError(f"dtype={dtype!r} is not a floating torch dtype; expected e.g. torch.float16 or 'bfloat16'")
 
 
 def _mask_option(mask: str | None) -> tuple[str | None, bool]:

@@ -17,10 +17,14 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SAMPLED_VALUES", "differences", "model_identity"]
+from hookscope.core.tree import flatten_tensors
+from hookscope.extracting.data import Batch, Source
+
+__all__ = ["SAMPLED_VALUES", "data_identity", "differences", "model_identity"]
 
 SAMPLED_VALUES = 4096
 
@@ -55,10 +59,31 @@ def fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def data_identity(first: Batch, source: Source) -> dict[str, Any]:
+    """A hash of the first batch's inputs (sampled like the weights) and of the row order, if chosen.
+
+    Another data set, another seed of random rows or another ``indices=`` with the same number
+    of rows would otherwise resume as if nothing changed.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for path, tensor in flatten_tensors((first.args, first.kwargs)):
+        digest.update(f"{path}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        if not tensor.is_meta:
+            digest.update(_sample_bytes(tensor.detach()))
+    indices = getattr(source, "indices", None)
+    order: str | None = None
+    if isinstance(indices, range):
+        order = f"range({indices.start}, {indices.stop}, {indices.step})"
+    elif indices is not None:
+        order = hashlib.blake2b(np.asarray(indices, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+    return {"first_batch": digest.hexdigest(), "order": order}
+
+
 def _sample_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.reshape(-1)
     if flat.numel() > SAMPLED_VALUES:
-        picks = torch.linspace(0, flat.numel() - 1, SAMPLED_VALUES, device=flat.device).long()
+        steps = torch.arange(SAMPLED_VALUES, device=flat.device)  # integer steps: float32 would round past the end
+        picks = steps * (flat.numel() - 1) // (SAMPLED_VALUES - 1)
         flat = flat[picks]
     flat = flat.cpu()
     if flat.dtype.itemsize in (1, 2, 4, 8) and not flat.dtype.is_complex:

@@ -206,23 +206,18 @@ class IndexedSource:
 
     def batches(self, ranges: Sequence[tuple[int, int]]) -> Iterator[Batch]:
         """Batches covering ``ranges`` (row ranges that start on the batch grid), in order."""
-        starts: list[int] = []
-        lists: list[list[int]] = []
-        for first, stop in ranges:
-            for start in range(first, stop, self.batch_size):
-                starts.append(start)
-                lists.append([self._index(row) for row in range(start, min(start + self.batch_size, stop))])
-        if not lists:
+        plan = _BatchPlan(ranges, self.batch_size, self._index)
+        if not len(plan):
             return
         loader = DataLoader(
             self.dataset,
-            batch_sampler=lists,
+            batch_sampler=plan,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             **self.loader_options,
         )
-        for start, wanted, raw in zip(starts, lists, loader, strict=True):
-            yield self._batch(start, len(wanted), raw)
+        for (start, count), raw in zip(plan.spans(), loader, strict=True):
+            yield self._batch(start, count, raw)
 
     def _batch(self, start: int, expected: int, raw: Any) -> Batch:
         args, kwargs = _inputs(self.inputs, raw)
@@ -233,6 +228,32 @@ class IndexedSource:
                 "function must stack one row per index along dimension 0"
             )
         return Batch(start, rows, args, kwargs)
+
+
+class _BatchPlan:
+    """The index lists of the batches covering some row ranges, made as the loader asks for them.
+
+    A ``DataLoader`` batch sampler with a length: nothing is listed up front, so a run over a
+    hundred million rows starts at once and holds one batch's indices at a time.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], batch_size: int, index: Callable[[int], int]) -> None:
+        self.ranges = list(ranges)
+        self.batch_size = batch_size
+        self.index = index
+
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """``(first row, rows)`` of each batch, in order."""
+        for first, stop in self.ranges:
+            for start in range(first, stop, self.batch_size):
+                yield start, min(start + self.batch_size, stop) - start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start, count in self.spans():
+            yield [self.index(row) for row in range(start, start + count)]
+
+    def __len__(self) -> int:
+        return sum(-(-(stop - first) // self.batch_size) for first, stop in self.ranges)
 
 
 class StreamSource:

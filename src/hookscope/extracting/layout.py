@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._bits import NUMPY_LACKS, numpy_dtype
 from hookscope.core.sites import Site
 from hookscope.errors import SpecError
 
@@ -26,7 +27,6 @@ __all__ = [
     "SiteLayout",
     "array_names",
     "choose_chunk_rows",
-    "stored_dtype",
 ]
 
 #: Default chunk size: at most this many bytes of the widest site, uncompressed ...
@@ -34,18 +34,6 @@ CHUNK_BYTES = 8 * 2**20
 #: ... and at most this many rows, so that a crash loses little and processes share the work.
 MAX_CHUNK_ROWS = 1024
 _RESERVED = "_hookscope"  # the group that holds the progress manifest
-
-
-def stored_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    """The numpy dtype a store holds values of ``dtype`` in; types numpy lacks are kept as their bits.
-
-    >>> stored_dtype(torch.float16), stored_dtype(torch.bfloat16)
-    (dtype('float16'), dtype('uint16'))
-    """
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    except TypeError:  # bfloat16, float8: the same bits as an unsigned integer of the same width
-        return np.dtype(f"uint{dtype.itemsize * 8}")
 
 
 @dataclass(frozen=True)
@@ -67,12 +55,13 @@ class SiteLayout:
 
     @property
     def stored(self) -> np.dtype[Any]:
-        return stored_dtype(self.torch_dtype)
+        """The numpy dtype the store holds the values in: bfloat16 and float8 as their bits."""
+        return numpy_dtype(self.torch_dtype)
 
     @property
     def as_bits(self) -> bool:
         """True when the store holds the values' bit patterns (bfloat16, float8)."""
-        return self.stored.kind == "u" and self.torch_dtype.is_floating_point
+        return self.torch_dtype in NUMPY_LACKS
 
     @property
     def row_bytes(self) -> int:

@@ -118,8 +118,10 @@ class HostCopier:
     """Device values to host memory: pinned buffers reused across batches, copies that do not block.
 
     CPU values pass through untouched. CUDA values are copied into pinned buffers (one pool
-    per shape and dtype, refilled when the writer is done with a batch) on the current stream,
-    after an event the writer waits on. Other devices are copied synchronously.
+    per shape and dtype, refilled when the writer is done with a batch) on the current stream
+    of their device, followed by an event on that stream for the writer to wait on: one per
+    device, so a model spread over several GPUs is waited for on each. Other devices are
+    copied synchronously.
     """
 
     def __init__(self) -> None:
@@ -131,18 +133,21 @@ class HostCopier:
             return Work(start, values)
         host: list[torch.Tensor] = []
         pinned: list[torch.Tensor] = []
+        devices: dict[torch.device, None] = {}
         for value in values:
             if value.is_cuda:
                 buffer = self._take(value)
-                buffer.copy_(value, non_blocking=True)
+                buffer.copy_(value, non_blocking=True)  # queued on the current stream of value's device
                 host.append(buffer)
                 pinned.append(buffer)
+                devices[value.device] = None
             else:
                 host.append(value.cpu())
-        ready = None
-        if pinned:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record()
+        ready = []
+        for device in devices:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            ready.append(event)
         return Work(start, host, ready, release=lambda: self._give_back(pinned))
 
     def _take(self, value: torch.Tensor) -> torch.Tensor:
@@ -181,16 +186,20 @@ def run_batches(
     end = 0
     for batch in batches:
         end = max(end, batch.stop)
+        if layout.rows is not None and batch.stop > layout.rows:
+            raise SpecError(
+                f"the data yielded rows up to {batch.stop - 1}, past the {layout.rows} rows it held when counted; "
+                "it must yield the same rows in every pass over it"
+            )
         if not writer.writer.wants(batch.start, batch.stop):
-            on_batch(batch.rows, ran=False)
-            continue
+            continue  # a stream's batch inside chunks a resumed store already has
         if reused is not None and batch.start == reused[0].start and batch.rows == reused[0].rows:
             values = reused[1]
         else:
             values = forward(model, batch, captures, device, mask_key, mask_required)
         ordered = _checked(values, sites, batch)
         writer.submit(copier.work(batch.start, ordered))
-        on_batch(batch.rows, ran=True)
+        on_batch(batch.rows)
     return end
 
 

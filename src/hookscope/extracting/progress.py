@@ -26,7 +26,6 @@ class ExtractProgress:
         self.label = label
         self.written = written
         self.rows = 0
-        self.ran = 0
         self.started = time.perf_counter()
         self._progress: Any = None
         self._task: Any = None
@@ -50,10 +49,9 @@ class ExtractProgress:
             self._task = self._progress.add_task(self.label, total=self.total, speed="-", written="0 B")
         return self
 
-    def advance(self, rows: int, *, ran: bool = True) -> None:
-        """``rows`` more rows are done; ``ran=False`` for rows skipped because a resumed store had them."""
+    def advance(self, rows: int) -> None:
+        """``rows`` more rows have been run (rows a resumed store had already are not counted)."""
         self.rows += rows
-        self.ran += rows if ran else 0
         if self._progress is not None:
             self._progress.update(
                 self._task, advance=rows, speed=f"{self.rate:,.0f}", written=format_bytes(self.written())
@@ -65,8 +63,8 @@ class ExtractProgress:
 
     @property
     def rate(self) -> float:
-        """Rows run per second so far (rows skipped on resume do not count)."""
-        return self.ran / self.elapsed if self.elapsed > 0 else 0.0
+        """Rows run per second so far."""
+        return self.rows / self.elapsed if self.elapsed > 0 else 0.0
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None

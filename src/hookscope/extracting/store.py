@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hookscope._bits import bits_to_tensor
 from hookscope._units import format_bytes
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, StoreError
 from hookscope.extracting.layout import SiteLayout
@@ -70,17 +71,11 @@ class StoreArray:
         raw: np.ndarray = np.asarray(self.zarr[index])
         if not self.layout.as_bits:
             return raw
-        return self._from_bits(raw).float().numpy()
+        return bits_to_tensor(raw, self.layout.torch_dtype).float().numpy()
 
     def torch(self, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` as a tensor of the dtype the values had (``torch.bfloat16`` included)."""
-        raw = np.asarray(self.zarr[index])
-        return self._from_bits(raw) if self.layout.as_bits else torch.from_numpy(np.ascontiguousarray(raw))
-
-    def _from_bits(self, raw: np.ndarray) -> Tensor:
-        signed = {1: np.int8, 2: np.int16}[raw.dtype.itemsize]
-        bits = torch.from_numpy(np.ascontiguousarray(raw).view(signed))
-        return bits.view(self.layout.torch_dtype)
+        return bits_to_tensor(np.asarray(self.zarr[index]), self.layout.torch_dtype)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         values = self[:]
@@ -262,6 +257,11 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> 
         what = "nothing" if meta is None else "a zarr store hookscope did not make"
         raise StoreError(f"{target.label!r} holds {what}; expected a store written by hookscope.extract")
     group = open_group(target, writable=False)
+    if meta.get("state") == "creating":
+        raise StoreError(
+            f"store {target.label!r} was cut short while it was being made and holds no data; run the extraction "
+            "again, which makes it anew"
+        )
     store = Store(target, group, meta)
     if not store.complete and not partial:
         chunks = meta.get("chunks")

@@ -21,21 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._bits import tensor_to_numpy
 from hookscope._units import format_bytes
 from hookscope.errors import StoreWriteError
 from hookscope.extracting.layout import Layout
 from hookscope.extracting.zarr_io import Manifest
 
-__all__ = ["ChunkWriter", "Work", "WriterThread", "host_array"]
-
-
-def host_array(value: torch.Tensor, as_bits: bool) -> np.ndarray:
-    """A CPU tensor as numpy without a copy; bfloat16 and float8 as their bit patterns."""
-    if as_bits:
-        bits = {1: torch.uint8, 2: torch.int16}[value.element_size()]
-        unsigned = np.uint8 if value.element_size() == 1 else np.uint16
-        return value.view(bits).numpy().view(unsigned)
-    return value.numpy()
+__all__ = ["ChunkWriter", "Work", "WriterThread"]
 
 
 @dataclass
@@ -54,9 +46,7 @@ class ChunkWriter:
     done: set[int]
     owned: set[int] | None  # None: every chunk that is not done (one process)
     label: str
-    total_chunks: Callable[[], int | None]
     bytes_written: int = 0
-    rows_seen: int = 0
     _chunks: dict[int, _Chunk] = field(default_factory=dict)
     _free: list[list[np.ndarray]] = field(default_factory=list)
 
@@ -73,7 +63,6 @@ class ChunkWriter:
     def put(self, start: int, values: Sequence[np.ndarray]) -> None:
         """Rows ``start .. start + len(values[0])`` of every site, in layout order."""
         stop = start + len(values[0])
-        self.rows_seen = max(self.rows_seen, stop)
         for chunk in self.layout.chunks_of(start, stop):
             if not self._mine(chunk):
                 continue
@@ -96,8 +85,9 @@ class ChunkWriter:
                 self._flush(chunk, self._chunks[chunk].filled)
 
     def unfinished(self) -> list[tuple[int, int, int]]:
-        """``(chunk, rows filled, rows expected)`` for chunks begun and not written."""
-        return [(c, p.filled, self.layout.span(c)[1] - self.layout.span(c)[0]) for c, p in sorted(self._chunks.items())]
+        """``(chunk, rows filled, rows expected)`` for chunks begun and not written (the data ran short)."""
+        spans = {chunk: self.layout.span(chunk) for chunk in self._chunks}
+        return [(c, p.filled, spans[c][1] - spans[c][0]) for c, p in sorted(self._chunks.items())]
 
     def _new_chunk(self, chunk: int) -> _Chunk:
         arrays = (
@@ -128,8 +118,7 @@ class ChunkWriter:
 
     def _failure(self, chunk: int, rows: int, what: str, error: Exception) -> StoreWriteError:
         first = chunk * self.layout.chunk_rows
-        total = self.total_chunks()
-        of = f" of {total}" if total is not None else ""
+        of = f" of {self.layout.chunks}" if self.layout.chunks is not None else ""
         return StoreWriteError(
             f"writing chunk {chunk} (rows {first}..{first + rows - 1}) of {what!r} to {self.label} failed: "
             f"{type(error).__name__}: {error}; {len(self.done)}{of} chunks are recorded as done and stay valid "
@@ -140,11 +129,15 @@ class ChunkWriter:
 
 @dataclass
 class Work:
-    """One batch on its way to the store: its first row, one tensor per site, and what to wait for."""
+    """One batch on its way to the store: its first row, one CPU tensor per site, what to wait for.
+
+    ``ready`` holds an event per GPU the values were copied from; ``release`` hands pinned
+    buffers back once the rows are in the chunk buffers.
+    """
 
     start: int
     values: list[torch.Tensor]
-    ready: torch.cuda.Event | None = None
+    ready: list[torch.cuda.Event] = field(default_factory=list)
     release: Callable[[], None] | None = None
 
 
@@ -155,9 +148,8 @@ class WriterThread:
     ``close``; the thread goes on draining the queue, so the main thread never blocks on it.
     """
 
-    def __init__(self, writer: ChunkWriter, as_bits: Sequence[bool], depth: int = 2) -> None:
+    def __init__(self, writer: ChunkWriter, depth: int = 2) -> None:
         self.writer = writer
-        self._as_bits = list(as_bits)
         self._queue: queue.Queue[Work | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self._rows: int | None = None
@@ -188,11 +180,9 @@ class WriterThread:
             if self.error is not None:
                 continue  # failed: drain, so that the main thread is never blocked on a full queue
             try:
-                if work.ready is not None:
-                    work.ready.synchronize()  # the device-to-host copies of this batch have finished
-                self.writer.put(
-                    work.start, [host_array(v, bits) for v, bits in zip(work.values, self._as_bits, strict=True)]
-                )
+                for event in work.ready:
+                    event.synchronize()  # the device-to-host copies of this batch have finished
+                self.writer.put(work.start, [tensor_to_numpy(value) for value in work.values])
                 if work.release is not None:
                     work.release()
             except BaseException as error:

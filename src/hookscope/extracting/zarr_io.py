@@ -14,6 +14,7 @@ short there holds no data and is made again), ``"writing"``, and ``"complete"``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,17 @@ import numpy as np
 from hookscope.errors import MissingDependencyError, StoreError
 from hookscope.extracting.layout import Layout
 
-__all__ = ["FORMAT", "Manifest", "Target", "create_store", "read_meta", "target_of", "write_meta", "zarr_module"]
+__all__ = [
+    "FORMAT",
+    "Manifest",
+    "Target",
+    "create_store",
+    "read_meta",
+    "remove_partial_files",
+    "target_of",
+    "write_meta",
+    "zarr_module",
+]
 
 FORMAT = 1
 META_KEY = "hookscope"
@@ -131,6 +142,18 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
     return group
 
 
+_PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")  # zarr's local store writes <name>.<uuid>.partial, then renames
+
+
+def remove_partial_files(target: Target) -> None:
+    """Remove the temporary files of writes that a killed process left half-done (a local store only)."""
+    if target.path is None:
+        return
+    for path in target.path.rglob("*.partial"):
+        if _PARTIAL.search(path.name):
+            path.unlink(missing_ok=True)
+
+
 def open_group(target: Target, *, writable: bool) -> Any:
     return zarr_module().open_group(store=target.store, mode="r+" if writable else "r")
 
@@ -144,7 +167,7 @@ class Manifest:
     """Which chunks have landed: ``done[c] == 1`` once every site's chunk ``c`` is written."""
 
     def __init__(self, group: Any) -> None:
-        self.array = group[f"{MANIFEST_GROUP}/done"]
+        self.array = group.get(f"{MANIFEST_GROUP}/done")  # None in a store cut short while being made
 
     @staticmethod
     def create(group: Any, chunks: int) -> None:
@@ -153,6 +176,8 @@ class Manifest:
 
     def done(self) -> set[int]:
         """The chunks recorded as done; an element that cannot be read counts as not done."""
+        if self.array is None:
+            return set()
         try:
             flags = np.asarray(self.array[:])
         except Exception:  # a torn element file: read one by one, and trust only what reads back as 1
@@ -167,6 +192,7 @@ class Manifest:
 
     def mark(self, chunk: int) -> None:
         """Record ``chunk`` as done; grows the manifest for a stream whose length is not known."""
+        assert self.array is not None, "the manifest is made with the store"
         if chunk >= self.array.shape[0]:
             self.array.resize((chunk + 1,))
         self.array[chunk] = 1
