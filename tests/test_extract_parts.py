@@ -152,3 +152,21 @@ def test_random_rows_depend_only_on_their_index() -> None:
     tokens = RandomRows(5, (6,), seed=0, key="input_ids", vocab_size=10).__getitems__([0, 1])["input_ids"]
     assert tokens.dtype == torch.int64
     assert int(tokens.max()) < 10
+
+
+def test_resident_watch_trims_only_on_drift() -> None:
+    from hookscope._memory import ResidentWatch, resident_bytes
+
+    if resident_bytes() is None or not _has_malloc_trim():
+        pytest.skip("needs /proc and glibc's malloc_trim")
+    watch = ResidentWatch(margin=1.5, settle=2)
+    assert [watch.check(), watch.check(), watch.check()] == [False, False, False]  # settled, no drift
+    watch.baseline = 1  # as if resident memory had grown far past the level it settled at
+    assert watch.check()
+    assert watch.trims == 1
+
+
+def _has_malloc_trim() -> bool:
+    from hookscope._memory import release_free_memory
+
+    return release_free_memory()

@@ -21,6 +21,7 @@ import platform
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -174,20 +175,20 @@ def extract(
             module.training = modes.get(name, module.training)
 
 
+@dataclass(frozen=True)
 class _Job:
     """One process's part of an extraction (see the module doc for the steps)."""
 
-    def __init__(self, **parts: Any) -> None:
-        self.model: nn.Module = parts["model"]
-        self.source: Source = parts["source"]
-        self.target: Target = parts["target"]
-        self.ranks: Ranks = parts["ranks"]
-        self.captures: SiteCaptures = parts["captures"]
-        self.device: torch.device = parts["device"]
-        self.mask_key: str | None = parts["mask_key"]
-        self.mask_required: bool = parts["mask_required"]
-        self.progress: bool | None = parts["progress"]
-        self.compression_level: int | None = parts["compression_level"]
+    model: nn.Module
+    source: Source
+    target: Target
+    ranks: Ranks
+    captures: SiteCaptures
+    device: torch.device
+    mask_key: str | None
+    mask_required: bool
+    progress: bool | None
+    compression_level: int | None
 
     def step(self, name: str, work: Callable[[], T], *, main_only: bool = False) -> T:
         """Run ``work`` (on rank 0 alone with ``main_only``), then meet: a failure on any rank is raised on all."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hookscope._bits import tensor_to_numpy
+from hookscope._memory import ResidentWatch
 from hookscope._units import format_bytes
 from hookscope.errors import StoreWriteError
 from hookscope.extracting.layout import Layout
@@ -152,6 +153,7 @@ class WriterThread:
         self.writer = writer
         self._queue: queue.Queue[Work | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
+        self.memory = ResidentWatch()
         self._rows: int | None = None
         self._thread = threading.Thread(target=self._run, name="hookscope-extract-writer", daemon=True)
         self._thread.start()
@@ -185,6 +187,7 @@ class WriterThread:
                 self.writer.put(work.start, [tensor_to_numpy(value) for value in work.values])
                 if work.release is not None:
                     work.release()
+                self.memory.check()  # trims free memory if resident memory drifted up (see hookscope._memory)
             except BaseException as error:
                 self.error = error
         if self.error is None:
