@@ -349,7 +349,7 @@ def test_a_different_configuration_is_refused_with_every_difference(tmp_path: Pa
         "batch_size: stored 8, now 4",
     ):
         assert difference in message
-    with pytest.raises(hs.StoreError, match=r"data.first_batch: stored '\w+', now '\w+'"):
+    with pytest.raises(hs.StoreError, match=r"data.first_row: stored '\w+', now '\w+'"):
         run(model, torch.randn(16, 3, 32, 32), ["fc"], tmp_path / "f.zarr", batch_size=8)  # other rows, same count
     with pytest.raises(hs.StoreError, match="eval_mode: stored True, now False"):
         run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8, eval_mode=False)
@@ -358,6 +358,60 @@ def test_a_different_configuration_is_refused_with_every_difference(tmp_path: Pa
         run(model, images, ["fc"], tmp_path / "f.zarr", batch_size=8, resume=False)
     replaced = run(other, images[:12], ["fc"], tmp_path / "f.zarr", batch_size=8, overwrite=True)
     assert len(replaced) == 12
+
+
+def test_reduction_functions_rows_and_batch_sizes_are_compared(tmp_path: Path) -> None:
+    model = SmallCNN().eval()
+    images = torch.randn(16, 3, 32, 32)
+    run(model, images, "conv1", tmp_path / "f.zarr", batch_size=8, reduce=lambda v: v.mean((2, 3)))
+    with pytest.raises(hs.StoreError, match="reduce.conv1: stored"):
+        run(model, images, "conv1", tmp_path / "f.zarr", batch_size=8, reduce=lambda v: v.amax((2, 3)))
+    with pytest.raises(hs.StoreError) as refused:
+        run(model, images, "conv1", tmp_path / "f.zarr", batch_size=4, reduce=lambda v: v.mean((2, 3)))
+    assert "batch_size: stored 8, now 4" in str(refused.value)
+    assert "data.first_row" not in str(refused.value)  # the same rows: no data difference is claimed
+    same = run(
+        model, images, "conv1", tmp_path / "f.zarr", batch_size=8, reduce=lambda v: v.mean((2, 3)), indices=range(16)
+    )
+    assert same.complete  # the data's own order, written as indices, is the same order
+
+
+def test_bad_options_are_named_before_anything_runs(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(8, 4)
+    with pytest.raises(hs.SpecError, match="compression_level=99 is not a zstd level"):
+        run(model, x, "0", tmp_path / "f.zarr", compression_level=99)
+    with pytest.raises(hs.SpecError, match="device='gpu' is not a torch device"):
+        run(model, x, "0", tmp_path / "f.zarr", device="gpu")
+    with pytest.raises(hs.SpecError, match="must be integers"):
+        run(model, x, "0", tmp_path / "f.zarr", indices=["a"])
+    with pytest.raises(hs.SpecError, match="each worker yield the whole IterableDataset"):
+        run(model, Stream(x), "0", tmp_path / "f.zarr", num_workers=2)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+class Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.rows)
+
+
+def test_a_resumed_stream_that_ends_early_is_refused(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(32, 4)
+
+    def batches(stop: int, fail: bool) -> Iterator[torch.Tensor]:
+        for start in range(0, stop, 4):
+            if fail and start == 28:
+                raise RuntimeError("cut")
+            yield rows[start : start + 4]
+
+    with pytest.raises(RuntimeError, match="cut"):
+        run(model, batches(32, fail=True), "0", tmp_path / "f.zarr", chunk_rows=8)
+    with pytest.raises(hs.SpecError, match="the data ended at row 12, but the store holds 24 rows"):
+        run(model, batches(12, fail=False), "0", tmp_path / "f.zarr", chunk_rows=8)
+    assert len(run(model, Stream(rows), "0", tmp_path / "s.zarr", batch_size=4)) == 32
 
 
 def test_a_complete_store_is_not_computed_again(tmp_path: Path) -> None:

@@ -164,9 +164,32 @@ def test_resident_watch_trims_only_on_drift() -> None:
     watch.baseline = 1  # as if resident memory had grown far past the level it settled at
     assert watch.check()
     assert watch.trims == 1
+    assert not watch.check()  # what the trim could not give back is the new level: no trim every batch after
 
 
 def _has_malloc_trim() -> bool:
     from hookscope._memory import release_free_memory
 
     return release_free_memory()
+
+
+def test_every_dtype_numpy_lacks_round_trips_as_bits() -> None:
+    from hookscope._bits import NUMPY_LACKS, bits_to_tensor, tensor_to_numpy
+
+    assert {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz} <= set(NUMPY_LACKS)
+    for dtype in NUMPY_LACKS:
+        if dtype.itemsize != 1 or "float4" in str(dtype):
+            continue
+        bits = torch.randint(0, 256, (4, 3), dtype=torch.uint8).view(dtype)
+        assert numpy_dtype(dtype) == np.uint8
+        assert torch.equal(bits_to_tensor(tensor_to_numpy(bits), dtype).view(torch.uint8), bits.view(torch.uint8))
+
+
+def test_row_order_written_three_ways_is_the_same_order() -> None:
+    from hookscope.extracting.config import _order
+
+    assert _order(None, 5) is None
+    assert _order(range(5), 5) is None
+    assert _order([0, 1, 2, 3, 4], 5) is None
+    assert _order([4, 3], 5) is not None
+    assert _order([4, 3], 5) != _order([3, 4], 5)

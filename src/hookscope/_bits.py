@@ -13,7 +13,20 @@ import torch
 
 __all__ = ["NUMPY_LACKS", "UINT_OF_WIDTH", "bits_to_tensor", "numpy_dtype", "tensor_to_numpy"]
 
-NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+def _lacking() -> tuple[torch.dtype, ...]:
+    """The floating dtypes of this torch that numpy has no dtype for (bfloat16, the float8 kinds, ...)."""
+    found = {value for value in vars(torch).values() if isinstance(value, torch.dtype) and value.is_floating_point}
+    lacking = []
+    for dtype in sorted(found, key=str):
+        try:
+            torch.empty(0, dtype=dtype).numpy()
+        except TypeError:
+            lacking.append(dtype)
+    return tuple(lacking)
+
+
+NUMPY_LACKS = _lacking()
 UINT_OF_WIDTH = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 _SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -85,4 +85,6 @@ class ResidentWatch:
             return False
         release_free_memory()
         self.trims += 1
+        after = resident_bytes() or resident
+        self.baseline = max(self.baseline, after)  # what a trim cannot give back is alive: the new level
         return True

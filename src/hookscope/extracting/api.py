@@ -38,7 +38,7 @@ from hookscope.errors import SpecError, StoreError, StoreWriteError
 from hookscope.extracting.config import data_identity, differences, model_identity
 from hookscope.extracting.data import Batch, IndexedSource, Inputs, Source, make_source
 from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
-from hookscope.extracting.pipeline import SiteCaptures, forward, probe_layout_values, run_batches
+from hookscope.extracting.pipeline import ProbeValues, SiteCaptures, forward, probe_layout_values, run_batches
 from hookscope.extracting.progress import ExtractProgress
 from hookscope.extracting.ranks import Ranks, resolve_ranks
 from hookscope.extracting.reduce import TokenMask
@@ -137,7 +137,8 @@ def extract(
         )
     storage = floating_dtype(dtype)
     mask_key, mask_required = _mask_option(mask)
-    run_on = torch.device(device) if device is not None else _model_device(model)
+    run_on = _device(device) if device is not None else _model_device(model)
+    _check_compression(compression_level)
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
     captures = SiteCaptures(model, selectors, reduce=reduce, keep=keep, calls=calls, dtype=storage, mask=TokenMask())
     job = _Job(
@@ -163,6 +164,7 @@ def extract(
         "rows": source.rows,
         "eval_mode": eval_mode,
         "compression_level": compression_level,
+        "device": run_on.type,  # CPU and GPU kernels round differently: rows of one would not match the other's
     }
     modes = {name: module.training for name, module in model.named_modules()}
     if eval_mode:
@@ -207,23 +209,35 @@ class _Job:
     ) -> Store:
         existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
         probe = self.step("reading the first batch", self.source.probe)
-        config = {**config, "batch_size": self.source.batch_size, "data": data_identity(probe, self.source)}
-        stored_rows = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
+        config = self.step("describing the data", lambda: self._described(config, probe, chunk_rows))
         if existing is not None and existing.get("state") == "complete":  # done: compare, without running anything
-            wanted = {"config": {**config, "chunk_rows": stored_rows}, "sites": existing.get("sites", [])}
+            stored = existing["config"].get("chunk_rows")
+            wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": existing.get("sites", [])}
             self.step("comparing configurations", lambda: _same_config(self.target, existing, wanted))
             return self._opened()
-        values, layout = self.step("on the first batch", lambda: self._layout(probe, stored_rows))
+        reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
+        values, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
+        first = ProbeValues(probe, values)  # handed to the first batch of this rank's work, then dropped
+        del values
         meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
         self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
-        group = open_group(self.target, writable=True)
-        manifest = Manifest(group)
-        done = self.step("reading the manifest", manifest.done)  # every rank reads it before any rank writes
-        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, (probe, values)))
+        group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
+        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first))
         self.step("completing the store", lambda: self._complete(group, manifest, layout, meta, rows), main_only=True)
         return self._opened()
+
+    def _described(self, config: dict[str, Any], probe: Batch, chunk_rows: int | None) -> dict[str, Any]:
+        """The configuration with what the data says of itself; ``chunk_rows`` checked before any comparison."""
+        if chunk_rows is not None:
+            choose_chunk_rows(self.source.batch_size, 1, None, chunk_rows)
+        return {**config, "batch_size": self.source.batch_size, "data": data_identity(probe, self.source)}
+
+    def _manifest(self) -> tuple[Any, Manifest, set[int]]:
+        group = open_group(self.target, writable=True)
+        manifest = Manifest(group)
+        return group, manifest, manifest.done()
 
     def _opened(self) -> Store:
         return open_store(self.target.store if self.target.path is None else self.target.path)
@@ -296,7 +310,7 @@ class _Job:
         manifest: Manifest,
         done: set[int],
         layout: Layout,
-        probe: tuple[Batch, dict[Site, torch.Tensor]],
+        first: ProbeValues,
     ) -> int:
         """Run and write this rank's chunks; return the rows the data held."""
         source = self.source
@@ -330,7 +344,7 @@ class _Job:
                     device=self.device,
                     mask_key=self.mask_key,
                     mask_required=self.mask_required,
-                    reused=probe,
+                    reused=first,
                     on_batch=bar.advance,
                 )
             except BaseException:
@@ -340,6 +354,12 @@ class _Job:
             thread.close(end)
         if not isinstance(source, IndexedSource) and layout.rows is not None and end != layout.rows:
             raise SpecError(f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted")
+        held = max(group[site.name].shape[0] for site in layout.sites)
+        if layout.rows is None and held > end:
+            raise SpecError(
+                f"the data ended at row {end}, but the store holds {held} rows from an earlier run: the stream "
+                "changed since; overwrite=True (--overwrite) starts again"
+            )
         short = writer.unfinished()
         if short:
             chunk, filled, wanted = short[0]
@@ -420,6 +440,19 @@ def _site_text(site: dict[str, Any]) -> str:
 def _layer_text(selector: object) -> str:
     """A selector as the store records it: names, globs and regexes as written, others described."""
     return selector if isinstance(selector, str) else describe_selector(selector)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise SpecError(f"device={device!r} is not a torch device; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from error
+
+
+def _check_compression(level: int | None) -> None:
+    if level is None or (isinstance(level, int) and not isinstance(level, bool) and -7 <= level <= 22):
+        return
+    raise SpecError(f"compression_level={level!r} is not a zstd level; expected an int from -7 to 22, or None")
 
 
 def _mask_option(mask: str | None) -> tuple[str | None, bool]:

@@ -53,33 +53,49 @@ def fingerprint(model: nn.Module) -> str:
     tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
     for name, tensor in tensors:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        if tensor.is_meta or tensor.numel() == 0:
-            continue  # weights that are not loaded yet (offloaded models): structure only
         digest.update(_sample_bytes(tensor.detach()))
     return digest.hexdigest()
 
 
 def data_identity(first: Batch, source: Source) -> dict[str, Any]:
-    """A hash of the first batch's inputs (sampled like the weights) and of the row order, if chosen.
+    """A hash of the first row's inputs (sampled like the weights) and of the row order, if one was chosen.
 
     Another data set, another seed of random rows or another ``indices=`` with the same number
-    of rows would otherwise resume as if nothing changed.
+    of rows would otherwise resume as if nothing changed. Only row 0 is hashed, so that a new
+    batch size is reported as that, not as other data; the same rows in the data's own order
+    (no ``indices``, ``range(n)``, a list of 0..n-1) hash alike.
     """
     digest = hashlib.blake2b(digest_size=16)
     for path, tensor in flatten_tensors((first.args, first.kwargs)):
-        digest.update(f"{path}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        if not tensor.is_meta:
-            digest.update(_sample_bytes(tensor.detach()))
-    indices = getattr(source, "indices", None)
-    order: str | None = None
-    if isinstance(indices, range):
-        order = f"range({indices.start}, {indices.stop}, {indices.step})"
-    elif indices is not None:
-        order = hashlib.blake2b(np.asarray(indices, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
-    return {"first_batch": digest.hexdigest(), "order": order}
+        row = tensor[:1] if tensor.dim() > 0 and not tensor.is_sparse else tensor
+        digest.update(f"{path}:{tuple(row.shape)}:{row.dtype};".encode())
+        digest.update(_sample_bytes(row.detach()))
+    return {"first_row": digest.hexdigest(), "order": _order(getattr(source, "indices", None), source.rows)}
+
+
+def _order(indices: Any, rows: int | None) -> str | None:
+    """A hash of the chosen row order; None for the data's own order."""
+    if indices is None:
+        return None
+    order = np.asarray(indices, dtype=np.int64)
+    if rows is not None and np.array_equal(order, np.arange(len(order))):
+        return None  # 0, 1, 2, ...: the data's own order, however it was written
+    return hashlib.blake2b(order.tobytes(), digest_size=16).hexdigest()
 
 
 def _sample_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of up to ``SAMPLED_VALUES`` evenly spaced values; nothing for what has none to read."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return b""  # weights not loaded yet (offloaded models): structure only
+    if tensor.is_sparse:
+        return _sample_bytes(tensor.coalesce().values())
+    try:
+        return _strided_sample(tensor)
+    except (RuntimeError, TypeError):  # a layout or dtype without a flat numpy view (nested, complex32, ...)
+        return b"unsampled"
+
+
+def _strided_sample(tensor: torch.Tensor) -> bytes:
     flat = tensor.reshape(-1)
     if flat.numel() > SAMPLED_VALUES:
         steps = torch.arange(SAMPLED_VALUES, device=flat.device)  # integer steps: float32 would round past the end

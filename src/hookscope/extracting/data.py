@@ -326,7 +326,12 @@ def make_source(
         return _from_loader(data, batch_size, num_workers, indices, split)
     if isinstance(data, IterableDataset):
         _no_indices(indices, "an IterableDataset")
-        loader = DataLoader(data, batch_size=batch_size or DEFAULT_BATCH_SIZE, num_workers=num_workers or 0)
+        if num_workers:
+            raise SpecError(
+                f"num_workers={num_workers} would make each worker yield the whole IterableDataset; pass a DataLoader "
+                "of your own whose dataset shards itself with torch.utils.data.get_worker_info(), or num_workers=0"
+            )
+        loader = DataLoader(data, batch_size=batch_size or DEFAULT_BATCH_SIZE)
         return StreamSource(loader, rows=None, inputs=split)
     if isinstance(data, (torch.Tensor, np.ndarray)) or (
         isinstance(data, Mapping) and data and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in data.values())
@@ -432,7 +437,10 @@ def _from_loader(
 def _checked_indices(indices: Sequence[int], length: int) -> Sequence[int]:
     if isinstance(indices, range) and (not indices or (min(indices) >= 0 and max(indices) < length)):
         return indices
-    checked = [int(i) for i in indices]
+    try:
+        checked = [int(i) for i in indices]
+    except (TypeError, ValueError):
+        raise SpecError(f"indices={indices!r:.60} must be integers, the positions of rows in the data set") from None
     bad = [i for i in checked if not 0 <= i < length]
     if bad:
         raise SpecError(f"indices hold {bad[0]}, outside the data's {length} rows; expected 0 <= index < {length}")

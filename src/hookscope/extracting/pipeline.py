@@ -28,7 +28,7 @@ from hookscope.extracting.layout import Layout
 from hookscope.extracting.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope.extracting.writer import Work, WriterThread
 
-__all__ = ["HostCopier", "SiteCaptures", "run_batches"]
+__all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "run_batches"]
 
 ReduceOption = str | Reduction | None | Mapping[Any, str | Reduction | None]
 _WHAT_ORDER = {"input": 0, "output": 1}
@@ -114,6 +114,24 @@ def _groups(
     return list(groups.values())
 
 
+class ProbeValues:
+    """The first batch's values, handed on once instead of running that batch again, then let go.
+
+    Let go at the first batch this rank runs, whether it is that batch or not: on a rank that does
+    not own the first chunk, or a resumed run that has it, they would otherwise stay in memory
+    (on the GPU, for unreduced sites) for the whole run.
+    """
+
+    def __init__(self, batch: Batch, values: dict[Site, torch.Tensor]) -> None:
+        self.batch = batch
+        self.values: dict[Site, torch.Tensor] | None = values
+
+    def take(self, batch: Batch) -> dict[Site, torch.Tensor] | None:
+        values, self.values = self.values, None
+        same = batch.start == self.batch.start and batch.rows == self.batch.rows
+        return values if same else None
+
+
 class HostCopier:
     """Device values to host memory: pinned buffers reused across batches, copies that do not block.
 
@@ -174,12 +192,12 @@ def run_batches(
     device: torch.device,
     mask_key: str | None,
     mask_required: bool,
-    reused: tuple[Batch, dict[Site, torch.Tensor]] | None,
+    reused: ProbeValues | None,
     on_batch: Any,
 ) -> int:
     """Run every batch the writer still wants, hand its values on; return the rows the data held.
 
-    ``reused`` is a batch already run (the probe) and its values, handed on instead of run again.
+    ``reused`` holds a batch already run (the probe) and its values, handed on instead of run again.
     """
     sites = {Site.parse(site.site): site for site in layout.sites}
     copier = HostCopier()
@@ -193,9 +211,8 @@ def run_batches(
             )
         if not writer.writer.wants(batch.start, batch.stop):
             continue  # a stream's batch inside chunks a resumed store already has
-        if reused is not None and batch.start == reused[0].start and batch.rows == reused[0].rows:
-            values = reused[1]
-        else:
+        values = reused.take(batch) if reused is not None else None
+        if values is None:
             values = forward(model, batch, captures, device, mask_key, mask_required)
         ordered = _checked(values, sites, batch)
         writer.submit(copier.work(batch.start, ordered))

@@ -70,4 +70,5 @@ class ExtractProgress:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         if self._progress is not None:
+            self._progress.update(self._task, written=format_bytes(self.written()))  # the last chunks landed since
             self._progress.stop()

@@ -1,11 +1,13 @@
 """Which process this is, and how the processes of one extraction agree.
 
 Inside a ``torch.distributed`` job (torchrun, accelerate, or a process group of your own) the
-rank and world size come from the process group. The processes meet three times: after rank 0
-has made (or checked) the store, after every rank has written its chunks, and after rank 0 has
-marked the store complete. Each meeting is an ``all_gather_object`` of every rank's error (or
-None), not a bare barrier: when one rank fails, the others learn it at the next meeting and
-raise too, instead of waiting for it forever.
+rank and world size come from the process group. The processes meet after every step of an
+extraction (reading the store, the first batch, comparing configurations, rank 0 making the
+store, reading the manifest, writing chunks, rank 0 completing the store). Each meeting is an
+``all_gather_object`` of every rank's error (or None), not a bare barrier: when one rank
+fails, the others learn it at the next meeting and raise too (``StoreWriteError`` naming the
+rank and its error), instead of waiting for it forever. With nccl, the current CUDA device
+must be the rank's own (``torch.cuda.set_device``), as for any nccl collective.
 """
 
 from __future__ import annotations

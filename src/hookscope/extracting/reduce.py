@@ -16,6 +16,8 @@ no host sync.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,12 +47,29 @@ class TokenMask:
 
 
 def describe_reduction(spec: str | Reduction | None) -> str | None:
-    """The text a store records for a reduction: its spec, or a function's qualified name."""
+    """The text a store records for a reduction: its spec, or a function's name and a hash of its code.
+
+    The hash tells two lambdas (or two edits of one function) apart, so a resumed run with
+    another reduction function is refused like one with another named reduction.
+
+    >>> describe_reduction("cls"), describe_reduction(None)
+    ('first:1', None)
+    >>> describe_reduction(lambda v: v.mean(1)) != describe_reduction(lambda v: v.amax(1))
+    True
+    """
     if spec is None or isinstance(spec, str):
         return ALIASES.get(spec, spec) if isinstance(spec, str) else None
-    module = getattr(spec, "__module__", "")
+    if isinstance(spec, functools.partial):
+        return f"partial({describe_reduction(spec.func)}, args={spec.args!r}, keywords={spec.keywords!r})"
+    module = getattr(spec, "__module__", "") or ""
     name = getattr(spec, "__qualname__", type(spec).__qualname__)
-    return f"{module}.{name}" if module else name
+    method = vars(type(spec)).get("__call__")  # a callable object: the code of its class's __call__
+    code = getattr(spec, "__code__", None) or getattr(method, "__code__", None)
+    digest = ""
+    if code is not None:
+        parts = (code.co_code, repr(code.co_consts).encode(), repr(code.co_names).encode())
+        digest = " " + hashlib.blake2b(b"|".join(parts), digest_size=6).hexdigest()
+    return f"{module}.{name}{digest}" if module else f"{name}{digest}"
 
 
 def extraction_reduction(spec: str | Reduction | None, mask: TokenMask) -> Reduction | None:
