@@ -10,7 +10,7 @@ import torch
 
 from hookscope.errors import SpecError
 
-__all__ = ["floating_dtype", "parse_dtype"]
+__all__ = ["dtype_name", "floating_dtype", "parse_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     **dict.fromkeys(("float32", "fp32", "f32", "float"), torch.float32),
@@ -18,6 +18,15 @@ _DTYPES: dict[str, torch.dtype] = {
     **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
     **dict.fromkeys(("float64", "fp64", "f64", "double"), torch.float64),
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: the name files, stores and messages use.
+
+    >>> dtype_name(torch.float16)
+    'float16'
+    """
+    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(text: str) -> torch.dtype:

@@ -150,7 +150,6 @@ def capture_command(
         formats = ", ".join(SUPPORTED_SUFFIXES)
         raise SpecError(f"--out {out}: {out.suffix or 'no extension'} is not a capture format; use {formats}")
     selectors = _selectors(layers)
-    call_choice: int | str = int(calls) if calls.isdigit() else calls
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     _, cache = sample.run(
@@ -159,7 +158,7 @@ def capture_command(
             *args,
             layers=selectors,
             keep=keep,  # type: ignore[arg-type]
-            calls=call_choice,  # type: ignore[arg-type]
+            calls=_calls(calls),  # type: ignore[arg-type]
             reduce=reduce,
             stop=stop,
             max_bytes=max_bytes,
@@ -380,7 +379,9 @@ def extract_command(
             "--device", help="Run on this device (cuda, cuda:1, cpu); under torchrun, cuda means each rank's own GPU."
         ),
     ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward.")] = 32,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", "-b", min=1, help="Rows per forward of a data set (default 32).")
+    ] = None,
     num_workers: Annotated[
         int | None,
         typer.Option("--num-workers", min=0, help="DataLoader worker processes (default: a loader's own, else 0)."),
@@ -416,13 +417,10 @@ def extract_command(
     from hookscope.cli.data_specs import load_data
     from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
     from hookscope.cli.sample import build_model
-    from hookscope.cli.specs import parse_dtype
     from hookscope.extracting import extract
 
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
-    call_choice: int | str = int(calls) if calls.isdigit() else calls
-    storage = parse_dtype(dtype) if dtype is not None else None
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
@@ -435,13 +433,13 @@ def extract_command(
             _selectors(layers),
             out,
             reduce=reductions,
-            dtype=storage,
+            dtype=dtype,
             device=run_on,
-            batch_size=None if _is_batched(dataset) else batch_size,
+            batch_size=batch_size,
             num_workers=num_workers,
             chunk_rows=chunk_rows,
             keep=keep,
-            calls=call_choice,
+            calls=_calls(calls),
             mask=None if mask.strip().lower() == "none" else mask,
             progress=progress,
             resume=resume,
@@ -466,11 +464,9 @@ def _int_option(name: str, text: str) -> int:
     return int(text)
 
 
-def _is_batched(data: Any) -> bool:
-    """True for data that comes in batches already (a loader, a list or iterable of batches)."""
-    from torch.utils.data import DataLoader, IterableDataset
-
-    return isinstance(data, (DataLoader, IterableDataset, list, tuple)) or not hasattr(data, "__getitem__")
+def _calls(text: str) -> int | str:
+    """``--calls``: a call index, or a word the feature checks (all, first, last)."""
+    return int(text) if text.isdigit() else text
 
 
 def _selectors(options: list[str]) -> list[Selector]:

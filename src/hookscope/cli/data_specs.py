@@ -6,7 +6,7 @@ Forms::
                               SHAPE for a transformers text model), seeded per row by --seed
     path.npy                  one array of rows, memory-mapped
     path.npz / .safetensors   arrays of rows sharing their first dimension
-    path.pt                   a tensor, or a dict of tensors (torch.load(weights_only=True))
+    path.pt                   a dict of tensors (torch.load(weights_only=True))
     package.module:factory    a Dataset, DataLoader or iterable of batches (called if callable)
     path/to/file.py:factory   the same, from a file
 
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope.capturing.files import load_tensors
 from hookscope.cli.specs import load_attribute, make_input, parse_shape
-from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.errors import HookscopeError, SpecError
 from hookscope.extracting.data import TensorRows
 
 __all__ = ["DATA_FORMS", "RandomRows", "load_data"]
@@ -109,7 +110,7 @@ def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> TensorRows:
         raise SpecError(f"data {spec!r}: file not found (looked at {path.resolve()}); check the path")
     try:
         columns = _read(path, suffix)
-    except SpecError:
+    except HookscopeError:
         raise
     except Exception as error:
         raise SpecError(f"data {spec!r} cannot be read as {suffix}: {type(error).__name__}: {error}") from error
@@ -122,23 +123,11 @@ def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> TensorRows:
 
 
 def _read(path: Path, suffix: str) -> Any:
+    """One memory-mapped array (``.npy``), or the named tensors of a file the capture's reader reads."""
     if suffix == ".npy":
         return np.load(path, mmap_mode="r")
-    if suffix == ".npz":
-        with np.load(path) as archive:
-            return {name: archive[name] for name in archive.files}
-    if suffix == ".pt":
-        loaded = torch.load(path, weights_only=True, mmap=True)
-        if isinstance(loaded, torch.Tensor) or (
-            isinstance(loaded, Mapping) and all(isinstance(v, torch.Tensor) for v in loaded.values())
-        ):
-            return loaded
-        raise SpecError(f"data {str(path)!r} holds a {type(loaded).__name__}; expected a tensor or a dict of tensors")
-    try:
-        from safetensors.torch import load_file
-    except ImportError as error:
-        raise MissingDependencyError(f"data {str(path)!r} needs safetensors: pip install safetensors") from error
-    return load_file(path)
+    tensors, _ = load_tensors(path)  # .npz, .pt and .safetensors, with their errors and dtypes
+    return tensors
 
 
 def _made(spec: str, found: object, attribute: str) -> Any:

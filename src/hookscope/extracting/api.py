@@ -29,16 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope._dtypes import floating_dtype
+from hookscope._dtypes import dtype_name, floating_dtype
 from hookscope._version import __version__
 from hookscope.capturing.reduce import Reduction
+from hookscope.core.attach import HookGroup
 from hookscope.core.select import Selector, describe_selector, ensure_module
 from hookscope.core.sites import Site
 from hookscope.errors import SpecError, StoreError, StoreWriteError
 from hookscope.extracting.config import data_identity, differences, model_identity
 from hookscope.extracting.data import Batch, IndexedSource, Inputs, Source, make_source
 from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
-from hookscope.extracting.pipeline import ProbeValues, SiteCaptures, forward, probe_layout_values, run_batches
+from hookscope.extracting.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope.extracting.progress import ExtractProgress
 from hookscope.extracting.ranks import Ranks, resolve_ranks
 from hookscope.extracting.reduce import TokenMask
@@ -130,7 +131,7 @@ def extract(
     target = target_of(out)
     ranks = resolve_ranks(rank, world_size)
     source = make_source(data, batch_size=batch_size, num_workers=num_workers, indices=indices, inputs=inputs)
-    if not source.indexed and ranks.world_size > 1:
+    if not isinstance(source, IndexedSource) and ranks.world_size > 1:
         raise SpecError(
             f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
             "one, or tensors); this data is a stream that only one process can read in order"
@@ -158,7 +159,7 @@ def extract(
         "layers": [_layer_text(s) for s in selectors],
         "keep": keep,
         "calls": calls,
-        "dtype": None if storage is None else str(storage).removeprefix("torch."),
+        "dtype": None if storage is None else dtype_name(storage),
         "reduce": captures.reductions,
         "mask": mask_key,
         "rows": source.rows,
@@ -166,15 +167,10 @@ def extract(
         "compression_level": compression_level,
         "device": run_on.type,  # CPU and GPU kernels round differently: rows of one would not match the other's
     }
-    modes = {name: module.training for name, module in model.named_modules()}
-    if eval_mode:
-        model.eval()
-    try:
-        with captures:
-            return job.run(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
-    finally:
-        for name, module in model.named_modules():
-            module.training = modes.get(name, module.training)
+    with HookGroup(model, [], owner="extract"), captures:  # the group restores every module's train/eval mode
+        if eval_mode:
+            model.eval()
+        return job.run(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
 
 
 @dataclass(frozen=True)
@@ -278,23 +274,23 @@ class _Job:
                 "the layers captured no tensor on the first batch: they did not run, or returned no tensor; "
                 "check the layers with hs.layers(model, batch)"
             )
-        checked = dict(probe_layout_values(probe, values))
-        names = array_names(list(checked))
+        check_batch_first(probe, values)
+        names = array_names(list(values))
         sites = tuple(
             SiteLayout(
                 name=names[site],
                 site=str(site),
                 layer=site.module,
                 shape=tuple(value.shape[1:]),
-                dtype=str(value.dtype).removeprefix("torch."),
+                dtype=dtype_name(value.dtype),
                 reduce=self.captures.reductions.get(site.module),
             )
-            for site, value in checked.items()
+            for site, value in values.items()
         )
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        return checked, Layout(sites, self.source.rows, batch, rows)
+        return values, Layout(sites, self.source.rows, batch, rows)
 
     def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
         if existing is not None:
@@ -320,10 +316,10 @@ class _Job:
             todo = [c for c in range(layout.chunks) if c not in done]
             mine = todo[self.ranks.rank :: self.ranks.world_size]
             owned = set(mine)
-            total: int | None = sum(layout.span(c)[1] - layout.span(c)[0] for c in mine)
+            total: int | None = sum(layout.rows_in(c) for c in mine)
             batches = source.batches([layout.span(c) for c in mine])
         else:
-            total = None if layout.rows is None else layout.rows - sum(_rows(layout, c) for c in done)
+            total = None if layout.rows is None else layout.rows - sum(layout.rows_in(c) for c in done)
             batches = source.stream()
         writer = ChunkWriter(
             group=group, layout=layout, manifest=manifest, done=done, owned=owned, label=self.target.label
@@ -354,8 +350,8 @@ class _Job:
             thread.close(end)
         if not isinstance(source, IndexedSource) and layout.rows is not None and end != layout.rows:
             raise SpecError(f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted")
-        held = max(group[site.name].shape[0] for site in layout.sites)
-        if layout.rows is None and held > end:
+        held = max(group[site.name].shape[0] for site in layout.sites) if layout.rows is None else end
+        if held > end:
             raise SpecError(
                 f"the data ended at row {end}, but the store holds {held} rows from an earlier run: the stream "
                 "changed since; overwrite=True (--overwrite) starts again"
@@ -379,11 +375,6 @@ class _Job:
                 "extraction again to write them"
             )
         write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks})
-
-
-def _rows(layout: Layout, chunk: int) -> int:
-    first, stop = layout.span(chunk)
-    return stop - first
 
 
 def _reusable_chunk_rows(existing: dict[str, Any] | None, batch_size: int) -> int | None:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope._bits import tensor_to_numpy
+from hookscope.core.params import count
 from hookscope.core.tree import flatten_tensors
 from hookscope.extracting.data import Batch, Source
 
@@ -33,11 +35,10 @@ def model_identity(model: nn.Module, spec: str | None) -> dict[str, Any]:
     """``{"spec", "class", "parameters", "fingerprint"}`` of ``model``; ``spec`` defaults to the class."""
     cls = type(model)
     qualified = f"{cls.__module__}.{cls.__qualname__}"
-    params = {id(p): p for p in model.parameters()}
     return {
         "spec": spec or qualified,
         "class": qualified,
-        "parameters": sum(p.numel() for p in params.values()),
+        "parameters": count(model.parameters()),
         "fingerprint": fingerprint(model),
     }
 
@@ -52,6 +53,9 @@ def fingerprint(model: nn.Module) -> str:
     digest = hashlib.blake2b(digest_size=16)
     tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
     for name, tensor in tensors:
+        if isinstance(tensor, nn.parameter.UninitializedParameter):  # a lazy module before its first forward
+            digest.update(f"{name}:uninitialised;".encode())
+            continue
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         digest.update(_sample_bytes(tensor.detach()))
     return digest.hexdigest()
@@ -101,10 +105,7 @@ def _strided_sample(tensor: torch.Tensor) -> bytes:
         steps = torch.arange(SAMPLED_VALUES, device=flat.device)  # integer steps: float32 would round past the end
         picks = steps * (flat.numel() - 1) // (SAMPLED_VALUES - 1)
         flat = flat[picks]
-    flat = flat.cpu()
-    if flat.dtype.itemsize in (1, 2, 4, 8) and not flat.dtype.is_complex:
-        flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.dtype.itemsize])
-    return flat.numpy().tobytes()
+    return tensor_to_numpy(flat.cpu()).tobytes()
 
 
 def differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:

@@ -49,6 +49,7 @@ __all__ = [
     "StreamSource",
     "TensorRows",
     "make_source",
+    "numbered",
     "split_batch",
 ]
 
@@ -167,8 +168,6 @@ def keep_as_is(batch: Any) -> Any:
 class IndexedSource:
     """Rows fetched by index: any range, in any process, through a ``DataLoader`` of our own."""
 
-    indexed = True
-
     def __init__(
         self,
         dataset: Any,
@@ -220,14 +219,13 @@ class IndexedSource:
             yield self._batch(start, count, raw)
 
     def _batch(self, start: int, expected: int, raw: Any) -> Batch:
-        args, kwargs = _inputs(self.inputs, raw)
-        rows = batch_rows(args, kwargs)
-        if rows != expected:
+        batch = numbered(self.inputs, start, raw)
+        if batch.rows != expected:
             raise SpecError(
-                f"the batch of rows {start}..{start + expected - 1} has {rows} rows, not {expected}: the collate "
-                "function must stack one row per index along dimension 0"
+                f"the batch of rows {start}..{start + expected - 1} has {batch.rows} rows, not {expected}: the "
+                "collate function must stack one row per index along dimension 0"
             )
-        return Batch(start, rows, args, kwargs)
+        return batch
 
 
 class _BatchPlan:
@@ -259,8 +257,6 @@ class _BatchPlan:
 class StreamSource:
     """Batches read in order from an iterable; each numbered by the rows that came before it."""
 
-    indexed = False
-
     def __init__(self, iterable: Iterable[Any], *, rows: int | None, inputs: Inputs) -> None:
         self.iterable = iterable
         self.rows = rows
@@ -280,8 +276,7 @@ class StreamSource:
                 raw = next(self._iterator)
             except StopIteration:
                 raise SpecError("the data yielded no batch; expected at least one") from None
-            args, kwargs = _inputs(self.inputs, raw)
-            self._first = Batch(0, batch_rows(args, kwargs), args, kwargs)
+            self._first = numbered(self.inputs, 0, raw)
         return self._first
 
     def stream(self) -> Iterator[Batch]:
@@ -291,13 +286,18 @@ class StreamSource:
         yield first
         start = first.rows
         for raw in self._iterator:
-            args, kwargs = _inputs(self.inputs, raw)
-            rows = batch_rows(args, kwargs)
-            yield Batch(start, rows, args, kwargs)
-            start += rows
+            batch = numbered(self.inputs, start, raw)
+            yield batch
+            start = batch.stop
 
 
 Source = IndexedSource | StreamSource
+
+
+def numbered(inputs: Inputs, start: int, raw: Any) -> Batch:
+    """A raw batch from the data as the model's inputs, numbered from row ``start``."""
+    args, kwargs = _inputs(inputs, raw)
+    return Batch(start, batch_rows(args, kwargs), args, kwargs)
 
 
 def _inputs(inputs: Inputs, raw: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -341,7 +341,7 @@ def make_source(
         _no_indices(indices, "a list of batches")
         if batch_size is not None:
             raise SpecError("batch_size applies to a data set; a list of batches is already batched: drop batch_size")
-        rows = sum(batch_rows(*_inputs(split, raw)) for raw in data)
+        rows = sum(numbered(split, 0, raw).rows for raw in data)
         return StreamSource(data, rows=rows, inputs=split)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (str, bytes, Mapping)):
         collate = keep_as_is if getattr(data, "collates_itself", False) else default_collate

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hookscope._bits import NUMPY_LACKS, numpy_dtype
+from hookscope._dtypes import dtype_name
 from hookscope.core.sites import Site
 from hookscope.errors import SpecError
 
@@ -87,11 +88,11 @@ class SiteLayout:
     def check(self, value: torch.Tensor, rows: int, start: int) -> None:
         """Raise ``SpecError`` unless ``value`` holds ``rows`` rows of this site's shape and dtype."""
         shape = tuple(value.shape)
-        if shape[:1] == (rows,) and shape[1:] == self.shape and str(value.dtype).removeprefix("torch.") == self.dtype:
+        if shape[:1] == (rows,) and shape[1:] == self.shape and dtype_name(value.dtype) == self.dtype:
             return
         first = f"rows {start}..{start + rows - 1}"
         expected = f"({rows}, {', '.join(map(str, self.shape))}) {self.dtype}".replace(", )", ")")
-        found = f"{shape} {str(value.dtype).removeprefix('torch.')}"
+        found = f"{shape} {dtype_name(value.dtype)}"
         hint = (
             "reduce the varying dimension (e.g. reduce='mean:1' over tokens) or pad every batch to one length"
             if shape[:1] == (rows,)
@@ -118,6 +119,11 @@ class Layout:
         start = chunk * self.chunk_rows
         stop = start + self.chunk_rows
         return start, stop if self.rows is None else min(stop, self.rows)
+
+    def rows_in(self, chunk: int) -> int:
+        """Rows of ``chunk`` (of a stream: the full chunk size, its end not being known)."""
+        start, stop = self.span(chunk)
+        return stop - start
 
     def chunks_of(self, start: int, stop: int) -> range:
         """The chunks that rows ``[start, stop)`` touch."""

@@ -11,7 +11,7 @@ batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from hookscope.extracting.layout import Layout
 from hookscope.extracting.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope.extracting.writer import Work, WriterThread
 
-__all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "run_batches"]
+__all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]
 
 ReduceOption = str | Reduction | None | Mapping[Any, str | Reduction | None]
 _WHAT_ORDER = {"input": 0, "output": 1}
@@ -52,21 +52,18 @@ class SiteCaptures:
         self.mask = mask
         chosen = select(model, layers)  # SelectionError with the closest names, before anything runs
         self.order = {name: index for index, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
-        self.groups = _groups(model, chosen, reduce)
-        self.reductions = {name: describe_reduction(spec) for spec, members in self.groups for name, _ in members}
+        groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
+        self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
+        self._groups = [
+            (extraction_reduction(spec, mask), [module for _, module in members]) for spec, members in groups
+        ]
         self._options = {"keep": keep, "calls": calls, "dtype": dtype}
-        self._captures: list[tuple[Capture, str | None]] = []
+        self._captures: list[Capture] = []
 
     def __enter__(self) -> SiteCaptures:
         try:
-            for spec, members in self.groups:
-                made = capture(
-                    self.model,
-                    *[module for _, module in members],
-                    reduce=extraction_reduction(spec, self.mask),
-                    **self._options,
-                )
-                self._captures.append((made, describe_reduction(spec)))
+            for reduction, modules in self._groups:
+                self._captures.append(capture(self.model, *modules, reduce=reduction, **self._options))
         except BaseException:
             self.__exit__()
             raise
@@ -74,12 +71,12 @@ class SiteCaptures:
 
     def __exit__(self, *exc: object) -> None:
         captures, self._captures = self._captures, []
-        for made, _ in captures:
+        for made in captures:
             made.remove()
 
     def collect(self) -> dict[Site, torch.Tensor]:
         """Every site of the latest forward, in model order, then call, then input before output."""
-        found = {site: made.cache[site] for made, _ in self._captures for site in made.cache.sites()}
+        found = {site: made.cache[site] for made in self._captures for site in made.cache.sites()}
         return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
 
     def _rank(self, site: Site) -> tuple[int, int, int, str]:
@@ -91,12 +88,11 @@ def _groups(
 ) -> list[tuple[str | Reduction | None, list[tuple[str, nn.Module]]]]:
     """Modules grouped by reduction; with a dict, a module takes the first key that selects it."""
     if not isinstance(reduce, Mapping):
-        extraction_reduction(reduce, TokenMask())  # check the spec now, not at the first batch
         return [(reduce, chosen)]
     assigned: dict[str, str | Reduction | None] = {}
     chosen_names = {name for name, _ in chosen}
     for key, spec in reduce.items():
-        extraction_reduction(spec, TokenMask())
+        extraction_reduction(spec, TokenMask())  # every value is checked, also one no layer ends up using
         hits = [name for name, _ in select(model, key)]
         if not set(hits) & chosen_names:
             named = ", ".join(hits[:3]) + (", ..." if len(hits) > 3 else "")
@@ -193,7 +189,7 @@ def run_batches(
     mask_key: str | None,
     mask_required: bool,
     reused: ProbeValues | None,
-    on_batch: Any,
+    on_batch: Callable[[int], None],
 ) -> int:
     """Run every batch the writer still wants, hand its values on; return the rows the data held.
 
@@ -276,12 +272,11 @@ def _checked(values: dict[Site, torch.Tensor], sites: Mapping[Site, Any], batch:
     return ordered
 
 
-def probe_layout_values(batch: Batch, values: dict[Site, torch.Tensor]) -> Iterator[tuple[Site, torch.Tensor]]:
-    """The probe's values with the batch dimension checked, for building the layout."""
+def check_batch_first(batch: Batch, values: dict[Site, torch.Tensor]) -> None:
+    """Raise ``SpecError`` for a site of the probe whose first dimension is not the batch."""
     for site, value in values.items():
         if value.dim() == 0 or value.shape[0] != batch.rows:
             raise SpecError(
                 f"site {str(site)!r} gave shape {tuple(value.shape)} for a batch of {batch.rows} rows; its first "
                 "dimension must be the batch: pick a module whose output is batch-first, or reduce so it is"
             )
-        yield site, value

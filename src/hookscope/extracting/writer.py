@@ -73,7 +73,7 @@ class ChunkWriter:
             for buffer, value in zip(pending.arrays, values, strict=True):
                 buffer[low - first : high - first] = value[low - start : high - start]
             pending.filled += high - low
-            if pending.filled == last - first:
+            if pending.filled == last - first:  # every row of the chunk is there
                 self._flush(chunk, pending.filled)
 
     def finish(self, rows: int | None) -> None:
@@ -87,8 +87,7 @@ class ChunkWriter:
 
     def unfinished(self) -> list[tuple[int, int, int]]:
         """``(chunk, rows filled, rows expected)`` for chunks begun and not written (the data ran short)."""
-        spans = {chunk: self.layout.span(chunk) for chunk in self._chunks}
-        return [(c, p.filled, spans[c][1] - spans[c][0]) for c, p in sorted(self._chunks.items())]
+        return [(chunk, pending.filled, self.layout.rows_in(chunk)) for chunk, pending in sorted(self._chunks.items())]
 
     def _new_chunk(self, chunk: int) -> _Chunk:
         arrays = (
