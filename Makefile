@@ -9,14 +9,14 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench install install-dev clean
+.PHONY: demo test lint bench browser install install-dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 install: $(BIN)/python
 	$(PIP) "$(TORCH)"
-	$(PIP) -e .
+	$(PIP) -e ".[report]"
 
 install-dev: $(BIN)/python
 	$(PIP) "$(TORCH)"
@@ -30,7 +30,11 @@ lint: install-dev
 	$(BIN)/python -m ruff format --check src tests bench
 	$(BIN)/python -m mypy
 
-test: lint
+# Debian's Chromium for the report's browser tests (skipped, with a note, where it cannot be installed).
+browser:
+	bash .ci/install-browser
+
+test: lint browser
 	$(BIN)/python -m pytest
 
 bench: install-dev

@@ -6,13 +6,15 @@ Two models, random weights from their configs (nothing is downloaded), eval mode
 - GPT-2, 12 layers (``GPT2Model(GPT2Config(n_layer=12))``, the default depth), input ids batch 4 x 128, passed
   positionally as in ``bench_capture.py``.
 
-Six methods run the same forward of each model:
+Seven methods run the same forward of each model:
 
 - ``plain``: ``model(x)`` alone;
 - ``trace``: ``hs.trace(model, x)`` with its defaults: one row per module call, and on every tensor a call
   takes or returns its min, max, mean, std, mean |x|, fraction of zeros and NaN/Inf counts, computed inside
   the hooks and read on the host once, after the forward;
 - ``trace stats=False``: ``hs.trace(model, x, stats=False)``, shapes and dtypes only;
+- ``trace histograms``: ``hs.trace(model, x, histograms=True)``, the statistics plus a 64-bucket histogram of
+  every measured tensor (a sample of at most 32,768 values), as the HTML report takes it;
 - ``detect_nonfinite``: ``with hs.detect_nonfinite(model): model(x)``;
 - ``naive hooks``: ``register_forward_hook`` on every module, computing each of the eight statistics of every
   floating-point output tensor with its own ``.item()`` call (``min``, ``max``, ``mean``, ``std``,
@@ -104,6 +106,11 @@ def run_trace(model: nn.Module, x: Any) -> common.Timed:
     return common.timed_call(lambda: hs.trace(model, x))
 
 
+def run_trace_histograms(model: nn.Module, x: Any) -> common.Timed:
+    """``hs.trace(model, x, histograms=True)``: statistics and a histogram of every tensor."""
+    return common.timed_call(lambda: hs.trace(model, x, histograms=True))
+
+
 def run_trace_shapes(model: nn.Module, x: Any) -> common.Timed:
     """``hs.trace(model, x, stats=False)``: shapes only."""
     return common.timed_call(lambda: hs.trace(model, x, stats=False))
@@ -184,6 +191,7 @@ def methods() -> tuple[dict[str, common.Run], list[str]]:
         "plain": run_plain,
         "trace": run_trace,
         "trace stats=False": run_trace_shapes,
+        "trace histograms": run_trace_histograms,
         "detect_nonfinite": run_detect_nonfinite,
         "naive hooks": run_naive,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,8 @@ def test_demo_runs_and_saves_conv1_features(capsys: pytest.CaptureFixture[str], 
     assert "after the with-block: 0 hookscope hooks attached" in out
     assert "after the failed forward: 0 hookscope hooks attached" in out
     assert not list(tmp_path.glob("*.partial")), "no temporary file left behind"
+    assert f"open it in a browser: {(tmp_path / 'report.html').resolve()}" in out
+    assert "feature maps of conv1#0" in (tmp_path / "report.html").read_text()
 
 
 def test_demo_into_an_unwritable_place_is_a_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
     steps = [line.split(".")[0] for line in lines if line[:1].isdigit()]
-    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"]
+    assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"]
     text = "\n".join(lines)
     assert "5 calls · 5 modules · 618 parameters" in text
     assert "NonFiniteError: NaN or +inf first appears in output of 'fc' (Linear, call 0)" in text
@@ -85,7 +88,15 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     poor, good = [line for line in lines if "first/last layer gradient norm" in line]
     assert "layers flagged vanishing" in poor
     assert "no layer flagged" in good
-    assert "most active conv1 channel:" in text
+    before, after = (
+        [int(n) for n in re.findall(r"(\d+)%", line)]
+        for line in lines
+        if line.startswith(("   accuracy per class", "   with those zeroed"))
+    )
+    assert min(before) >= 90, "the trained demo model classifies the shapes"
+    assert after[0] <= before[0] - 50, "circles are lost"
+    assert after[2] >= 90, "triangles are not"
+    assert f"open it in a browser: {(tmp_path / 'report.html').resolve()}" in text
     patched = [line for line in lines if "patched in" in line]
     assert len(patched) == 3
     assert patched[-1].endswith("restores 100.0% of it")  # the last block's whole clean output: the clean run

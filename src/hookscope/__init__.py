@@ -38,8 +38,10 @@ from hookscope.errors import (
 )
 from hookscope.extracting import Store, StoreArray, extract, open_store
 from hookscope.grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
+from hookscope.histogram import Histogram
 from hookscope.hooks import hooks
 from hookscope.layers import Layer, LayerTable, layers
+from hookscope.reporting import report
 from hookscope.stats import RunningStats, Stats, tensor_stats
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "GradRecord",
     "GradStep",
     "GradSummary",
+    "Histogram",
     "HookGroup",
     "HookSpec",
     "HookscopeError",
@@ -94,6 +97,7 @@ __all__ = [
     "map_tensors",
     "open_store",
     "plots",
+    "report",
     "run_with_capture",
     "run_with_edits",
     "select",

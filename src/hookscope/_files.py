@@ -10,6 +10,10 @@ from pathlib import Path
 
 __all__ = ["atomic_path"]
 
+# mkstemp makes private files (0600); a finished file gets the mode a plain open() would give it.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 @contextmanager
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
@@ -17,6 +21,7 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 
     The rename is atomic on one file system, so readers see the old file or the whole new one,
     and an exception inside the block removes the temporary file and leaves ``target`` as it was.
+    The finished file has the permissions of a file opened for writing (0666 less the umask).
 
     >>> with atomic_path(Path(tempfile.mkdtemp()) / "x.txt") as tmp:
     ...     _ = tmp.write_text("done")
@@ -28,6 +33,8 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     temporary = Path(name)
     try:
         yield temporary
+        if temporary.is_file():
+            temporary.chmod(0o666 & ~_UMASK)
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)

@@ -33,6 +33,7 @@ from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
 from hookscope.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
 
 __all__ = ["Tracer", "trace", "tracing"]
@@ -107,6 +108,7 @@ class _Pass:
         self.rows: list[_Draft] = []
         self.stack: list[_Draft] = []
         self.raws: list[RawStats] = []
+        self.histograms: list[RawHistogram] = []  # one per raw statistic, when histograms are on
         self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
         self.finished = 0
         self.clock = CallClock()
@@ -132,10 +134,12 @@ class Tracer(Scoped):
         input_stats: bool,
         timing: bool,
         memory: bool,
+        histograms: bool | int = False,
     ) -> None:
         ensure_module(model)
         self._model = weakref.ref(model)
         self._stats = stats
+        self._bins = _bins(histograms, stats)
         self._input_stats = stats and input_stats
         self._timing = timing
         self._memory = memory
@@ -232,6 +236,8 @@ class Tracer(Scoped):
     def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
         began = time.perf_counter() if self._timing else 0.0
         state.raws.append(raw_stats(tensor, scratch=self._scratch))
+        if self._bins:
+            state.histograms.append(raw_histogram(tensor, bins=self._bins))
         if self._timing:
             state.measuring += time.perf_counter() - began
         if tensor.is_cuda:
@@ -283,10 +289,11 @@ class Tracer(Scoped):
             "this trace is already recording a forward pass on another thread; trace one thread at a time"
         )
 
-    def _freeze(self, draft: _Draft, stats: list[Any], clock: CallClock | None) -> TraceRow:
+    def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:
         def info(leaf: _Leaf) -> TensorInfo:
-            measured = None if leaf.stats_index is None else stats[leaf.stats_index]
-            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source)
+            index = leaf.stats_index
+            measured, histogram = (None, None) if index is None else (stats[index], histograms[index])
+            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source, histogram)
 
         return TraceRow(
             order=draft.order,
@@ -333,18 +340,20 @@ class Tracer(Scoped):
             "stats": self._stats,
             "timing": self._timing,
             "params": self._total_params,
+            "histogram_bins": self._bins,
         }
         try:
             for event in finished.done:
                 event.synchronize()  # the statistics were queued on the forward's streams
             stats: list[Any] = read_stats(state.raws)
+            histograms: list[Any] = read_histograms(state.histograms) if self._bins else [None] * len(stats)
             if self._timing:
                 state.clock.synchronize()
         except RuntimeError as error:  # a device that failed in the forward (a device-side assert)
-            stats = [None] * len(state.raws)
+            stats = histograms = [None] * len(state.raws)
             meta["stats_error"] = f"{type(error).__name__}: {error}"
         clock = state.clock if self._timing and "stats_error" not in meta else None  # unread times: none
-        rows = [self._freeze(draft, stats, clock) for draft in state.rows]
+        rows = [self._freeze(draft, stats, histograms, clock) for draft in state.rows]
         return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=finished.failure)
 
     def remove(self) -> None:
@@ -365,6 +374,7 @@ def tracing(
     input_stats: bool = True,
     timing: bool = False,
     memory: bool = False,
+    histograms: bool | int = False,
 ) -> Tracer:
     """Trace every forward pass of ``model`` while the block runs; ``tracer.trace`` is the latest.
 
@@ -378,7 +388,15 @@ def tracing(
             model.generate(ids, max_new_tokens=5)
         print(tracer.trace)          # the last forward pass
     """
-    return Tracer(model, layers=layers, stats=stats, input_stats=input_stats, timing=timing, memory=memory)
+    return Tracer(
+        model,
+        layers=layers,
+        stats=stats,
+        input_stats=input_stats,
+        timing=timing,
+        memory=memory,
+        histograms=histograms,
+    )
 
 
 def trace(
@@ -389,6 +407,7 @@ def trace(
     input_stats: bool = True,
     timing: bool = False,
     memory: bool = False,
+    histograms: bool | int = False,
     grad: bool = False,
     model_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
@@ -408,6 +427,10 @@ def trace(
     - ``timing=True``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring
       is taken out); ``memory=True``: the rise of peak CUDA memory per call (this resets
       PyTorch's peak counter, ``torch.cuda.max_memory_allocated``, as it goes);
+    - ``histograms=True`` (or a bin count; default 64): a histogram of every measured tensor's
+      finite values, counted on the device from a sample of at most 32,768 values
+      (``TensorInfo.histogram``; see :mod:`hookscope.histogram`), for
+      :func:`hookscope.plots.histograms`;
     - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
       mode is left as it is;
     - ``model_kwargs``: keyword arguments for the model whose names clash with these options
@@ -431,7 +454,8 @@ def trace(
             )
     if isinstance(layers, torch.Tensor):
         raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
-    with tracing(model, layers=layers, stats=stats, input_stats=input_stats, timing=timing, memory=memory) as tracer:
+    options = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory}
+    with tracing(model, layers=layers, histograms=histograms, **options) as tracer:
         try:
             with nullcontext() if grad else torch.no_grad():
                 model(*args, **{**kwargs, **(model_kwargs or {})})
@@ -441,6 +465,19 @@ def trace(
                 error.add_note(f"hookscope.trace: the error went through {describe_call(failure)}")
             raise
     return tracer.trace
+
+
+def _bins(histograms: bool | int, stats: bool) -> int | None:
+    """The bin count ``histograms=`` asks for (None: off), or a clear error."""
+    if isinstance(histograms, (bool, np.bool_)):
+        bins = DEFAULT_BINS if histograms else None
+    elif isinstance(histograms, int) and histograms > 0:
+        bins = histograms
+    else:
+        raise SpecError(f"histograms={histograms!r}; expected True, False or a positive number of bins such as 64")
+    if bins and not stats:
+        raise SpecError("histograms= needs statistics: leave stats=True (stats=False records shapes only)")
+    return bins
 
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:

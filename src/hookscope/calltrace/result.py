@@ -7,7 +7,6 @@ stopped (:attr:`Trace.failure`), and the same rows as a printed table, pandas, C
 from __future__ import annotations
 
 import json
-import math
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -17,6 +16,7 @@ from typing import Any, overload
 from torch import nn
 
 from hookscope._files import atomic_path
+from hookscope._json import finite_json
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
 from hookscope.core.select import Selector, select, select_names
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
@@ -228,17 +228,7 @@ class Trace(Sequence[TraceRow]):
         """Every row with every input and output tensor, as strict JSON (NaN and Inf are written
         as the strings ``"nan"``, ``"inf"``, ``"-inf"``); written to ``path`` when given."""
         document = {"meta": {**self.meta, "failure": self._failure}, "rows": [row.to_dict() for row in self.rows]}
-        return _write(path, json.dumps(_strict(document), indent=indent, allow_nan=False) + "\n")
-
-
-def _strict(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {key: _strict(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(item) for item in value]
-    return value
+        return _write(path, json.dumps(finite_json(document), indent=indent, allow_nan=False) + "\n")
 
 
 def _write(path: str | os.PathLike[str] | None, text: str) -> str:

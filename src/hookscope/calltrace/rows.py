@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hookscope.histogram import Histogram
 from hookscope.stats import Stats
 
 __all__ = ["CallStatus", "TensorInfo", "TraceRow", "format_shape"]
@@ -25,7 +26,8 @@ class TensorInfo:
     ``output[0]`` for outputs). ``stats`` is None when statistics were off or the tensor cannot
     be summarised (complex, sparse, ``meta``). ``source`` names the call that returned this very
     tensor earlier in the pass (``"layer1.0.relu#0"``), or is None when it came from outside a
-    traced module (the model's input, a functional op between modules).
+    traced module (the model's input, a functional op between modules). ``histogram`` is the
+    distribution of its values when the trace was taken with ``histograms=True``.
     """
 
     path: str
@@ -34,6 +36,7 @@ class TensorInfo:
     device: str
     stats: Stats | None = None
     source: str | None = None
+    histogram: Histogram | None = None
 
     @property
     def finite(self) -> bool | None:
@@ -42,7 +45,7 @@ class TensorInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (statistics nested under ``"stats"``)."""
-        return {
+        described: dict[str, Any] = {
             "path": self.path,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -50,6 +53,9 @@ class TensorInfo:
             "source": self.source,
             "stats": None if self.stats is None else self.stats.to_dict(),
         }
+        if self.histogram is not None:
+            described["histogram"] = self.histogram.to_dict()
+        return described
 
 
 @dataclass(frozen=True)

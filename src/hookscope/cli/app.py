@@ -56,7 +56,8 @@ def demo(
         Path, typer.Option("--out", "-o", help="Folder for the files the demo writes.", file_okay=False)
     ] = Path("hookscope-demo"),
 ) -> None:
-    """Run the guided tour on the built-in SmallCNN: shapes, features to numpy, ranges, clean-up."""
+    """Run the guided tour: hooks, capture, trace, gradients, edits, extraction, and an HTML report
+    of the built-in shapes classifier (written to OUT/report.html)."""
     from hookscope.demo.tour import run_tour
 
     run_tour(out, write=typer.echo)
@@ -67,7 +68,8 @@ ModelSpec = Annotated[
     str,
     typer.Argument(
         metavar="MODEL",
-        help="package.module:factory, path/to/file.py:factory, demo:cnn or hf-config:<model_type>[?key=value&...]",
+        help="package.module:factory, path/to/file.py:factory, demo:cnn, demo:shapes or "
+        "hf-config:<model_type>[?key=value&...]",
         show_default=False,
     ),
 ]
@@ -329,6 +331,49 @@ def edit_command(
         f"{path} {tuple(first.shape)}: max |delta| {delta.max().item():.4g}, mean |delta| "
         f"{delta.mean().item():.4g}, cosine similarity {cosine:.6f}"
     )
+
+
+@app.command("report")
+def report_command(
+    model: ModelSpec,
+    input_shape: InputShape = None,
+    dtype: Dtype = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write.")] = Path("report.html"),
+    sites: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sites",
+            "-l",
+            help="Layers to draw: names, globs or 're:' regexes (default: a spread).",
+            show_default=False,
+        ),
+    ] = None,
+    max_sites: Annotated[int, typer.Option("--max-sites", min=0, help="Most layers in the histograms.")] = 16,
+    feature_maps: Annotated[
+        int, typer.Option("--feature-maps", min=0, help="Most conv-like layers drawn as feature maps.")
+    ] = 6,
+    loss: Annotated[
+        str | None,
+        typer.Option("--loss", help="Add gradients: mean or norm of the output, or package.module:function."),
+    ] = None,
+    title: Annotated[str | None, typer.Option("--title", help="The page's title.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+) -> None:
+    """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
+    from hookscope.cli.report_run import loss_from_spec
+    from hookscope.cli.sample import prepare
+    from hookscope.reporting import report
+
+    loss_fn = loss_from_spec(loss) if loss is not None else None
+    sample = prepare(model, input_shape, dtype, seed)
+    typer.echo(sample.describe_input())
+    options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}
+    written = sample.run(
+        lambda net, args, kwargs: report(
+            net, *args, out=out, loss_fn=loss_fn, sites=_selectors(sites or []) or None, model_kwargs=kwargs, **options
+        )
+    )
+    typer.echo(f"wrote {written} ({written.stat().st_size / 1024:,.0f} KiB)")
 
 
 @app.command("extract")

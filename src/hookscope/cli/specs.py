@@ -5,7 +5,7 @@ Python script around it::
 
     package.module:factory        import the module, take the attribute (``pkg.mod:Class.build``)
     path/to/file.py:factory       load the file as a module, take the attribute
-    demo:cnn                      a model shipped with hookscope (nothing downloaded)
+    demo:cnn, demo:shapes         a model shipped with hookscope (nothing downloaded; shapes is trained)
     hf-config:gpt2?n_layer=2      a transformers model with random weights from its default config
 
 An attribute that is an ``nn.Module`` object is used as it is; a class or any other callable is
@@ -45,8 +45,14 @@ def _small_cnn() -> nn.Module:
     return SmallCNN()
 
 
+def _shapes_cnn() -> nn.Module:
+    from hookscope.demo.models import load_shapes_cnn
+
+    return load_shapes_cnn()
+
+
 #: ``demo:<name>`` -> a factory; the demo models need nothing downloaded or installed.
-DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn}
+DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn, "shapes": _shapes_cnn}
 
 # Sample input shapes of classes that do not (yet) say so with an ``example_input_shape``
 # class attribute, by qualified class name so nothing is imported to look them up.
@@ -92,7 +98,8 @@ def make_input(
 
     transformers models are recognised by their ``main_input_name`` (read with ``getattr``, so
     transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``,
-    vision models ``pixel_values``; any other model gets one positional tensor. ``shape=None``
+    vision models ``pixel_values``; a model with a ``sample_input(shape, seed=)`` method (the
+    demo's shapes classifier) makes its own; any other model gets one positional tensor. ``shape=None``
     picks a default where the model says enough about itself, else raises ``SpecError``. The
     values come from a generator seeded with ``seed``, so the same command sees the same input.
     """
@@ -110,7 +117,8 @@ def make_input(
                 "shape batch x sequence; pass e.g. --input-shape 1x16"
             )
         return (), {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
-    values = torch.randn(size, generator=generator)
+    maker = getattr(model, "sample_input", None)
+    values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
     if dtype is not None:
         values = values.to(parse_dtype(dtype))
     if main_input == "pixel_values":

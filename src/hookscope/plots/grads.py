@@ -6,24 +6,17 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.errors import SpecError
 from hookscope.grads.records import GradStep
+from hookscope.plots.figure import new_figure
 
 if TYPE_CHECKING:
     from hookscope.grads.monitor import GradMonitor
 
-__all__ = ["grad_flow", "grad_history", "new_figure"]
+__all__ = ["grad_flow", "grad_history"]
 
 _MAX_LINES = 8
-
-
-def new_figure(width: float, height: float) -> Any:
-    """A pyplot-free ``Figure`` (no window, no global state), or a clear error without matplotlib."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise MissingDependencyError("plots need matplotlib: pip install 'hookscope[plots]'") from error
-    return Figure(figsize=(width, height), layout="constrained")
+_MAX_TICKS = 60
 
 
 def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
@@ -53,7 +46,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
         raise SpecError(f"step {chosen.step} has no {what} records; try what='param' or 'grad_output'")
     labels = [record.column for record in records]
     positions = list(range(len(records)))
-    fig = new_figure(max(6.0, 0.28 * len(records) + 2), 4.5)
+    fig = new_figure(min(max(6.0, 0.28 * len(records) + 2), 16.0), 4.5)  # wider only makes a heavier image
     ax = fig.add_subplot()
     finite = [r.finite for r in records]
     ax.bar(positions, [_positive(r.max_abs) for r in records], color="#9ecae1", label="max |g|")
@@ -65,7 +58,8 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     bad = [p for p, ok in zip(positions, finite, strict=True) if not ok]
     if bad:
         ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3, label="NaN/Inf")
-    ax.set_xticks(positions, labels, rotation=90, fontsize=7)
+    stride = max(1, math.ceil(len(positions) / _MAX_TICKS))  # a thousand layers: every k-th name
+    ax.set_xticks(positions[::stride], labels[::stride], rotation=90, fontsize=7)
     ax.set_ylabel("|gradient|")
     ax.set_title(f"gradient flow ({what}), step {chosen.step}")
     ax.legend(loc="best", fontsize=8)

@@ -1,0 +1,86 @@
+"""How value ranges grow or shrink through the model: statistics of each layer's output along depth."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hookscope.errors import SpecError
+from hookscope.plots.figure import new_figure, short_label
+
+if TYPE_CHECKING:
+    from hookscope.calltrace.result import Trace
+    from hookscope.calltrace.rows import TraceRow
+    from hookscope.core.select import Selector
+
+__all__ = ["depth_rows", "layer_stats"]
+
+_MAX_TICKS = 48
+_MAX_WIDTH = 16.0  # inches: past this, a wider figure only makes a heavier image
+
+
+def depth_rows(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> list[TraceRow]:
+    """The rows to draw along depth: by default the calls of leaf modules (containers only pass
+    their last child's output on), in the order their outputs came to exist."""
+    if sites is not None:
+        rows = trace.select(sites)  # type: ignore[arg-type]
+    else:
+        parents = {row.parent for row in trace.rows}
+        rows = [row for row in trace.rows if row.order not in parents and row.name]
+    measured = [row for row in rows if row.stats is not None and row.finished is not None]
+    return sorted(measured, key=lambda row: row.finished or 0)
+
+
+def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> Any:
+    """Mean, std, min and max of each layer's output along depth, in two panels.
+
+    The top panel shows the range (min to max, light), mean ± std (dark) and the mean; the
+    bottom one the std and mean |x| on a log axis, where growth or decay by orders of magnitude
+    reads as a slope. A layer whose output held a NaN or Inf is marked with a red cross.
+    ``sites`` picks the layers (a selector; default: every leaf module's call).
+
+    Example::
+
+        hs.plots.layer_stats(hs.trace(model, x)).savefig("layer_stats.png")
+    """
+    if trace.meta.get("stats") is False:
+        raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
+    rows = depth_rows(trace, sites)
+    if not rows:
+        raise SpecError("no layer of this trace has measured outputs to draw")
+    stats = [row.stats for row in rows]
+    position = np.arange(len(rows))
+
+    def column(field: str) -> np.ndarray:
+        return np.array([getattr(s, field) for s in stats], dtype=float)
+
+    mean, std, low, high, magnitude = (column(f) for f in ("mean", "std", "min", "max", "abs_mean"))
+    fig = new_figure(min(max(6.0, 0.22 * len(rows) + 2.5), _MAX_WIDTH), 6.0)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.fill_between(position, _finite(low), _finite(high), color="#c6dbef", label="min to max", step=None)
+    top.fill_between(position, mean - std, mean + std, color="#6baed6", label="mean ± std")
+    top.plot(position, mean, color="#08519c", marker="o", markersize=3, label="mean")
+    if np.nanmax(np.abs(_finite(np.concatenate([low, high])))) > 100 * max(np.nanmedian(std), 1e-12):
+        top.set_yscale("symlog", linthresh=max(float(np.nanmedian(std)), 1e-6))
+    bad = [i for i, row in enumerate(rows) if row.output_finite is False]
+    if bad:
+        top.scatter(bad, np.zeros(len(bad)), marker="x", color="red", zorder=3, label="NaN/Inf")
+    top.set_ylabel("output value")
+    top.legend(loc="best", fontsize=7)
+    top.set_title(f"layer statistics along depth ({len(rows)} layers)", fontsize=9)
+    for values, label, colour in ((std, "std", "#e6550d"), (magnitude, "mean |x|", "#31a354")):
+        bottom.plot(position, np.where(values > 0, values, np.nan), marker="o", markersize=3, label=label, color=colour)
+    bottom.set_yscale("log")
+    bottom.set_ylabel("scale (log)")
+    bottom.legend(loc="best", fontsize=7)
+    stride = max(1, math.ceil(len(rows) / _MAX_TICKS))
+    ticks = position[::stride]
+    bottom.set_xticks(ticks, [short_label(rows[i].site, 24) for i in ticks], rotation=90, fontsize=6)
+    return fig
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(values), values, np.nan)
