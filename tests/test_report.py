@@ -5,6 +5,7 @@ What the page does in a browser (sorting, filtering, images decoding) is in test
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -67,7 +68,6 @@ def test_a_report_holds_every_section(tmp_path: Path) -> None:
     assert external_references(page) == []
     assert "<link" not in page
     assert "@import" not in page
-    assert (out.stat().st_mode & 0o777) == 0o644 or (out.stat().st_mode & 0o044), "readable like any written file"
     assert not list(out.parent.glob("*.partial"))
 
 
@@ -140,6 +140,90 @@ def test_transformers_models(tmp_path: Path) -> None:
     assert 'id="feature-maps"' not in page  # no conv-like output
     resnet = hs.report(tiny_resnet(), torch.randn(1, 3, 32, 32), out=tmp_path / "resnet.html").read_text()
     assert "feature maps of embedder.embedder.convolution#0" in resnet
+
+
+def test_a_model_with_no_finite_value_still_gets_its_report(tmp_path: Path) -> None:
+    model = track(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval())
+    page = hs.report(model, torch.full((2, 3), float("nan")), out=tmp_path / "nan.html").read_text()
+    assert 'id="histograms"' not in page  # nothing finite to count
+    assert page.count('class="row bad"') == 4
+    assert "already non-finite where they came in" in page
+
+
+def test_the_root_alone(tmp_path: Path) -> None:
+    page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", sites="").read_text()
+    assert "value histograms of 1 layers" in page
+
+
+class Looping(nn.Module):
+    """One Linear and one Tanh called 300 times: 600 calls of two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = nn.Linear(4, 4)
+        self.squash = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(300):
+            x = self.squash(self.step(x))
+        return x
+
+
+def test_a_reused_module_draws_the_chosen_calls_only(tmp_path: Path) -> None:
+    page = hs.report(track(Looping().eval()), torch.randn(2, 4), out=tmp_path / "loop.html").read_text()
+    assert page.count('class="row') == 601
+    assert 'alt="value histograms of 16 layers"' in page
+
+
+class Awkward(nn.Module):
+    """Conv outputs under names that read as globs and regexes, and one returned inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleDict({"a[0]": nn.Conv2d(3, 4, 3), "re:q": nn.Conv2d(4, 4, 3), "x*": nn.Conv2d(4, 4, 3)})
+        self.pair = PairOut()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs.values():
+            x = conv(x)
+        maps, _ = self.pair(x)
+        return maps
+
+
+class PairOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.mean()
+
+
+def test_names_that_look_like_patterns_and_tuple_outputs(tmp_path: Path) -> None:
+    page = hs.report(track(Awkward().eval()), torch.randn(1, 3, 12, 12), out=tmp_path / "r.html").read_text()
+    for site in ("convs.a[0]#0", "convs.re:q#0", "convs.x*#0", "pair#0"):
+        assert f'alt="feature maps of {site}"' in page
+    assert page.count('alt="feature maps of ') == 4
+
+
+def test_a_loss_that_reaches_no_parameter_is_refused(tmp_path: Path) -> None:
+    model = SmallCNN()
+    with pytest.raises(hs.SpecError, match="does not depend on any parameter"):
+        hs.report(model, torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", loss_fn=lambda y: torch.tensor(1.0))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_input_that_requires_grad_keeps_its_grad(tmp_path: Path) -> None:
+    x = torch.randn(1, 3, 32, 32, requires_grad=True)
+    hs.report(SmallCNN(), x, out=tmp_path / "r.html", loss_fn=lambda y: y.sum())
+    assert x.grad is None
+
+
+def test_the_file_follows_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o077)
+    try:
+        out = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "private.html", feature_maps=0)
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == 0o600
+    shared = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "shared.html", feature_maps=0)
+    assert shared.stat().st_mode & 0o777 == 0o666 & ~previous
 
 
 @pytest.mark.parametrize(
@@ -220,6 +304,24 @@ class TestReportCommand:
         code, _, err = run_cli(capsys, "report", "demo:shapes", "-s", "4x1x32x32", "-o", str(out))
         assert code == 2
         assert "ShapesCNN takes square RGB images" in err
+
+    def test_a_failing_loss_is_named_and_a_failed_write_exits_1(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    ) -> None:
+        script = tmp_path / "losses.py"
+        script.write_text("def needs_labels(output):\n    raise KeyError('labels missing')\n")
+        code, _, err = run_cli(
+            capsys, "report", "demo:cnn", "--loss", f"{script}:needs_labels", "-o", str(tmp_path / "r.html")
+        )
+        assert code == 2
+        assert "--loss" in err
+        assert "needs_labels(output) raised KeyError" in err
+        assert "input-shape" not in err
+        blocker = tmp_path / "file"
+        blocker.write_text("not a folder")
+        code, _, err = run_cli(capsys, "report", "demo:cnn", "-o", str(blocker / "r.html"))
+        assert code == 1
+        assert "input-shape" not in err
 
     @pytest.mark.parametrize(
         ("argv", "message"),

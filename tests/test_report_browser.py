@@ -132,6 +132,8 @@ def test_the_filter_box_hides_rows(opened: Page) -> None:
     assert [name.strip() for name in opened.column(1)] == ["conv1"]
     assert opened.page.inner_text("#hs-count") == "1 of 5 calls"
     assert opened.page.locator("#hs-trace tr.row.hidden").count() == 4
+    assert not opened.page.locator("#hs-trace tr.row", has_text="relu").is_visible()  # hidden, not just marked
+    assert opened.page.locator("#hs-trace tr.row", has_text="conv1").is_visible()
     opened.page.fill("#hs-filter", "linear")  # classes match too
     assert [name.strip() for name in opened.column(1)] == ["fc"]
     opened.page.fill("#hs-filter", "")

@@ -424,13 +424,16 @@ def test_rich_rendering_marks_non_finite_rows() -> None:
 def test_no_host_sync_inside_the_forward_on_cuda() -> None:
     model = tiny_gpt2().cuda()
     ids = gpt2_input().cuda()
-    with hs.tracing(model, timing=True, memory=True) as tracer, torch.no_grad():
+    with hs.tracing(model, timing=True, memory=True, histograms=True) as tracer, torch.no_grad():
         torch.cuda.set_sync_debug_mode("error")
         try:
             model(input_ids=ids)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert tracer.trace["h.0.ln_1"].stats is not None
+    histogram = tracer.trace["h.0.ln_1"].outputs[0].histogram
+    assert histogram is not None
+    assert histogram.counted == 2 * 8 * 32
     assert all(row.time_ms is not None for row in tracer.trace)
 
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = ["atomic_path"]
-
-# mkstemp makes private files (0600); a finished file gets the mode a plain open() would give it.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 
 @contextmanager
@@ -21,20 +17,30 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 
     The rename is atomic on one file system, so readers see the old file or the whole new one,
     and an exception inside the block removes the temporary file and leaves ``target`` as it was.
-    The finished file has the permissions of a file opened for writing (0666 less the umask).
+    The file is made as ``open(path, "w")`` would make it: mode 0666 less the umask in force
+    (``tempfile.mkstemp`` would make it private, 0600).
 
+    >>> import tempfile
     >>> with atomic_path(Path(tempfile.mkdtemp()) / "x.txt") as tmp:
     ...     _ = tmp.write_text("done")
     """
     final = Path(target)
     final.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
-    os.close(handle)
-    temporary = Path(name)
+    temporary = _new_file(final)
     try:
         yield temporary
-        if temporary.is_file():
-            temporary.chmod(0o666 & ~_UMASK)
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _new_file(final: Path) -> Path:
+    """An empty file of a name no one else has, beside ``final``; the kernel applies the umask."""
+    while True:
+        candidate = final.parent / f".{final.name}.{secrets.token_hex(4)}.partial"
+        try:
+            handle = os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            continue
+        os.close(handle)
+        return candidate

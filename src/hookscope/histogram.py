@@ -21,6 +21,7 @@ and counts stay on the device, so a hook that calls it never waits for the devic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,12 +55,13 @@ class Histogram:
 
     ``counted`` is how many finite values were counted, out of ``total`` values in the tensor
     (NaN/Inf and values left out of the sample are not counted). ``edges`` has ``bins + 1``
-    entries. A tensor with no finite value has ``counted == 0`` and NaN bounds.
+    entries. A tensor with no finite value has ``counted == 0`` and NaN bounds. ``counts`` is a
+    tuple, so histograms (and the trace rows that hold them) compare and hash as values.
     """
 
     low: float
     high: float
-    counts: np.ndarray
+    counts: tuple[int, ...]
     total: int
 
     @property
@@ -70,7 +72,7 @@ class Histogram:
     @property
     def counted(self) -> int:
         """How many finite values the buckets hold."""
-        return int(self.counts.sum())
+        return sum(self.counts)
 
     @property
     def edges(self) -> np.ndarray:
@@ -79,7 +81,7 @@ class Histogram:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: bounds, counts as a list, and the tensor's value count."""
-        return {"low": self.low, "high": self.high, "counts": self.counts.tolist(), "total": self.total}
+        return {"low": self.low, "high": self.high, "counts": list(self.counts), "total": self.total}
 
 
 def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int = SAMPLE) -> RawHistogram:
@@ -96,7 +98,7 @@ def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int
         values = _runs(values, sample)
     work = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
     finite = torch.isfinite(work)
-    infinity = torch.tensor(float("inf"), dtype=work.dtype, device=work.device)
+    infinity = torch.full((), math.inf, dtype=work.dtype, device=work.device)  # torch.tensor(): a copy, a sync
     low = torch.where(finite, work, infinity).amin() if work.numel() else infinity
     high = torch.where(finite, work, -infinity).amax() if work.numel() else -infinity
     span = high - low
@@ -128,5 +130,5 @@ def read_histograms(raws: Sequence[RawHistogram]) -> list[Histogram]:
         for i, vector in zip(indices, table, strict=True):
             counted = vector[2:].sum() > 0
             low, high = (float(vector[0]), float(vector[1])) if counted else (float("nan"), float("nan"))
-            read[i] = Histogram(low, high, vector[2:].astype(np.int64), raws[i].total)
+            read[i] = Histogram(low, high, tuple(int(c) for c in vector[2:]), raws[i].total)
     return [histogram for histogram in read if histogram is not None]

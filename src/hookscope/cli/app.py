@@ -362,17 +362,30 @@ def report_command(
     """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
     from hookscope.cli.report_run import loss_from_spec
     from hookscope.cli.sample import prepare
-    from hookscope.reporting import report
+    from hookscope.reporting.api import html_path, report
 
+    html_path(out)  # a wrong file name fails before the model is built
     loss_fn = loss_from_spec(loss) if loss is not None else None
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}
-    written = sample.run(
-        lambda net, args, kwargs: report(
-            net, *args, out=out, loss_fn=loss_fn, sites=_selectors(sites or []) or None, model_kwargs=kwargs, **options
+    try:
+        written = report(
+            sample.model,
+            *sample.args,
+            out=out,
+            loss_fn=loss_fn,
+            sites=_selectors(sites or []) or None,
+            model_kwargs=sample.kwargs,
+            **options,
         )
-    )
+    except (HookscopeError, OSError):
+        raise  # bad input, or a file that cannot be written (exit 1)
+    except Exception as error:  # the model failed on the made-up input: the likeliest culprit
+        raise SpecError(
+            f"the forward pass on the sample input raised {type(error).__name__}: {error}; "
+            "pass an --input-shape the model accepts"
+        ) from error
     typer.echo(f"wrote {written} ({written.stat().st_size / 1024:,.0f} KiB)")
 
 

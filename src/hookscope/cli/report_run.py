@@ -29,7 +29,14 @@ def loss_from_spec(spec: str) -> Callable[[Any], torch.Tensor]:
     if not callable(found):
         raise SpecError(f"loss {spec!r}: {name!r} is {type(found).__name__}, not a function of the model's output")
     function: Callable[[Any], torch.Tensor] = found
-    return function
+
+    def loss_fn(output: Any) -> torch.Tensor:
+        try:
+            return function(output)
+        except Exception as error:  # the user's function failed, not the model: say which
+            raise SpecError(f"--loss {spec}: {name}(output) raised {type(error).__name__}: {error}") from error
+
+    return loss_fn
 
 
 def _main_tensor(output: Any) -> torch.Tensor:

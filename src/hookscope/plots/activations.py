@@ -11,13 +11,13 @@ import torch
 
 from hookscope.errors import SpecError
 from hookscope.histogram import DEFAULT_BINS, Histogram
-from hookscope.plots.figure import grid, new_figure, short_label
+from hookscope.plots.figure import grid, literal, new_figure, short_label
 
 if TYPE_CHECKING:
     from hookscope.calltrace.result import Trace
     from hookscope.core.select import Selector
 
-__all__ = ["feature_maps", "histograms", "spread"]
+__all__ = ["feature_maps", "histogram_grid", "histograms", "spread"]
 
 _HISTOGRAM_COLUMNS = 4
 DEFAULT_MAX_SITES = 16
@@ -64,7 +64,9 @@ def feature_maps(
         ax.set_yticks([])
     fig.colorbar(image, ax=axes, shrink=0.8)
     count = maps.shape[0]
-    fig.suptitle((title + ": " if title else "") + f"{len(order)} of {count} channels, most active first", fontsize=9)
+    fig.suptitle(
+        (literal(title) + ": " if title else "") + f"{len(order)} of {count} channels, most active first", fontsize=9
+    )
     return fig
 
 
@@ -92,8 +94,13 @@ def histograms(
     named = _trace_histograms(source, sites) if _is_trace(source) else _cache_histograms(source, sites, bins)  # type: ignore[arg-type]
     if not named:
         raise SpecError("no values to draw: the chosen sites hold no tensor with a finite value")
-    if sites is None:
-        named = spread(named, max_sites)
+    return histogram_grid(spread(named, max_sites) if sites is None else named, log=log)
+
+
+def histogram_grid(named: Sequence[tuple[str, Histogram]], *, log: bool = False) -> Any:
+    """One panel per ``(label, histogram)``, four to a row: what :func:`histograms` draws."""
+    if not named:
+        raise SpecError("no histograms to draw")
     fig = new_figure(
         2.6 * min(_HISTOGRAM_COLUMNS, len(named)) + 0.4, 1.9 * math.ceil(len(named) / _HISTOGRAM_COLUMNS) + 0.5
     )
@@ -101,7 +108,7 @@ def histograms(
     for ax, (label, histogram) in zip(axes, named, strict=True):
         _draw_histogram(ax, histogram, log)
         ax.set_title(short_label(label), fontsize=7)
-        ax.tick_params(labelsize=6)
+        ax.tick_params(which="both", labelsize=6)
     fig.suptitle("value distributions" + (" (log counts)" if log else ""), fontsize=9)
     return fig
 
@@ -166,14 +173,15 @@ def _cache_histograms(
         values = values[np.isfinite(values)]
         if values.size:
             counts, edges = np.histogram(values, bins=bins)
-            named.append((key, Histogram(float(edges[0]), float(edges[-1]), counts, tensor.numel())))
+            bounds = float(edges[0]), float(edges[-1])
+            named.append((key, Histogram(*bounds, tuple(int(c) for c in counts), tensor.numel())))
     return named
 
 
 def _draw_histogram(ax: Any, histogram: Histogram, log: bool) -> None:
     low, high = histogram.low, histogram.high
     if high > low:
-        ax.stairs(histogram.counts, histogram.edges, fill=True, color="#3182bd")
+        ax.stairs(np.asarray(histogram.counts), histogram.edges, fill=True, color="#3182bd")
     else:  # one value only: one bar of a visible width
         ax.bar([low], [histogram.counted], width=max(abs(low) * 0.05, 1e-3), color="#3182bd")
     if log:

@@ -63,8 +63,11 @@ def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None
     top.fill_between(position, _finite(low), _finite(high), color="#c6dbef", label="min to max", step=None)
     top.fill_between(position, mean - std, mean + std, color="#6baed6", label="mean ± std")
     top.plot(position, mean, color="#08519c", marker="o", markersize=3, label="mean")
-    if np.nanmax(np.abs(_finite(np.concatenate([low, high])))) > 100 * max(np.nanmedian(std), 1e-12):
-        top.set_yscale("symlog", linthresh=max(float(np.nanmedian(std)), 1e-6))
+    extremes, spreads = _finite(np.concatenate([low, high])), _finite(std)
+    if np.isfinite(extremes).any() and np.isfinite(spreads).any():  # all NaN: nothing to scale by
+        typical = max(float(np.nanmedian(spreads)), 1e-6)
+        if np.nanmax(np.abs(extremes)) > 100 * typical:
+            top.set_yscale("symlog", linthresh=typical)
     bad = [i for i, row in enumerate(rows) if row.output_finite is False]
     if bad:
         top.scatter(bad, np.zeros(len(bad)), marker="x", color="red", zorder=3, label="NaN/Inf")

@@ -7,7 +7,7 @@ from typing import Any
 
 from hookscope.errors import MissingDependencyError
 
-__all__ = ["grid", "new_figure", "short_label"]
+__all__ = ["grid", "literal", "new_figure", "short_label"]
 
 
 def new_figure(width: float, height: float) -> Any:
@@ -29,4 +29,13 @@ def grid(fig: Any, panels: int, columns: int) -> list[Any]:
 
 def short_label(text: str, limit: int = 28) -> str:
     """A label that fits under a panel: the end of a long dotted name, which is the specific part."""
-    return text if len(text) <= limit else "…" + text[-(limit - 1) :]
+    return literal(text if len(text) <= limit else "…" + text[-(limit - 1) :])
+
+
+def literal(text: str) -> str:
+    """``text`` as matplotlib shows it verbatim: a ``$`` in a module name does not start math.
+
+    >>> literal("cost$")
+    'cost\\\\$'
+    """
+    return text.replace("$", "\\$")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from hookscope.errors import SpecError
 from hookscope.grads.records import GradStep
-from hookscope.plots.figure import new_figure
+from hookscope.plots.figure import literal, new_figure
 
 if TYPE_CHECKING:
     from hookscope.grads.monitor import GradMonitor
@@ -59,7 +59,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     if bad:
         ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3, label="NaN/Inf")
     stride = max(1, math.ceil(len(positions) / _MAX_TICKS))  # a thousand layers: every k-th name
-    ax.set_xticks(positions[::stride], labels[::stride], rotation=90, fontsize=7)
+    ax.set_xticks(positions[::stride], [literal(label) for label in labels[::stride]], rotation=90, fontsize=7)
     ax.set_ylabel("|gradient|")
     ax.set_title(f"gradient flow ({what}), step {chosen.step}")
     ax.legend(loc="best", fontsize=8)
@@ -94,7 +94,7 @@ def grad_history(
     ax = fig.add_subplot()
     for column in chosen:
         values = frame[column].where(frame[column] > 0)  # zeros cannot sit on a log axis: gaps
-        ax.plot(frame.index, values, marker="o", markersize=3, label=column)
+        ax.plot(frame.index, values, marker="o", markersize=3, label=literal(column))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)

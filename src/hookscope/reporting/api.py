@@ -7,7 +7,7 @@ import os
 import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -16,17 +16,21 @@ from hookscope._files import atomic_path
 from hookscope._version import __version__
 from hookscope.calltrace import trace
 from hookscope.calltrace.result import Trace
+from hookscope.calltrace.rows import TraceRow
 from hookscope.capturing import capture
 from hookscope.core.select import Selector, ensure_module
+from hookscope.core.sites import Site
+from hookscope.core.tree import call_leaves
 from hookscope.errors import MissingDependencyError, SpecError
 from hookscope.grads.monitor import GradMonitor, watch_grads
+from hookscope.histogram import Histogram
 from hookscope.plots.activations import DEFAULT_MAX_SITES, spread
 from hookscope.plots.depth import depth_rows
 from hookscope.reporting import sections
 from hookscope.reporting.images import Image, embed
 from hookscope.reporting.render import render, script_json
 
-__all__ = ["DEFAULT_FEATURE_MAPS", "report"]
+__all__ = ["DEFAULT_FEATURE_MAPS", "html_path", "report"]
 
 DEFAULT_FEATURE_MAPS = 6
 _FEATURE_CHANNELS = 16
@@ -62,14 +66,17 @@ def report(
     at once: ``sites`` (a selector) picks the layers drawn, by default up to ``max_sites``
     leaf modules spread from first to last. Every name and ``title`` are HTML-escaped. The
     forward runs twice under ``torch.no_grad()`` (trace, then feature maps), plus once with
-    autograd for ``loss_fn``; train/eval mode is left as it is. Returns the path written.
+    autograd for ``loss_fn``; train/eval mode is left as it is, so in training mode dropout
+    differs between those runs and BatchNorm's running statistics take each of them in:
+    report a model in eval mode. The ``.grad`` of the parameters and of any input tensor
+    that requires grad are put back after the backward. Returns the path written.
 
     Example::
 
         hs.report(model, images, out="report.html", loss_fn=lambda logits: F.cross_entropy(logits, labels))
     """
     model = ensure_module(model)
-    path = _html_path(out)
+    path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")
     if loss_fn is not None and grads is not None:
@@ -84,9 +91,9 @@ def report(
     figures: dict[str, Image | None] = {"layer_stats": None, "histograms": None}
     if chosen:
         figures["layer_stats"] = _layer_stats(traced, sites)
-        histogram_rows = [row for row in chosen if row.output is not None and row.output.histogram is not None]
-        if histogram_rows and max_sites:
-            figures["histograms"] = _histograms(traced, spread(histogram_rows, max_sites))
+        counted = [(row.site, histogram) for row in chosen if (histogram := _counted_histogram(row)) is not None]
+        if counted and max_sites:
+            figures["histograms"] = _histograms(spread(counted, max_sites))
     maps = _feature_maps(model, args, call_kwargs, chosen, feature_maps)
     monitor_section = _gradients(model, args, call_kwargs, loss_fn, grads)
     context = {
@@ -112,7 +119,8 @@ def report(
     return path
 
 
-def _html_path(out: str | os.PathLike[str]) -> Path:
+def html_path(out: str | os.PathLike[str]) -> Path:
+    """``out`` as a path, or a clear error when it is no HTML file name."""
     path = Path(out)
     if path.suffix.lower() not in (".html", ".htm"):
         raise SpecError(f"out={os.fspath(out)!r}: a report is one HTML file; give a name ending in .html")
@@ -159,15 +167,20 @@ def _layer_stats(traced: Trace, sites: Selector | Sequence[Selector] | None) -> 
     )
 
 
-def _histograms(traced: Trace, rows: list[Any]) -> Image:
-    from hookscope.plots import histograms
+def _counted_histogram(row: TraceRow) -> Histogram | None:
+    """The histogram of the call's main output, when it counted any finite value."""
+    histogram = None if row.output is None else row.output.histogram
+    return histogram if histogram is not None and histogram.counted > 0 else None
 
-    names = sorted({row.name for row in rows})
-    fig = histograms(traced, names, max_sites=len(rows))
+
+def _histograms(named: list[tuple[str, Histogram]]) -> Image:
+    from hookscope.plots.activations import histogram_grid
+
+    fig = histogram_grid(named)  # one panel per chosen call, not every call of a reused module
     return embed(
         fig,
-        f"value histograms of {len(rows)} layers",
-        f"Distribution of the output values of {len(rows)} layers "
+        f"value histograms of {len(named)} layers",
+        f"Distribution of the output values of {len(named)} layers "
         "(up to 32,768 values of each, in runs of 128 spread through the tensor).",
     )
 
@@ -180,11 +193,16 @@ def _feature_maps(
         return []
     from hookscope.plots import feature_maps
 
-    with capture(model, sorted({row.name for row in rows})) as cache, torch.no_grad():
+    wanted = {row.name for row in rows}
+    calls = {row.call for row in rows}
+    only: int | Literal["all"] = calls.pop() if len(calls) == 1 else "all"  # just the calls drawn, where one serves
+    # A predicate, not the names: a name such as 'a[0]' or 're:q' would read as a glob or a regex.
+    with capture(model, lambda name, _: name in wanted, calls=only) as cache, torch.no_grad():
         model(*args, **kwargs)
     images = []
     for row in rows:
-        value = cache[row.site]
+        path = row.output.path.removeprefix("output") if row.output is not None else ""
+        value = cache[Site(row.name, row.call, "output", path)]  # the leaf, where the output is a tuple
         fig = feature_maps(value, _FEATURE_CHANNELS, title=row.site)
         shape = "x".join(str(size) for size in value.shape[1:])
         images.append(embed(fig, f"feature maps of {row.site}", f"{row.site} ({row.class_name}), output {shape}"))
@@ -229,18 +247,24 @@ def _one_backward(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor]
 ) -> tuple[GradMonitor, float]:
     """Watch one backward pass of ``loss_fn(model(...))``; the parameters' ``.grad`` are put back."""
-    saved = {parameter: parameter.grad for parameter in model.parameters()}
-    for parameter in saved:
-        parameter.grad = None
+    leaves = [t for _, t in call_leaves(args, kwargs) if t.requires_grad and t.is_leaf]
+    saved = {tensor: tensor.grad for tensor in [*model.parameters(), *leaves]}
+    for tensor in saved:
+        tensor.grad = None
     try:
         with watch_grads(model) as monitor, torch.enable_grad():
             loss = loss_fn(model(*args, **kwargs))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise SpecError(f"loss_fn must return a scalar tensor; it returned {shape}")
+            if not loss.requires_grad:
+                raise SpecError(
+                    "loss_fn returned a tensor that does not depend on any parameter that requires grad "
+                    "(frozen weights, or a value made outside the model's output); nothing to backpropagate"
+                )
             loss.backward()  # type: ignore[no-untyped-call]
             monitor.step()
     finally:
-        for parameter, grad in saved.items():
-            parameter.grad = grad
+        for tensor, grad in saved.items():
+            tensor.grad = grad
     return monitor, float(loss.detach())

@@ -207,7 +207,7 @@ def _histogram(row: TraceRow) -> dict[str, Any] | None:
     return {
         "low": histogram.low,
         "high": histogram.high,
-        "counts": histogram.counts.tolist(),
+        "counts": list(histogram.counts),
         "counted": histogram.counted,
         "total": histogram.total,
     }
