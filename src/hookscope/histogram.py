@@ -4,8 +4,8 @@ A trace with ``histograms=True`` and the report draw the distribution of every l
 Counting all values of every activation would cost a pass per tensor plus an index tensor as
 large as the activation; a histogram for a plot does not need that precision. So at most
 :data:`SAMPLE` values are counted (every value of smaller tensors), between the smallest and
-largest finite value of that sample. The sample is :data:`BLOCK`-value runs taken at an even
-stride through the tensor: spread over batch, channels and positions alike, and read a run at
+largest finite value of that sample. The sample is :data:`BLOCK`-value runs spread evenly
+through the tensor: over batch, channels and positions alike, and read a run at
 a time. Picking single values at a stride instead touches one cache line per value, which
 cost 2.3x as much on a ResNet activation (1.25 against 0.54 ms for 65,536 values, 2 cores).
 
@@ -15,8 +15,8 @@ and counts stay on the device, so a hook that calls it never waits for the devic
 
 >>> import torch
 >>> h = read_histograms([raw_histogram(torch.tensor([0.0, 1.0, 1.0, 2.0, float("nan")]), bins=2)])[0]
->>> h.low, h.high, h.counts.tolist(), h.counted, h.total
-(0.0, 2.0, [1, 3], 4, 5)
+>>> h.low, h.high, h.counts, h.counted, h.total
+(0.0, 2.0, (1, 3), 4, 5)
 """
 
 from __future__ import annotations
