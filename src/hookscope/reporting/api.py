@@ -186,7 +186,7 @@ def _histograms(named: list[tuple[str, Histogram]]) -> Image:
 
 
 def _feature_maps(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], chosen: list[Any], limit: int
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], chosen: list[TraceRow], limit: int
 ) -> list[Image]:
     rows = spread(sections.feature_map_rows(chosen), limit) if limit else []
     if not rows:
