@@ -21,6 +21,7 @@ from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope.core.select import Selector, select
 from hookscope.core.sites import Site
 from hookscope.core.tree import flatten_tensors, map_tensors
+from hookscope.diffing import Diff, DiffRow, Divergence, diff
 from hookscope.editing import EditContext, Editor, edit, run_with_edits
 from hookscope.errors import (
     CaptureError,
@@ -49,6 +50,9 @@ __all__ = [
     "Cache",
     "Capture",
     "CaptureError",
+    "Diff",
+    "DiffRow",
+    "Divergence",
     "EditContext",
     "EditError",
     "Editor",
@@ -87,6 +91,7 @@ __all__ = [
     "attached",
     "capture",
     "detect_nonfinite",
+    "diff",
     "edit",
     "edits",
     "extract",

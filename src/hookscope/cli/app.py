@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from hookscope._version import __version__
+from hookscope.cli.diff_command import diff_command
 from hookscope.core.select import Selector
 from hookscope.errors import HookscopeError, SpecError
 
@@ -387,6 +388,9 @@ def report_command(
             "pass an --input-shape the model accepts"
         ) from error
     typer.echo(f"wrote {written} ({written.stat().st_size / 1024:,.0f} KiB)")
+
+
+app.command("diff")(diff_command)
 
 
 @app.command("extract")

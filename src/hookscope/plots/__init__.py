@@ -7,11 +7,13 @@ touches pyplot's global state; save one with ``fig.savefig("grad_flow.png")``.
 - :func:`feature_maps`: a conv-like output's channels as a grid of images;
 - :func:`histograms`: value distributions per layer (from a trace or a capture);
 - :func:`layer_stats`: mean, std, min and max of each layer's output along depth;
-- :func:`grad_flow`, :func:`grad_history`: gradients per layer, and over training steps.
+- :func:`grad_flow`, :func:`grad_history`: gradients per layer, and over training steps;
+- :func:`diff_profile`: where two models part, the error of each site along depth.
 """
 
 from hookscope.plots.activations import feature_maps, histograms
 from hookscope.plots.depth import layer_stats
+from hookscope.plots.diff import diff_profile
 from hookscope.plots.grads import grad_flow, grad_history
 
-__all__ = ["feature_maps", "grad_flow", "grad_history", "histograms", "layer_stats"]
+__all__ = ["diff_profile", "feature_maps", "grad_flow", "grad_history", "histograms", "layer_stats"]

@@ -1,0 +1,104 @@
+"""``hookscope diff MODEL_A MODEL_B``: where two models part, with an exit code for CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hookscope.errors import HookscopeError, SpecError
+
+__all__ = ["diff_command"]
+
+EXIT_DIFFERENT = 1
+
+
+def diff_command(
+    model_a: Annotated[str, typer.Argument(metavar="MODEL_A", help="The reference model (same forms as MODEL).")],
+    model_b: Annotated[str, typer.Argument(metavar="MODEL_B", help="The model compared against it.")],
+    input_shape: Annotated[
+        str | None,
+        typer.Option("--input-shape", "-s", help="Shape of the random sample input, e.g. 1x3x32x32 (tokens: 1x16)."),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Cast model B and its float input: bf16, fp16, ...")
+    ] = None,
+    mapping: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map",
+            "-m",
+            help="Pair names by pattern, A=B: 'model.layers.*=transformer.h.*' (repeat).",
+            show_default=False,
+        ),
+    ] = None,
+    by_order: Annotated[bool, typer.Option("--by-order", help="Pair calls by execution order, not by name.")] = False,
+    rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance (of max|a|).")] = 1e-5,
+    atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance.")] = 1e-8,
+    csv: Annotated[Path | None, typer.Option("--csv", help="Also write one row per site to this CSV file.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample input and of random weights.")] = 0,
+) -> None:
+    """Run MODEL_A and MODEL_B on the same input and compare them layer by layer.
+
+    Prints the table and the first divergence. Exit 0 when every site is within tolerance
+    (max|a-b| <= atol + rtol * max|a|), 1 when one is not or a site has no counterpart, 2 for
+    bad input: usable as a check in the CI of a model port.
+    """
+    import csv as csv_module
+
+    import torch
+
+    from hookscope._dtypes import parse_dtype
+    from hookscope.cli.specs import load_model, make_input
+    from hookscope.diffing.api import cast_floats, compare_models
+
+    if mapping and by_order:
+        raise SpecError("--map and --by-order pair sites in two different ways; pass one")
+    match = _mapping(mapping) if mapping else ("order" if by_order else "name")
+    torch.manual_seed(seed)  # the same random weights for the same spec on both sides
+    net_a = load_model(model_a)
+    torch.manual_seed(seed)
+    net_b = load_model(model_b)
+    args, kwargs = make_input(net_a, input_shape, seed=seed)
+    if dtype is not None:
+        net_b = net_b.to(parse_dtype(dtype))
+    inputs_a = (args, kwargs)
+    inputs_b = (
+        inputs_a if dtype is None else (cast_floats(args, parse_dtype(dtype)), cast_floats(kwargs, parse_dtype(dtype)))
+    )
+    typer.echo(
+        "input: "
+        + ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in [*args, *kwargs.values()])
+    )
+    options = {"match": match, "layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
+    try:
+        result = compare_models(net_a, net_b, inputs_a, inputs_b, **options)  # type: ignore[arg-type]
+    except (HookscopeError, OSError):
+        raise
+    except Exception as error:  # a model failed on the made-up input: the likeliest culprit
+        raise SpecError(
+            f"a forward pass on the sample input raised {type(error).__name__}: {error}; "
+            "pass an --input-shape both models accept"
+        ) from error
+    typer.echo(result.table())
+    if csv is not None:
+        records = result.records()
+        with csv.open("w", newline="", encoding="utf-8") as stream:
+            writer = csv_module.DictWriter(stream, fieldnames=list(records[0]) if records else ["order"])
+            writer.writeheader()
+            writer.writerows(records)
+        typer.echo(f"wrote {csv}")
+    if not result.within():
+        raise typer.Exit(EXIT_DIFFERENT)
+
+
+def _mapping(options: list[str]) -> dict[str, str]:
+    pairs = {}
+    for option in options:
+        for item in filter(None, (part.strip() for part in option.split(","))):
+            source, equals, target = item.partition("=")
+            if not equals or not source.strip() or not target.strip():
+                raise SpecError(f"--map {item!r} is not A=B; write e.g. --map 'model.layers.*=transformer.h.*'")
+            pairs[source.strip()] = target.strip()
+    return pairs

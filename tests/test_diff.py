@@ -1,0 +1,340 @@
+"""hs.diff: two models or two captures compared layer by layer; where they first part."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope.core.attach import attached
+from tests.models import SmallCNN, gpt2_input, tiny_gpt2, track
+from tests.test_cli import run_cli
+
+
+def mlp(depth: int = 6, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return track(nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).eval())  # type: ignore[return-value]
+
+
+class Renamed(nn.Module):
+    """The same layers as ``mlp()`` under other attribute names."""
+
+    def __init__(self, source: nn.Sequential) -> None:
+        super().__init__()
+        self.body = nn.ModuleDict({f"layer{i}": copy.deepcopy(layer) for i, layer in enumerate(source)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.body.values():
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("k", range(6))
+def test_a_perturbed_weight_is_found_at_its_layer(k: int) -> None:
+    a = mlp()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[k].weight[0, 0] += 0.5  # type: ignore[index]
+    d = hs.diff(a, b, torch.randn(4, 8))
+    divergence = d.first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == str(k)
+    assert divergence.introduced
+    for row in d.rows:
+        if row.name and int(row.name) < k:
+            assert row.metrics is not None
+            assert row.metrics.exact, f"layer {row.name} before the change must be exactly equal"
+    later = [row for row in d.rows if row.name and int(row.name) > k]
+    assert all(row.inputs_within(rtol=d.rtol, atol=d.atol) is False for row in later)  # the error came in
+    assert not d.within()
+
+
+def test_an_unchanged_copy_is_exactly_equal() -> None:
+    a = mlp()
+    d = hs.diff(a, copy.deepcopy(a), torch.randn(4, 8))
+    assert d.first_divergence() is None
+    assert d.within()
+    assert all(row.metrics is not None and row.metrics.exact and row.metrics.sqnr_db == math.inf for row in d)
+    assert "no divergence" in str(d)
+    assert attached(a) == []
+
+
+def test_metrics_against_float64_references() -> None:
+    a, b = mlp(1), mlp(1)
+    with torch.no_grad():
+        b[0].bias.add_(torch.linspace(-0.1, 0.1, 8))  # type: ignore[index,union-attr,operator]
+    x = torch.randn(16, 8)
+    row = hs.diff(a, b, x)["0"]
+    with torch.no_grad():
+        ya, yb = a(x).double(), b(x).double()
+    metrics = row.metrics
+    assert metrics is not None
+    assert metrics.max_abs == pytest.approx(float((ya - yb).abs().max()), rel=1e-6)
+    assert metrics.mean_abs == pytest.approx(float((ya - yb).abs().mean()), rel=1e-6)
+    assert metrics.relative == pytest.approx(float((ya - yb).norm() / ya.norm()), rel=1e-6)
+    cosine = torch.nn.functional.cosine_similarity(ya.flatten(), yb.flatten(), dim=0)
+    assert metrics.cosine == pytest.approx(float(cosine), rel=1e-7)  # float32 products, float64 sums
+    assert metrics.sqnr_db == pytest.approx(float(10 * torch.log10(ya.pow(2).sum() / (ya - yb).pow(2).sum())), rel=1e-6)
+    assert metrics.within(rtol=0.0, atol=metrics.max_abs)
+    assert not metrics.within(rtol=0.0, atol=metrics.max_abs * 0.99)
+
+
+def test_gpt2_float32_against_bfloat16() -> None:
+    model = tiny_gpt2()
+    d = hs.diff.dtypes(model, input_ids=gpt2_input(), dtype=torch.bfloat16)
+    blocks = [d[f"h.{i}"] for i in range(2)]
+    assert all(row.dtype == "float32" and row.dtype_b == "bfloat16" for row in blocks)
+    sqnr = [row.metrics.sqnr_db for row in (d["wte"], *blocks, d["ln_f"]) if row.metrics is not None]
+    assert all(math.isfinite(value) for value in sqnr)
+    assert sqnr[0] > sqnr[-1], "the error grows along depth"
+    relative = [row.metrics.relative for row in blocks if row.metrics is not None]
+    assert relative[0] < relative[1]
+    assert d.within()  # at the dtype comparison's tolerances (rtol 1e-2, atol 1e-3)
+    assert d.first_divergence(rtol=1e-5, atol=0.0) is not None
+    leaves = {row.path for row in d if row.name == ""}
+    assert ".last_hidden_state" in leaves  # every tensor of a ModelOutput is its own row
+
+
+def test_autocast_against_the_same_model() -> None:
+    model = mlp()
+    d = hs.diff.dtypes(model, torch.randn(4, 8), dtype="bf16", autocast=True)
+    assert d["3"].name_b == "inner.3"
+    assert d["3"].dtype_b == "bfloat16"
+    assert d.only_a == []
+    assert d.only_b == []
+
+
+def test_a_renamed_copy_by_order_and_by_mapping() -> None:
+    a = mlp()
+    b = track(Renamed(a).eval())
+    x = torch.randn(4, 8)
+    with pytest.raises(hs.SpecError, match="match='order'"):
+        hs.diff(a, b, x, layers=nn.Linear)
+    by_order = hs.diff(a, b, x, match="order")
+    assert by_order.within()
+    assert [row.name_b for row in by_order if row.name][:2] == ["body.layer0", "body.layer1"]
+    by_map = hs.diff(a, b, x, match={"*": "body.layer*"})
+    assert [row.name for row in by_map] == ["0", "1", "2", "3", "4", "5", ""]
+    assert by_map.within()
+    with torch.no_grad():
+        b.body["layer2"].weight.mul_(2)  # type: ignore[operator,index]
+    divergence = hs.diff(a, b, x, match=lambda name: f"body.layer{name}" if name else "").first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == "2"
+    assert divergence.row.name_b == "body.layer2"
+    assert "= b's body.layer2" in str(divergence)
+
+
+def test_two_captures_of_one_run_diff_to_zero() -> None:
+    model = SmallCNN()
+    x = torch.randn(2, 3, 32, 32)
+    _, first = hs.run_with_capture(model, x, layers=["conv1", "relu", "fc"], keep="both")
+    _, second = hs.run_with_capture(model, x, layers=["conv1", "relu", "fc"], keep="both")
+    d = hs.diff(first, second)
+    assert len(d) == 3
+    assert all(row.metrics is not None and row.metrics.exact for row in d)
+    assert all(row.inputs_within(rtol=0, atol=0) for row in d)
+    _, other = hs.run_with_capture(model, x + 1, layers=["conv1", "relu", "fc"], keep="both")
+    divergence = hs.diff(first, other).first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == "conv1"
+    assert not divergence.introduced  # its input differed: the difference came in
+
+
+class Widened(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, hidden)
+        self.down = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+def test_mismatched_shapes_are_reported_per_site() -> None:
+    torch.manual_seed(0)
+    a, b = track(Widened(8)), track(Widened(16))
+    d = hs.diff(a, b, torch.randn(3, 4))
+    assert d["up"].note == "shapes differ"
+    assert d["up"].shape == (3, 8)
+    assert d["up"].shape_b == (3, 16)
+    assert d["down"].inputs[0].note == "shapes differ"
+    assert d["down"].metrics is not None  # same output shape: still compared
+    divergence = d.first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == "up"
+    assert "[3, 8] vs [3, 16]" in str(d)
+
+
+def test_values_an_inplace_op_rewrites_later_are_compared_as_made() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    a = track(nn.Sequential(linear, nn.ReLU(inplace=True)))
+    b = track(nn.Sequential(copy.deepcopy(linear), nn.ReLU()))
+    d = hs.diff(a, b, torch.randn(8, 4))
+    assert d["0"].metrics is not None
+    assert d["0"].metrics.exact  # a's Linear output was copied before the ReLU rewrote it
+
+
+def test_only_in_one_model_and_no_pairs() -> None:
+    a = mlp(3)
+    b = mlp(4)
+    with torch.no_grad():
+        b[3].weight.copy_(torch.eye(8))  # type: ignore[index,operator]
+        b[3].bias.zero_()  # type: ignore[index,operator]
+    d = hs.diff(a, b, torch.randn(2, 8))
+    assert d.only_b == ["3#0"]
+    assert not d.within()
+    assert "only in b: 3#0" in str(d)
+    with pytest.raises(hs.SpecError, match="no module of b matches"):
+        hs.diff(mlp(2), track(Renamed(mlp(2))), torch.randn(2, 8), layers=["0", "1"])
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda a, c: hs.diff(a, c, torch.randn(2, 8)), "two models or two captures"),
+        (lambda a, c: hs.diff(c, c, torch.randn(2, 8)), "pass no inputs"),
+        (lambda a, c: hs.diff(a, a, torch.randn(2, 8), rtol=-1), "rtol=-1"),
+        (lambda a, c: hs.diff(a, a, torch.randn(2, 8), match="names"), "match='names'"),
+        (lambda a, c: hs.diff(a, a, torch.randn(2, 8), match={"*": "x.*.*"}), "each '\\*' must land"),
+    ],
+)
+def test_bad_input_is_refused(call: object, message: str) -> None:
+    a = mlp(2)
+    _, cache = hs.run_with_capture(a, torch.randn(2, 8), layers="0")
+    with pytest.raises(hs.SpecError, match=message):
+        call(a, cache)  # type: ignore[operator]
+    assert attached(a) == []
+
+
+def test_a_forward_that_raises_leaves_no_hook() -> None:
+    a = mlp(2)
+    with pytest.raises(RuntimeError):
+        hs.diff(a, copy.deepcopy(a), torch.randn(2, 5))
+    assert attached(a) == []
+
+
+def test_compiled_and_devices() -> None:
+    a = mlp()
+    x = torch.randn(4, 8)
+    compiled = hs.diff.compiled(a, x, backend="eager")
+    assert [row.site for row in compiled] == ["(root)#0"]
+    assert compiled.within()
+    same = hs.diff.devices(a, x, device="cpu")
+    assert same.within(rtol=0, atol=0)
+    assert len(same) == 7
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_against_cuda() -> None:
+    d = hs.diff.devices(tiny_gpt2(), input_ids=gpt2_input(), device="cuda")
+    assert d.within()
+    assert all((row.metrics is not None and math.isfinite(row.metrics.sqnr_db)) or row.metrics.exact for row in d)  # type: ignore[union-attr]
+
+
+def test_table_pandas_html_and_profile(tmp_path: Path) -> None:
+    a = mlp()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[2].weight.mul_(1.01)  # type: ignore[index,operator]
+    d = hs.diff(a, b, torch.randn(4, 8))
+    frame = d.to_pandas()
+    assert list(frame["name"]) == ["0", "1", "2", "3", "4", "5", ""]
+    assert list(frame["within"]) == [True, True, False, False, False, False, False]
+    assert "<table>" in d._repr_html_()
+    assert "background:#fdd" in d._repr_html_()
+    assert "first divergence at 2#0 (Linear)" in str(d)
+    assert repr(d) == "<Diff of Sequential and Sequential: 7 sites, first divergence at 2#0>"
+    fig = hs.plots.diff_profile(d)
+    top, bottom = fig.axes
+    assert top.get_yscale() == "log"
+    assert [t.get_text() for t in bottom.get_xticklabels()] == ["0#0", "1#0", "2#0", "3#0", "4#0", "5#0"]
+    exact = top.collections[0].get_offsets()
+    assert exact[:, 0].tolist() == [0.0, 1.0]  # the exactly equal layers sit on the bottom edge
+    fig.savefig(tmp_path / "profile.png")
+    image = np.asarray(__import__("matplotlib.image").image.imread(tmp_path / "profile.png"))
+    assert image[..., :3].var() > 1e-3
+
+
+NETS = """
+import torch
+from torch import nn
+
+
+def reference():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+
+def port():
+    model = reference()
+    with torch.no_grad():
+        model[2].bias += 1
+    return model
+
+
+class Renamed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList(reference())
+
+    def forward(self, x):
+        for layer in self.h:
+            x = layer(x)
+        return x
+"""
+
+
+class TestDiffCommand:
+    def write_models(self, tmp_path: Path) -> Path:
+        script = tmp_path / "nets.py"
+        script.write_text(NETS)
+        return script
+
+    def test_exit_0_when_within_and_1_at_a_divergence(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        nets = self.write_models(tmp_path)
+        code, out, err = run_cli(capsys, "diff", f"{nets}:reference", f"{nets}:reference", "-s", "2x8")
+        assert code == 0, err
+        assert "no divergence" in out
+        code, out, err = run_cli(
+            capsys, "diff", f"{nets}:reference", f"{nets}:port", "-s", "2x8", "--csv", str(tmp_path / "d.csv")
+        )
+        assert code == 1, err
+        assert "first divergence at 2#0 (Linear)" in out
+        assert "this layer introduced the difference" in out
+        assert (tmp_path / "d.csv").read_text().startswith("order,name,name_b")
+
+    def test_mapping_and_order(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        nets = self.write_models(tmp_path)
+        a, b = f"{nets}:reference", f"{nets}:Renamed"
+        assert run_cli(capsys, "diff", a, b, "-s", "2x8", "--map", "*=h.*")[0] == 0
+        assert run_cli(capsys, "diff", a, b, "-s", "2x8", "--by-order")[0] == 0
+
+    def test_dtype_and_tolerance(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, _ = run_cli(
+            capsys, "diff", "demo:cnn", "demo:cnn", "--dtype", "bf16", "--rtol", "0.05", "--atol", "0.01"
+        )
+        assert code == 0
+        assert "within rtol=0.05, atol=0.01" in out
+        assert run_cli(capsys, "diff", "demo:cnn", "demo:cnn", "--dtype", "bf16")[0] == 1
+
+    @pytest.mark.parametrize(
+        ("argv", "message"),
+        [
+            (["--map", "nope"], "is not A=B"),
+            (["--map", "a=b", "--by-order"], "pass one"),
+            (["-s", "1x5"], "pass an --input-shape both models accept"),
+        ],
+    )
+    def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+        code, _, err = run_cli(capsys, "diff", "demo:cnn", "demo:cnn", *argv)
+        assert code == 2
+        assert message in err
+        assert "Traceback" not in err
