@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -330,7 +332,8 @@ class TestDiffCommand:
         [
             (["--map", "nope"], "is not A=B"),
             (["--map", "a=b", "--by-order"], "pass one"),
-            (["-s", "1x5"], "pass an --input-shape both models accept"),
+            (["-s", "1x5"], "the forward pass of demo:cnn on the sample input raised"),
+            (["--csv", "/nonexistent/d.csv"], "does not exist"),
         ],
     )
     def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -338,3 +341,123 @@ class TestDiffCommand:
         assert code == 2
         assert message in err
         assert "Traceback" not in err
+
+
+class Probe(nn.Module):
+    """Counts, when called, how many of the watched tensors are still alive."""
+
+    def __init__(self, watched: list[weakref.ref[torch.Tensor]], seen: list[int]) -> None:
+        super().__init__()
+        self.watched, self.seen = watched, seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(sum(ref() is not None for ref in self.watched))
+        return x
+
+
+def test_a_values_are_let_go_as_b_compares_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookscope.diffing import recorder
+
+    watched: list[weakref.ref[torch.Tensor]] = []
+    taken = recorder.Reference.fill
+
+    def fill_and_watch(self: recorder.Reference, cache: hs.Cache) -> None:
+        taken(self, cache)
+        watched.extend(weakref.ref(kept) for call in self.calls for kept in call.outputs.values() if kept is not None)
+
+    monkeypatch.setattr(recorder.Reference, "fill", fill_and_watch)  # a spy on our own step, not on torch
+    a = mlp(4, 128)
+    seen: list[int] = []
+    b = track(nn.Sequential(*copy.deepcopy(list(a)), Probe(watched, seen)).eval())
+    gc.disable()  # no collection by chance: only what the diff lets go of may go
+    try:
+        hs.diff(a, b, torch.randn(256, 128), layers=nn.Linear)
+    finally:
+        gc.enable()
+    assert len(watched) == 4
+    assert seen == [0], "a's outputs were dropped as soon as b's counterparts were compared"
+
+
+def test_inside_an_except_block() -> None:
+    a = mlp()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[4].weight.mul_(2)  # type: ignore[index,operator]
+    try:
+        raise ValueError("a check failed; now find where")
+    except ValueError:
+        d = hs.diff(a, b, torch.randn(2, 8))
+    assert len(d) == 7
+    divergence = d.first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == "4"
+
+
+def test_captures_with_containers_blame_the_leaf() -> None:
+    model = track(nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2)).eval())
+    x = torch.randn(2, 4)
+    _, first = hs.run_with_capture(model, x, layers=["", "*"], keep="both")
+    with torch.no_grad():
+        model[0][1].register_forward_hook(lambda m, args, out: out * 1.5)  # type: ignore[index]
+    _, second = hs.run_with_capture(model, x, layers=["", "*"], keep="both")
+    for hook in list(model[0][1]._forward_hooks):  # type: ignore[index]
+        del model[0][1]._forward_hooks[hook]  # type: ignore[index]
+    divergence = hs.diff(first, second).first_divergence()
+    assert divergence is not None
+    assert divergence.row.name == "0.1"
+    assert divergence.introduced
+    outputs_only = hs.diff(
+        hs.run_with_capture(model, x, layers="0.0")[1], hs.run_with_capture(model, x + 1, layers="0.0")[1]
+    )
+    late = outputs_only.first_divergence()
+    assert late is not None
+    assert late.introduced is None
+    assert "inputs were not compared" in str(late)
+
+
+def test_non_finite_values_in_the_same_places_are_equal() -> None:
+    torch.manual_seed(0)
+    a = track(nn.Sequential(nn.Linear(4, 4), nn.Softplus(), nn.Identity()).eval())
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    d = hs.diff(a, copy.deepcopy(a), x)
+    assert d.within(rtol=0, atol=0)
+    assert all(row.metrics is not None and row.metrics.exact for row in d)
+    metrics = hs.diff(a, copy.deepcopy(a), torch.randn(3, 4)).rows[0].metrics
+    assert metrics is not None
+    assert metrics.mismatched == 0
+    from hookscope.diffing.metrics import raw_metrics, read_metrics
+
+    mixed = read_metrics([raw_metrics(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]))])[0]
+    assert mixed.mismatched == 1
+    assert not mixed.within(rtol=1, atol=1)
+    zeros = read_metrics([raw_metrics(torch.zeros(3), torch.ones(3))])[0]
+    assert math.isnan(zeros.cosine)  # one side all zeros: no direction to compare, not "aligned"
+    exact_ints = read_metrics([raw_metrics(torch.tensor([2**40]), torch.tensor([2**40 + 1]))])[0]
+    assert exact_ints.max_abs == 1.0
+
+
+def test_inference_mode_and_positional_targets() -> None:
+    a = mlp()
+    with torch.inference_mode():
+        assert hs.diff(a, copy.deepcopy(a), torch.randn(2, 8)).within()
+    d = hs.diff.dtypes(a, torch.randn(2, 8), torch.float16)
+    assert d["0"].dtype_b == "float16"
+    assert hs.diff.devices(a, torch.randn(2, 8), "cpu").within(rtol=0, atol=0)
+    with pytest.raises(hs.SpecError, match="two dtypes given"):
+        hs.diff.dtypes(a, torch.randn(2, 8), torch.float16, dtype="bf16")
+
+
+def test_order_pairing_notes_a_layer_of_another_kind() -> None:
+    torch.manual_seed(0)
+    a = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval())
+    b = track(nn.Sequential(copy.deepcopy(a[0]), nn.Tanh()).eval())
+    d = hs.diff(a, b, torch.rand(2, 4), match="order")
+    assert d["1"].note == "classes differ (ReLU vs Tanh)"
+    assert not d.within()
+
+
+def test_only_the_roots_pairing_is_refused_with_the_fix() -> None:
+    a = mlp(2)
+    with pytest.raises(hs.SpecError, match="match='order'"):
+        hs.diff(a, track(Renamed(a)), torch.randn(2, 8))

@@ -42,8 +42,9 @@ def diff_command(
     """Run MODEL_A and MODEL_B on the same input and compare them layer by layer.
 
     Prints the table and the first divergence. Exit 0 when every site is within tolerance
-    (max|a-b| <= atol + rtol * max|a|), 1 when one is not or a site has no counterpart, 2 for
-    bad input: usable as a check in the CI of a model port.
+    (max|a-b| <= atol + rtol * max|a|), 1 when one is not or a call has no counterpart, 2 for
+    bad input, including a model whose forward fails on the sample input (the message names
+    it): usable as a check in the CI of a model port.
     """
     import csv as csv_module
 
@@ -53,6 +54,8 @@ def diff_command(
     from hookscope.cli.specs import load_model, make_input
     from hookscope.diffing.api import cast_floats, compare_models
 
+    if csv is not None and not csv.parent.is_dir():
+        raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
     if mapping and by_order:
         raise SpecError("--map and --by-order pair sites in two different ways; pass one")
     match = _mapping(mapping) if mapping else ("order" if by_order else "name")
@@ -77,8 +80,10 @@ def diff_command(
     except (HookscopeError, OSError):
         raise
     except Exception as error:  # a model failed on the made-up input: the likeliest culprit
+        notes = " ".join(getattr(error, "__notes__", []))
+        which = model_a if "model a's" in notes else model_b if "model b's" in notes else "a model"
         raise SpecError(
-            f"a forward pass on the sample input raised {type(error).__name__}: {error}; "
+            f"the forward pass of {which} on the sample input raised {type(error).__name__}: {error}; "
             "pass an --input-shape both models accept"
         ) from error
     typer.echo(result.table())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+import gc
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +52,7 @@ def compare_models(
     modules_b = list(ensure_module(b).named_modules())
     pairs = None if match == "order" else name_pairs([n for n, _ in modules_a], [n for n, _ in modules_b], match)
     if pairs is not None:
-        if not pairs:
+        if not pairs or (set(pairs) == {""} and len(modules_a) > 1 and layers is None):
             raise SpecError(_no_pairs(modules_a, modules_b, match))
         if layers is not None or paired_b_only:  # b's other modules were left out on purpose, not missing
             modules_b = [(name, module) for name, module in modules_b if name in pairs]
@@ -57,13 +60,16 @@ def compare_models(
         raise SpecError("layers= picks a's modules by name, which match='order' cannot pair; leave layers out")
     wanted = {name for name, _ in modules_a}
     keeping = capture(a, lambda name, _: name in wanted, keep="both", device=keep_on)
-    with Reference(a, modules_a) as reference, keeping, torch.no_grad():
+    with Reference(a, modules_a) as reference, keeping, torch.no_grad(), _blame("a"):
         a(*inputs_a[0], **inputs_a[1])
     reference.fill(keeping.cache)
-    del keeping  # the calls hold a's values now, and let each go once it is compared
-    with Comparer(b, modules_b, reference.calls, pairs) as comparer, torch.no_grad():
+    del keeping
+    gc.collect()  # a capture and its call tracker refer to each other: free its cache now, so that
+    # the calls hold the only references to a's values and each goes once it is compared
+    with Comparer(b, modules_b, reference.calls, pairs) as comparer, torch.no_grad(), _blame("b"):
         b(*inputs_b[0], **inputs_b[1])
-    return _diff(comparer, reference.calls, rtol, atol, {"a": type(a).__name__, "b": type(b).__name__})
+    meta = {"a": type(a).__name__, "b": type(b).__name__, "inputs": True}
+    return _diff(comparer, reference.calls, rtol, atol, meta, check_classes=pairs is None)
 
 
 def compare_caches(a: Cache, b: Cache, *, match: Match, rtol: float, atol: float) -> Diff:
@@ -78,32 +84,43 @@ def compare_caches(a: Cache, b: Cache, *, match: Match, rtol: float, atol: float
         paired = [(by_site[(pairs[k.name], k.call)], k) for k in calls_b if (pairs.get(k.name), k.call) in by_site]
     drafts = []
     for order, (kept_a, kept_b) in enumerate(paired):
-        draft = CallDraft(kept_b.name, kept_b.call, kept_b.class_name, kept_a, finished=order)
+        draft = CallDraft(kept_b.name, kept_b.call, kept_b.class_name, True, kept_a, finished=order)
         for what, values_b in (("input", kept_b.inputs), ("output", kept_b.outputs)):
             values_a = kept_a.inputs if what == "input" else kept_a.outputs
             leaves = [(path, tensor) for path, tensor in values_b.items() if tensor is not None]
             draft.leaves += compare_leaves(what, values_a, kept_a.shapes, leaves)
         drafts.append(draft)
     matched = {(kept.name, kept.call) for kept, _ in paired}
-    only_b = [f"{k.name}#{k.call}" for k in calls_b if all(k is not kb for _, kb in paired)]
-    return _rows(drafts, calls_a, matched, only_b, rtol, atol, {"a": "Cache", "b": "Cache"})
+    paired_b = {id(kb) for _, kb in paired}
+    only_b = [f"{k.name or '(root)'}#{k.call}" for k in calls_b if id(k) not in paired_b]
+    with_inputs = any(kept.inputs for kept in calls_a) and any(kept.inputs for kept in calls_b)
+    return _rows(drafts, calls_a, matched, only_b, rtol, atol, {"a": "Cache", "b": "Cache", "inputs": with_inputs})
 
 
 def _calls_of(cache: Cache) -> list[Kept]:
-    """A cache's values grouped by call, in the order the cache holds them."""
+    """A cache's values grouped by call, in the order their outputs were kept (the order outputs
+    were made, as for two models; a call with inputs only goes where its inputs were)."""
     calls: dict[tuple[str, int], Kept] = {}
-    for site in cache.sites():
-        kept = calls.setdefault((site.module, site.call), Kept(site.module, site.call, ""))
+    first_seen: dict[tuple[str, int], int] = {}
+    first_output: dict[tuple[str, int], int] = {}
+    for position, site in enumerate(cache.sites()):
+        key = (site.module, site.call)
+        kept = calls.setdefault(key, Kept(site.module, site.call, ""))
         tensor = cache[site]
         (kept.inputs if site.what == "input" else kept.outputs)[site.path] = tensor
         kept.shapes[site.what + site.path] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-    return list(calls.values())
+        first_seen.setdefault(key, position)
+        if site.what == "output":
+            first_output.setdefault(key, position)
+    return sorted(calls.values(), key=lambda k: first_output.get((k.name, k.call), first_seen[(k.name, k.call)]))
 
 
-def _diff(comparer: Comparer, reference: list[Kept], rtol: float, atol: float, meta: dict[str, Any]) -> Diff:
+def _diff(
+    comparer: Comparer, reference: list[Kept], rtol: float, atol: float, meta: dict[str, Any], *, check_classes: bool
+) -> Diff:
     only_b = [f"{d.name_b or '(root)'}#{d.call}" for d in comparer.drafts if d.reference is None]
     finished = sorted((d for d in comparer.drafts if d.finished is not None), key=lambda d: d.finished or 0)
-    return _rows(finished, reference, comparer.matched, only_b, rtol, atol, meta)
+    return _rows(finished, reference, comparer.matched, only_b, rtol, atol, meta, check_classes=check_classes)
 
 
 def _rows(
@@ -114,6 +131,8 @@ def _rows(
     rtol: float,
     atol: float,
     meta: dict[str, Any],
+    *,
+    check_classes: bool = False,
 ) -> Diff:
     leaves = [leaf for draft in drafts if draft.reference is not None for leaf in draft.leaves]
     measured = read_metrics([leaf.raw for leaf in leaves if leaf.raw is not None])
@@ -131,8 +150,9 @@ def _rows(
         )
         for leaf in (leaf for leaf in draft.leaves if leaf.what == "output"):
             note = leaf.note
-            if kept.class_name and draft.class_b and kept.class_name != draft.class_b and note is None:
-                note = f"classes differ ({kept.class_name} vs {draft.class_b})" if leaf.raw is None else None
+            off_track = kept.leaf and draft.leaf and kept.class_name != draft.class_b  # containers may differ
+            if check_classes and note is None and off_track:  # paired by order, a layer against another kind
+                note = f"classes differ ({kept.class_name} vs {draft.class_b})"
             rows.append(_row(len(rows), kept, draft, leaf, read.get(id(leaf)), note, inputs))
     only_a = [f"{k.name or '(root)'}#{k.call}" for k in reference if (k.name, k.call) not in matched]
     return Diff(rows, rtol=rtol, atol=atol, only_a=only_a, only_b=only_b, meta=meta)
@@ -159,6 +179,17 @@ def _row(
     )
 
 
+@contextlib.contextmanager
+def _blame(which: str) -> Iterator[None]:
+    """Say which model's forward an exception came from."""
+    try:
+        yield
+    except Exception as error:
+        if hasattr(error, "add_note"):
+            error.add_note(f"hookscope.diff: raised in model {which}'s forward")
+        raise
+
+
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
         return list(model.named_modules())
@@ -180,6 +211,13 @@ def _no_pairs(modules_a: list[tuple[str, nn.Module]], modules_b: list[tuple[str,
         f"(a has {sample_a} ..., b has {sample_b} ...); pass match={{'a.pattern.*': 'b.pattern.*'}} "
         "or match='order' for models that differ only in their names"
     )
+
+
+_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta)(:\d+)?$")
+
+
+def _is_device(value: object) -> bool:
+    return isinstance(value, torch.device) or (isinstance(value, str) and _DEVICE.match(value) is not None)
 
 
 def _inside(prefix: str) -> Callable[[str], str]:
@@ -248,7 +286,7 @@ class DiffFunction:
         self,
         model: nn.Module,
         *args: Any,
-        dtype: torch.dtype | str = torch.bfloat16,
+        dtype: torch.dtype | str | None = None,
         autocast: bool = False,
         rtol: float = 1e-2,
         atol: float = 1e-3,
@@ -257,15 +295,22 @@ class DiffFunction:
         """``model`` in its own dtype against a copy cast to ``dtype`` (inputs cast too), or, with
         ``autocast=True``, against the same model under ``torch.autocast`` on its device.
 
+        The dtype may also come last among the positional arguments, as in the example; it
+        defaults to bfloat16. Tolerances default to ones a bf16 model meets (rtol 1e-2, atol 1e-3).
+
         Example::
 
             print(hs.diff.dtypes(model, x, torch.bfloat16))     # where bf16 loses the most
         """
         from hookscope._dtypes import floating_dtype
 
-        target = floating_dtype(dtype)
+        if args and isinstance(args[-1], torch.dtype):  # hs.diff.dtypes(model, x, torch.bfloat16)
+            if dtype is not None:
+                raise SpecError(f"two dtypes given: {args[-1]} among the inputs and dtype={dtype!r}; pass one")
+            args, dtype = args[:-1], args[-1]
+        target = floating_dtype(torch.bfloat16 if dtype is None else dtype)
         if target is None:
-            raise SpecError("dtype=None: name the dtype to compare against, e.g. torch.bfloat16 or 'fp16'")
+            raise SpecError("dtype: name the floating dtype to compare against, e.g. torch.bfloat16 or 'fp16'")
         inputs = (args, kwargs)
         options: dict[str, Any] = {"layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
         if autocast:
@@ -304,18 +349,24 @@ class DiffFunction:
         self,
         model: nn.Module,
         *args: Any,
-        device: str | torch.device = "cuda",
+        device: str | torch.device | None = None,
         rtol: float = 1e-4,
         atol: float = 1e-5,
         **kwargs: Any,
     ) -> Diff:
         """``model`` where it is against a copy on ``device`` (inputs moved too), layer by layer.
 
+        The device may also come last among the positional arguments; it defaults to ``cuda``.
+
         Example::
 
-            hs.diff.devices(model, x, device="cuda").first_divergence()
+            hs.diff.devices(model, x, "cuda").first_divergence()
         """
-        target = torch.device(device)
+        if args and _is_device(args[-1]):  # hs.diff.devices(model, x, "cuda")
+            if device is not None:
+                raise SpecError(f"two devices given: {args[-1]!r} among the inputs and device={device!r}; pass one")
+            args, device = args[:-1], args[-1]
+        target = torch.device("cuda" if device is None else device)
         moved = copy.deepcopy(model).to(target)
         inputs = (args, kwargs)
         options: dict[str, Any] = {"layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}

@@ -9,7 +9,6 @@ a's values plus b's own forward, never both activation sets held at once.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ class Kept:
     name: str
     call: int
     class_name: str
+    leaf: bool = True
     inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # "what path" -> shape, dtype
@@ -65,6 +65,7 @@ class CallDraft:
     name_b: str
     call: int
     class_b: str
+    leaf: bool
     reference: Kept | None
     leaves: list[LeafDraft] = field(default_factory=list)
     finished: int | None = None
@@ -90,9 +91,10 @@ class _Run(Scoped):
 
     def _enter(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         current, class_name = self._tracker.current, type(module).__name__
+        leaf = next(module.children(), None) is None
 
         def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.opened(name, current(module), class_name, call_leaves(args, kwargs))
+            self.opened(name, current(module), class_name, leaf, call_leaves(args, kwargs))
 
         return enter
 
@@ -104,7 +106,7 @@ class _Run(Scoped):
 
         return leave
 
-    def opened(self, name: str, call: int, class_name: str, leaves: Leaves) -> None:
+    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
         raise NotImplementedError
 
     def closed(self, name: str, call: int, leaves: Leaves) -> None:
@@ -135,16 +137,16 @@ class Reference(_Run):
         self._open: dict[tuple[str, int], Kept] = {}
         super().__init__(model, modules, owner="diff")
 
-    def opened(self, name: str, call: int, class_name: str, leaves: Leaves) -> None:
-        kept = Kept(name, call, class_name)
+    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
+        kept = Kept(name, call, class_name, leaf)
         for path, tensor in leaves:
             kept.shapes["input" + path] = (shape_of(tensor), _dtype(tensor))
         self.calls.append(kept)
         self._open[(name, call)] = kept
 
     def closed(self, name: str, call: int, leaves: Leaves) -> None:
-        kept = self._open.pop((name, call), None)
-        if kept is None or sys.exc_info()[1] is not None:
+        kept = self._open.pop((name, call), None)  # no always_call: this runs only after a call returned
+        if kept is None:
             return
         for path, tensor in leaves:
             kept.shapes["output" + path] = (shape_of(tensor), _dtype(tensor))
@@ -186,10 +188,10 @@ class Comparer(_Run):
         name_a = self._pairs.get(name)
         return None if name_a is None else self._by_site.get((name_a, call))
 
-    def opened(self, name: str, call: int, class_name: str, leaves: Leaves) -> None:
+    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
         kept = self._reference(name, call)
         self._started += 1
-        draft = CallDraft(name, call, class_name, kept)
+        draft = CallDraft(name, call, class_name, leaf, kept)
         if kept is not None:
             self.matched.add((kept.name, kept.call))
             draft.leaves = self._compare("input", kept.inputs, kept.shapes, leaves)
@@ -199,7 +201,7 @@ class Comparer(_Run):
 
     def closed(self, name: str, call: int, leaves: Leaves) -> None:
         draft = self._open.pop((name, call), None)
-        if draft is None or sys.exc_info()[1] is not None:
+        if draft is None:
             return
         draft.finished = self._finished
         self._finished += 1
@@ -258,10 +260,13 @@ def compare_leaves(
 def _measure(reference: torch.Tensor, tensor: torch.Tensor, measured: Measured | None) -> tuple[int, torch.Tensor]:
     if measured is None:
         return raw_metrics(reference, tensor)
+    version = None if tensor.is_inference() else tensor._version  # inference tensors have no counter
+    if version is None:
+        return raw_metrics(reference, tensor)
     key = (id(reference), id(tensor))
     known = measured.get(key)
-    if known is not None and known[0]() is tensor and known[1] == tensor._version:
+    if known is not None and known[0]() is tensor and known[1] == version:
         return known[2]
     raw = raw_metrics(reference, tensor)
-    measured[key] = (weakref.ref(tensor), tensor._version, raw)  # a weak reference: b's values still go
+    measured[key] = (weakref.ref(tensor), version, raw)  # a weak reference: b's values still go
     return raw

@@ -111,17 +111,25 @@ class Divergence:
     inputs_within: bool | None
     rtol: float
     atol: float
+    inputs_compared: bool = True
 
     @property
-    def introduced(self) -> bool:
-        """True when this layer's inputs were within tolerance: the layer made the difference."""
+    def introduced(self) -> bool | None:
+        """True when this layer's inputs were within tolerance (or it takes none): the layer made
+        the difference; False when they already differed; None when inputs were not compared
+        (captures taken without ``keep="both"``)."""
+        if not self.inputs_compared:
+            return None
         return self.inputs_within is not False
 
     def __str__(self) -> str:
         row, metrics = self.row, self.row.metrics
         what = row.note if metrics is None or row.note else _describe(metrics)
-        where = f"{row.site} ({row.class_name})" + (f" = b's {row.name_b}" if row.name_b != row.name else "")
-        if self.inputs_within is None:
+        kind = f" ({row.class_name})" if row.class_name else ""
+        where = f"{row.site}{kind}" + (f" = b's {row.name_b}" if row.name_b != row.name else "")
+        if not self.inputs_compared:
+            cause = "inputs were not compared (capture with keep='both' to compare them)"
+        elif self.inputs_within is None:
             cause = "it takes no tensor input"
         elif self.inputs_within:
             cause = "its inputs were within tolerance: this layer introduced the difference"
@@ -190,7 +198,8 @@ class Diff(Sequence[DiffRow]):
         rtol, atol = self._tolerance(rtol, atol)
         for row in self.rows:
             if not row.within(rtol=rtol, atol=atol):
-                return Divergence(row, row.inputs_within(rtol=rtol, atol=atol), rtol, atol)
+                inputs = row.inputs_within(rtol=rtol, atol=atol)
+                return Divergence(row, inputs, rtol, atol, inputs_compared=self.meta.get("inputs", True))
         return None
 
     def within(self, *, rtol: float | None = None, atol: float | None = None) -> bool:
@@ -240,9 +249,15 @@ class Diff(Sequence[DiffRow]):
         within = sum(row.within(rtol=self.rtol, atol=self.atol) for row in self.rows)
         lines = [f"{len(self.rows)} sites compared · {within} within rtol={self.rtol:g}, atol={self.atol:g}"]
         divergence = self.first_divergence()
-        lines.append(
-            str(divergence) if divergence is not None else "no divergence: every compared site is within tolerance"
-        )
+        if divergence is not None:
+            lines.append(str(divergence))
+        elif self.only_a or self.only_b:
+            lines.append(
+                f"NOT within: every compared site is, but {len(self.only_a)} calls of a and {len(self.only_b)} "
+                "of b have no counterpart"
+            )
+        else:
+            lines.append("no divergence: every compared site is within tolerance")
         for label, names in (("only in a", self.only_a), ("only in b", self.only_b)):
             if names:
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
