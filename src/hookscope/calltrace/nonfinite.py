@@ -118,6 +118,8 @@ class NonFiniteDetector(Scoped):
         current, class_name = self._tracker.current, type(module).__name__
 
         def open_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._tracker.replaying:
+                return  # a checkpointed block recomputing: checked in the forward already
             leaves = [self._leaf(path, t, None) for path, t in call_leaves(args, kwargs)]
             self._open.append(_Call(name, class_name, current(module), id(module), sys.exc_info()[1], leaves))
 
@@ -125,6 +127,8 @@ class NonFiniteDetector(Scoped):
 
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._tracker.replaying:
+                return
             if not self._tracker.owns() or not self._open or self._open[-1].module_id != id(module):
                 return  # a call refused on another thread, or no open record for it
             record = self._open.pop()
@@ -150,13 +154,17 @@ class NonFiniteDetector(Scoped):
     # -- passes -----------------------------------------------------------------------------------
 
     def pass_started(self, module: nn.Module) -> None:
-        """A new pass: forget the last one."""
+        """A new pass: forget the last one (a recomputation in backward is none)."""
+        if self._tracker.replaying:
+            return
         self._calls, self._open = [], []
         self._seen.clear()
         self._handled = sys.exc_info()[1]
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Read every sum at once and blame the first module that made a NaN/Inf."""
+        if self._tracker.replaying:
+            return
         calls, self._calls, self._open = self._calls, [], []
         self._seen.clear()
         if sys.exc_info()[1] is not self._handled:

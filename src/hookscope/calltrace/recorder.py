@@ -167,9 +167,11 @@ class Tracer(Scoped):
     def _opener(
         self, name: str, module: nn.Module, params: int
     ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current, class_name = self._tracker.current, type(module).__name__
+        current, class_name, tracker = self._tracker.current, type(module).__name__, self._tracker
 
         def open_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracker.replaying:
+                return  # a checkpointed block recomputing in backward: traced in the forward already
             state = self._pass
             parent = state.stack[-1] if state.stack else None
             leaves = call_leaves(args, kwargs)
@@ -199,6 +201,8 @@ class Tracer(Scoped):
     def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             state = self._pass
+            if self._tracker.replaying:
+                return
             if not self._tracker.owns() or not state.stack or state.stack[-1].module_id != id(module):
                 return  # a call refused on another thread, or the pass was reset while this call ran
             draft = state.stack.pop()
@@ -253,7 +257,9 @@ class Tracer(Scoped):
     # -- passes (told by the call tracker) ----------------------------------------------------------
 
     def pass_started(self, module: nn.Module) -> None:
-        """A new forward pass: forget the previous one's drafts."""
+        """A new forward pass: forget the previous one's drafts (not for a recomputation in backward)."""
+        if self._tracker.replaying:
+            return
         self._pass = _Pass()
         for peaks in self._peaks.values():
             peaks.clear()
@@ -264,6 +270,8 @@ class Tracer(Scoped):
         Reading here would be a host sync inside the model's last hook; deferring it keeps the
         whole forward free of syncs, so the first read happens after ``model(x)`` returned.
         """
+        if self._tracker.replaying:
+            return
         state = self._pass
         error = sys.exc_info()[1]
         failed = error is not None and error is not state.handled

@@ -71,10 +71,12 @@ class Keeper:
 
     # -- a pass -----------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Begin a new forward pass: a new cache, nothing watched, the budget full."""
+    def start(self, *, refill_budget: bool = True) -> None:
+        """Begin a new forward pass: a new cache, nothing watched, the budget full (unless the
+        earlier passes' caches are kept too: then the budget spans them all)."""
         self.cache = Cache(meta=self._meta)
-        self._bytes = 0
+        if refill_budget:
+            self._bytes = 0
         self._watched.clear()
         self._latest_call.clear()
         self._module_sites.clear()

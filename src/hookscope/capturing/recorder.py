@@ -79,8 +79,14 @@ class Capture(Scoped):
         stop: bool,
         max_bytes: int | str | None,
         copy: CopyMode,
+        passes: str = "latest",
     ) -> None:
         ensure_module(model)
+        if passes not in ("latest", "all"):
+            raise SpecError(f"passes={passes!r} is not 'latest' (each forward replaces the cache) or 'all'")
+        self._keep_passes = passes == "all"
+        self._passes: list[Cache] = []
+        self._handled: BaseException | None = None
         if not selectors:
             raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
         if copy not in ("auto", True, False):
@@ -128,8 +134,11 @@ class Capture(Scoped):
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
+        tracker = self._tracker
 
         def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracker.replaying:
+                return  # a checkpointed block recomputing in backward: its values were kept already
             if self._stopped:
                 raise _StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
@@ -142,8 +151,11 @@ class Capture(Scoped):
 
     def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
+        tracker = self._tracker
 
         def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if tracker.replaying:
+                return
             if self._stopped:
                 raise _StopForward(self)
             call = current(module)
@@ -157,13 +169,20 @@ class Capture(Scoped):
 
     def pass_started(self, module: nn.Module) -> None:
         """A new pass: a new cache, every selected module still to capture (when stopping)."""
+        if self._tracker.replaying:
+            return  # a recomputation in backward is no new pass: the forward's cache stays
         self._pending = {id(m) for _, m in self._selected if m is not module}
         self._stopped = False
-        self._keeper.start()
+        self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
+        self._keeper.start(refill_budget=not self._keep_passes)
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """The pass is over: protect what outlives it, and report a stop the model swallowed."""
+        if self._tracker.replaying:
+            return
         self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
+        if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
+            self._passes.append(self._keeper.cache)
         if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
             self._stopped = False
             raise CaptureError(
@@ -200,6 +219,14 @@ class Capture(Scoped):
     def cache(self) -> Cache:
         """The :class:`Cache` of the latest forward pass."""
         return self._keeper.cache
+
+    @property
+    def passes(self) -> list[Cache]:
+        """With ``passes="all"``, the :class:`Cache` of every finished forward pass, in order (a
+        generation loop: the prefill, then one per new token); otherwise the latest one's."""
+        if self._keep_passes:
+            return list(self._passes)
+        return [self._keeper.cache]
 
     def __getitem__(self, key: str | Site) -> torch.Tensor:
         return self.cache[key]
@@ -295,6 +322,7 @@ def capture(
     stop: bool = False,
     max_bytes: int | str | None = None,
     copy: CopyMode = "auto",
+    passes: str = "latest",
 ) -> Capture:
     """Keep the outputs (or inputs) of the modules the selectors pick, for each forward pass.
 
@@ -308,6 +336,10 @@ def capture(
     ends the forward once every selected module has been captured (its first call, or the
     chosen index): the rest of the model does not run, and ``model(x)`` inside the ``with``
     block ends the block. A later in-place op never changes a kept value (see ``copy``).
+    Each call of the model is a pass and starts a new cache; ``passes="all"`` keeps every
+    pass's cache (``capture.passes``; ``max_bytes`` then spans them all), for a loop that calls
+    the model several times, such as ``generate``. A checkpointed block recomputing its forward
+    in backward is not a pass: it neither adds values nor replaces them.
 
     Example::
 
@@ -329,6 +361,7 @@ def capture(
         stop=stop,
         max_bytes=max_bytes,
         copy=copy,
+        passes=passes,
     )
 
 

@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, get_args
 
 import torch
+import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -44,6 +45,7 @@ __all__ = [
     "attached",
     "check_kind",
     "live_groups",
+    "refuse_uncalled",
 ]
 
 HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
@@ -178,6 +180,7 @@ class HookGroup:
         _LIVE_GROUPS[self] = None
 
     def _attach(self, model: nn.Module, specs: Sequence[HookSpec], count: Sequence[tuple[str, nn.Module]]) -> None:
+        refuse_uncalled(model, [spec.name for spec in specs])
         tracked: dict[int, tuple[str, nn.Module]] = {}
         if self._tracker is not None:
             tracked[id(model)] = ("", model)
@@ -317,6 +320,28 @@ class Scoped:
     def __exit__(self, *exc: object) -> bool | None:
         self.remove()
         return None
+
+
+def refuse_uncalled(model: nn.Module, names: Sequence[str]) -> None:
+    """Refuse hooks on submodules of a ``torch.fx.GraphModule`` that its graph never calls.
+
+    An ``ExportedProgram.module()`` keeps its submodules only as holders of weights (its graph
+    reads them with ``get_attr``), and a ``symbolic_trace``d model calls its leaves but never
+    its containers: a hook on either would never fire, which is silent loss.
+    """
+    graph = getattr(model, "graph", None)
+    if graph is None or not isinstance(model, torch.fx.GraphModule):
+        return
+    called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
+    never = [name for name in dict.fromkeys(names) if name and name not in called]
+    if never:
+        shown = ", ".join(repr(name) for name in never[:6]) + (" ..." if len(never) > 6 else "")
+        usable = ", ".join(repr(name) for name in sorted(called)[:6]) or "none: only the root"
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a torch.fx GraphModule whose graph never calls {shown}, so hooks on "
+            f"them would never fire (torch.export's ExportedProgram.module() reads the weights directly); "
+            f"modules its graph calls: {usable}; hook the root, or the eager model before it is exported or traced"
+        )
 
 
 def attached(model: nn.Module) -> list[AttachedHook]:

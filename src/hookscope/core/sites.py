@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, Protocol, get_args
 
+import torch
 from torch import nn
 
 from hookscope.errors import HookscopeError, SpecError
+
+# The id of the backward pass running on this thread, -1 outside one (read once per pass).
+_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 __all__ = ["CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
 
@@ -115,7 +119,7 @@ class CallTracker:
     The hot path is a few dict operations and a list append/pop: no introspection per call.
     """
 
-    __slots__ = ("_counts", "_listener", "_names", "_open", "_open_calls", "_opener", "_thread")
+    __slots__ = ("_counts", "_listener", "_names", "_open", "_open_calls", "_opener", "_thread", "replaying")
 
     def __init__(self, listener: PassListener | None = None) -> None:
         self._counts: dict[int, int] = {}
@@ -125,6 +129,11 @@ class CallTracker:
         self._listener = listener
         self._opener = 0
         self._thread = 0
+        #: True during a pass that autograd runs inside a backward pass: a checkpointed block
+        #: (``torch.utils.checkpoint``) recomputing its forward. Features that record the forward
+        #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
+        #: capture nor replaces the real one; edits still apply, or the recomputation would differ.
+        self.replaying = False
 
     def watch(self, name: str, module: nn.Module) -> None:
         """Start counting ``module``'s calls, reported under ``name``."""
@@ -142,6 +151,7 @@ class CallTracker:
             self._counts.clear()
             self._opener = key
             self._thread = threading.get_ident()
+            self.replaying = _GRAPH_TASK() != -1
             if self._listener is not None:
                 self._listener.pass_started(module)
         index = self._counts.get(key, 0)

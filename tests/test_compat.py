@@ -1,0 +1,181 @@
+"""Where real models run: activation checkpointing, generation loops, torch.fx and torch.export.
+
+Each setting either works correctly or is refused with the fix in the message (docs/compatibility.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hookscope as hs
+from hookscope.core.attach import attached
+from tests.models import track
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(x))
+
+
+class Checkpointed(nn.Module):
+    """Three blocks, each run through torch.utils.checkpoint (or not, for the reference)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if self.reentrant is None else checkpoint(block, x, use_reentrant=self.reentrant)
+        return x.pow(2).sum()
+
+
+MODES = [pytest.param(True, id="reentrant"), pytest.param(False, id="non-reentrant")]
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_recomputation_adds_no_capture_and_replaces_none(reentrant: bool) -> None:
+    model, plain = track(Checkpointed(reentrant)), track(Checkpointed(None))
+    x = torch.randn(4, 6, requires_grad=True)
+    with hs.capture(model, "blocks.*.linear") as cap:
+        model(x).backward()  # backward recomputes every block's forward
+    with hs.capture(plain, "blocks.*.linear") as reference:
+        plain(x)
+    assert list(cap.cache) == list(reference.cache) == [f"blocks.{i}.linear#0:output" for i in range(3)]
+    for key in reference.cache:
+        torch.testing.assert_close(cap.cache[key], reference.cache[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_a_trace_is_of_the_forward_not_the_recomputation(reentrant: bool) -> None:
+    model, plain = track(Checkpointed(reentrant)), track(Checkpointed(None))
+    x = torch.randn(4, 6, requires_grad=True)
+    with hs.tracing(model) as tracer:
+        model(x).backward()
+    with hs.tracing(plain) as reference:
+        plain(x)
+    assert [row.site for row in tracer.trace] == [row.site for row in reference.trace]
+    assert len(tracer.trace) == 10  # the root, three blocks of two layers each, and the blocks
+    for ours, theirs in zip(tracer.trace, reference.trace, strict=True):
+        assert ours.stats == theirs.stats
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_gradients_of_checkpointed_blocks_are_recorded_once_per_call(reentrant: bool) -> None:
+    model, plain = track(Checkpointed(reentrant)), track(Checkpointed(None))
+    x = torch.randn(4, 6, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
+    for net in (model, plain):
+        with hs.watch_grads(net, nn.Linear) as monitor:
+            net(x).backward()
+            monitor.step()
+        net.monitor = monitor  # type: ignore[assignment]
+    ours = model.monitor.records[-1].of("grad_output")  # type: ignore[union-attr,operator]
+    theirs = plain.monitor.records[-1].of("grad_output")  # type: ignore[union-attr,operator]
+    assert [r.layer for r in ours] == [r.layer for r in theirs]
+    assert sorted(r.layer for r in ours) == ["blocks.0.linear#0", "blocks.1.linear#0", "blocks.2.linear#0"]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.norm == pytest.approx(b.norm, rel=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_edits_apply_in_the_recomputation_too(reentrant: bool) -> None:
+    model, plain = track(Checkpointed(reentrant)), track(Checkpointed(None))
+    x = torch.randn(4, 6, requires_grad=True)
+    grads = []
+    for net in (model, plain):
+        with hs.edit(net, {"blocks.1.linear": hs.edits.scale(0.5)}):
+            net(x).backward()
+        grads.append(net.blocks[0].linear.weight.grad.clone())  # type: ignore[union-attr,index]
+    torch.testing.assert_close(grads[0], grads[1])  # a recomputation without the edit would differ
+
+
+def test_transformers_gradient_checkpointing() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = track(GPT2Model(config))
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with hs.capture(model, r"re:h\.\d+$") as cap, hs.watch_grads(model, r"re:h\.\d+$") as monitor:
+        model(input_ids=ids).last_hidden_state.sum().backward()
+        monitor.step()
+    assert list(cap.cache) == ["h.0#0:output", "h.1#0:output"]
+    assert sorted(r.layer for r in monitor.records[-1].of("grad_output")) == ["h.0#0", "h.1#0"]  # once each
+
+
+def test_a_generation_loop_keeps_one_cache_per_forward() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
+    model = track(GPT2LMHeadModel(config).eval())
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with hs.capture(model, r"re:transformer\.h\.\d+$", calls="all", passes="all") as cap:
+        out = model.generate(ids, max_new_tokens=5, do_sample=False)  # type: ignore[operator]
+    assert out.shape == (1, 11)
+    shapes = [tuple(cache["transformer.h.1"].shape) for cache in cap.passes]
+    assert shapes == [(1, 6, 32)] + [(1, 1, 32)] * 4  # the prefill, then one token per step
+    assert all(list(cache) == ["transformer.h.0#0:output", "transformer.h.1#0:output"] for cache in cap.passes)
+    assert cap.cache is cap.passes[-1]
+    with hs.capture(model, "transformer.h.0") as latest:
+        model.generate(ids, max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+    assert len(latest.passes) == 1  # by default each call of the model replaces the cache
+    assert latest["transformer.h.0"].shape == (1, 1, 32)
+    with pytest.raises(hs.SpecError, match="passes='every'"):
+        hs.capture(model, "transformer.h.0", passes="every")
+
+
+def test_a_budget_spans_every_kept_pass() -> None:
+    model = track(nn.Sequential(nn.Linear(4, 256)))
+    with hs.capture(model, "0", passes="all", max_bytes=2500) as cap:
+        model(torch.randn(1, 4))
+        model(torch.randn(1, 4))
+        with pytest.raises(hs.CaptureError):
+            model(torch.randn(1, 4))  # three passes of 1 KiB each outgrow 3 KiB with the cache overhead
+    assert len(cap.passes) == 2
+
+
+def test_an_exported_program_is_refused_with_what_works() -> None:
+    eager = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval())
+    unlifted = torch.export.export(eager, (torch.randn(2, 4),)).module()
+    for attach in (lambda: hs.capture(unlifted, "*"), lambda: hs.trace(unlifted, torch.randn(2, 4))):
+        with pytest.raises(hs.UnsupportedModelError, match=r"never calls '0', '2'.*ExportedProgram.module\(\)"):
+            attach()
+    assert attached(unlifted) == []
+    with hs.capture(unlifted, "") as root:  # the whole program's output still works
+        unlifted(torch.randn(2, 4))
+    assert root.cache["#0:output"].shape == (2, 2)
+
+
+def test_an_fx_traced_model_hooks_its_leaves_and_refuses_its_containers() -> None:
+    eager = track(nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2)))
+    traced = torch.fx.symbolic_trace(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    _, cache = hs.run_with_capture(traced, x, layers=nn.Linear)
+    _, reference = hs.run_with_capture(eager, x, layers=nn.Linear)
+    assert list(cache) == list(reference)
+    with pytest.raises(hs.UnsupportedModelError, match="never calls '0'"):
+        hs.capture(traced, "0")
