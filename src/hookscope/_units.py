@@ -1,16 +1,33 @@
-"""Byte sizes as people write them: ``format_bytes(1536) == '1.5 KiB'``, ``parse_bytes('2GiB')``."""
+"""Numbers as tables show them: ``format_number(0.012345) == '0.01235'``, byte sizes as people
+write them: ``format_bytes(1536) == '1.5 KiB'``, ``parse_bytes('2GiB')``."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from hookscope.errors import SpecError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "format_number", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30})
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def format_number(value: float | None, *, digits: int = 4, missing: str = "") -> str:
+    """``digits`` significant digits, ``nan``/``inf``/``-inf`` spelt out, ``missing`` for None.
+
+    >>> format_number(0.012345), format_number(float("-inf")), format_number(None, missing="-")
+    ('0.01235', '-inf', '-')
+    """
+    if value is None:
+        return missing
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
 
 
 def format_bytes(count: int) -> str:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import html
 import io
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hookscope._units import format_bytes
+from hookscope._units import format_bytes, format_number
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
 from hookscope.errors import SpecError
 from hookscope.stats import Stats
@@ -22,15 +21,6 @@ if TYPE_CHECKING:
 __all__ = ["COLUMNS", "flat_record", "leaf_records", "render_html", "render_text", "rich_table", "rich_view"]
 
 _MAX_LEAVES_SHOWN = 2
-
-
-def number(value: float) -> str:
-    """Four significant digits; ``nan``/``inf`` spelt out."""
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
 
 
 def _shapes(infos: Sequence[TensorInfo], *, keyword: bool) -> str:
@@ -47,7 +37,7 @@ def _shapes(infos: Sequence[TensorInfo], *, keyword: bool) -> str:
 def _stat(field: str) -> Callable[[TraceRow], str]:
     def cell(row: TraceRow) -> str:
         stats = row.stats
-        return "" if stats is None or stats.count == 0 else number(getattr(stats, field))
+        return "" if stats is None or stats.count == 0 else format_number(getattr(stats, field))
 
     return cell
 

@@ -79,7 +79,7 @@ class Capture(Scoped):
         stop: bool,
         max_bytes: int | str | None,
         copy: CopyMode,
-        passes: str = "latest",
+        passes: Literal["latest", "all"] = "latest",
     ) -> None:
         ensure_module(model)
         if passes not in ("latest", "all"):
@@ -322,7 +322,7 @@ def capture(
     stop: bool = False,
     max_bytes: int | str | None = None,
     copy: CopyMode = "auto",
-    passes: str = "latest",
+    passes: Literal["latest", "all"] = "latest",
 ) -> Capture:
     """Keep the outputs (or inputs) of the modules the selectors pick, for each forward pass.
 

@@ -15,6 +15,7 @@ import typer
 
 from hookscope._version import __version__
 from hookscope.cli.diff_command import diff_command
+from hookscope.cli.options import Dtype, InputShape, ModelSpec
 from hookscope.core.select import Selector
 from hookscope.errors import HookscopeError, SpecError
 
@@ -62,25 +63,6 @@ def demo(
     from hookscope.demo.tour import run_tour
 
     run_tour(out, write=typer.echo)
-
-
-# Arguments shared by the commands that build and run a model.
-ModelSpec = Annotated[
-    str,
-    typer.Argument(
-        metavar="MODEL",
-        help="package.module:factory, path/to/file.py:factory, demo:cnn, demo:shapes or "
-        "hf-config:<model_type>[?key=value&...]",
-        show_default=False,
-    ),
-]
-InputShape = Annotated[
-    str | None,
-    typer.Option("--input-shape", "-s", help="Shape of a random sample input, e.g. 1x3x32x32 (tokens: 1x16)."),
-]
-Dtype = Annotated[
-    str | None, typer.Option("--dtype", help="Cast the model and its float input: fp32, fp16, bf16, fp64.")
-]
 
 
 @app.command("layers")

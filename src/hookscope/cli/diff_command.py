@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from hookscope.cli.options import InputShape
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["diff_command"]
@@ -17,10 +18,7 @@ EXIT_DIFFERENT = 1
 def diff_command(
     model_a: Annotated[str, typer.Argument(metavar="MODEL_A", help="The reference model (same forms as MODEL).")],
     model_b: Annotated[str, typer.Argument(metavar="MODEL_B", help="The model compared against it.")],
-    input_shape: Annotated[
-        str | None,
-        typer.Option("--input-shape", "-s", help="Shape of the random sample input, e.g. 1x3x32x32 (tokens: 1x16)."),
-    ] = None,
+    input_shape: InputShape = None,
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="Cast model B and its float input: bf16, fp16, ...")
     ] = None,

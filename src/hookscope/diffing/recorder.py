@@ -194,7 +194,7 @@ class Comparer(_Run):
         draft = CallDraft(name, call, class_name, leaf, kept)
         if kept is not None:
             self.matched.add((kept.name, kept.call))
-            draft.leaves = self._compare("input", kept.inputs, kept.shapes, leaves)
+            draft.leaves = compare_leaves("input", kept.inputs, kept.shapes, leaves, self._measured)
             kept.inputs.clear()  # compared: a's copies of them can go
         self.drafts.append(draft)
         self._open[(name, call)] = draft
@@ -206,17 +206,10 @@ class Comparer(_Run):
         draft.finished = self._finished
         self._finished += 1
         if draft.reference is not None:
-            draft.leaves += self._compare("output", draft.reference.outputs, draft.reference.shapes, leaves)
+            draft.leaves += compare_leaves(
+                "output", draft.reference.outputs, draft.reference.shapes, leaves, self._measured
+            )
             draft.reference.outputs.clear()
-
-    def _compare(
-        self,
-        what: str,
-        kept: dict[str, torch.Tensor | None],
-        shapes: dict[str, tuple[tuple[int, ...], str]],
-        leaves: Leaves,
-    ) -> list[LeafDraft]:
-        return compare_leaves(what, kept, shapes, leaves, self._measured)
 
 
 Measured = dict[tuple[int, int], tuple["weakref.ref[torch.Tensor]", int, tuple[int, torch.Tensor]]]

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+from hookscope._units import format_number
 from hookscope.calltrace.rows import format_shape
 from hookscope.diffing.metrics import Metrics
 from hookscope.errors import MissingDependencyError
@@ -314,10 +315,4 @@ def _shapes(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> str:
 
 
 def _number(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return "0" if value == 0 else f"{value:.3g}"
+    return format_number(value, digits=3, missing="-")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hookscope.errors import SpecError
-from hookscope.plots.figure import new_figure, short_label
+from hookscope.plots.figure import depth_figure, label_layers
 
 if TYPE_CHECKING:
     from hookscope.calltrace.result import Trace
@@ -17,9 +16,6 @@ if TYPE_CHECKING:
     from hookscope.core.select import Selector
 
 __all__ = ["depth_rows", "layer_stats"]
-
-_MAX_TICKS = 48
-_MAX_WIDTH = 16.0  # inches: past this, a wider figure only makes a heavier image
 
 
 def depth_rows(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> list[TraceRow]:
@@ -58,7 +54,7 @@ def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None
         return np.array([getattr(s, field) for s in stats], dtype=float)
 
     mean, std, low, high, magnitude = (column(f) for f in ("mean", "std", "min", "max", "abs_mean"))
-    fig = new_figure(min(max(6.0, 0.22 * len(rows) + 2.5), _MAX_WIDTH), 6.0)
+    fig = depth_figure(len(rows), 6.0)
     top, bottom = fig.subplots(2, 1, sharex=True)
     top.fill_between(position, _finite(low), _finite(high), color="#c6dbef", label="min to max", step=None)
     top.fill_between(position, mean - std, mean + std, color="#6baed6", label="mean ± std")
@@ -79,9 +75,7 @@ def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None
     bottom.set_yscale("log")
     bottom.set_ylabel("scale (log)")
     bottom.legend(loc="best", fontsize=7)
-    stride = max(1, math.ceil(len(rows) / _MAX_TICKS))
-    ticks = position[::stride]
-    bottom.set_xticks(ticks, [short_label(rows[i].site, 24) for i in ticks], rotation=90, fontsize=6)
+    label_layers(bottom, [row.site for row in rows])
     return fig
 
 

@@ -8,15 +8,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hookscope.errors import SpecError
-from hookscope.plots.figure import new_figure, short_label
+from hookscope.plots.figure import depth_figure, label_layers
 
 if TYPE_CHECKING:
     from hookscope.diffing.result import Diff
 
 __all__ = ["diff_profile"]
-
-_MAX_TICKS = 48
-_MAX_WIDTH = 16.0
 
 
 def diff_profile(diff: Diff, *, leaves_only: bool = True) -> Any:
@@ -41,7 +38,7 @@ def diff_profile(diff: Diff, *, leaves_only: bool = True) -> Any:
     relative = np.array([math.nan if r.metrics is None else r.metrics.relative for r in rows], dtype=float)
     max_abs = np.array([math.nan if r.metrics is None else r.metrics.max_abs for r in rows], dtype=float)
     sqnr = np.array([math.nan if r.metrics is None else r.metrics.sqnr_db for r in rows], dtype=float)
-    fig = new_figure(min(max(6.0, 0.22 * len(rows) + 2.5), _MAX_WIDTH), 6.0)
+    fig = depth_figure(len(rows), 6.0)
     top, bottom = fig.subplots(2, 1, sharex=True)
     positive = np.concatenate([relative[relative > 0], max_abs[max_abs > 0]])
     floor = float(positive[np.isfinite(positive)].min()) / 10 if np.isfinite(positive).any() else 1e-12
@@ -66,7 +63,5 @@ def diff_profile(diff: Diff, *, leaves_only: bool = True) -> Any:
     top.set_title(f"a against b along depth ({len(rows)} sites)", fontsize=9)
     bottom.plot(position, np.where(np.isfinite(sqnr), sqnr, np.nan), marker="o", markersize=3, color="#756bb1")
     bottom.set_ylabel("SQNR (dB)")
-    stride = max(1, math.ceil(len(rows) / _MAX_TICKS))
-    ticks = position[::stride]
-    bottom.set_xticks(ticks, [short_label(rows[i].site, 24) for i in ticks], rotation=90, fontsize=6)
+    label_layers(bottom, [row.site for row in rows])
     return fig

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from hookscope.errors import SpecError
 from hookscope.grads.records import GradStep
-from hookscope.plots.figure import literal, new_figure
+from hookscope.plots.figure import depth_figure, label_layers, literal, new_figure
 
 if TYPE_CHECKING:
     from hookscope.grads.monitor import GradMonitor
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 __all__ = ["grad_flow", "grad_history"]
 
 _MAX_LINES = 8
-_MAX_TICKS = 60
 
 
 def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
@@ -46,7 +45,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
         raise SpecError(f"step {chosen.step} has no {what} records; try what='param' or 'grad_output'")
     labels = [record.column for record in records]
     positions = list(range(len(records)))
-    fig = new_figure(min(max(6.0, 0.28 * len(records) + 2), 16.0), 4.5)  # wider only makes a heavier image
+    fig = depth_figure(len(records), 4.5, per_layer=0.28)
     ax = fig.add_subplot()
     finite = [r.finite for r in records]
     ax.bar(positions, [_positive(r.max_abs) for r in records], color="#9ecae1", label="max |g|")
@@ -58,8 +57,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     bad = [p for p, ok in zip(positions, finite, strict=True) if not ok]
     if bad:
         ax.scatter(bad, [top] * len(bad), marker="x", color="red", zorder=3, label="NaN/Inf")
-    stride = max(1, math.ceil(len(positions) / _MAX_TICKS))  # a thousand layers: every k-th name
-    ax.set_xticks(positions[::stride], [literal(label) for label in labels[::stride]], rotation=90, fontsize=7)
+    label_layers(ax, labels, limit=48, fontsize=7)
     ax.set_ylabel("|gradient|")
     ax.set_title(f"gradient flow ({what}), step {chosen.step}")
     ax.legend(loc="best", fontsize=8)

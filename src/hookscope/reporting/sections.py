@@ -10,13 +10,14 @@ from typing import Any
 
 from torch import nn
 
+from hookscope._units import format_number
 from hookscope.calltrace.result import Trace
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
 from hookscope.core.params import count, own_count
 from hookscope.grads.records import GradStep
 from hookscope.stats import Stats
 
-__all__ = ["COLUMNS", "Column", "details", "feature_map_rows", "number", "overview", "param_rows", "table_rows"]
+__all__ = ["COLUMNS", "Column", "details", "feature_map_rows", "overview", "param_rows", "table_rows"]
 
 _MAX_CLASSES = 12
 
@@ -45,17 +46,6 @@ COLUMNS = (
     Column("nonfinite", "NaN/Inf", "num"),
     Column("params", "params", "num"),
 )
-
-
-def number(value: float | None) -> str:
-    """A statistic as a table shows it: 4 significant digits, ``nan``/``inf`` spelled out."""
-    if value is None:
-        return ""
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
 
 
 def overview(model: nn.Module, trace: Trace) -> dict[str, Any]:
@@ -127,9 +117,9 @@ def param_rows(step: GradStep) -> list[dict[str, Any]]:
     return [
         {
             "name": record.path,
-            "norm": number(record.norm),
-            "ratio": number(record.ratio),
-            "max_abs": number(record.max_abs),
+            "norm": format_number(record.norm),
+            "ratio": format_number(record.ratio),
+            "max_abs": format_number(record.max_abs),
             "bad": not record.finite,
         }
         for record in step.of("param")
@@ -170,7 +160,7 @@ def _cell(text: str, sort: float | None = None, cls: str = "") -> dict[str, Any]
 
 def _stat_cell(stats: Stats | None, field: str) -> dict[str, Any]:
     value = None if stats is None else float(getattr(stats, field))
-    return _cell(number(value), value, "num")
+    return _cell(format_number(value), value, "num")
 
 
 def _tensor_detail(info: TensorInfo) -> dict[str, Any]:
@@ -179,11 +169,11 @@ def _tensor_detail(info: TensorInfo) -> dict[str, Any]:
         {}
         if stats is None
         else {
-            "min": number(stats.min),
-            "max": number(stats.max),
-            "mean": number(stats.mean),
-            "std": number(stats.std),
-            "abs_mean": number(stats.abs_mean),
+            "min": format_number(stats.min),
+            "max": format_number(stats.max),
+            "mean": format_number(stats.mean),
+            "std": format_number(stats.std),
+            "abs_mean": format_number(stats.abs_mean),
             "zeros": f"{stats.zero_frac:.1%}",
             "nan": stats.nan,
             "inf": stats.inf,
