@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -179,3 +180,83 @@ def test_an_fx_traced_model_hooks_its_leaves_and_refuses_its_containers() -> Non
     assert list(cache) == list(reference)
     with pytest.raises(hs.UnsupportedModelError, match="never calls '0'"):
         hs.capture(traced, "0")
+
+
+class Handshake(nn.Module):
+    """Holds its forward open until told to go on: lets a test run a second thread inside a pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.go_on = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inside.set()
+        assert self.go_on.wait(timeout=30), "the other thread never finished"
+        return x * 2
+
+
+def test_a_second_thread_inside_a_pass_is_refused_and_the_first_pass_is_whole() -> None:
+    model = nn.Sequential(Handshake(), nn.Linear(3, 3))
+    first, second = torch.ones(2, 3), torch.zeros(2, 3)
+    refused: list[BaseException] = []
+
+    def intrude() -> None:
+        assert model[0].inside.wait(timeout=30)
+        try:
+            model(second)
+        except hs.errors.CaptureError as error:
+            refused.append(error)
+        finally:
+            model[0].go_on.set()
+
+    with hs.capture(model, "1") as cap:
+        other = threading.Thread(target=intrude)
+        other.start()
+        out = model(first)
+        other.join(timeout=30)
+    assert len(refused) == 1
+    assert "another thread" in str(refused[0])
+    assert "DataParallel" in str(refused[0])
+    torch.testing.assert_close(cap["1"], out)  # the refused call left the open pass alone
+    assert attached(model) == []
+
+
+def test_threads_racing_to_open_passes_never_mix_them() -> None:
+    """Many threads entering at once: each pass is one thread's, whole (the opening is locked)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    inputs = [torch.full((4, 16), float(i)) for i in range(8)]
+    start = threading.Barrier(len(inputs))
+    done: list[int] = []
+
+    def run(i: int) -> None:
+        start.wait(timeout=30)
+        for _ in range(20):
+            try:
+                model(inputs[i])
+                done.append(i)
+            except hs.errors.CaptureError:
+                pass
+
+    with torch.no_grad(), hs.capture(model, ["0", "2"], keep="both", passes="all") as cap:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert len(cap.passes) == len(done) > 0
+    for cache in cap.passes:  # inputs and outputs of one pass come from one thread's input
+        source = cache["0:input[0]"]
+        torch.testing.assert_close(cache["2:output"], model(source))
+
+
+def test_data_parallel_on_the_cpu_names_and_captures_as_the_model() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    parallel = nn.DataParallel(model)  # no GPU: it calls the model directly
+    x = torch.randn(2, 3)
+    assert [row.name for row in hs.layers(parallel).rows] == ["", "module", "0", "1"]
+    with hs.capture(parallel, ["module.0", "1"]) as cap:
+        out = parallel(x)
+    torch.testing.assert_close(cap["0"], model[0](x))
+    torch.testing.assert_close(cap["module.1"], out)

@@ -40,6 +40,7 @@ __all__ = [
     "SelectionError",
     "SiteNotFoundError",
     "SpecError",
+    "StaleCompiledCodeWarning",
     "StoreError",
     "StoreWriteError",
     "UnsupportedModelError",
@@ -136,3 +137,9 @@ class StoreWriteError(StoreError):
     """
 
     exit_code = 1
+
+
+class StaleCompiledCodeWarning(UserWarning):
+    """hookscope reset ``torch.compile``'s code (``torch._dynamo.reset()``) so that hooks attached
+    after a compiled call are called: the next call recompiles. Attach hooks before the first
+    compiled call to avoid it."""

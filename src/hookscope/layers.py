@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hookscope.core.attach import HookGroup
+from hookscope.core.names import named_modules
 from hookscope.core.params import count, own_count
 from hookscope.core.select import ensure_module
 from hookscope.core.sites import CallTracker
@@ -125,7 +126,7 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
         3 modules · 40 parameters (40 trainable)
     """
     ensure_module(model)
-    named = list(model.named_modules())
+    named = named_modules(model)
     calls = _count_calls(model, named, example_args, example_kwargs) if example_args or example_kwargs else None
     rows = [
         Layer(

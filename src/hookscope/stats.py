@@ -46,12 +46,15 @@ many batches or steps.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from hookscope.core.compiled import is_compiling
 
 __all__ = [
     "RAW_FIELDS",
@@ -139,6 +142,19 @@ def is_measurable(tensor: torch.Tensor) -> bool:
     )
 
 
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s whole value (FSDP2's sharded parameters and gradients), other tensors as they are.
+
+    Reading a shard's values would give this rank's part under the whole tensor's count, with
+    no error. Gathering is a collective: every rank of the tensor's mesh must ask for it too.
+    """
+    distributed = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(distributed, "DTensor", None) if distributed is not None else None
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return tensor.full_tensor()  # type: ignore[no-any-return]
+    return tensor
+
+
 def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: Scratch | None = None) -> RawStats:
     """Summarise ``tensor`` on its own device, without reading anything back to the host.
 
@@ -149,14 +165,14 @@ def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: S
     """
     if not is_measurable(tensor):
         raise ValueError(f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout})")
-    values = _as_vector(tensor.detach())
+    values = _as_vector(full_value(tensor.detach()))
     count = values.numel()
     if count == 0:  # filled on the device: a host-made tensor would be a copy, i.e. a sync
         empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=accumulator(values.device), device=values.device)
         empty[_ZEROS:] = 0.0
         return RawStats(0, empty)
-    if branching is None:
-        branching = values.device.type == "cpu"
+    if branching is None:  # torch.compile traces kernels only: the CPU shortcuts read values back
+        branching = values.device.type == "cpu" and not is_compiling()
     vector = _branching(values, scratch) if branching else _unconditional(values)
     return RawStats(count, vector)
 

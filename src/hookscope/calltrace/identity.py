@@ -8,6 +8,7 @@ Tensors are held by weak reference, so remembering them keeps no activation aliv
 
 Writes through ``tensor.data`` bypass the version counter (that is what ``.data`` is for), so
 a change made that way after a module returned is not seen: the earlier statistics are reused.
+Under ``torch.compile`` nothing is remembered (Dynamo cannot trace identities or versions).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import weakref
 from typing import Generic, TypeVar
 
 import torch
+
+from hookscope.core.compiled import is_compiling
 
 __all__ = ["SeenTensors"]
 
@@ -32,6 +35,8 @@ class SeenTensors(Generic[T]):
 
     def get(self, tensor: torch.Tensor) -> T | None:
         """The value stored for this very tensor, if it has not been changed in place since."""
+        if is_compiling():  # no identities or version counters under torch.compile: measure anew
+            return None
         entry = self._entries.get(id(tensor))
         if entry is None:
             return None
@@ -42,7 +47,7 @@ class SeenTensors(Generic[T]):
 
     def put(self, tensor: torch.Tensor, value: T) -> None:
         """Remember ``value`` for ``tensor`` as it is now."""
-        if tensor.is_inference():
+        if is_compiling() or tensor.is_inference():
             return  # inference tensors have no version counter: an in-place change would go unseen
         self._entries[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
 

@@ -25,6 +25,7 @@ from torch import nn
 from hookscope.calltrace.identity import SeenTensors
 from hookscope.calltrace.result import MASK_WORDS
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
+from hookscope.core.names import named_modules
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
@@ -105,7 +106,7 @@ class NonFiniteDetector(Scoped):
         self._seen: SeenTensors[tuple[Signature, str | None]] = SeenTensors()
         self._handled: BaseException | None = None
         specs = []
-        for name, module in model.named_modules():
+        for name, module in named_modules(model):
             specs.append(
                 HookSpec(name, module, "forward_pre", self._opener(name, module), with_kwargs=True, fitted=True)
             )

@@ -28,6 +28,8 @@ from hookscope.calltrace.result import Trace, describe_call
 from hookscope.calltrace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope.calltrace.timing import CallClock, PeakMemory
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
+from hookscope.core.compiled import is_compiling
+from hookscope.core.names import named_modules
 from hookscope.core.params import count, own_count
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
@@ -101,6 +103,11 @@ class _Draft:
     peak_bytes: int | None = None
 
 
+def _clock() -> float:
+    """``perf_counter``, or 0 while torch.compile traces (Dynamo cannot call it: a graph break)."""
+    return 0.0 if is_compiling() else time.perf_counter()
+
+
 class _Pass:
     """Everything one forward pass accumulates; a new pass starts from a clean one."""
 
@@ -112,7 +119,7 @@ class _Pass:
         self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
         self.finished = 0
         self.clock = CallClock()
-        self.started = time.perf_counter()
+        self.started = _clock()
         self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
@@ -190,7 +197,7 @@ class Tracer(Scoped):
             device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
             if self._memory and device is not None:
                 self._peak_memory(device).enter()
-            if self._timing:
+            if self._timing and not is_compiling():  # one fused graph under torch.compile: no per-call times
                 draft.measured_before = state.measuring
                 draft.timer = state.clock.start(device)
             state.rows.append(draft)
@@ -238,11 +245,12 @@ class Tracer(Scoped):
         return _Leaf(path, shape_of(tensor), dtype, str(tensor.device), index, source)
 
     def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
-        began = time.perf_counter() if self._timing else 0.0
+        timed = self._timing and not is_compiling()
+        began = time.perf_counter() if timed else 0.0
         state.raws.append(raw_stats(tensor, scratch=self._scratch))
         if self._bins:
             state.histograms.append(raw_histogram(tensor, bins=self._bins))
-        if self._timing:
+        if timed:
             state.measuring += time.perf_counter() - began
         if tensor.is_cuda:
             state.streams.add(torch.cuda.current_stream(tensor.device))
@@ -281,7 +289,7 @@ class Tracer(Scoped):
         self._finished = _FinishedPass(
             state,
             type(module).__name__,
-            time.perf_counter() - state.started,
+            _clock() - state.started,
             max(raised) if raised else None,
             _record_done(state.streams),
         )
@@ -490,7 +498,7 @@ def _bins(histograms: bool | int, stats: bool) -> int | None:
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
-        return list(model.named_modules())
+        return named_modules(model)
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
     if not selectors:
         raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")

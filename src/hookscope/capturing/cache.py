@@ -11,6 +11,7 @@ itself when it is a tensor, or its only tensor. A key that names nothing raises
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import html
 import os
@@ -158,7 +159,10 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def resolve(self, key: str | Site) -> Site:
         """The full :class:`Site` that ``key`` names; raises ``SiteNotFoundError`` if none."""
+        aliases = self.meta.get("aliases") or {}
         if isinstance(key, Site):
+            if key.module in aliases:  # "module.fc" below a wrapper is kept as "fc"
+                key = dataclasses.replace(key, module=aliases[key.module])
             if key not in self._entries:
                 raise SiteNotFoundError(f"site {str(key)!r} was not captured; {self._captured_hint(key.module)}")
             return key
@@ -167,7 +171,9 @@ class Cache(Mapping[str, torch.Tensor]):
         match = _KEY.match(key)
         if match is None:
             raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'")
-        return self._resolve_parts(key, match["module"], match["call"], match["what"], match["path"])
+        spelled = match["module"] or ""
+        module = str(aliases.get(spelled, spelled))
+        return self._resolve_parts(key, module, match["call"], match["what"], match["path"])
 
     def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
         index = self._built_index()

@@ -23,6 +23,7 @@ from hookscope._units import format_bytes
 from hookscope.capturing.cache import Cache, tensor_bytes
 from hookscope.capturing.guard import CopyOnWrite, storage_key
 from hookscope.capturing.reduce import Reduction
+from hookscope.core.compiled import is_compiling
 from hookscope.core.sites import Site
 from hookscope.errors import CaptureError, SpecError
 
@@ -32,7 +33,7 @@ EAGER_COPY_BYTES = 64 * 1024
 
 
 def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
+    return None if is_compiling() or tensor.is_inference() else tensor._version
 
 
 class Keeper:
@@ -68,6 +69,7 @@ class Keeper:
         self._latest_call: dict[str, int] = {}
         self._module_sites: dict[str, list[Site]] = {}
         self._sync_streams: list[torch.cuda.Stream] = []
+        self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor]], str]] = []
 
     # -- a pass -----------------------------------------------------------------------------------
 
@@ -86,6 +88,8 @@ class Keeper:
 
         ``outliving`` names that memory; it is asked only when something is still watched.
         """
+        if not is_compiling():
+            self.keep_deferred()
         self.leave_guard()
         if self._watched:
             outside = outliving()
@@ -119,13 +123,28 @@ class Keeper:
 
     def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
         """Keep every tensor leaf of one module call's input or output."""
+        if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept once the graph has run
+            copies = [(path, tensor.detach().clone()) for path, tensor in leaves]
+            self._deferred.append((name, call, what, copies, type(value).__name__))
+            return
+        self._keep_leaves(name, call, what, leaves, type(value).__name__)
+
+    def keep_deferred(self) -> None:
+        """Keep what compiled code handed over (called outside it: at the pass's end, or on reading)."""
+        deferred, self._deferred = self._deferred, []
+        for name, call, what, copies, kind in deferred:
+            self._keep_leaves(name, call, what, copies, kind, owned=True)
+
+    def _keep_leaves(
+        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], kind: str, owned: bool = False
+    ) -> None:
         if self._last_call_only and not self._make_room_for(name, call):
             return
         if not leaves:
-            self.cache._note_empty(name, what, type(value).__name__)
+            self.cache._note_empty(name, what, kind)
         for path, tensor in leaves:
             site = Site(name, call, what, path)  # type: ignore[arg-type]
-            self._keep(site, tensor)
+            self._keep(site, tensor, owned=owned)
             if self._last_call_only:
                 self._module_sites.setdefault(name, []).append(site)
 
@@ -140,7 +159,7 @@ class Keeper:
         self._latest_call[name] = call
         return True
 
-    def _keep(self, site: Site, tensor: torch.Tensor) -> None:
+    def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False) -> None:
         value = tensor.detach() if self._detach else tensor
         if self._reduce is not None:
             value = self._reduced(site, value)
@@ -150,7 +169,7 @@ class Keeper:
             value = value.to(cast)
         if self._device is not None and value.device != self._device:
             value = self._moved(value)
-        value = self._owned(site, value, tensor)
+        value = value if owned else self._owned(site, value, tensor)
         self.cache._put(site, value, _version(value))
 
     def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:

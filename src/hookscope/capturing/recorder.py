@@ -32,6 +32,7 @@ from hookscope.capturing.guard import storage_key
 from hookscope.capturing.keeper import Keeper
 from hookscope.capturing.reduce import Reduction, parse_reduction
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
+from hookscope.core.names import raw_and_named_modules
 from hookscope.core.select import Selector, describe_selector, ensure_module, select
 from hookscope.core.sites import CallTracker, Site, call_filter
 from hookscope.core.tree import call_leaves, flatten_tensors
@@ -103,6 +104,12 @@ class Capture(Scoped):
         self._model = model
         self._selected = select(model, list(selectors))  # a union, each module once, in model order
         meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
+        chosen = {id(module) for _, module in self._selected}
+        aliases = {
+            raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
+        }
+        if aliases:  # names below a DDP or torch.compile wrapper, as spelled by named_modules()
+            meta["aliases"] = aliases
         self._keeper = Keeper(
             detach=detach,
             reduce=parse_reduction(reduce),
@@ -218,6 +225,7 @@ class Capture(Scoped):
     @property
     def cache(self) -> Cache:
         """The :class:`Cache` of the latest forward pass."""
+        self._keeper.keep_deferred()  # values a compiled pass handed over, if its end ran compiled too
         return self._keeper.cache
 
     @property
@@ -226,7 +234,7 @@ class Capture(Scoped):
         generation loop: the prefill, then one per new token); otherwise the latest one's."""
         if self._keep_passes:
             return list(self._passes)
-        return [self._keeper.cache]
+        return [self.cache]
 
     def __getitem__(self, key: str | Site) -> torch.Tensor:
         return self.cache[key]

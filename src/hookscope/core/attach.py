@@ -31,6 +31,8 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.core.compiled import recompile_if_stale, sentinels
+from hookscope.core.names import named_modules
 from hookscope.core.select import ensure_module
 from hookscope.core.sites import CallTracker
 from hookscope.errors import SpecError, UnsupportedModelError
@@ -125,7 +127,7 @@ class AttachedHook:
     kind: HookKind
     owner: str
     group: HookGroup
-    purpose: str  # "hook" for the caller's function, "call counter" for per-call numbering
+    purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,10 @@ class HookGroup:
 
     def _attach(self, model: nn.Module, specs: Sequence[HookSpec], count: Sequence[tuple[str, nn.Module]]) -> None:
         refuse_uncalled(model, [spec.name for spec in specs])
+        hooked = [*(spec.module for spec in specs), *(module for _, module in count)]
+        recompile_if_stale(model, hooked)
+        for name, module, kind, fn in sentinels(model, hooked):
+            self._add(name, module, kind, "compile check", fn)  # type: ignore[arg-type]
         tracked: dict[int, tuple[str, nn.Module]] = {}
         if self._tracker is not None:
             tracked[id(model)] = ("", model)
@@ -355,7 +361,7 @@ def attached(model: nn.Module) -> list[AttachedHook]:
     []
     """
     ensure_module(model)
-    order = {id(module): (index, name) for index, (name, module) in enumerate(model.named_modules())}
+    order = {id(module): (index, name) for index, (name, module) in enumerate(named_modules(model))}
     found: list[tuple[int, AttachedHook]] = []
     for group in list(_LIVE_GROUPS):
         for record in group._records:

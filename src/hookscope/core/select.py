@@ -34,6 +34,7 @@ from typing import TypeAlias, cast
 import torch
 from torch import nn
 
+from hookscope.core.names import raw_and_named_modules
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
 __all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select", "select_names"]
@@ -145,14 +146,27 @@ def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
     hookscope.errors.SelectionError: selector '3' matched 0 of 4 modules; did you mean '0' ...
     """
     ensure_module(model)
-    named = list(model.named_modules())
+    entries = raw_and_named_modules(model)
+    named = [(name, module) for name, _, module in entries]
+    compile_selector(selector)  # a malformed selector (an empty list, a bad regex) is refused first
     members = list(selector) if isinstance(selector, (list, tuple, set, frozenset)) else [selector]
-    predicate = compile_selector(selector)
-    for member in members:
-        member_predicate = compile_selector(member) if len(members) > 1 else predicate
-        if not any(member_predicate(name, module) for name, module in named):
+    predicates = [_spelling_blind(member) for member in members]
+    for member, predicate in zip(members, predicates, strict=True):
+        if not any(predicate(name, raw, module) for name, raw, module in entries):
             raise SelectionError(_no_match_message(member, named, within=selector if len(members) > 1 else None))
-    return [(name, module) for name, module in named if predicate(name, module)]
+    return [(name, module) for name, raw, module in entries if any(p(name, raw, module) for p in predicates)]
+
+
+def _spelling_blind(selector: Selector) -> Callable[[str, str, nn.Module], bool]:
+    """A predicate on ``(name, raw name, module)``: a string selector may use either spelling
+    of a name below a wrapper (``fc`` or ``module.fc``); other selectors see the name alone."""
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        parts = [_spelling_blind(member) for member in selector]
+        return lambda name, raw, module: any(part(name, raw, module) for part in parts)
+    predicate = compile_selector(selector)
+    if isinstance(selector, str):
+        return lambda name, raw, module: predicate(name, module) or (raw != name and predicate(raw, module))
+    return lambda name, _raw, module: predicate(name, module)
 
 
 def select_names(names: list[str], selector: str | list[str] | tuple[str, ...]) -> list[str]:

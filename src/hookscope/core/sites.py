@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import nn
 
+from hookscope.core.compiled import is_compiling
 from hookscope.errors import HookscopeError, SpecError
 
 # The id of the backward pass running on this thread, -1 outside one (read once per pass).
@@ -119,7 +120,7 @@ class CallTracker:
     The hot path is a few dict operations and a list append/pop: no introspection per call.
     """
 
-    __slots__ = ("_counts", "_listener", "_names", "_open", "_open_calls", "_opener", "_thread", "replaying")
+    __slots__ = ("_counts", "_listener", "_lock", "_names", "_open", "_open_calls", "_opener", "_thread", "replaying")
 
     def __init__(self, listener: PassListener | None = None) -> None:
         self._counts: dict[int, int] = {}
@@ -129,6 +130,7 @@ class CallTracker:
         self._listener = listener
         self._opener = 0
         self._thread = 0
+        self._lock = threading.Lock()
         #: True during a pass that autograd runs inside a backward pass: a checkpointed block
         #: (``torch.utils.checkpoint``) recomputing its forward. Features that record the forward
         #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
@@ -143,17 +145,30 @@ class CallTracker:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
         if self._open_calls:
-            if threading.get_ident() != self._thread:
+            if not self._on_owning_thread():
                 raise self._refusal()
             if key == self._opener and not is_reentered(module):
                 self._abandon()
         if self._open_calls == 0:
-            self._counts.clear()
-            self._opener = key
-            self._thread = threading.get_ident()
-            self.replaying = _GRAPH_TASK() != -1
-            if self._listener is not None:
-                self._listener.pass_started(module)
+            if is_compiling():  # Dynamo traces no locks; compiled code runs on its caller's thread
+                self._open_pass(module, key, 0)
+                return self._count(key)
+            with self._lock:  # two threads entering at once: one opens the pass, the other is refused
+                if self._open_calls:
+                    raise self._refusal()
+                self._open_pass(module, key, threading.get_ident())
+                return self._count(key)
+        return self._count(key)
+
+    def _open_pass(self, module: nn.Module, key: int, thread: int) -> None:
+        self._counts.clear()
+        self._opener = key
+        self._thread = thread
+        self.replaying = thread != 0 and _GRAPH_TASK() != -1
+        if self._listener is not None:
+            self._listener.pass_started(module)
+
+    def _count(self, key: int) -> int:
         index = self._counts.get(key, 0)
         self._counts[key] = index + 1
         self._open.setdefault(key, []).append(index)
@@ -164,7 +179,7 @@ class CallTracker:
         self, module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, output: Any = None
     ) -> None:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
-        if not self._open_calls or threading.get_ident() != self._thread:
+        if not self._open_calls or not self._on_owning_thread():
             return  # nothing open, or the close of a call refused on another thread
         stack = self._open.get(id(module))
         if stack:
@@ -176,7 +191,13 @@ class CallTracker:
     def owns(self) -> bool:
         """True on the thread whose pass is open: a closing hook running for a call refused on
         another thread (``always_call`` hooks run for those too) must leave the pass alone."""
-        return self._open_calls > 0 and threading.get_ident() == self._thread
+        return self._open_calls > 0 and self._on_owning_thread()
+
+    def _on_owning_thread(self) -> bool:
+        """True on the thread of the open pass. Under torch.compile the thread cannot be read
+        (Dynamo cannot trace ``get_ident``), and a pass opened there (thread 0) is anyone's:
+        compiled code runs on the thread that called it."""
+        return self._thread == 0 or is_compiling() or threading.get_ident() == self._thread
 
     def current(self, module: nn.Module) -> int:
         """Index of ``module``'s innermost open call (valid inside its hooks)."""

@@ -54,7 +54,17 @@ def flatten_tensors(value: Any, root: str = "output") -> list[tuple[str, torch.T
     >>> [path for path, _ in flatten_tensors({"logits": x, "n": 3, "pair": (x, None)})]
     ["output['logits']", "output['pair'][0]"]
     """
-    return [(path, leaf) for path, leaf in iter_leaves(value, root) if isinstance(leaf, torch.Tensor)]
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect_tensors(value, root, found)  # no generator: torch.compile traces this inside hooks
+    return found
+
+
+def _collect_tensors(value: Any, path: str, found: list[tuple[str, torch.Tensor]]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append((path, value))
+        return
+    for suffix, child in _children(value) or ():
+        _collect_tensors(child, path + suffix, found)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

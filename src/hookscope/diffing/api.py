@@ -14,6 +14,7 @@ from torch import nn
 
 from hookscope.capturing import capture
 from hookscope.capturing.cache import Cache
+from hookscope.core.names import named_modules
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.tree import map_tensors
 from hookscope.diffing.matching import Match, name_pairs
@@ -49,7 +50,7 @@ def compare_models(
     """
     _check_tolerances(rtol, atol)
     modules_a = _modules(ensure_module(a), layers)
-    modules_b = list(ensure_module(b).named_modules())
+    modules_b = named_modules(ensure_module(b))
     pairs = None if match == "order" else name_pairs([n for n, _ in modules_a], [n for n, _ in modules_b], match)
     if pairs is not None:
         if not pairs or (set(pairs) == {""} and len(modules_a) > 1 and layers is None):
@@ -192,7 +193,7 @@ def _blame(which: str) -> Iterator[None]:
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
-        return list(model.named_modules())
+        return named_modules(model)
     chosen: Any = list(layers) if isinstance(layers, (list, tuple)) else layers
     return select(model, chosen)
 
@@ -314,7 +315,7 @@ class DiffFunction:
         inputs = (args, kwargs)
         options: dict[str, Any] = {"layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
         if autocast:
-            device = next((p.device.type for p in model.parameters()), "cpu")
+            device = next((p.device.type for p in model.parameters() if not p.is_meta), "cpu")  # offloaded: meta
             wrapped = _Autocast(model, device, target)
             return compare_models(model, wrapped, inputs, inputs, match=_inside("inner"), paired_b_only=True, **options)
         cast = copy.deepcopy(model).to(target)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hookscope._bits import tensor_to_numpy
+from hookscope.core.offload import named_real_tensors
 from hookscope.core.params import count
 from hookscope.core.tree import flatten_tensors
 from hookscope.extracting.data import Batch, Source
@@ -51,8 +52,7 @@ def fingerprint(model: nn.Module) -> str:
     (True, False)
     """
     digest = hashlib.blake2b(digest_size=16)
-    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
-    for name, tensor in tensors:
+    for name, tensor in named_real_tensors(model):  # accelerate-offloaded weights: their real values
         if isinstance(tensor, nn.parameter.UninitializedParameter):  # a lazy module before its first forward
             digest.update(f"{name}:uninitialised;".encode())
             continue

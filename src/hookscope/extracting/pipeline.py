@@ -19,6 +19,7 @@ from torch import nn
 
 from hookscope.capturing import Capture, capture
 from hookscope.capturing.reduce import Reduction
+from hookscope.core.names import named_modules
 from hookscope.core.select import Selector, describe_selector, select
 from hookscope.core.sites import Site
 from hookscope.core.tree import map_tensors
@@ -51,7 +52,7 @@ class SiteCaptures:
         self.model = model
         self.mask = mask
         chosen = select(model, layers)  # SelectionError with the closest names, before anything runs
-        self.order = {name: index for index, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+        self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
         self._groups = [

@@ -31,14 +31,15 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope.calltrace.identity import SeenTensors
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
+from hookscope.core.names import named_modules, named_parameters
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 from hookscope.grads.records import GradRecord, GradStep, GradWhat
 from hookscope.grads.replay import Replay, checkpoint_context
 from hookscope.grads.summary import GradSummary, summarise
-from hookscope.stats import RawStats, Stats, is_measurable, merge_raw, raw_stats, read_stats
+from hookscope.stats import RawStats, Stats, full_value, is_measurable, merge_raw, raw_stats, read_stats
 
 __all__ = ["DEAD_UNIT_TYPES", "GradMonitor", "watch_grads"]
 
@@ -120,6 +121,8 @@ class GradMonitor(Scoped):
         self._dead_window = dead_window
         self._selected = _modules(model, selectors)
         self._parameters = _parameters(model, self._selected, whole=not selectors)
+        if params:
+            _refuse_offloaded(self._parameters)
         self._tracker = CallTracker(listener=self)
         self._pass_grad = True
         self._pass_checkpointed = False
@@ -300,7 +303,8 @@ class GradMonitor(Scoped):
             by_device.setdefault(parameter.device, []).append(i)
         norms = [0.0] * len(named)
         for indices in by_device.values():  # one read per device
-            values = torch.stack([torch.linalg.vector_norm(named[i][1].detach().float()) for i in indices])
+            # A sharded (FSDP2) weight's norm is a partial one per rank: full_value sums them (one all-reduce).
+            values = torch.stack([full_value(torch.linalg.vector_norm(named[i][1].detach().float())) for i in indices])
             for i, value in zip(indices, values.tolist(), strict=True):
                 norms[i] = value
         return [(name, g, w) for (name, _), g, w in zip(named, grads, norms, strict=True)]
@@ -404,8 +408,21 @@ def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None
 
 def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[str, nn.Module]]:
     if not selectors:
-        return [(name, module) for name, module in model.named_modules() if name]
+        return [(name, module) for name, module in named_modules(model) if name]
     return select(model, list(selectors))  # a union, each module once, in model order
+
+
+def _refuse_offloaded(parameters: list[tuple[str, nn.Parameter]]) -> None:
+    """accelerate's offloaded parameters sit on ``meta``; each forward makes new ones, whose
+    gradients never reach the model's: parameter records would silently never appear."""
+    offloaded = [name for name, parameter in parameters if parameter.is_meta]
+    if offloaded:
+        shown = ", ".join(repr(name) for name in offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
+        raise UnsupportedModelError(
+            f"{len(offloaded)} watched parameters are on the meta device ({shown}): offloaded by accelerate "
+            "(cpu_offload, a device map), they are replaced at every forward, so their gradients never reach "
+            "them; watch activation gradients with params=False, or train a model whose weights are loaded"
+        )
 
 
 def _parameters(
@@ -413,7 +430,7 @@ def _parameters(
 ) -> list[tuple[str, nn.Parameter]]:
     """The parameters watched: the whole model's, or those inside the selected modules (each once)."""
     if whole:
-        return list(model.named_parameters())
+        return named_parameters(model)
     seen: set[int] = set()
     chosen = []
     for module_name, module in selected:

@@ -1,0 +1,73 @@
+"""The real values of weights that accelerate keeps off the model (``cpu_offload``, device maps).
+
+accelerate's big-model loading leaves offloaded parameters on the ``meta`` device and moves the
+real ones in for the forward only, from a ``weights_map`` held by the ``AlignDevicesHook`` of
+the module (or of an ancestor, with ``place_submodules``). Hooks still see the activations
+(every value is computed), but anything that reads *weights* outside the forward -- a weight
+norm, a fingerprint of the model -- would read nothing. :func:`real_value` reads them from the
+weights map instead, without moving or loading the model.
+
+>>> from torch import nn
+>>> layer = nn.Linear(2, 2)
+>>> real_value(layer, "weight", layer.weight) is layer.weight
+True
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.errors import UnsupportedModelError
+
+__all__ = ["named_real_tensors", "real_value"]
+
+
+def real_value(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the parameter or buffer ``name`` of ``model``), or, when accelerate has
+    offloaded it to ``meta``, its real value from the offload hook's weights map (a CPU
+    tensor; disk-offloaded weights are read from their memory map)."""
+    if not tensor.is_meta or "accelerate" not in sys.modules:
+        return tensor
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):  # the owner first, then its ancestors
+        module = model.get_submodule(".".join(parts[:depth]))
+        relative = ".".join(parts[depth:])
+        for hook in _offload_hooks(module):
+            if depth < len(parts) - 1 and not getattr(hook, "place_submodules", False):
+                continue  # a hook that places only its own module's tensors
+            try:
+                return hook.weights_map[relative].detach()  # type: ignore[no-any-return]
+            except KeyError:
+                continue
+    raise UnsupportedModelError(
+        f"{name!r} is on the meta device and no accelerate offload hook holds its value; load the "
+        "weights first (accelerate.load_checkpoint_and_dispatch, or model.to_empty() and a state dict)"
+    )
+
+
+def named_real_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` (each once), offloaded ones read where they live
+    (a meta tensor no offload hook holds stays as it is)."""
+    named = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    return [(name, _held(model, name, tensor)) for name, tensor in named]
+
+
+def _held(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        return real_value(model, name, tensor)
+    except UnsupportedModelError:
+        return tensor  # a model built on meta, weights not loaded yet: its structure is all there is
+
+
+def _offload_hooks(module: nn.Module) -> list[Any]:
+    """The offloading ``AlignDevicesHook`` objects accelerate attached to ``module``."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    hooks = getattr(hook, "hooks", None)  # a SequentialHook holds several
+    found = list(hooks) if isinstance(hooks, (list, tuple)) else [hook]
+    return [h for h in found if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None]

@@ -1,0 +1,208 @@
+"""torch.compile: hooks fire in compiled code, stale compiled code is dropped, no graph breaks.
+
+Dynamo traces hooks present at its first call into the graph and guards on them, but not on
+hook dicts it saw empty: hooks attached after a compiled run would never fire. hookscope drops
+such code (``StaleCompiledCodeWarning``), and its statistics and capture hooks trace without
+graph breaks, so a compiled model stays one graph while it is watched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import hookscope as hs
+from hookscope.core import compiled
+from hookscope.errors import UnsupportedModelError
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def eager_capture(model: nn.Module, x: torch.Tensor, selector: str = "*") -> dict[str, torch.Tensor]:
+    with hs.capture(model, selector) as cap:
+        model(x)
+    return {key: cap[key] for key in cap}
+
+
+def test_names_drop_the_wrapper_and_both_spellings_select(x: torch.Tensor) -> None:
+    model = mlp()
+    compiled_model = torch.compile(model, backend="eager")
+    assert [row.name for row in hs.layers(compiled_model).rows] == ["", "_orig_mod", "0", "1", "2"]
+    with hs.capture(compiled_model, ["0", "_orig_mod.2"]) as cap:
+        compiled_model(x)
+    assert sorted(cap) == ["0#0:output", "2#0:output"]
+    torch.testing.assert_close(cap["_orig_mod.2"], model(x))  # the old spelling reads back too
+    torch.testing.assert_close(cap["2"], model(x))
+
+
+def test_hooks_attached_before_the_first_call_fire_with_eager_values(x: torch.Tensor) -> None:
+    model = mlp()
+    expected = eager_capture(model, x)
+    compiled_model = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.StaleCompiledCodeWarning)  # nothing stale: no recompilation warning
+        with hs.capture(compiled_model, "*") as cap:
+            compiled_model(x)
+            compiled_model(x)  # the second call runs the cached code, hooks included
+    assert {key for key in cap if key != "_orig_mod#0:output"} == set(expected) - {"#0:output"} - {"_orig_mod#0:output"}
+    for key, value in expected.items():
+        if key in cap:
+            torch.testing.assert_close(cap[key], value)
+
+
+def test_attaching_after_a_compiled_run_recompiles_with_the_hooks(x: torch.Tensor) -> None:
+    model = mlp()
+    compiled_model = torch.compile(model, backend="eager")
+    compiled_model(x)  # compiled without hooks: that code would never call them
+    with pytest.warns(hs.StaleCompiledCodeWarning, match=r"torch\._dynamo\.reset\(\)"):
+        cap = hs.capture(compiled_model, "0")
+    with cap:
+        compiled_model(x)
+    torch.testing.assert_close(cap["0"], model[0](x))
+
+
+def test_the_eager_module_hooked_while_its_wrapper_is_called(x: torch.Tensor) -> None:
+    model = mlp()
+    compiled_model = torch.compile(model, backend="eager")
+    compiled_model(x)
+    with pytest.warns(hs.StaleCompiledCodeWarning, match="a torch.compile wrapper of this Sequential"):
+        cap = hs.capture(model, "1")
+    with cap:
+        compiled_model(x)
+    torch.testing.assert_close(cap["1"], torch.relu(model[0](x)))
+
+
+def test_edits_apply_in_compiled_code_and_leave_with_their_hooks(x: torch.Tensor) -> None:
+    model = mlp()
+    plain = model(x)
+    compiled_model = torch.compile(model, backend="eager")
+    with hs.edit(compiled_model, {"0": hs.edits.zero()}):
+        edited = compiled_model(x)
+    torch.testing.assert_close(edited, model[2](torch.relu(model[0].bias.new_zeros(4, 16))))
+    torch.testing.assert_close(compiled_model(x), plain)  # removing hooks fails Dynamo's guard: recompiled
+    compiled_model(x)
+    with pytest.warns(hs.StaleCompiledCodeWarning), hs.edit(compiled_model, {"0": hs.edits.zero()}):
+        assert not torch.allclose(compiled_model(x), plain)
+
+
+# Dynamo itself reads .grad of the output it hands to the hooks of a compiled _call_impl.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_model_compile_in_place_needs_no_reset(x: torch.Tensor) -> None:
+    model = mlp()
+    model.compile(backend="eager")
+    model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "error", hs.StaleCompiledCodeWarning
+        )  # its compiled code reads the hooks at run time: nothing stale
+        with hs.capture(model, "0") as cap:
+            model(x)
+    torch.testing.assert_close(cap["0"], model[0](x))
+
+
+def test_a_compiled_call_that_skips_the_hooks_raises_and_leaves_none(
+    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last line of defence: had the stale code not been found (a torch whose Dynamo keeps
+    its code elsewhere), the wrapper's own hooks see that the hooks inside never ran."""
+    model = mlp()
+    compiled_model = torch.compile(model, backend="eager")
+    compiled_model(x)
+    monkeypatch.setattr(compiled, "_stale_frames", lambda model: "")
+    skipped = pytest.raises(UnsupportedModelError, match=r"ran without calling the hooks.*torch\._dynamo\.reset")
+    with skipped, hs.capture(compiled_model, "0"):
+        compiled_model(x)
+    assert hs.attached(compiled_model) == []
+
+
+@pytest.mark.parametrize("feature", ["capture", "trace", "edit", "hooks"])
+def test_no_graph_breaks_from_hookscope_hooks(feature: str, x: torch.Tensor) -> None:
+    model = mlp()
+    scopes = {
+        "capture": lambda: hs.capture(model, "*"),
+        "trace": lambda: hs.tracing(model, histograms=True),
+        "edit": lambda: hs.edit(model, {"0": hs.edits.scale(2.0)}),
+        "hooks": lambda: hs.hooks(model, {"*": lambda module, args, output: None}),
+    }
+    with scopes[feature]():
+        explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, [str(b.reason)[:300] for b in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+def test_a_compiled_trace_has_the_eager_statistics(x: torch.Tensor) -> None:
+    model = mlp()
+    eager = hs.trace(model, x)
+    compiled_model = torch.compile(model, backend="eager")
+    traced = hs.trace(compiled_model, x)
+    rows = {(row.name, row.call): row for row in traced.rows}
+    for row in eager.rows:
+        if not row.name:
+            continue
+        twin = rows[(row.name, row.call)]
+        assert twin.outputs[0].shape == row.outputs[0].shape
+        got, want = twin.outputs[0].stats, row.outputs[0].stats
+        assert got is not None
+        assert want is not None
+        assert got.min == pytest.approx(want.min)
+        assert got.max == pytest.approx(want.max)
+        assert got.mean == pytest.approx(want.mean, abs=1e-6)
+        assert got.std == pytest.approx(want.std, rel=1e-5)
+        assert got.zero_frac == want.zero_frac
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+def test_inductor_capture_and_trace_equal_eager(x: torch.Tensor) -> None:
+    model = mlp()
+    expected = eager_capture(model, x, "0")
+    eager_trace = hs.trace(model, x)
+    compiled_model = torch.compile(model, backend="inductor")
+    with hs.capture(compiled_model, "0") as cap, hs.tracing(compiled_model) as tracer:
+        compiled_model(x)
+    torch.testing.assert_close(cap["0"], expected["0#0:output"])
+    relu = {row.name: row for row in tracer.trace.rows}["1"].outputs[0].stats
+    want = {row.name: row for row in eager_trace.rows}["1"].outputs[0].stats
+    assert relu is not None
+    assert want is not None
+    assert relu.mean == pytest.approx(want.mean, rel=1e-5)
+    assert relu.zero_frac == want.zero_frac
+
+
+def test_gpt2_compiled_with_graph_breaks_recompiles_with_the_hooks() -> None:
+    """GPT-2 compiles as its own frame (``GPT2Model.forward``): stale code found there too."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    with hs.capture(model, ["h.0.mlp", "h.1"]) as expected:
+        model(ids)
+    compiled_model = torch.compile(model, backend="eager")
+    compiled_model(ids)
+    with pytest.warns(hs.StaleCompiledCodeWarning):
+        cap = hs.capture(compiled_model, ["h.0.mlp", "h.1"])
+    with cap:
+        compiled_model(ids)
+    assert sorted(cap) == sorted(expected)
+    for key in expected:
+        torch.testing.assert_close(cap[key], expected[key], rtol=1e-4, atol=1e-5)
