@@ -260,3 +260,107 @@ def test_data_parallel_on_the_cpu_names_and_captures_as_the_model() -> None:
         out = parallel(x)
     torch.testing.assert_close(cap["0"], model[0](x))
     torch.testing.assert_close(cap["module.1"], out)
+
+
+class Meet(nn.Module):
+    """Every replica waits here for the others: their passes overlap for sure."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.barrier.wait(timeout=30)
+        return x
+
+
+def replica_on(module: nn.Module, device: str) -> nn.Module:
+    """What ``torch.nn.parallel.replicate`` makes for one device (shallow copies sharing the
+    original's hook dicts, the weights as plain tensors on that device), without CUDA."""
+    replica = module._replicate_for_data_parallel()
+    for name, parameter in module._parameters.items():
+        if parameter is not None:
+            setattr(replica, name, parameter.detach().to(device))
+    for name, child in module._modules.items():
+        if child is not None:
+            replica._modules[name] = replica_on(child, device)
+    return replica
+
+
+class ThreadedDataParallel(nn.DataParallel):
+    """nn.DataParallel's forward -- replicate, one thread per replica, all at once -- on the CPU
+    and the meta device, which need no GPU; the outputs are returned per replica."""
+
+    def __init__(self, module: nn.Module, devices: list[str]) -> None:
+        super().__init__(module)
+        self.replica_devices = devices
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        chunks = x.chunk(len(self.replica_devices))
+        results: dict[int, torch.Tensor | BaseException] = {}
+
+        def run(index: int, device: str) -> None:
+            try:
+                results[index] = replica_on(self.module, device)(chunks[index].to(device))
+            except BaseException as error:  # re-raised on the calling thread, as parallel_apply does
+                results[index] = error
+
+        threads = [threading.Thread(target=run, args=(i, d)) for i, d in enumerate(self.replica_devices)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        for value in results.values():
+            if isinstance(value, BaseException):
+                raise value
+        return tuple(results[i] for i in range(len(threads)))  # type: ignore[misc]
+
+
+def replicated_model() -> tuple[nn.Sequential, ThreadedDataParallel]:
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, Meet(parties=2), nn.ReLU(), shared)  # `shared` runs twice per replica
+    return model, ThreadedDataParallel(model, ["cpu", "meta"])
+
+
+def test_threaded_data_parallel_replicas_are_captured_per_device() -> None:
+    model, parallel = replicated_model()
+    x = torch.randn(6, 4)
+    with hs.capture(parallel, ["0", "2"], calls="all") as cap:
+        on_cpu, on_meta = parallel(x)
+    assert sorted(cap.replicas) == ["cpu", "meta"]
+    cpu = cap.replicas["cpu"]
+    assert sorted(cpu) == ["0#0:output", "0#1:output", "2#0:output"]  # each replica numbers its own calls
+    first = model[0](x[:3])
+    torch.testing.assert_close(cpu["0#0"], first)
+    torch.testing.assert_close(cpu["2"], torch.relu(first))
+    torch.testing.assert_close(cpu["0#1"], on_cpu)
+    meta = cap.replicas["meta"]
+    assert sorted(meta) == sorted(cpu)
+    assert meta["0#1"].device.type == "meta"
+    assert meta["0#1"].shape == on_meta.shape == (3, 4)
+    assert len(cap.cache) == 0  # the wrapper's own thread ran none of the selected modules
+    assert attached(parallel) == []
+
+
+def test_edits_apply_inside_every_replica() -> None:
+    model, parallel = replicated_model()
+    x = torch.randn(6, 4)
+    with hs.edit(parallel, {"2": hs.edits.zero()}):
+        on_cpu, _ = parallel(x)
+    torch.testing.assert_close(on_cpu, model[0](torch.zeros(3, 4)))
+
+
+def test_a_trace_of_threaded_replicas_is_refused_with_the_way_out() -> None:
+    _, parallel = replicated_model()
+    with pytest.raises(hs.HookscopeError, match="DataParallel's replicas run in threads: hs.capture"):
+        hs.trace(parallel, torch.randn(6, 4))
+    assert attached(parallel) == []
+
+
+def test_two_replicas_on_one_device_are_refused() -> None:
+    torch.manual_seed(0)
+    parallel = ThreadedDataParallel(nn.Sequential(nn.Linear(4, 4)), ["cpu", "cpu"])  # one pass, even one by one
+    refused = pytest.raises(hs.errors.CaptureError, match="two DataParallel replicas ran on cpu")
+    with refused, hs.capture(parallel, "0"):
+        parallel(torch.randn(4, 4))

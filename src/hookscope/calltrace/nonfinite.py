@@ -180,7 +180,10 @@ class NonFiniteDetector(Scoped):
 
     def refuse_thread(self) -> Exception:
         """Another thread entered while a pass is open."""
-        return HookscopeError("detect_nonfinite is already watching a forward pass on another thread")
+        return HookscopeError(
+            "detect_nonfinite is already watching a forward pass on another thread; "
+            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+        )
 
     @staticmethod
     def _settle(calls: list[_Call]) -> None:

@@ -302,7 +302,8 @@ class Tracer(Scoped):
     def refuse_thread(self) -> Exception:
         """Another thread entered while a pass is open."""
         return HookscopeError(
-            "this trace is already recording a forward pass on another thread; trace one thread at a time"
+            "this trace is already recording a forward pass on another thread; trace one thread at a time; "
+            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
         )
 
     def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -110,17 +111,20 @@ class Capture(Scoped):
         }
         if aliases:  # names below a DDP or torch.compile wrapper, as spelled by named_modules()
             meta["aliases"] = aliases
-        self._keeper = Keeper(
-            detach=detach,
-            reduce=parse_reduction(reduce),
-            reduce_spec=reduce,
-            dtype=_check_dtype(dtype),
-            device=torch.device(device) if device is not None else None,
-            copy=copy,
-            budget=parse_bytes(max_bytes) if max_bytes is not None else None,
-            last_call_only=calls == "last",
-            meta=meta,
-        )
+        self._keeper_options: dict[str, Any] = {
+            "detach": detach,
+            "reduce": parse_reduction(reduce),
+            "reduce_spec": reduce,
+            "dtype": _check_dtype(dtype),
+            "device": torch.device(device) if device is not None else None,
+            "copy": copy,
+            "budget": parse_bytes(max_bytes) if max_bytes is not None else None,
+            "last_call_only": calls == "last",
+            "meta": meta,
+        }
+        self._keeper = Keeper(**self._keeper_options)
+        self._replica_keepers: dict[int, tuple[str, Keeper]] = {}  # thread -> (device, keeper)
+        self._replica_lock = threading.Lock()
         self._pending: set[int] = set()
         self._stopped = False
         self._group = HookGroup(model, self._specs(), owner="capture", tracker=self._tracker, restore_mode=False)
@@ -150,6 +154,9 @@ class Capture(Scoped):
                 raise _StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
             if want(call):
+                if tracker.in_replica():
+                    self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
+                    return
                 keep(name, call, "input", call_leaves(args, kwargs), args)
                 if last_what == "input":
                     self._done(module)
@@ -167,10 +174,45 @@ class Capture(Scoped):
                 raise _StopForward(self)
             call = current(module)
             if want(call):
+                if tracker.in_replica():
+                    self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
+                    return
                 keep(name, call, "output", flatten_tensors(output, ""), output)
                 self._done(module)
 
         return capture_output
+
+    # -- nn.DataParallel replicas -----------------------------------------------------------------
+
+    #: Told to the call tracker: threads running DataParallel replicas in a pass are numbered
+    #: on their own and kept apart here, one cache per device.
+    accepts_replicas = True
+
+    def _keep_replica(
+        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any
+    ) -> None:
+        """Keep a replica's values in its device's cache (copies: no in-place guard on worker threads)."""
+        thread = threading.get_ident()
+        kept = self._replica_keepers.get(thread)
+        if kept is None:
+            device = str(leaves[0][1].device) if leaves else "cpu"
+            with self._replica_lock:
+                if any(other == device for other, _ in self._replica_keepers.values()):
+                    raise CaptureError(
+                        f"two DataParallel replicas ran on {device} in one pass; captures keep one cache per "
+                        "device (capture.replicas): give each replica its own device"
+                    )
+                keeper = Keeper(**{**self._keeper_options, "copy": True})
+                keeper.start()
+                kept = self._replica_keepers[thread] = (device, keeper)
+        kept[1].keep_leaves(name, call, what, leaves, value)
+
+    @property
+    def replicas(self) -> dict[str, Cache]:
+        """Under ``nn.DataParallel``, the latest pass's values of each replica, by device
+        (``{"cuda:0": Cache, "cuda:1": Cache}``); empty when no replica ran. The model's own
+        thread (the wrapper, the gather) is in :attr:`cache`."""
+        return {device: keeper.cache for device, keeper in self._replica_keepers.values()}
 
     # -- one forward pass -------------------------------------------------------------------------
 
@@ -179,6 +221,7 @@ class Capture(Scoped):
         if self._tracker.replaying:
             return  # a recomputation in backward is no new pass: the forward's cache stays
         self._pending = {id(m) for _, m in self._selected if m is not module}
+        self._replica_keepers = {}
         self._stopped = False
         self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self._keeper.start(refill_budget=not self._keep_passes)
@@ -188,6 +231,8 @@ class Capture(Scoped):
         if self._tracker.replaying:
             return
         self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
+        for _, keeper in self._replica_keepers.values():
+            keeper.finish(set)  # copies already: only the device-to-host copies to wait for
         if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
             self._passes.append(self._keeper.cache)
         if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
@@ -205,7 +250,8 @@ class Capture(Scoped):
         """Another thread entered while a pass is open."""
         return CaptureError(
             "this capture is already recording a forward pass on another thread; "
-            "make one capture per thread (nn.DataParallel replicas share hooks: use one device per capture)"
+            "make one capture per thread (threads running nn.DataParallel replicas are kept apart, per "
+            "device, in capture.replicas)"
         )
 
     def _outliving_storages(self, *escaping: Any) -> set[int]:

@@ -105,6 +105,16 @@ class PassListener(Protocol):
         ...
 
 
+class _ReplicaCalls:
+    """The call numbering of one thread's ``nn.DataParallel`` replicas, keyed by the originals."""
+
+    __slots__ = ("counts", "open")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.open: dict[int, list[int]] = {}
+
+
 class CallTracker:
     """Numbers the calls of watched modules within each forward pass, and says when passes start and end.
 
@@ -113,14 +123,28 @@ class CallTracker:
     A pass starts when a watched module is entered while no watched call is open: with the
     model's root watched, that is each call of the model, and a submodule called on its own is
     a pass of its own. A pass belongs to the thread that opened it; another thread entering
-    meanwhile is refused. A pass whose opening module is entered again with no outer call of it
+    meanwhile is refused, unless it runs ``nn.DataParallel`` replicas of the watched modules
+    (shallow copies sharing their hook dicts) and the listener says ``accepts_replicas``: each
+    such thread then numbers its calls on its own. A pass whose opening module is entered again with no outer call of it
     on the stack was cut short (``KeyboardInterrupt`` skips ``always_call`` hooks) and is dropped.
     Modules are keyed by identity, so a module reachable under two names has one counter.
 
     The hot path is a few dict operations and a list append/pop: no introspection per call.
     """
 
-    __slots__ = ("_counts", "_listener", "_lock", "_names", "_open", "_open_calls", "_opener", "_thread", "replaying")
+    __slots__ = (
+        "_counts",
+        "_listener",
+        "_lock",
+        "_names",
+        "_open",
+        "_open_calls",
+        "_opener",
+        "_originals",
+        "_replicas",
+        "_thread",
+        "replaying",
+    )
 
     def __init__(self, listener: PassListener | None = None) -> None:
         self._counts: dict[int, int] = {}
@@ -131,6 +155,8 @@ class CallTracker:
         self._opener = 0
         self._thread = 0
         self._lock = threading.Lock()
+        self._originals: dict[int, int] = {}  # id of a watched module's hook dict -> id of the module
+        self._replicas: dict[int, _ReplicaCalls] = {}  # thread -> its replicas' calls, in this pass
         #: True during a pass that autograd runs inside a backward pass: a checkpointed block
         #: (``torch.utils.checkpoint``) recomputing its forward. Features that record the forward
         #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
@@ -140,13 +166,15 @@ class CallTracker:
     def watch(self, name: str, module: nn.Module) -> None:
         """Start counting ``module``'s calls, reported under ``name``."""
         self._names.setdefault(id(module), name)
+        # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
+        self._originals.setdefault(id(module._forward_pre_hooks), id(module))
 
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
         if self._open_calls:
             if not self._on_owning_thread():
-                raise self._refusal()
+                return self._enter_replica(module)
             if key == self._opener and not is_reentered(module):
                 self._abandon()
         if self._open_calls == 0:
@@ -162,6 +190,7 @@ class CallTracker:
 
     def _open_pass(self, module: nn.Module, key: int, thread: int) -> None:
         self._counts.clear()
+        self._replicas = {}
         self._opener = key
         self._thread = thread
         self.replaying = thread != 0 and _GRAPH_TASK() != -1
@@ -179,8 +208,14 @@ class CallTracker:
         self, module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, output: Any = None
     ) -> None:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
-        if not self._open_calls or not self._on_owning_thread():
-            return  # nothing open, or the close of a call refused on another thread
+        if not self._open_calls:
+            return  # nothing open
+        if not self._on_owning_thread():
+            replica = self._replica_calls()  # None: the close of a call refused on another thread
+            stack = replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
+            if stack:
+                stack.pop()
+            return
         stack = self._open.get(id(module))
         if stack:
             stack.pop()
@@ -202,9 +237,36 @@ class CallTracker:
     def current(self, module: nn.Module) -> int:
         """Index of ``module``'s innermost open call (valid inside its hooks)."""
         stack = self._open.get(id(module))
+        if not stack and self._replicas:  # a DataParallel replica, on its own thread
+            replica = self._replica_calls()
+            stack = replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
         if not stack:
             raise RuntimeError("no call of this module is open; current() is only valid inside its hooks")
         return stack[-1]
+
+    def in_replica(self) -> bool:
+        """True on a thread running ``nn.DataParallel`` replicas of the watched modules in this pass."""
+        return bool(self._replicas) and threading.get_ident() in self._replicas
+
+    def _enter_replica(self, module: nn.Module) -> int:
+        """A call on another thread while the pass is open: numbered on its own if it is a replica
+        (``nn.DataParallel`` runs one per device in threads) and the listener keeps replicas apart;
+        any other thread is refused, since its calls would mix with the pass's."""
+        original = self._originals.get(id(module._forward_pre_hooks))
+        accepts = self._listener is None or getattr(self._listener, "accepts_replicas", False)
+        if original is None or original == id(module) or not accepts:
+            raise self._refusal()
+        replica = self._replica_calls()
+        if replica is None:
+            with self._lock:
+                replica = self._replicas.setdefault(threading.get_ident(), _ReplicaCalls())
+        index = replica.counts.get(original, 0)
+        replica.counts[original] = index + 1
+        replica.open.setdefault(original, []).append(index)
+        return index
+
+    def _replica_calls(self) -> _ReplicaCalls | None:
+        return self._replicas.get(threading.get_ident())
 
     def counts(self) -> dict[str, int]:
         """``{name: calls}`` for the latest pass, in the order the modules were watched."""
@@ -212,6 +274,7 @@ class CallTracker:
 
     def reset(self) -> None:
         """Forget open calls and counts (used when hooks are removed)."""
+        self._replicas = {}
         self._counts.clear()
         self._open.clear()
         self._open_calls = 0

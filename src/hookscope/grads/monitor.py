@@ -238,7 +238,10 @@ class GradMonitor(Scoped):
 
     def refuse_thread(self) -> Exception:
         """Another thread entered while a forward is open."""
-        return HookscopeError("watch_grads is already watching a forward pass on another thread; one thread at a time")
+        return HookscopeError(
+            "watch_grads is already watching a forward pass on another thread; one thread at a time; "
+            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+        )
 
     # -- steps ----------------------------------------------------------------------------------
 
