@@ -364,3 +364,32 @@ def test_two_replicas_on_one_device_are_refused() -> None:
     refused = pytest.raises(hs.errors.CaptureError, match="two DataParallel replicas ran on cpu")
     with refused, hs.capture(parallel, "0"):
         parallel(torch.randn(4, 4))
+
+
+def test_a_wrapped_models_own_module_attribute_keeps_its_own_name() -> None:
+    class Averaged(nn.Module):  # an EMA-style holder whose model attribute is also called `module`
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            self.scale = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale(self.module(x))
+
+    parallel = nn.DataParallel(Averaged())
+    names = [row.name for row in hs.layers(parallel).rows]
+    assert names == ["", "module", "module.module", "module.module.0", "module.module.1", "scale"]
+    assert len(set(names)) == len(names)
+    x = torch.randn(3, 2)
+    with hs.capture(parallel, ["module", "module.module"]) as cap:
+        out = parallel(x)
+    torch.testing.assert_close(cap["module"], out)
+    torch.testing.assert_close(cap["module.module"], parallel.module.module(x))
+
+
+def test_a_trace_reads_back_under_the_wrappers_spelling_too() -> None:
+    parallel = nn.DataParallel(nn.Sequential(nn.Linear(2, 2)))
+    trace = hs.trace(parallel, torch.randn(1, 2))
+    assert trace["module.0"] is trace["0"]
+    with pytest.raises(hs.SelectionError, match="did you mean '0'"):
+        hs.core.select.select_names([row.name for row in trace.rows], "module.0")

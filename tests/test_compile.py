@@ -20,6 +20,10 @@ import hookscope as hs
 from hookscope.core import compiled
 from hookscope.errors import UnsupportedModelError
 
+# Dynamo reads .grad of the tensors alive where it breaks a graph; a pass opening or ending inside
+# compiled code is such a break (hookscope runs it eagerly). The warning is Dynamo's own.
+pytestmark = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
@@ -105,8 +109,6 @@ def test_edits_apply_in_compiled_code_and_leave_with_their_hooks(x: torch.Tensor
         assert not torch.allclose(compiled_model(x), plain)
 
 
-# Dynamo itself reads .grad of the output it hands to the hooks of a compiled _call_impl.
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_model_compile_in_place_needs_no_reset(x: torch.Tensor) -> None:
     model = mlp()
     model.compile(backend="eager")
@@ -137,17 +139,41 @@ def test_a_compiled_call_that_skips_the_hooks_raises_and_leaves_none(
 
 @pytest.mark.parametrize("feature", ["capture", "trace", "edit", "hooks"])
 def test_no_graph_breaks_from_hookscope_hooks(feature: str, x: torch.Tensor) -> None:
-    model = mlp()
+    """Hooks inside a compiled model stay in its one graph. The pass opens and ends at the
+    wrapper torch.compile returned, outside the graph (a pass opening inside compiled code is
+    one deliberate break: see the next test)."""
+    from torch._dynamo.utils import counters
+
+    compiled_model = torch.compile(mlp(), backend="eager")
     scopes = {
-        "capture": lambda: hs.capture(model, "*"),
-        "trace": lambda: hs.tracing(model, histograms=True),
-        "edit": lambda: hs.edit(model, {"0": hs.edits.scale(2.0)}),
-        "hooks": lambda: hs.hooks(model, {"*": lambda module, args, output: None}),
+        "capture": lambda: hs.capture(compiled_model, "*", keep="both"),
+        "trace": lambda: hs.tracing(compiled_model, histograms=True),
+        "edit": lambda: hs.edit(compiled_model, {"0": hs.edits.scale(2.0)}),
+        "hooks": lambda: hs.hooks(compiled_model, {"*": lambda module, args, output: None}),
     }
+    counters.clear()
     with scopes[feature]():
-        explanation = torch._dynamo.explain(model)(x)
-    assert explanation.graph_break_count == 0, [str(b.reason)[:300] for b in explanation.break_reasons]
-    assert explanation.graph_count == 1
+        compiled_model(x)
+        compiled_model(x)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_pass_opening_inside_compiled_code_runs_eagerly(x: torch.Tensor) -> None:
+    """Hooking the eager module whose wrapper is called: the pass opens in compiled code, where
+    the thread and autograd's state cannot be read, so its opening and end run eagerly."""
+    from torch._dynamo.utils import counters
+
+    model = mlp()
+    compiled_model = torch.compile(model, backend="eager")
+    counters.clear()
+    with hs.capture(model, "*", passes="all") as cap:
+        for _ in range(10):  # no recompilation per call (the deferred values are filed each pass)
+            compiled_model(x)
+    assert len(cap.passes) == 10
+    assert all(sorted(cache) == ["0#0:output", "1#0:output", "2#0:output"] for cache in cap.passes)
+    torch.testing.assert_close(cap.passes[-1]["2"], model(x))
+    assert counters["stats"]["unique_graphs"] <= 3  # the graph, cut where the pass opens and ends
 
 
 def test_a_compiled_trace_has_the_eager_statistics(x: torch.Tensor) -> None:
@@ -206,3 +232,47 @@ def test_gpt2_compiled_with_graph_breaks_recompiles_with_the_hooks() -> None:
     assert sorted(cap) == sorted(expected)
     for key in expected:
         torch.testing.assert_close(cap[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+def test_capture_options_apply_inside_compiled_code(x: torch.Tensor) -> None:
+    """detach=False keeps the autograd graph, reduce and dtype shrink the value in the graph."""
+    model = mlp()
+    with hs.capture(model, ["0", "2"], detach=False, dtype=torch.float16, reduce="mean:0") as expected:
+        model(x)
+    torch._dynamo.reset()
+    compiled_model = torch.compile(model, backend="eager")
+    with hs.capture(compiled_model, ["0", "2"], detach=False, dtype=torch.float16, reduce="mean:0") as cap:
+        compiled_model(x)
+    for key in expected:
+        assert cap[key].shape == expected[key].shape
+        assert cap[key].dtype == torch.float16
+        assert cap[key].requires_grad
+        torch.testing.assert_close(cap[key], expected[key])
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_checkpointed_compiled_block_recomputes_without_a_new_pass(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), backend="eager")
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(3, 4, requires_grad=True)
+    with hs.capture(net, ["block.0", "head"], passes="all") as cap:
+        net(x).sum().backward()
+    assert [sorted(cache) for cache in cap.passes] == [["block.0#0:output", "head#0:output"]]
+
+
+def test_a_compiled_model_diffs_within_its_eager_self(x: torch.Tensor) -> None:
+    model = mlp()
+    diff = hs.diff(model, torch.compile(model, backend="eager"), x)
+    assert diff.within()
+    assert "_orig_mod" not in {row.name for row in diff.rows}

@@ -18,6 +18,7 @@ from torch import nn
 from hookscope._files import atomic_path
 from hookscope._json import finite_json
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
+from hookscope.core.names import short_spelling
 from hookscope.core.select import Selector, select, select_names
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
 
@@ -87,6 +88,9 @@ class Trace(Sequence[TraceRow]):
     def calls(self, name: str) -> list[TraceRow]:
         """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model)."""
         rows = self._by_name.get("" if name == "(root)" else name)
+        short = short_spelling(name) if not rows else None
+        if short is not None:  # "module.0" below a DDP or torch.compile wrapper: the row is "0"
+            rows = self._by_name.get(short)
         if not rows:
             import difflib
 

@@ -124,7 +124,7 @@ class Keeper:
     def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
         """Keep every tensor leaf of one module call's input or output."""
         if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept once the graph has run
-            copies = [(path, tensor.detach().clone()) for path, tensor in leaves]
+            copies = [(path, self._prepared(tensor)) for path, tensor in leaves]
             self._deferred.append((name, call, what, copies, type(value).__name__))
             return
         self._keep_leaves(name, call, what, leaves, type(value).__name__)
@@ -160,6 +160,10 @@ class Keeper:
         return True
 
     def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        if owned:  # made by _prepared in compiled code: reduced, cast and moved already
+            self._charge(site, tensor_bytes(tensor))
+            self.cache._put(site, tensor, _version(tensor))
+            return
         value = tensor.detach() if self._detach else tensor
         if self._reduce is not None:
             value = self._reduced(site, value)
@@ -169,8 +173,21 @@ class Keeper:
             value = value.to(cast)
         if self._device is not None and value.device != self._device:
             value = self._moved(value)
-        value = value if owned else self._owned(site, value, tensor)
+        value = self._owned(site, value, tensor)
         self.cache._put(site, value, _version(value))
+
+    def _prepared(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In compiled code: the value as it will be kept (detached or not, reduced, cast, moved),
+        copied in the graph, since no storage address tells there whether anything else holds it.
+        The budget is charged once the graph has run (from the kept sizes, not before)."""
+        value = tensor.detach() if self._detach else tensor
+        if self._reduce is not None:
+            value = self._reduce(value)
+        if self._dtype is not None and value.is_floating_point():
+            value = value.to(self._dtype)
+        if self._device is not None and value.device != self._device:
+            value = value.to(self._device)
+        return value.clone()
 
     def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:
         assert self._reduce is not None

@@ -32,13 +32,35 @@ from torch import nn
 
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
-__all__ = ["compile_wrappers", "is_compiling", "recompile_if_stale", "sentinels"]
+__all__ = ["EAGER", "compile_wrappers", "is_compiling", "recompile_if_stale", "sentinels"]
 
 #: True while Dynamo traces the code calling it: hook bodies then take paths it can trace
 #: without a graph break (no reads to the host, no storage addresses, no version counters).
 is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 _EVAL_FRAME = "torch._dynamo.eval_frame"
+
+
+def _eager_escape() -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+    """``torch.compiler.disable``, made once per function: compiled code calls the result eagerly
+    (one graph break), for the hook work Dynamo cannot trace: threads, locks, autograd's state."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        return None
+    made: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def eager(function: Callable[..., Any]) -> Callable[..., Any]:
+        wrapped = made.get(function)
+        if wrapped is None:
+            wrapped = made[function] = disable(function)
+        return wrapped
+
+    return eager
+
+
+#: ``EAGER(function)(...)`` runs ``function`` eagerly from compiled code; None in a torch without
+#: ``torch.compiler.disable``. Pass plain functions (not bound methods): one wrapper is made per function.
+EAGER = _eager_escape()
 
 
 def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list[tuple[str, nn.Module]]:

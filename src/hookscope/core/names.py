@@ -26,7 +26,15 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["NamedModule", "is_wrapper", "named_modules", "named_parameters", "wrapped"]
+__all__ = [
+    "NamedModule",
+    "is_wrapper",
+    "named_modules",
+    "named_parameters",
+    "short_spelling",
+    "unwrapped_modules",
+    "wrapped",
+]
 
 NamedModule = tuple[str, nn.Module]
 
@@ -44,13 +52,31 @@ def wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:
     Only modules whose defining package is already imported are checked: a wrapper cannot
     exist before its class does.
     """
-    for module_path, class_name, attribute in _WRAPPERS:
-        owner = sys.modules.get(module_path)
-        cls = getattr(owner, class_name, None) if owner is not None else None
-        if cls is not None and isinstance(module, cls):
+    for cls, attribute in _wrapper_classes():
+        if isinstance(module, cls):
             inner = module._modules.get(attribute)
             if inner is not None:
                 return attribute, inner
+    return None
+
+
+def _wrapper_classes() -> list[tuple[type, str]]:
+    """The wrapper classes imported so far, with the attribute each keeps its model in."""
+    found = []
+    for module_path, class_name, attribute in _WRAPPERS:
+        owner = sys.modules.get(module_path)
+        cls = getattr(owner, class_name, None) if owner is not None else None
+        if isinstance(cls, type):
+            found.append((cls, attribute))
+    return found
+
+
+def short_spelling(name: str) -> str | None:
+    """``"0"`` for ``"module.0"`` or ``"_orig_mod.0"``: a name as spelled below a wrapper, for
+    records that outlive their model (a trace's rows) and know only the short names."""
+    for _, _, attribute in _WRAPPERS:
+        if name.startswith(attribute + "."):
+            return name[len(attribute) + 1 :]
     return None
 
 
@@ -65,6 +91,18 @@ def named_modules(model: nn.Module) -> list[NamedModule]:
     Same modules, same order, each module once (as ``named_modules()``); only the names differ.
     """
     return [(name, module) for name, _, module in _walk(model)]
+
+
+def unwrapped_modules(model: nn.Module) -> list[NamedModule]:
+    """:func:`named_modules` without the modules wrappers hold (``module``, ``_orig_mod``): their
+    calls are the wrapper's, so a wrapped and a bare model line up name for name (diff)."""
+    held = {id(inner) for _, module in named_modules(model) if (inner := _held(module)) is not None}
+    return [(name, module) for name, module in named_modules(model) if id(module) not in held]
+
+
+def _held(module: nn.Module) -> nn.Module | None:
+    found = wrapped(module)
+    return found[1] if found is not None else None
 
 
 def raw_and_named_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
@@ -90,21 +128,33 @@ def _walk(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
     Each entry carries the prefix its children are named under: a module's own name, except
     for the module a wrapper holds, whose children are named under the wrapper's prefix.
     """
+    classes = _wrapper_classes()  # looked up once per walk, not per module
     seen: set[int] = set()
+    used: set[str] = set()
     stack: list[tuple[str, str, nn.Module, str]] = [("", "", model, "")]
     while stack:
         name, raw, module, prefix = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
+        if name in used:  # a wrapped model's own attribute named like the wrapper's ("module"): keep torch's spelling
+            name = prefix = raw
+        used.add(name)
         yield name, raw, module
-        inner = wrapped(module)
+        inner = _inner_of(module, classes) if classes else None
         children = []
         for attribute, child in module._modules.items():
             if child is None:
                 continue
             child_name = f"{prefix}.{attribute}" if prefix else attribute
             child_raw = f"{raw}.{attribute}" if raw else attribute
-            child_prefix = prefix if inner is not None and child is inner[1] else child_name
+            child_prefix = prefix if child is inner else child_name
             children.append((child_name, child_raw, child, child_prefix))
         stack.extend(reversed(children))
+
+
+def _inner_of(module: nn.Module, classes: list[tuple[type, str]]) -> nn.Module | None:
+    for cls, attribute in classes:
+        if isinstance(module, cls):
+            return module._modules.get(attribute)
+    return None

@@ -34,7 +34,7 @@ from typing import TypeAlias, cast
 import torch
 from torch import nn
 
-from hookscope.core.names import raw_and_named_modules
+from hookscope.core.names import raw_and_named_modules, short_spelling
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
 __all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select", "select_names"]
@@ -235,6 +235,9 @@ def _suggest(selector: str, names: list[str]) -> list[str]:
     dotted = re.sub(r"\[(\w+)\]", r".\1", text).lstrip(".")  # "layers[0].fc" -> "layers.0.fc"
     if dotted != text and dotted in names:
         return [dotted]
+    short = short_spelling(dotted)  # spelled as below a DDP or torch.compile wrapper
+    if short is not None and short in names:
+        return [short]
     # A name from another wrapping level: "transformer.h.0" given to the inner GPT2Model, or the reverse.
     affixed = [n for n in names if dotted.endswith("." + n) or n.endswith("." + dotted)]
     if affixed:

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import nn
 
-from hookscope.core.compiled import is_compiling
+from hookscope.core.compiled import EAGER, is_compiling
 from hookscope.errors import HookscopeError, SpecError
 
 # The id of the backward pass running on this thread, -1 outside one (read once per pass).
@@ -166,19 +166,26 @@ class CallTracker:
     def watch(self, name: str, module: nn.Module) -> None:
         """Start counting ``module``'s calls, reported under ``name``."""
         self._names.setdefault(id(module), name)
+        self._open.setdefault(id(module), [])  # every key from the start: compiled code guards on the dict's size
         # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
         self._originals.setdefault(id(module._forward_pre_hooks), id(module))
 
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
+        if is_compiling() and (self._open_calls == 0 or key == self._opener) and EAGER is not None:
+            # Opening a pass (and entering its opener again: another thread, or recursion) needs
+            # the thread, the lock and autograd's state, none of which Dynamo traces: run it
+            # eagerly, one graph break where the pass opens inside compiled code.
+            index: int = EAGER(CallTracker.enter)(self, module)
+            return index
         if self._open_calls:
             if not self._on_owning_thread():
                 return self._enter_replica(module)
             if key == self._opener and not is_reentered(module):
                 self._abandon()
         if self._open_calls == 0:
-            if is_compiling():  # Dynamo traces no locks; compiled code runs on its caller's thread
+            if is_compiling():  # no eager escape in this torch: the pass is the compiled code's thread's
                 self._open_pass(module, key, 0)
                 return self._count(key)
             with self._lock:  # two threads entering at once: one opens the pass, the other is refused
@@ -210,6 +217,11 @@ class CallTracker:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
         if not self._open_calls:
             return  # nothing open
+        if self._open_calls == 1 and is_compiling() and EAGER is not None:
+            # The pass ends: eagerly, as it opened. Its values stay in the graph (handing them to an
+            # eager call makes Dynamo warn about .grad); the listeners' compiled values are copies.
+            EAGER(CallTracker.exit)(self, module)
+            return
         if not self._on_owning_thread():
             replica = self._replica_calls()  # None: the close of a call refused on another thread
             stack = replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
@@ -276,7 +288,8 @@ class CallTracker:
         """Forget open calls and counts (used when hooks are removed)."""
         self._replicas = {}
         self._counts.clear()
-        self._open.clear()
+        for stack in self._open.values():
+            stack.clear()
         self._open_calls = 0
 
     def _abandon(self) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from hookscope.capturing import capture
 from hookscope.capturing.cache import Cache
-from hookscope.core.names import named_modules
+from hookscope.core.names import unwrapped_modules
 from hookscope.core.select import Selector, ensure_module, select
 from hookscope.core.tree import map_tensors
 from hookscope.diffing.matching import Match, name_pairs
@@ -50,7 +50,7 @@ def compare_models(
     """
     _check_tolerances(rtol, atol)
     modules_a = _modules(ensure_module(a), layers)
-    modules_b = named_modules(ensure_module(b))
+    modules_b = unwrapped_modules(ensure_module(b))  # a wrapper's held module: its calls are the wrapper's
     pairs = None if match == "order" else name_pairs([n for n, _ in modules_a], [n for n, _ in modules_b], match)
     if pairs is not None:
         if not pairs or (set(pairs) == {""} and len(modules_a) > 1 and layers is None):
@@ -193,7 +193,7 @@ def _blame(which: str) -> Iterator[None]:
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
-        return named_modules(model)
+        return unwrapped_modules(model)
     chosen: Any = list(layers) if isinstance(layers, (list, tuple)) else layers
     return select(model, chosen)
 

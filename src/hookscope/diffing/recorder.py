@@ -20,6 +20,7 @@ from torch import nn
 from hookscope.calltrace.recorder import shape_of
 from hookscope.capturing.cache import Cache
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
+from hookscope.core.compiled import EAGER, is_compiling
 from hookscope.core.sites import CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.diffing.metrics import raw_metrics
@@ -94,6 +95,9 @@ class _Run(Scoped):
         leaf = next(module.children(), None) is None
 
         def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if is_compiling() and EAGER is not None:  # the comparison reads values back: run it eagerly
+                EAGER(type(self).opened)(self, name, current(module), class_name, leaf, call_leaves(args, kwargs))
+                return
             self.opened(name, current(module), class_name, leaf, call_leaves(args, kwargs))
 
         return enter
@@ -102,6 +106,9 @@ class _Run(Scoped):
         current = self._tracker.current
 
         def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if is_compiling() and EAGER is not None:
+                EAGER(type(self).closed)(self, name, current(module), flatten_tensors(output, ""))
+                return
             self.closed(name, current(module), flatten_tensors(output, ""))
 
         return leave

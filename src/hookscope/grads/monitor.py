@@ -306,7 +306,8 @@ class GradMonitor(Scoped):
             by_device.setdefault(parameter.device, []).append(i)
         norms = [0.0] * len(named)
         for indices in by_device.values():  # one read per device
-            # A sharded (FSDP2) weight's norm is a partial one per rank: full_value sums them (one all-reduce).
+            # A sharded (FSDP2) weight's norm is a partial one per rank: full_value sums them (one
+            # all-reduce per sharded parameter; the gradients' statistics gather each whole gradient).
             values = torch.stack([full_value(torch.linalg.vector_norm(named[i][1].detach().float())) for i in indices])
             for i, value in zip(indices, values.tolist(), strict=True):
                 norms[i] = value
@@ -422,9 +423,9 @@ def _refuse_offloaded(parameters: list[tuple[str, nn.Parameter]]) -> None:
     if offloaded:
         shown = ", ".join(repr(name) for name in offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
         raise UnsupportedModelError(
-            f"{len(offloaded)} watched parameters are on the meta device ({shown}): offloaded by accelerate "
-            "(cpu_offload, a device map), they are replaced at every forward, so their gradients never reach "
-            "them; watch activation gradients with params=False, or train a model whose weights are loaded"
+            f"{len(offloaded)} watched parameters are on the meta device ({shown}): not loaded, or offloaded by "
+            "accelerate (cpu_offload, a device map), which replaces them at every forward, so no gradient ever "
+            "reaches them; watch activation gradients with params=False, or train a model whose weights are loaded"
         )
 
 
