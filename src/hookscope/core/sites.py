@@ -154,7 +154,7 @@ class CallTracker:
         self._listener = listener
         self._opener = 0
         self._thread = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a listener may run the model again
         self._originals: dict[int, int] = {}  # id of a watched module's hook dict -> id of the module
         self._replicas: dict[int, _ReplicaCalls] = {}  # thread -> its replicas' calls, in this pass
         #: True during a pass that autograd runs inside a backward pass: a checkpointed block
@@ -229,11 +229,22 @@ class CallTracker:
                 stack.pop()
             return
         stack = self._open.get(id(module))
-        if stack:
-            stack.pop()
+        if not stack:
+            return
+        stack.pop()
+        if self._open_calls > 1:
             self._open_calls -= 1
-            if self._open_calls == 0 and self._listener is not None:
-                self._listener.pass_ended(module, args, kwargs or {}, output)
+            return
+        if is_compiling():  # no eager escape in this torch, so no lock either
+            self._end_pass(module, args, kwargs or {}, output)
+            return
+        with self._lock:  # the pass ends: no other thread opens the next one before its listener is done
+            self._end_pass(module, args, kwargs or {}, output)
+
+    def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self._open_calls = 0
+        if self._listener is not None:
+            self._listener.pass_ended(module, args, kwargs, output)
 
     def owns(self) -> bool:
         """True on the thread whose pass is open: a closing hook running for a call refused on
