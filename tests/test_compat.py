@@ -344,11 +344,32 @@ def test_threaded_data_parallel_replicas_are_captured_per_device() -> None:
 
 
 def test_edits_apply_inside_every_replica() -> None:
-    model, parallel = replicated_model()
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, Meet(parties=2), nn.ReLU(), shared)
+    parallel = ThreadedDataParallel(model, ["cpu", "cpu"])  # edits keep nothing per device: both may share one
     x = torch.randn(6, 4)
     with hs.edit(parallel, {"2": hs.edits.zero()}):
-        on_cpu, _ = parallel(x)
-    torch.testing.assert_close(on_cpu, model[0](torch.zeros(3, 4)))
+        first, second = parallel(x)
+    torch.testing.assert_close(first, model[0](torch.zeros(3, 4)))
+    torch.testing.assert_close(second, model[0](torch.zeros(3, 4)))
+
+
+def test_hooks_on_the_model_inside_data_parallel_are_refused_with_the_way_out() -> None:
+    """Without the wrapper hooked, a replica would open the pass and the others would join it
+    part-way: the values would mix. The first replica to start is refused instead."""
+    model, parallel = replicated_model()
+    for scope in (lambda: hs.capture(model, "0"), lambda: hs.edit(model, {"0": hs.edits.zero()})):
+        refused = pytest.raises(hs.errors.UnsupportedModelError, match="attach to the DataParallel wrapper itself")
+        with refused, scope():
+            parallel(torch.randn(6, 4))
+        assert attached(model) == []
+
+
+def test_replicas_with_every_pass_kept_are_refused() -> None:
+    _, parallel = replicated_model()
+    with pytest.raises(hs.errors.CaptureError, match="passes='all'"), hs.capture(parallel, "0", passes="all"):
+        parallel(torch.randn(6, 4))
 
 
 def test_a_trace_of_threaded_replicas_is_refused_with_the_way_out() -> None:
@@ -393,3 +414,26 @@ def test_a_trace_reads_back_under_the_wrappers_spelling_too() -> None:
     assert trace["module.0"] is trace["0"]
     with pytest.raises(hs.SelectionError, match="did you mean '0'"):
         hs.core.select.select_names([row.name for row in trace.rows], "module.0")
+
+
+def test_a_wrapped_and_a_bare_model_diff_alike_either_way_round() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    x = torch.randn(2, 3)
+    assert hs.diff(nn.DataParallel(model), model, x, layers="*").within()
+    assert hs.diff(model, nn.DataParallel(model), x, layers="*").within()
+
+
+def test_a_bare_models_trace_never_reads_a_wrappers_spelling() -> None:
+    class Holder(nn.Module):  # its own attribute is called `module`; it is no wrapper
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.head = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.module(x))
+
+    trace = hs.trace(Holder(), torch.randn(1, 2))
+    assert trace["module"].name == "module"
+    with pytest.raises(hs.errors.SiteNotFoundError):
+        trace["module.head"]

@@ -8,6 +8,7 @@ graph breaks, so a compiled model stays one graph while it is watched.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -250,8 +251,8 @@ def test_capture_options_apply_inside_compiled_code(x: torch.Tensor) -> None:
         torch.testing.assert_close(cap[key], expected[key])
 
 
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_a_checkpointed_compiled_block_recomputes_without_a_new_pass(reentrant: bool) -> None:
+def test_a_checkpointed_compiled_block_recomputes_without_a_new_pass() -> None:
+    """The reentrant kind: its recomputation runs the block's forward again, inside backward."""
     from torch.utils.checkpoint import checkpoint
 
     class Net(nn.Module):
@@ -261,7 +262,7 @@ def test_a_checkpointed_compiled_block_recomputes_without_a_new_pass(reentrant: 
             self.head = nn.Linear(4, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+            return self.head(checkpoint(self.block, x, use_reentrant=True))
 
     torch.manual_seed(0)
     net = Net()
@@ -276,3 +277,46 @@ def test_a_compiled_model_diffs_within_its_eager_self(x: torch.Tensor) -> None:
     diff = hs.diff(model, torch.compile(model, backend="eager"), x)
     assert diff.within()
     assert "_orig_mod" not in {row.name for row in diff.rows}
+
+
+class Handshake(nn.Module):
+    """Holds its forward open until told to go on (a graph break: it waits on a thread event)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.go_on = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inside.set()
+        assert self.go_on.wait(timeout=30)
+        return x * 2
+
+
+def test_a_second_thread_inside_a_compiled_pass_is_refused_and_the_pass_stays_whole() -> None:
+    """The pass opens inside compiled code (the eager module is hooked); another thread calling
+    the compiled model meanwhile is refused, and its closing hook leaves the first pass alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Handshake(), nn.Linear(3, 3)).eval()
+    compiled_model = torch.compile(model, backend="eager")
+    first, second = torch.ones(2, 3), torch.zeros(2, 3)
+    refused: list[BaseException] = []
+
+    def intrude() -> None:
+        assert model[1].inside.wait(timeout=30)
+        try:
+            compiled_model(second)
+        except hs.errors.CaptureError as error:
+            refused.append(error)
+        finally:
+            model[1].go_on.set()
+
+    with hs.capture(model, "*") as cap:
+        other = threading.Thread(target=intrude)
+        other.start()
+        out = compiled_model(first)
+        other.join(timeout=30)
+    assert len(refused) == 1
+    assert sorted(cap) == ["0#0:output", "1#0:output", "2#0:output"]
+    torch.testing.assert_close(cap["2"], out)
+    torch.testing.assert_close(cap["0"], model[0](first))

@@ -18,7 +18,7 @@ from torch import nn
 from hookscope._files import atomic_path
 from hookscope._json import finite_json
 from hookscope.calltrace.rows import TensorInfo, TraceRow, format_shape
-from hookscope.core.names import short_spelling
+from hookscope.core.names import WRAPPER_CLASS_NAMES, short_spelling
 from hookscope.core.select import Selector, select, select_names
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
 
@@ -85,10 +85,15 @@ class Trace(Sequence[TraceRow]):
     def __iter__(self) -> Iterator[TraceRow]:
         return iter(self.rows)
 
+    def _wrapped(self) -> bool:
+        """True when the traced model was a DDP, DataParallel or torch.compile wrapper."""
+        roots = self._by_name.get("") or []
+        return bool(roots) and roots[0].class_name in WRAPPER_CLASS_NAMES
+
     def calls(self, name: str) -> list[TraceRow]:
         """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model)."""
         rows = self._by_name.get("" if name == "(root)" else name)
-        short = short_spelling(name) if not rows else None
+        short = short_spelling(name) if not rows and self._wrapped() else None
         if short is not None:  # "module.0" below a DDP or torch.compile wrapper: the row is "0"
             rows = self._by_name.get(short)
         if not rows:

@@ -195,7 +195,13 @@ class Capture(Scoped):
         thread = threading.get_ident()
         kept = self._replica_keepers.get(thread)
         if kept is None:
-            device = str(leaves[0][1].device) if leaves else "cpu"
+            if self._keep_passes:
+                raise CaptureError(
+                    "passes='all' keeps the model's passes, and DataParallel replicas run beside them in threads; "
+                    "capture the replicas with the default passes='latest' (capture.replicas), one pass at a time"
+                )
+            floating = [tensor for _, tensor in leaves if tensor.is_floating_point()]  # not lengths or counters
+            device = str((floating or [tensor for _, tensor in leaves])[0].device) if leaves else "cpu"
             with self._replica_lock:
                 if any(other == device for other, _ in self._replica_keepers.values()):
                     raise CaptureError(

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from torch import nn
 
 __all__ = [
+    "WRAPPER_CLASS_NAMES",
     "NamedModule",
     "is_wrapper",
     "named_modules",
@@ -44,6 +45,9 @@ _WRAPPERS = (
     ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
     ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
 )
+
+#: The wrappers' class names, for records that outlive their model (a trace's root row).
+WRAPPER_CLASS_NAMES = frozenset(class_name for _, class_name, _ in _WRAPPERS)
 
 
 def wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hookscope.core.compiled import EAGER, is_compiling
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 
 # The id of the backward pass running on this thread, -1 outside one (read once per pass).
 _GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -105,6 +105,14 @@ class PassListener(Protocol):
         ...
 
 
+def _replica_opener(name: str) -> Exception:
+    return UnsupportedModelError(
+        f"a replica of {name or 'the hooked model'!r} (nn.DataParallel copies it per device and runs the "
+        "copies in threads) started a forward pass: attach to the DataParallel wrapper itself, whose call "
+        "opens the pass, so that each replica is numbered on its own and captured per device"
+    )
+
+
 class _ReplicaCalls:
     """The call numbering of one thread's ``nn.DataParallel`` replicas, keyed by the originals."""
 
@@ -173,7 +181,7 @@ class CallTracker:
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
-        if is_compiling() and (self._open_calls == 0 or key == self._opener) and EAGER is not None:
+        if (self._open_calls == 0 or key == self._opener) and EAGER is not None and is_compiling():
             # Opening a pass (and entering its opener again: another thread, or recursion) needs
             # the thread, the lock and autograd's state, none of which Dynamo traces: run it
             # eagerly, one graph break where the pass opens inside compiled code.
@@ -191,6 +199,8 @@ class CallTracker:
             with self._lock:  # two threads entering at once: one opens the pass, the other is refused
                 if self._open_calls:
                     raise self._refusal()
+                if self._originals.get(id(module._forward_pre_hooks), key) != key:
+                    raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
                 self._open_pass(module, key, threading.get_ident())
                 return self._count(key)
         return self._count(key)
@@ -217,10 +227,10 @@ class CallTracker:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
         if not self._open_calls:
             return  # nothing open
-        if self._open_calls == 1 and is_compiling() and EAGER is not None:
-            # The pass ends: eagerly, as it opened. Its values stay in the graph (handing them to an
-            # eager call makes Dynamo warn about .grad); the listeners' compiled values are copies.
-            EAGER(CallTracker.exit)(self, module)
+        if (self._open_calls == 1 or id(module) == self._opener) and EAGER is not None and is_compiling():
+            # The pass ends, or its opener closes (maybe on a refused thread, which only an eager
+            # check tells): eagerly, as the pass opened.
+            EAGER(CallTracker.exit)(self, module, args, kwargs, output)
             return
         if not self._on_owning_thread():
             replica = self._replica_calls()  # None: the close of a call refused on another thread

@@ -195,7 +195,10 @@ def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> 
     if layers is None:
         return unwrapped_modules(model)
     chosen: Any = list(layers) if isinstance(layers, (list, tuple)) else layers
-    return select(model, chosen)
+    kept = {
+        id(module) for _, module in unwrapped_modules(model)
+    }  # a wrapper's held module: its calls are the wrapper's
+    return [(name, module) for name, module in select(model, chosen) if id(module) in kept]
 
 
 def _check_tolerances(rtol: float, atol: float) -> None:
