@@ -7,6 +7,7 @@ one after every test and assert that no hook of any kind is left on any of its m
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections import namedtuple
 from dataclasses import dataclass
@@ -257,3 +258,18 @@ def gpt2_input() -> torch.Tensor:
 
 
 ALL_SMALL = [SmallCNN, SharedTwice, Looped, LinearInplaceReLU, MixedOutputs, KeywordOnly, RaisesMidForward, Nested]
+
+
+class Handshake(nn.Module):
+    """Holds its forward open until told to go on: lets a test run a second thread inside a pass
+    (under torch.compile it is a graph break: it waits on a thread event)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.go_on = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inside.set()
+        assert self.go_on.wait(timeout=30), "the other thread never finished"
+        return x * 2

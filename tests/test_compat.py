@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
 from hookscope.core.attach import attached
-from tests.models import track
+from tests.models import Handshake, track
 
 
 class Block(nn.Module):
@@ -180,20 +180,6 @@ def test_an_fx_traced_model_hooks_its_leaves_and_refuses_its_containers() -> Non
     assert list(cache) == list(reference)
     with pytest.raises(hs.UnsupportedModelError, match="never calls '0'"):
         hs.capture(traced, "0")
-
-
-class Handshake(nn.Module):
-    """Holds its forward open until told to go on: lets a test run a second thread inside a pass."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inside = threading.Event()
-        self.go_on = threading.Event()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.inside.set()
-        assert self.go_on.wait(timeout=30), "the other thread never finished"
-        return x * 2
 
 
 def test_a_second_thread_inside_a_pass_is_refused_and_the_first_pass_is_whole() -> None:

@@ -20,6 +20,7 @@ from torch import nn
 import hookscope as hs
 from hookscope.core import compiled
 from hookscope.errors import UnsupportedModelError
+from tests.models import Handshake
 
 # Dynamo reads .grad of the tensors alive where it breaks a graph; a pass opening or ending inside
 # compiled code is such a break (hookscope runs it eagerly). The warning is Dynamo's own.
@@ -277,20 +278,6 @@ def test_a_compiled_model_diffs_within_its_eager_self(x: torch.Tensor) -> None:
     diff = hs.diff(model, torch.compile(model, backend="eager"), x)
     assert diff.within()
     assert "_orig_mod" not in {row.name for row in diff.rows}
-
-
-class Handshake(nn.Module):
-    """Holds its forward open until told to go on (a graph break: it waits on a thread event)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inside = threading.Event()
-        self.go_on = threading.Event()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.inside.set()
-        assert self.go_on.wait(timeout=30)
-        return x * 2
 
 
 def test_a_second_thread_inside_a_compiled_pass_is_refused_and_the_pass_stays_whole() -> None:
