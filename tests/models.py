@@ -10,6 +10,7 @@ import os
 import threading
 import weakref
 from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,3 +274,21 @@ class Handshake(nn.Module):
         self.inside.set()
         assert self.go_on.wait(timeout=30), "the other thread never finished"
         return x * 2
+
+    def intruder(self, call: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+        """A started thread that, once this module holds a forward open, runs ``call``, keeps what
+        it raised, then lets the forward go on; join it after the forward."""
+        raised: list[BaseException] = []
+
+        def intrude() -> None:
+            assert self.inside.wait(timeout=30)
+            try:
+                call()
+            except Exception as error:
+                raised.append(error)
+            finally:
+                self.go_on.set()
+
+        thread = threading.Thread(target=intrude)
+        thread.start()
+        return thread, raised

@@ -185,23 +185,12 @@ def test_an_fx_traced_model_hooks_its_leaves_and_refuses_its_containers() -> Non
 def test_a_second_thread_inside_a_pass_is_refused_and_the_first_pass_is_whole() -> None:
     model = nn.Sequential(Handshake(), nn.Linear(3, 3))
     first, second = torch.ones(2, 3), torch.zeros(2, 3)
-    refused: list[BaseException] = []
-
-    def intrude() -> None:
-        assert model[0].inside.wait(timeout=30)
-        try:
-            model(second)
-        except hs.errors.CaptureError as error:
-            refused.append(error)
-        finally:
-            model[0].go_on.set()
-
     with hs.capture(model, "1") as cap:
-        other = threading.Thread(target=intrude)
-        other.start()
+        other, refused = model[0].intruder(lambda: model(second))
         out = model(first)
         other.join(timeout=30)
     assert len(refused) == 1
+    assert isinstance(refused[0], hs.errors.CaptureError)
     assert "another thread" in str(refused[0])
     assert "DataParallel" in str(refused[0])
     torch.testing.assert_close(cap["1"], out)  # the refused call left the open pass alone

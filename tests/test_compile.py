@@ -8,7 +8,6 @@ graph breaks, so a compiled model stays one graph while it is watched.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Iterator
 
@@ -287,23 +286,12 @@ def test_a_second_thread_inside_a_compiled_pass_is_refused_and_the_pass_stays_wh
     model = nn.Sequential(nn.Linear(3, 3), Handshake(), nn.Linear(3, 3)).eval()
     compiled_model = torch.compile(model, backend="eager")
     first, second = torch.ones(2, 3), torch.zeros(2, 3)
-    refused: list[BaseException] = []
-
-    def intrude() -> None:
-        assert model[1].inside.wait(timeout=30)
-        try:
-            compiled_model(second)
-        except hs.errors.CaptureError as error:
-            refused.append(error)
-        finally:
-            model[1].go_on.set()
-
     with hs.capture(model, "*") as cap:
-        other = threading.Thread(target=intrude)
-        other.start()
+        other, refused = model[1].intruder(lambda: compiled_model(second))
         out = compiled_model(first)
         other.join(timeout=30)
     assert len(refused) == 1
+    assert isinstance(refused[0], hs.errors.CaptureError)
     assert sorted(cap) == ["0#0:output", "1#0:output", "2#0:output"]
     torch.testing.assert_close(cap["2"], out)
     torch.testing.assert_close(cap["0"], model[0](first))

@@ -27,7 +27,7 @@ from hookscope.calltrace.result import MASK_WORDS
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.names import named_modules
 from hookscope.core.select import Selector, ensure_module, select
-from hookscope.core.sites import CallTracker
+from hookscope.core.sites import REPLICAS_HINT, CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, NonFiniteError
 from hookscope.stats import accumulator, flat_values, is_measurable
@@ -180,10 +180,7 @@ class NonFiniteDetector(Scoped):
 
     def refuse_thread(self) -> Exception:
         """Another thread entered while a pass is open."""
-        return HookscopeError(
-            "detect_nonfinite is already watching a forward pass on another thread; "
-            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
-        )
+        return HookscopeError("detect_nonfinite is already watching a forward pass on another thread; " + REPLICAS_HINT)
 
     @staticmethod
     def _settle(calls: list[_Call]) -> None:

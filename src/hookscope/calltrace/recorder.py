@@ -32,7 +32,7 @@ from hookscope.core.compiled import is_compiling
 from hookscope.core.names import named_modules
 from hookscope.core.params import count, own_count
 from hookscope.core.select import Selector, ensure_module, select
-from hookscope.core.sites import CallTracker
+from hookscope.core.sites import REPLICAS_HINT, CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
@@ -103,11 +103,6 @@ class _Draft:
     peak_bytes: int | None = None
 
 
-def _clock() -> float:
-    """``perf_counter``, or 0 while torch.compile traces (Dynamo cannot call it: a graph break)."""
-    return 0.0 if is_compiling() else time.perf_counter()
-
-
 class _Pass:
     """Everything one forward pass accumulates; a new pass starts from a clean one."""
 
@@ -119,7 +114,7 @@ class _Pass:
         self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
         self.finished = 0
         self.clock = CallClock()
-        self.started = _clock()
+        self.started = time.perf_counter()
         self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
@@ -289,7 +284,7 @@ class Tracer(Scoped):
         self._finished = _FinishedPass(
             state,
             type(module).__name__,
-            _clock() - state.started,
+            time.perf_counter() - state.started,
             max(raised) if raised else None,
             _record_done(state.streams),
         )
@@ -303,7 +298,7 @@ class Tracer(Scoped):
         """Another thread entered while a pass is open."""
         return HookscopeError(
             "this trace is already recording a forward pass on another thread; trace one thread at a time; "
-            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+            + REPLICAS_HINT
         )
 
     def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:

@@ -33,7 +33,7 @@ EAGER_COPY_BYTES = 64 * 1024
 
 
 def _version(tensor: torch.Tensor) -> int | None:
-    return None if is_compiling() or tensor.is_inference() else tensor._version
+    return None if tensor.is_inference() else tensor._version
 
 
 class Keeper:
@@ -88,8 +88,7 @@ class Keeper:
 
         ``outliving`` names that memory; it is asked only when something is still watched.
         """
-        if not is_compiling():
-            self.keep_deferred()
+        self._keep_deferred()  # a pass ends eagerly, also one that opened in compiled code
         self.leave_guard()
         if self._watched:
             outside = outliving()
@@ -123,14 +122,14 @@ class Keeper:
 
     def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
         """Keep every tensor leaf of one module call's input or output."""
-        if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept once the graph has run
+        if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept at the pass's end
             copies = [(path, self._prepared(tensor)) for path, tensor in leaves]
             self._deferred.append((name, call, what, copies, type(value).__name__))
             return
         self._keep_leaves(name, call, what, leaves, type(value).__name__)
 
-    def keep_deferred(self) -> None:
-        """Keep what compiled code handed over (called outside it: at the pass's end, or on reading)."""
+    def _keep_deferred(self) -> None:
+        """Keep what compiled code handed over, at the pass's end (which runs eagerly)."""
         deferred, self._deferred = self._deferred, []
         for name, call, what, copies, kind in deferred:
             self._keep_leaves(name, call, what, copies, kind, owned=True)

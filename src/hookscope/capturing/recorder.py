@@ -277,7 +277,6 @@ class Capture(Scoped):
     @property
     def cache(self) -> Cache:
         """The :class:`Cache` of the latest forward pass."""
-        self._keeper.keep_deferred()  # values a compiled pass handed over, if its end ran compiled too
         return self._keeper.cache
 
     @property
@@ -286,7 +285,7 @@ class Capture(Scoped):
         generation loop: the prefill, then one per new token); otherwise the latest one's."""
         if self._keep_passes:
             return list(self._passes)
-        return [self.cache]
+        return [self._keeper.cache]
 
     def __getitem__(self, key: str | Site) -> torch.Tensor:
         return self.cache[key]

@@ -30,37 +30,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.core.names import named_modules
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
 __all__ = ["EAGER", "compile_wrappers", "is_compiling", "recompile_if_stale", "sentinels"]
 
+_COMPILER = getattr(torch, "compiler", None)
+_DISABLE: Callable[..., Any] | None = getattr(_COMPILER, "disable", None)
+_IS_COMPILING: Callable[[], bool] | None = getattr(_COMPILER, "is_compiling", None)
+
 #: True while Dynamo traces the code calling it: hook bodies then take paths it can trace
-#: without a graph break (no reads to the host, no storage addresses, no version counters).
-is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+#: without a graph break (no reads to the host, no storage addresses, no version counters),
+#: and run what it cannot trace through :data:`EAGER`. Always False in a torch lacking
+#: ``torch.compiler.is_compiling`` or ``disable``: there Dynamo breaks the graph around hooks.
+is_compiling: Callable[[], bool] = (
+    _IS_COMPILING if _IS_COMPILING is not None and _DISABLE is not None else (lambda: False)
+)
 
 _EVAL_FRAME = "torch._dynamo.eval_frame"
+_ESCAPES: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def _eager_escape() -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
-    """``torch.compiler.disable``, made once per function: compiled code calls the result eagerly
-    (one graph break), for the hook work Dynamo cannot trace: threads, locks, autograd's state."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if disable is None:
-        return None
-    made: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-    def eager(function: Callable[..., Any]) -> Callable[..., Any]:
-        wrapped = made.get(function)
-        if wrapped is None:
-            wrapped = made[function] = disable(function)
-        return wrapped
-
-    return eager
-
-
-#: ``EAGER(function)(...)`` runs ``function`` eagerly from compiled code; None in a torch without
-#: ``torch.compiler.disable``. Pass plain functions (not bound methods): one wrapper is made per function.
-EAGER = _eager_escape()
+def EAGER(function: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802 (reads as a marker at call sites)
+    """``function`` made callable eagerly from compiled code (``torch.compiler.disable``, one
+    graph break), for hook work Dynamo cannot trace: threads, locks, autograd's state, reads to
+    the host. Only called where :func:`is_compiling` is True; pass plain functions, not bound
+    methods: one wrapper is made per function."""
+    escape = _ESCAPES.get(function)
+    if escape is None:
+        assert _DISABLE is not None, "is_compiling() is False where torch.compiler.disable is missing"
+        escape = _ESCAPES[function] = _DISABLE(function)
+    return escape
 
 
 def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
@@ -69,7 +69,7 @@ def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list
     cls = _optimized_module()
     if cls is None:
         return []
-    wrappers = [(name, module) for name, module in model.named_modules() if isinstance(module, cls)]
+    wrappers = [(name, module) for name, module in named_modules(model) if isinstance(module, cls)]
     if not hooked:
         return wrappers
     ids = {id(module) for module in hooked}

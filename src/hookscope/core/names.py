@@ -29,12 +29,10 @@ from torch import nn
 __all__ = [
     "WRAPPER_CLASS_NAMES",
     "NamedModule",
-    "is_wrapper",
     "named_modules",
     "named_parameters",
     "short_spelling",
     "unwrapped_modules",
-    "wrapped",
 ]
 
 NamedModule = tuple[str, nn.Module]
@@ -48,20 +46,6 @@ _WRAPPERS = (
 
 #: The wrappers' class names, for records that outlive their model (a trace's root row).
 WRAPPER_CLASS_NAMES = frozenset(class_name for _, class_name, _ in _WRAPPERS)
-
-
-def wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """``(attribute, inner module)`` when ``module`` is a known wrapper, else None.
-
-    Only modules whose defining package is already imported are checked: a wrapper cannot
-    exist before its class does.
-    """
-    for cls, attribute in _wrapper_classes():
-        if isinstance(module, cls):
-            inner = module._modules.get(attribute)
-            if inner is not None:
-                return attribute, inner
-    return None
 
 
 def _wrapper_classes() -> list[tuple[type, str]]:
@@ -84,11 +68,6 @@ def short_spelling(name: str) -> str | None:
     return None
 
 
-def is_wrapper(module: nn.Module) -> bool:
-    """True for a ``DistributedDataParallel``, ``DataParallel`` or ``torch.compile`` wrapper."""
-    return wrapped(module) is not None
-
-
 def named_modules(model: nn.Module) -> list[NamedModule]:
     """``model.named_modules()`` with wrapper segments dropped from the names below a wrapper.
 
@@ -100,13 +79,10 @@ def named_modules(model: nn.Module) -> list[NamedModule]:
 def unwrapped_modules(model: nn.Module) -> list[NamedModule]:
     """:func:`named_modules` without the modules wrappers hold (``module``, ``_orig_mod``): their
     calls are the wrapper's, so a wrapped and a bare model line up name for name (diff)."""
-    held = {id(inner) for _, module in named_modules(model) if (inner := _held(module)) is not None}
-    return [(name, module) for name, module in named_modules(model) if id(module) not in held]
-
-
-def _held(module: nn.Module) -> nn.Module | None:
-    found = wrapped(module)
-    return found[1] if found is not None else None
+    classes = _wrapper_classes()
+    named = named_modules(model)
+    held = {id(inner) for _, module in named if (inner := _inner_of(module, classes)) is not None}
+    return [(name, module) for name, module in named if id(module) not in held]
 
 
 def raw_and_named_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:

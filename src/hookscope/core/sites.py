@@ -28,7 +28,10 @@ from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 # The id of the backward pass running on this thread, -1 outside one (read once per pass).
 _GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
-__all__ = ["CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
+__all__ = ["REPLICAS_HINT", "CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
+
+#: Ends the refusal of another thread by the features that record one thread's pass.
+REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
@@ -181,7 +184,7 @@ class CallTracker:
     def enter(self, module: nn.Module) -> int:
         """Open a call of ``module`` and return its index in the current pass."""
         key = id(module)
-        if (self._open_calls == 0 or key == self._opener) and EAGER is not None and is_compiling():
+        if (self._open_calls == 0 or key == self._opener) and is_compiling():
             # Opening a pass (and entering its opener again: another thread, or recursion) needs
             # the thread, the lock and autograd's state, none of which Dynamo traces: run it
             # eagerly, one graph break where the pass opens inside compiled code.
@@ -193,9 +196,6 @@ class CallTracker:
             if key == self._opener and not is_reentered(module):
                 self._abandon()
         if self._open_calls == 0:
-            if is_compiling():  # no eager escape in this torch: the pass is the compiled code's thread's
-                self._open_pass(module, key, 0)
-                return self._count(key)
             with self._lock:  # two threads entering at once: one opens the pass, the other is refused
                 if self._open_calls:
                     raise self._refusal()
@@ -210,7 +210,7 @@ class CallTracker:
         self._replicas = {}
         self._opener = key
         self._thread = thread
-        self.replaying = thread != 0 and _GRAPH_TASK() != -1
+        self.replaying = _GRAPH_TASK() != -1
         if self._listener is not None:
             self._listener.pass_started(module)
 
@@ -227,16 +227,15 @@ class CallTracker:
         """Close the innermost open call of ``module``; a close without an open is ignored."""
         if not self._open_calls:
             return  # nothing open
-        if (self._open_calls == 1 or id(module) == self._opener) and EAGER is not None and is_compiling():
+        if (self._open_calls == 1 or id(module) == self._opener) and is_compiling():
             # The pass ends, or its opener closes (maybe on a refused thread, which only an eager
             # check tells): eagerly, as the pass opened.
             EAGER(CallTracker.exit)(self, module, args, kwargs, output)
             return
         if not self._on_owning_thread():
-            replica = self._replica_calls()  # None: the close of a call refused on another thread
-            stack = replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
-            if stack:
-                stack.pop()
+            replica_stack = self._replica_stack(module)  # None: the close of a call refused on another thread
+            if replica_stack:
+                replica_stack.pop()
             return
         stack = self._open.get(id(module))
         if not stack:
@@ -245,16 +244,10 @@ class CallTracker:
         if self._open_calls > 1:
             self._open_calls -= 1
             return
-        if is_compiling():  # no eager escape in this torch, so no lock either
-            self._end_pass(module, args, kwargs or {}, output)
-            return
         with self._lock:  # the pass ends: no other thread opens the next one before its listener is done
-            self._end_pass(module, args, kwargs or {}, output)
-
-    def _end_pass(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self._open_calls = 0
-        if self._listener is not None:
-            self._listener.pass_ended(module, args, kwargs, output)
+            self._open_calls = 0
+            if self._listener is not None:
+                self._listener.pass_ended(module, args, kwargs or {}, output)
 
     def owns(self) -> bool:
         """True on the thread whose pass is open: a closing hook running for a call refused on
@@ -262,17 +255,16 @@ class CallTracker:
         return self._open_calls > 0 and self._on_owning_thread()
 
     def _on_owning_thread(self) -> bool:
-        """True on the thread of the open pass. Under torch.compile the thread cannot be read
-        (Dynamo cannot trace ``get_ident``), and a pass opened there (thread 0) is anyone's:
-        compiled code runs on the thread that called it."""
-        return self._thread == 0 or is_compiling() or threading.get_ident() == self._thread
+        """True on the thread of the open pass. Inside compiled code the thread cannot be read
+        (Dynamo cannot trace ``get_ident``): there the pass's opener, entered and closed eagerly,
+        has already refused any other thread."""
+        return is_compiling() or threading.get_ident() == self._thread
 
     def current(self, module: nn.Module) -> int:
         """Index of ``module``'s innermost open call (valid inside its hooks)."""
         stack = self._open.get(id(module))
         if not stack and self._replicas:  # a DataParallel replica, on its own thread
-            replica = self._replica_calls()
-            stack = replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
+            stack = self._replica_stack(module)
         if not stack:
             raise RuntimeError("no call of this module is open; current() is only valid inside its hooks")
         return stack[-1]
@@ -300,6 +292,11 @@ class CallTracker:
 
     def _replica_calls(self) -> _ReplicaCalls | None:
         return self._replicas.get(threading.get_ident())
+
+    def _replica_stack(self, module: nn.Module) -> list[int] | None:
+        """This thread's open calls of the original that ``module`` is a replica of."""
+        replica = self._replica_calls()
+        return replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
 
     def counts(self) -> dict[str, int]:
         """``{name: calls}`` for the latest pass, in the order the modules were watched."""

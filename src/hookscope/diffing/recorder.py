@@ -95,7 +95,7 @@ class _Run(Scoped):
         leaf = next(module.children(), None) is None
 
         def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if is_compiling() and EAGER is not None:  # the comparison reads values back: run it eagerly
+            if is_compiling():  # the comparison reads values back: run it eagerly
                 EAGER(type(self).opened)(self, name, current(module), class_name, leaf, call_leaves(args, kwargs))
                 return
             self.opened(name, current(module), class_name, leaf, call_leaves(args, kwargs))
@@ -106,7 +106,7 @@ class _Run(Scoped):
         current = self._tracker.current
 
         def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if is_compiling() and EAGER is not None:
+            if is_compiling():
                 EAGER(type(self).closed)(self, name, current(module), flatten_tensors(output, ""))
                 return
             self.closed(name, current(module), flatten_tensors(output, ""))

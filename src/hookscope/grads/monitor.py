@@ -33,7 +33,7 @@ from hookscope.calltrace.identity import SeenTensors
 from hookscope.core.attach import HookGroup, HookSpec, Scoped
 from hookscope.core.names import named_modules, named_parameters
 from hookscope.core.select import Selector, ensure_module, select
-from hookscope.core.sites import CallTracker
+from hookscope.core.sites import REPLICAS_HINT, CallTracker
 from hookscope.core.tree import call_leaves, flatten_tensors
 from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 from hookscope.grads.records import GradRecord, GradStep, GradWhat
@@ -239,8 +239,7 @@ class GradMonitor(Scoped):
     def refuse_thread(self) -> Exception:
         """Another thread entered while a forward is open."""
         return HookscopeError(
-            "watch_grads is already watching a forward pass on another thread; one thread at a time; "
-            "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+            "watch_grads is already watching a forward pass on another thread; one thread at a time; " + REPLICAS_HINT
         )
 
     # -- steps ----------------------------------------------------------------------------------
