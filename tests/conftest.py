@@ -11,7 +11,7 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from hookscope.core.attach import live_groups
+from hookscope._core.attach import live_groups
 from tests.models import BUILT
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import hookscope as hs
-import hookscope.capturing.keeper as keeper
-from hookscope.core.sites import Site
+import hookscope._capture.keeper as keeper
+from hookscope._core.sites import Site
 from tests.conftest import raw_hook_count
 from tests.models import (
     KeywordOnly,

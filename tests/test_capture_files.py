@@ -1,4 +1,4 @@
-"""Tests for hookscope.capturing.files: bit-exact round trips, metadata, atomic writes, refusals."""
+"""Tests for hookscope._capture.files: bit-exact round trips, metadata, atomic writes, refusals."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from hookscope.capturing.files import SUPPORTED_SUFFIXES, load_tensors, save_tensors
+from hookscope._capture.files import SUPPORTED_SUFFIXES, load_tensors, save_tensors
 from hookscope.errors import FileFormatError, SpecError
 
 DTYPES = [
@@ -279,7 +279,7 @@ def test_missing_safetensors_package_is_named(tmp_path: Path) -> None:
         import sys
         sys.modules["safetensors"] = None
         import torch
-        from hookscope.capturing.files import save_tensors
+        from hookscope._capture.files import save_tensors
         from hookscope.errors import MissingDependencyError
         try:
             save_tensors(sys.argv[1], {"x": torch.ones(2)}, {})

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-import hookscope.capturing.keeper as keeper
+import hookscope._capture.keeper as keeper
 from tests.conftest import raw_hook_count
 from tests.models import LinearInplaceReLU, Looped, SmallCNN, Tracked
 

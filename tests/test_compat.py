@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
-from hookscope.core.attach import attached
+from hookscope._core.attach import attached
 from tests.models import Handshake, track
 
 

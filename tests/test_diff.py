@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.core.attach import attached
+from hookscope._core.attach import attached
 from tests.models import SmallCNN, gpt2_input, tiny_gpt2, track
 from tests.test_cli import run_cli
 
@@ -356,7 +356,7 @@ class Probe(nn.Module):
 
 
 def test_a_values_are_let_go_as_b_compares_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookscope.diffing import recorder
+    from hookscope._diff import recorder
 
     watched: list[weakref.ref[torch.Tensor]] = []
     taken = recorder.Reference.fill
@@ -426,7 +426,7 @@ def test_non_finite_values_in_the_same_places_are_equal() -> None:
     metrics = hs.diff(a, copy.deepcopy(a), torch.randn(3, 4)).rows[0].metrics
     assert metrics is not None
     assert metrics.mismatched == 0
-    from hookscope.diffing.metrics import raw_metrics, read_metrics
+    from hookscope._diff.metrics import raw_metrics, read_metrics
 
     mixed = read_metrics([raw_metrics(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]))])[0]
     assert mixed.mismatched == 1

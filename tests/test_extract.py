@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hookscope as hs
-from hookscope.core.attach import attached
+from hookscope._core.attach import attached
 from tests.models import LinearInplaceReLU, MixedOutputs, SharedTwice, SmallCNN, tiny_gpt2, track
 
 

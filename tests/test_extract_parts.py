@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from hookscope._bits import numpy_dtype
+from hookscope._core.sites import Site
+from hookscope._extract.config import differences, fingerprint, model_identity
+from hookscope._extract.data import TensorRows, make_source, split_batch
+from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
+from hookscope._shared.bits import numpy_dtype
 from hookscope.cli.data_specs import RandomRows
-from hookscope.core.sites import Site
 from hookscope.errors import SpecError
-from hookscope.extracting.config import differences, fingerprint, model_identity
-from hookscope.extracting.data import TensorRows, make_source, split_batch
-from hookscope.extracting.layout import Layout, SiteLayout, array_names, choose_chunk_rows
-from hookscope.extracting.reduce import TokenMask, describe_reduction, extraction_reduction
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_random_rows_depend_only_on_their_index() -> None:
 
 
 def test_resident_watch_trims_only_on_drift() -> None:
-    from hookscope._memory import ResidentWatch, resident_bytes
+    from hookscope._shared.memory import ResidentWatch, resident_bytes
 
     if resident_bytes() is None or not _has_malloc_trim():
         pytest.skip("needs /proc and glibc's malloc_trim")
@@ -168,13 +168,13 @@ def test_resident_watch_trims_only_on_drift() -> None:
 
 
 def _has_malloc_trim() -> bool:
-    from hookscope._memory import release_free_memory
+    from hookscope._shared.memory import release_free_memory
 
     return release_free_memory()
 
 
 def test_every_dtype_numpy_lacks_round_trips_as_bits() -> None:
-    from hookscope._bits import NUMPY_LACKS, bits_to_tensor, tensor_to_numpy
+    from hookscope._shared.bits import NUMPY_LACKS, bits_to_tensor, tensor_to_numpy
 
     assert {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz} <= set(NUMPY_LACKS)
     for dtype in NUMPY_LACKS:
@@ -186,7 +186,7 @@ def test_every_dtype_numpy_lacks_round_trips_as_bits() -> None:
 
 
 def test_row_order_written_three_ways_is_the_same_order() -> None:
-    from hookscope.extracting.config import _order
+    from hookscope._extract.config import _order
 
     assert _order(None, 5) is None
     assert _order(range(5), 5) is None

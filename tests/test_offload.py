@@ -2,7 +2,7 @@
 
 Hooks see every activation (accelerate swaps the weights in inside ``forward``), so capture and
 trace give the plain model's values; what reads *weights* outside the forward reads them where
-accelerate keeps them (:mod:`hookscope.core.offload`), or refuses with the reason.
+accelerate keeps them (:mod:`hookscope._core.compat.offload`), or refuses with the reason.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.core.offload import named_real_tensors, real_value
+from hookscope._core.compat.offload import named_real_tensors, real_value
+from hookscope._extract.config import fingerprint
 from hookscope.errors import UnsupportedModelError
-from hookscope.extracting.config import fingerprint
 
 accelerate = pytest.importorskip("accelerate")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.histogram import BLOCK, raw_histogram, read_histograms
+from hookscope._shared.histogram import BLOCK, raw_histogram, read_histograms
 from tests.models import SmallCNN, gpt2_input, tiny_gpt2, tiny_resnet, track
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookscope as hs
-from hookscope.core.select import compile_selector, ensure_module, select
+from hookscope._core.select import compile_selector, ensure_module, select
 from tests.models import Nested, SharedTwice, SmallCNN, tiny_gpt2
 
 

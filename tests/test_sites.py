@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hookscope import Site, SpecError
-from hookscope.core.attach import HookGroup
-from hookscope.core.sites import CallTracker
+from hookscope._core.attach import HookGroup
+from hookscope._core.sites import CallTracker
 
 
 class TestSite:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hookscope.stats import RunningStats, Stats, is_measurable, merge_raw, raw_stats, read_stats, tensor_stats
+from hookscope._shared.stats import RunningStats, Stats, is_measurable, merge_raw, raw_stats, read_stats, tensor_stats
 
 STRATEGIES = [True, False]  # branching (the CPU's shortcuts) and unconditional (the accelerator path)
 

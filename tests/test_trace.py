@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.calltrace.timing import PeakMemory
+from hookscope._trace.timing import PeakMemory
 from hookscope.errors import SiteNotFoundError, SpecError
 from tests.models import (
     KeywordOnly,

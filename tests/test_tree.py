@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from hookscope.core.tree import flatten_tensors, iter_leaves, map_tensors, map_tensors_with_paths
+from hookscope._core.tree import flatten_tensors, iter_leaves, map_tensors, map_tensors_with_paths
 from tests.models import Named, Pair, gpt2_input, tiny_gpt2
 
 

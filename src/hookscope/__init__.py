@@ -13,16 +13,23 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 from __future__ import annotations
 
 from hookscope import edits, plots
+from hookscope._capture import Cache, Capture, capture, load, run_with_capture
+from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached
+from hookscope._core.select import Selector, select
+from hookscope._core.sites import Site
+from hookscope._core.tree import flatten_tensors, map_tensors
+from hookscope._diff import Diff, DiffRow, Divergence, diff
+from hookscope._edit import EditContext, Editor, edit, run_with_edits
+from hookscope._extract import Store, StoreArray, extract, open_store
+from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
+from hookscope._hooks import hooks
+from hookscope._layers import Layer, LayerTable, layers
+from hookscope._report import report
+from hookscope._shared.histogram import Histogram
+from hookscope._shared.stats import RunningStats, Stats, tensor_stats
+from hookscope._trace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
+from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
-from hookscope.calltrace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
-from hookscope.calltrace.nonfinite import NonFiniteDetector, detect_nonfinite
-from hookscope.capturing import Cache, Capture, capture, load, run_with_capture
-from hookscope.core.attach import AttachedHook, HookGroup, HookSpec, attached
-from hookscope.core.select import Selector, select
-from hookscope.core.sites import Site
-from hookscope.core.tree import flatten_tensors, map_tensors
-from hookscope.diffing import Diff, DiffRow, Divergence, diff
-from hookscope.editing import EditContext, Editor, edit, run_with_edits
 from hookscope.errors import (
     CaptureError,
     EditError,
@@ -38,13 +45,6 @@ from hookscope.errors import (
     StoreWriteError,
     UnsupportedModelError,
 )
-from hookscope.extracting import Store, StoreArray, extract, open_store
-from hookscope.grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
-from hookscope.histogram import Histogram
-from hookscope.hooks import hooks
-from hookscope.layers import Layer, LayerTable, layers
-from hookscope.reporting import report
-from hookscope.stats import RunningStats, Stats, tensor_stats
 
 __all__ = [
     "AttachedHook",

@@ -2,7 +2,7 @@
 
 Each returns an edit, a callable ``edit(value, ctx) -> value``, and takes the same optional
 keywords: the part to touch (``channels=``, ``neurons=``, ``positions=``, ``heads=`` with
-``num_heads=``, ``mask=``; see :mod:`hookscope.editing.part`) and ``path=``, which tensor of a
+``num_heads=``, ``mask=``; see :mod:`hookscope._edit.part`) and ``path=``, which tensor of a
 structured value to edit (``"output[0]"`` of a transformers block, ``"[0]"`` or ``"['mask']"``
 for inputs; by default the first tensor).
 Every edit is out of place: the module's own tensor is never written, so autograd stays intact
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from hookscope.core.sites import Site
-from hookscope.editing.context import EditContext
-from hookscope.editing.part import Part
+from hookscope._core.sites import Site
+from hookscope._edit.context import EditContext
+from hookscope._edit.part import Part
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
 __all__ = ["Edit", "add", "clamp", "mean", "noise", "patch", "replace", "scale", "zero"]

@@ -13,10 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
+from hookscope._core.select import Selector
 from hookscope._version import __version__
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
-from hookscope.core.select import Selector
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["app", "main"]
@@ -75,9 +75,9 @@ def layers_command(
     ] = False,
 ) -> None:
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
+    from hookscope._layers import layers
     from hookscope.cli.sample import SampleRun, build_model
     from hookscope.cli.specs import make_input
-    from hookscope.layers import layers
 
     if no_run and input_shape is not None:
         raise SpecError("--no-run and --input-shape contradict each other; drop one")
@@ -127,8 +127,8 @@ def capture_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
-    from hookscope.capturing import run_with_capture
-    from hookscope.capturing.files import SUPPORTED_SUFFIXES
+    from hookscope._capture import run_with_capture
+    from hookscope._capture.files import SUPPORTED_SUFFIXES
     from hookscope.cli.sample import prepare
 
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:  # before the model runs, not after
@@ -184,10 +184,10 @@ def trace_command(
     """
     import torch
 
-    from hookscope.calltrace import TraceRow, tracing
-    from hookscope.calltrace.result import describe_call
+    from hookscope._core.select import select
+    from hookscope._trace import TraceRow, tracing
+    from hookscope._trace.result import describe_call
     from hookscope.cli.sample import prepare
-    from hookscope.core.select import select
 
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
@@ -233,9 +233,9 @@ def grads_command(
     The loss is synthetic: cross-entropy against random labels for a (batch, classes) output,
     else mean squared error against random targets. For a quick look at gradient flow at init.
     """
+    from hookscope._grads.monitor import watch_grads
     from hookscope.cli.sample import prepare
     from hookscope.cli.training import train_steps
-    from hookscope.grads.monitor import watch_grads
 
     if png is not None and png.suffix.lower() != ".png":
         raise SpecError(f"--png {png}: expected a file name ending in .png")
@@ -283,10 +283,10 @@ def edit_command(
     """Run MODEL with and without edits and print how much the final output changed."""
     import torch
 
+    from hookscope._core.tree import flatten_tensors
+    from hookscope._edit import edit as attach_edits
     from hookscope.cli.edit_specs import parse_edit
     from hookscope.cli.sample import prepare
-    from hookscope.core.tree import flatten_tensors
-    from hookscope.editing import edit as attach_edits
 
     parsed: dict[Any, list[Any]] = {}
     for text in edit:
@@ -343,9 +343,9 @@ def report_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
+    from hookscope._report.api import html_path, report
     from hookscope.cli.report_run import loss_from_spec
     from hookscope.cli.sample import prepare
-    from hookscope.reporting.api import html_path, report
 
     html_path(out)  # a wrong file name fails before the model is built
     loss_fn = loss_from_spec(loss) if loss is not None else None
@@ -458,10 +458,10 @@ def extract_command(
 
     import torch
 
+    from hookscope._extract import extract
     from hookscope.cli.data_specs import load_data
     from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
     from hookscope.cli.sample import build_model
-    from hookscope.extracting import extract
 
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope.capturing.files import load_tensors
+from hookscope._capture.files import load_tensors
+from hookscope._extract.data import TensorRows
 from hookscope.cli.specs import load_attribute, make_input, parse_shape
 from hookscope.errors import HookscopeError, SpecError
-from hookscope.extracting.data import TensorRows
 
 __all__ = ["DATA_FORMS", "RandomRows", "load_data"]
 

@@ -48,9 +48,9 @@ def diff_command(
 
     import torch
 
-    from hookscope._dtypes import parse_dtype
+    from hookscope._diff.api import cast_floats, compare_models
+    from hookscope._shared.dtypes import parse_dtype
     from hookscope.cli.specs import load_model, make_input
-    from hookscope.diffing.api import cast_floats, compare_models
 
     if csv is not None and not csv.parent.is_dir():
         raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")

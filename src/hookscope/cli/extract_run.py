@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._units import format_bytes
+from hookscope._shared.units import format_bytes
 from hookscope.errors import SpecError
 
 __all__ = ["distributed_job", "every_module", "parse_reductions", "store_size"]

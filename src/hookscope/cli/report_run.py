@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from hookscope._core.tree import flatten_tensors
 from hookscope.cli.specs import load_attribute
-from hookscope.core.tree import flatten_tensors
 from hookscope.errors import SpecError
 
 __all__ = ["LOSS_FORMS", "loss_from_spec"]

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._dtypes import parse_dtype
-from hookscope.core.select import ensure_module
+from hookscope._core.select import ensure_module
+from hookscope._shared.dtypes import parse_dtype
 from hookscope.errors import MissingDependencyError, SpecError
 
 __all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_dtype", "parse_shape"]

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional
 
+from hookscope._core.tree import flatten_tensors
+from hookscope._grads.monitor import GradMonitor
 from hookscope.cli.sample import SampleRun
 from hookscope.cli.specs import make_input
-from hookscope.core.tree import flatten_tensors
 from hookscope.errors import SpecError
-from hookscope.grads.monitor import GradMonitor
 
 __all__ = ["synthetic_loss", "train_steps"]
 

@@ -25,18 +25,18 @@ import torch
 from torch import nn
 
 from hookscope import edits
-from hookscope._files import atomic_path
-from hookscope.calltrace import trace
-from hookscope.calltrace.nonfinite import detect_nonfinite
-from hookscope.capturing import load, run_with_capture
-from hookscope.core.attach import attached
+from hookscope._capture import load, run_with_capture
+from hookscope._core.attach import attached
+from hookscope._edit import run_with_edits
+from hookscope._grads.monitor import watch_grads
+from hookscope._hooks import hooks
+from hookscope._layers import layers
+from hookscope._shared.files import atomic_path
+from hookscope._trace import trace
+from hookscope._trace.nonfinite import detect_nonfinite
 from hookscope.demo.models import SmallCNN, load_shapes_cnn
 from hookscope.demo.shapes import CLASSES, make_shapes
-from hookscope.editing import run_with_edits
 from hookscope.errors import MissingDependencyError, NonFiniteError
-from hookscope.grads.monitor import watch_grads
-from hookscope.hooks import hooks
-from hookscope.layers import layers
 
 __all__ = ["run_tour"]
 
@@ -269,7 +269,7 @@ def _ablate_circle_channels(write: Write) -> None:
 
 
 def _write_report(out: Path, write: Write) -> None:
-    from hookscope.reporting import report
+    from hookscope._report import report
 
     model = load_shapes_cnn()
     images, labels = make_shapes(8, seed=3)
@@ -335,7 +335,7 @@ class _FailsOnce(torch.utils.data.Dataset[torch.Tensor]):
 
 def _extract_data_set(model: nn.Module, out: Path, write: Write) -> None:
     try:
-        from hookscope.extracting import extract, open_store
+        from hookscope._extract import extract, open_store
 
         data = _FailsOnce(512, fail_at=300)
         options: dict[str, Any] = {"reduce": {"conv1": "mean:2,3"}, "batch_size": 64, "chunk_rows": 128}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hookscope._files import atomic_path
+from hookscope._shared.files import atomic_path
 from hookscope.demo.models import WEIGHTS_FILE, ShapesCNN
 from hookscope.demo.shapes import make_shapes
 from hookscope.errors import SpecError

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hookscope._shared.histogram import DEFAULT_BINS, Histogram
 from hookscope.errors import SpecError
-from hookscope.histogram import DEFAULT_BINS, Histogram
 from hookscope.plots.figure import grid, literal, new_figure, short_label
 
 if TYPE_CHECKING:
-    from hookscope.calltrace.result import Trace
-    from hookscope.core.select import Selector
+    from hookscope._core.select import Selector
+    from hookscope._trace.result import Trace
 
 __all__ = ["feature_maps", "histogram_grid", "histograms", "spread"]
 

@@ -11,9 +11,9 @@ from hookscope.errors import SpecError
 from hookscope.plots.figure import depth_figure, label_layers
 
 if TYPE_CHECKING:
-    from hookscope.calltrace.result import Trace
-    from hookscope.calltrace.rows import TraceRow
-    from hookscope.core.select import Selector
+    from hookscope._core.select import Selector
+    from hookscope._trace.result import Trace
+    from hookscope._trace.rows import TraceRow
 
 __all__ = ["depth_rows", "layer_stats"]
 

@@ -11,7 +11,7 @@ from hookscope.errors import SpecError
 from hookscope.plots.figure import depth_figure, label_layers
 
 if TYPE_CHECKING:
-    from hookscope.diffing.result import Diff
+    from hookscope._diff.result import Diff
 
 __all__ = ["diff_profile"]
 

@@ -6,12 +6,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hookscope._grads.records import GradStep
 from hookscope.errors import SpecError
-from hookscope.grads.records import GradStep
 from hookscope.plots.figure import depth_figure, label_layers, literal, new_figure
 
 if TYPE_CHECKING:
-    from hookscope.grads.monitor import GradMonitor
+    from hookscope._grads.monitor import GradMonitor
 
 __all__ = ["grad_flow", "grad_history"]
 
@@ -74,7 +74,7 @@ def grad_history(
     """One line per layer: ``metric`` (``norm``, ``mean_abs``, ``max_abs``, ``ratio``) over the
     recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history_of` does
     (default: up to 8 spread evenly from first to last), e.g. ``"h.0#0"`` or ``"fc.weight"``."""
-    from hookscope.grads.records import history_frame
+    from hookscope._grads.records import history_frame
 
     frame = history_frame(_steps(source), metric, what)
     if frame.empty:

@@ -1,0 +1,289 @@
+"""``Cache``: captured values by site, read-only, addressable by short or full site names.
+
+A key names a module and, optionally, which call, which value and which leaf of a structured
+value: ``"fc"`` is the output of ``fc``'s last call; ``"block#1"`` its second call;
+``"fc:input"`` its input; ``"h.0:output[0]"`` the first element of a tuple output;
+``"model#0:output.last_hidden_state"`` a ``ModelOutput`` field. Left out, the call is the last
+one, the value is the output (the input if only inputs were kept), and the leaf is the value
+itself when it is a tensor, or its only tensor. A key that names nothing raises
+``SiteNotFoundError`` with the closest names, or the leaf paths to choose from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import html
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookscope._core.sites import Site
+from hookscope._shared.bits import NUMPY_LACKS
+from hookscope._shared.units import format_bytes
+from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
+
+__all__ = ["Cache", "load", "tensor_bytes"]
+
+_KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<what>[a-z_]+)(?P<path>.*))?$")
+_Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements; for a sparse tensor, of its indices and values."""
+    if tensor.is_sparse:
+        return tensor_bytes(tensor._indices()) + tensor_bytes(tensor._values())
+    return tensor.numel() * tensor.element_size()
+
+
+class Cache(Mapping[str, torch.Tensor]):
+    """Captured tensors by :class:`~hookscope._core.sites.Site`; read-only.
+
+    ``cache["fc"]`` is ``fc``'s output in its last call; ``cache.calls("block")`` lists every
+    call's value in order; iterating yields every full site name (``"fc#0:output"``).
+
+    >>> cache = Cache({Site("fc", 0): torch.ones(2, 3)})
+    >>> cache["fc"].shape, list(cache), cache.nbytes
+    (torch.Size([2, 3]), ['fc#0:output'], 24)
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[Site, torch.Tensor] | None = None,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        versions: Mapping[Site, int | None] | None = None,
+    ) -> None:
+        self._entries: dict[Site, torch.Tensor] = dict(entries or {})
+        self._versions: dict[Site, int | None] = dict(versions or {})
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._index: _Index | None = None
+        self._empty: dict[str, str] = {}
+
+    # -- filled by the recorder while a forward runs ------------------------------------------
+
+    def _put(self, site: Site, tensor: torch.Tensor, version: int | None) -> None:
+        self._entries[site] = tensor
+        self._versions[site] = version
+        self._index = None
+
+    def _drop(self, site: Site) -> None:
+        self._entries.pop(site, None)
+        self._versions.pop(site, None)
+        self._index = None
+
+    def _get(self, site: Site) -> torch.Tensor | None:
+        return self._entries.get(site)
+
+    def _version_of(self, site: Site) -> int | None:
+        return self._versions.get(site)
+
+    def _note_empty(self, module: str, what: str, type_name: str) -> None:
+        self._empty.setdefault(module, f"{module!r} ran, but its {what} held no tensor ({type_name})")
+
+    def _items(self) -> Iterator[tuple[Site, torch.Tensor]]:
+        return iter(list(self._entries.items()))
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def __getitem__(self, key: str | Site) -> torch.Tensor:
+        return self._checked(self.resolve(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(site) for site in list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, (str, Site)):
+            return False
+        try:
+            self.resolve(key)
+        except SiteNotFoundError:
+            return False
+        return True
+
+    def sites(self) -> list[Site]:
+        """Every site held, in the order the values were captured."""
+        return list(self._entries)
+
+    def calls(self, key: str | Site) -> list[torch.Tensor]:
+        """The value named by ``key`` in every call of its module, in call order.
+
+        ``key`` is read as in ``cache[key]``; a call index in it is ignored.
+        """
+        if isinstance(key, str):
+            key = re.sub(r"#\d+", "", key, count=1)
+        site = self.resolve(key)
+        by_call = self._built_index()[(site.module, site.what)]
+        return [self._checked(by_call[call][site.path]) for call in sorted(by_call) if site.path in by_call[call]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the values (each tensor's elements; views of one storage count each)."""
+        return sum(tensor_bytes(t) for t in self._entries.values())
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """``{site name: numpy array}``; dtypes numpy lacks (bfloat16, float8) become float32."""
+        arrays = {}
+        for site in self._entries:
+            tensor = self._checked(site).detach().cpu()
+            if tensor.dtype in NUMPY_LACKS:
+                tensor = tensor.float()
+            arrays[str(site)] = tensor.resolve_conj().numpy()
+        return arrays
+
+    def to(self, device: str | torch.device) -> Cache:
+        """A new cache with every value moved to ``device``."""
+        moved = {site: self._checked(site).to(device) for site in self._entries}
+        return Cache(moved, meta=self.meta, versions=dict.fromkeys(moved))
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the cache to ``path``; the format follows the extension.
+
+        ``.safetensors`` (needs the safetensors package), ``.npz`` or ``.pt``; the write is
+        atomic, and site names, call indices, dtypes and versions come back with :func:`load`.
+        """
+        from hookscope._capture.files import save_tensors
+
+        tensors = {str(site): self._checked(site) for site in self._entries}
+        return save_tensors(path, tensors, self.meta)  # names, dtypes and shapes are in the file itself
+
+    # -- names ------------------------------------------------------------------------------------
+
+    def resolve(self, key: str | Site) -> Site:
+        """The full :class:`Site` that ``key`` names; raises ``SiteNotFoundError`` if none."""
+        aliases = self.meta.get("aliases") or {}
+        if isinstance(key, Site):
+            if key.module in aliases:  # "module.fc" below a wrapper is kept as "fc"
+                key = dataclasses.replace(key, module=aliases[key.module])
+            if key not in self._entries:
+                raise SiteNotFoundError(f"site {str(key)!r} was not captured; {self._captured_hint(key.module)}")
+            return key
+        if not isinstance(key, str):
+            raise SpecError(f"a cache key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
+        match = _KEY.match(key)
+        if match is None:
+            raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'")
+        spelled = match["module"] or ""
+        module = str(aliases.get(spelled, spelled))
+        return self._resolve_parts(key, module, match["call"], match["what"], match["path"])
+
+    def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
+        index = self._built_index()
+        kept = sorted({w for (m, w) in index if m == module})
+        if not kept:
+            if module in self._empty:
+                raise SiteNotFoundError(f"nothing was captured for {module!r}: {self._empty[module]}")
+            raise SiteNotFoundError(f"nothing was captured for {module!r}; {self._captured_hint(module)}")
+        chosen_what = what or ("output" if "output" in kept else kept[0])
+        if chosen_what not in kept:
+            raise SiteNotFoundError(f"{key!r}: {chosen_what!r} of {module!r} was not kept; kept: {', '.join(kept)}")
+        by_call = index[(module, chosen_what)]
+        chosen_call = int(call) if call is not None else max(by_call)
+        if chosen_call not in by_call:
+            raise SiteNotFoundError(f"{key!r}: call {chosen_call} was not captured; calls kept: {sorted(by_call)}")
+        leaves = by_call[chosen_call]
+        if path:
+            if path not in leaves:
+                raise SiteNotFoundError(f"{key!r} names no tensor; {self._leaf_hint(leaves)}")
+            return leaves[path]
+        if "" in leaves:
+            return leaves[""]
+        if len(leaves) == 1:
+            return next(iter(leaves.values()))
+        raise SiteNotFoundError(f"{key!r} holds {len(leaves)} tensors; {self._leaf_hint(leaves)}")
+
+    def _built_index(self) -> _Index:
+        if self._index is None:
+            index: _Index = {}
+            for site in self._entries:
+                index.setdefault((site.module, site.what), {}).setdefault(site.call, {})[site.path] = site
+            self._index = index
+        return self._index
+
+    def _captured_hint(self, module: str) -> str:
+        modules = sorted({site.module for site in self._entries})
+        if not modules:
+            return "the cache is empty (did the forward run inside the capture?)"
+        close = difflib.get_close_matches(module, modules, n=3, cutoff=0.5)
+        if close:
+            return f"did you mean {' or '.join(repr(m) for m in close)}?"
+        shown = ", ".join(repr(m) for m in modules[:10]) + (", ..." if len(modules) > 10 else "")
+        return f"captured modules: {shown}"
+
+    @staticmethod
+    def _leaf_hint(leaves: Mapping[str, Site]) -> str:
+        names = [f"'{site.module}:{site.what}{site.path}'" for site in leaves.values()]
+        return f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
+
+    def _checked(self, site: Site) -> torch.Tensor:
+        tensor = self._entries[site]
+        version = self._versions.get(site)
+        if version is not None and tensor._version != version:
+            raise CaptureError(
+                f"the value captured at {str(site)!r} was changed in place after it was captured "
+                "(by code that ran later); capture it with copy=True, or read it before the change"
+            )
+        return tensor
+
+    # -- display ----------------------------------------------------------------------------------
+
+    def _rows(self) -> list[tuple[str, str, str, str, str]]:
+        return [
+            (
+                str(site),
+                str(tuple(t.shape)),
+                str(t.dtype).removeprefix("torch."),
+                str(t.device),
+                format_bytes(tensor_bytes(t)),
+            )
+            for site, t in self._entries.items()
+        ]
+
+    def __repr__(self) -> str:
+        head = f"Cache: {len(self)} tensors, {format_bytes(self.nbytes)}"
+        if not self._entries:
+            return head
+        header = ("site", "shape", "dtype", "device", "size")
+        rows = [header, *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        return "\n".join([head, *lines])
+
+    def _repr_html_(self) -> str:
+        head = f"<p><b>Cache</b>: {len(self)} tensors, {format_bytes(self.nbytes)}</p>"
+        cells = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
+        )
+        header = "".join(f"<th>{name}</th>" for name in ("site", "shape", "dtype", "device", "size"))
+        return f"{head}<table><thead><tr>{header}</tr></thead><tbody>{cells}</tbody></table>"
+
+
+def load(path: str | os.PathLike[str]) -> Cache:
+    """Read a cache written by :meth:`Cache.save` (``.safetensors``, ``.npz`` or ``.pt``).
+
+    >>> import tempfile
+    >>> saved = Cache({Site("fc", 0): torch.arange(3.0)}).save(Path(tempfile.mkdtemp()) / "c.npz")
+    >>> load(saved)["fc"]
+    tensor([0., 1., 2.])
+    """
+    from hookscope._capture.files import load_tensors
+
+    tensors, meta = load_tensors(path)
+    entries = {}
+    for key, tensor in tensors.items():
+        try:
+            entries[Site.parse(key)] = tensor
+        except SpecError:
+            raise FileFormatError(
+                f"{os.fspath(path)!r} holds a tensor named {key!r}, not a hookscope site such as 'fc#0:output'; "
+                "it was not written by Cache.save: read it with safetensors, numpy or torch directly"
+            ) from None
+    return Cache(entries, meta=meta)

@@ -1,0 +1,281 @@
+"""``Keeper``: turn each tensor a hook sees into the value kept in the cache, within a budget.
+
+The order of work per tensor is fixed so that cost is paid only where needed: detach, reduce on
+the device, check the budget from shape and dtype *before* allocating anything, cast, move, and
+then decide whether the value must be copied now or may be watched (see ``guard``):
+
+- values that share memory with the model and are small (<= 64 KiB) are copied at once: a copy
+  that size costs less than the guard's per-op dispatch for the rest of the forward;
+- small views of large storages are copied, so a kept slice does not keep the whole storage
+  alive behind the budget's back;
+- values without storage (meta, sparse) are copied, since their memory cannot be watched;
+- everything else that shares memory is watched, and copied only if something writes into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hookscope._capture.cache import Cache, tensor_bytes
+from hookscope._capture.guard import CopyOnWrite, storage_key
+from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.sites import Site
+from hookscope._shared.reduce import Reduction
+from hookscope._shared.units import format_bytes
+from hookscope.errors import CaptureError, SpecError
+
+__all__ = ["EAGER_COPY_BYTES", "Keeper"]
+
+EAGER_COPY_BYTES = 64 * 1024
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+class Keeper:
+    """Holds one forward pass's values: the :class:`Cache`, the bytes used, the watched storages."""
+
+    def __init__(
+        self,
+        *,
+        detach: bool,
+        reduce: Reduction | None,
+        reduce_spec: object,
+        dtype: torch.dtype | None,
+        device: torch.device | None,
+        copy: object,
+        budget: int | None,
+        last_call_only: bool,
+        meta: dict[str, Any],
+    ) -> None:
+        self._detach = detach
+        self._reduce = reduce
+        self._reduce_spec = reduce_spec
+        self._dtype = dtype
+        self._device = device
+        self._copy = copy
+        self._budget = budget
+        self._last_call_only = last_call_only
+        self._meta = meta
+        self.cache = Cache(meta=meta)
+        self._bytes = 0
+        self._watched: dict[int, list[Site]] = {}
+        self._guard = CopyOnWrite(self._watched, self.copy_before_write) if copy == "auto" else None
+        self._guard_on = False
+        self._latest_call: dict[str, int] = {}
+        self._module_sites: dict[str, list[Site]] = {}
+        self._sync_streams: list[torch.cuda.Stream] = []
+        self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor]], str]] = []
+
+    # -- a pass -----------------------------------------------------------------------------------
+
+    def start(self, *, refill_budget: bool = True) -> None:
+        """Begin a new forward pass: a new cache, nothing watched, the budget full (unless the
+        earlier passes' caches are kept too: then the budget spans them all)."""
+        self.cache = Cache(meta=self._meta)
+        if refill_budget:
+            self._bytes = 0
+        self._watched.clear()
+        self._latest_call.clear()
+        self._module_sites.clear()
+
+    def finish(self, outliving: Callable[[], set[int]]) -> None:
+        """End the pass: copy watched values that share memory with anything that outlives it.
+
+        ``outliving`` names that memory; it is asked only when something is still watched.
+        """
+        self._keep_deferred()  # a pass ends eagerly, also one that opened in compiled code
+        self.leave_guard()
+        if self._watched:
+            outside = outliving()
+            for key in [key for key in self._watched if key in outside]:
+                self.copy_before_write(key)
+            self._watched.clear()
+        self.wait_for_copies()
+
+    def abandon(self) -> None:
+        """Drop the pass's bookkeeping after it was cut short without its closing hooks."""
+        self.leave_guard()
+        self._watched.clear()
+        self.wait_for_copies()
+
+    def wait_for_copies(self) -> None:
+        """Wait once for the non-blocking device-to-host copies of this pass."""
+        streams, self._sync_streams = self._sync_streams, []
+        for stream in streams:
+            stream.synchronize()
+
+    def leave_guard(self) -> None:
+        """Turn the copy-on-write mode off if this keeper turned it on (and it is on top)."""
+        if self._guard is None or not self._guard_on:
+            return
+        self._guard_on = False
+        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        if stack and stack[-1] is self._guard:  # never pop a mode someone else pushed on top
+            self._guard.__exit__(None, None, None)
+
+    # -- values -----------------------------------------------------------------------------------
+
+    def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
+        """Keep every tensor leaf of one module call's input or output."""
+        if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept at the pass's end
+            copies = [(path, self._prepared(tensor)) for path, tensor in leaves]
+            self._deferred.append((name, call, what, copies, type(value).__name__))
+            return
+        self._keep_leaves(name, call, what, leaves, type(value).__name__)
+
+    def _keep_deferred(self) -> None:
+        """Keep what compiled code handed over, at the pass's end (which runs eagerly)."""
+        deferred, self._deferred = self._deferred, []
+        for name, call, what, copies, kind in deferred:
+            self._keep_leaves(name, call, what, copies, kind, owned=True)
+
+    def _keep_leaves(
+        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], kind: str, owned: bool = False
+    ) -> None:
+        if self._last_call_only and not self._make_room_for(name, call):
+            return
+        if not leaves:
+            self.cache._note_empty(name, what, kind)
+        for path, tensor in leaves:
+            site = Site(name, call, what, path)  # type: ignore[arg-type]
+            self._keep(site, tensor, owned=owned)
+            if self._last_call_only:
+                self._module_sites.setdefault(name, []).append(site)
+
+    def _make_room_for(self, name: str, call: int) -> bool:
+        """``calls="last"``: keep only the highest call index of each module; False to skip."""
+        latest = self._latest_call.get(name)
+        if latest is not None and call < latest:
+            return False  # an outer call finishing after an inner one (recursion)
+        if latest is not None and call > latest:
+            for site in self._module_sites.pop(name, []):
+                self._forget(site)
+        self._latest_call[name] = call
+        return True
+
+    def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        if owned:  # made by _prepared in compiled code: reduced, cast and moved already
+            self._charge(site, tensor_bytes(tensor))
+            self.cache._put(site, tensor, _version(tensor))
+            return
+        value = tensor.detach() if self._detach else tensor
+        if self._reduce is not None:
+            value = self._reduced(site, value)
+        cast = self._dtype if self._dtype is not None and value.is_floating_point() else None
+        self._charge(site, tensor_bytes(value) if cast is None else value.numel() * cast.itemsize)
+        if cast is not None:
+            value = value.to(cast)
+        if self._device is not None and value.device != self._device:
+            value = self._moved(value)
+        value = self._owned(site, value, tensor)
+        self.cache._put(site, value, _version(value))
+
+    def _prepared(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In compiled code: the value as it will be kept (detached or not, reduced, cast, moved),
+        copied in the graph, since no storage address tells there whether anything else holds it.
+        The budget is charged once the graph has run (from the kept sizes, not before)."""
+        value = tensor.detach() if self._detach else tensor
+        if self._reduce is not None:
+            value = self._reduce(value)
+        if self._dtype is not None and value.is_floating_point():
+            value = value.to(self._dtype)
+        if self._device is not None and value.device != self._device:
+            value = value.to(self._device)
+        return value.clone()
+
+    def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:
+        assert self._reduce is not None
+        try:
+            return self._reduce(value)
+        except (RuntimeError, IndexError, TypeError, ValueError) as error:
+            raise SpecError(
+                f"reduce={self._reduce_spec!r} failed on {str(site)!r}, a {tuple(value.shape)} "
+                f"{str(value.dtype).removeprefix('torch.')} tensor: {error}; pick dimensions that fit every "
+                "selected layer's values, or capture those layers separately"
+            ) from error
+
+    def _charge(self, site: Site, size: int) -> None:
+        previous = self.cache._get(site)
+        if previous is not None:
+            self._bytes -= tensor_bytes(previous)
+        if self._budget is not None and self._bytes + size > self._budget:
+            raise CaptureError(self._over_budget(site, size))
+        self._bytes += size
+
+    def _moved(self, value: torch.Tensor) -> torch.Tensor:
+        assert self._device is not None
+        if value.is_cuda and self._device.type == "cpu":  # pinned + non-blocking; one wait per pass
+            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            pinned.copy_(value, non_blocking=True)
+            stream = torch.cuda.current_stream(value.device)
+            if stream not in self._sync_streams:
+                self._sync_streams.append(stream)
+            return pinned
+        return value.to(self._device)
+
+    def _owned(self, site: Site, value: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+        """``value`` itself if nothing else can write into it, a copy, or ``value`` watched."""
+        key = storage_key(value)
+        if key != 0 and key != storage_key(original):
+            return value  # made here (reduced, cast, moved): nobody else holds it
+        if self._copy is False:
+            if value.is_inference():
+                raise CaptureError(
+                    f"copy=False cannot tell whether {str(site)!r} is changed later: tensors made under "
+                    "torch.inference_mode() have no version counter; run under torch.no_grad(), or use "
+                    "copy='auto' (the default)"
+                )
+            return value
+        size = tensor_bytes(value)
+        if self._copy is True or key == 0 or size <= EAGER_COPY_BYTES or value.untyped_storage().nbytes() > 2 * size:
+            return value.clone()
+        self._watch(key, site)
+        return value
+
+    def _watch(self, key: int, site: Site) -> None:
+        self._watched.setdefault(key, []).append(site)
+        if self._guard is not None and not self._guard_on:
+            self._guard.__enter__()  # type: ignore[no-untyped-call]
+            self._guard_on = True
+
+    def copy_before_write(self, key: int) -> None:
+        """Replace the kept values on storage ``key`` by copies, before something writes there.
+
+        Sites that hold the very same view (an ``Identity`` after a layer, an output kept as the
+        next layer's input) share one copy.
+        """
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        for site in self._watched.pop(key, []):
+            kept = self.cache._get(site)
+            if kept is None or _version(kept) != self.cache._version_of(site):
+                continue  # already changed behind the guard's back: leave it for the read check
+            view = (kept.data_ptr(), tuple(kept.shape), kept.stride(), kept.dtype)
+            copy = copies.get(view)
+            if copy is None:
+                copy = copies[view] = kept.clone()
+            self.cache._put(site, copy, _version(copy))
+
+    def _forget(self, site: Site) -> None:
+        kept = self.cache._get(site)
+        if kept is not None:
+            self._bytes -= tensor_bytes(kept)
+        self.cache._drop(site)
+
+    def _over_budget(self, site: Site, size: int) -> str:
+        held = sorted(((tensor_bytes(t), str(s)) for s, t in self.cache._items()), reverse=True)
+        largest = ", ".join(f"{name} ({format_bytes(n)})" for n, name in held[:5])
+        hints = ["capture fewer layers"]
+        if self._reduce is None:
+            hints.append("reduce them on the device (reduce='mean:1')")
+        if not self._last_call_only:
+            hints.append("keep calls='last'")
+        hints.append("or raise max_bytes")
+        return (
+            f"capture would hold {format_bytes(self._bytes + size)}, over max_bytes={format_bytes(self._budget or 0)}, "
+            f"at {str(site)!r} ({format_bytes(size)}); largest kept: {largest or 'none'}; {', '.join(hints)}"
+        )

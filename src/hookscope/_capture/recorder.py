@@ -1,0 +1,477 @@
+"""``capture()`` and ``run_with_capture()``: keep what chosen layers take and return.
+
+The hot path is one forward hook (and a pre-hook for inputs) per selected module. Everything
+that can be decided once -- which calls to keep, the reduction, the conversions -- is decided at
+attach time; inside the forward nothing syncs with the host or inspects a signature.
+
+Correctness against in-place ops: by default (``copy="auto"``) a kept value that still shares
+memory with the model's tensors is watched by :class:`~hookscope._capture.guard.CopyOnWrite`
+and copied just before anything writes into it. At the end of the forward, kept values that
+share memory with what leaves the forward (the model's inputs, output, parameters and buffers)
+are copied too, since code outside the forward may change those later. ``copy=True`` copies
+every value at once; ``copy=False`` never copies and raises ``CaptureError`` on reading a value
+that was changed after capture.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hookscope._capture.cache import Cache
+from hookscope._capture.guard import storage_key
+from hookscope._capture.keeper import Keeper
+from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.names import raw_and_named_modules
+from hookscope._core.select import Selector, describe_selector, ensure_module, select
+from hookscope._core.sites import CallTracker, Site, call_filter
+from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope._shared.dtypes import floating_dtype
+from hookscope._shared.reduce import Reduction, parse_reduction
+from hookscope._shared.units import parse_bytes
+from hookscope._version import __version__
+from hookscope.errors import CaptureError, SpecError
+
+__all__ = ["Capture", "capture", "run_with_capture"]
+
+Keep = Literal["output", "input", "both"]
+Calls = Literal["all", "first", "last"] | int
+CopyMode = Literal["auto"] | bool
+_KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
+
+
+class _StopForward(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised inside the forward once every selected site is captured (``stop=True``)."""
+
+    def __init__(self, owner: Capture) -> None:
+        super().__init__("hookscope stopped the forward after the last captured layer (stop=True)")
+        self.owner = owner
+
+
+class Capture(Scoped):
+    """Hooks that keep values of selected modules; reads like the :class:`Cache` of the latest pass.
+
+    Made by :func:`capture`; attached at once, removed by ``remove()`` or on leaving ``with``.
+    Each top-level forward starts a new :class:`Cache` (``capture.cache``); ``capture["fc"]``,
+    ``capture.calls(...)``, ``capture.numpy()`` and ``capture.save(...)`` read it. A pass is a
+    call of the model, or of a selected module called on its own.
+
+    A capture sees each value as the hooks attached before it left it: attach edits first to
+    capture edited values, the capture first to capture the originals.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        selectors: tuple[Selector, ...],
+        *,
+        keep: Keep | tuple[str, ...],
+        detach: bool,
+        device: str | torch.device | None,
+        dtype: torch.dtype | str | None,
+        reduce: str | Reduction | None,
+        calls: Calls,
+        stop: bool,
+        max_bytes: int | str | None,
+        copy: CopyMode,
+        passes: Literal["latest", "all"] = "latest",
+    ) -> None:
+        ensure_module(model)
+        if passes not in ("latest", "all"):
+            raise SpecError(f"passes={passes!r} is not 'latest' (each forward replaces the cache) or 'all'")
+        self._keep_passes = passes == "all"
+        self._passes: list[Cache] = []
+        self._handled: BaseException | None = None
+        if not selectors:
+            raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
+        if copy not in ("auto", True, False):
+            raise SpecError(f"copy={copy!r} is not one of 'auto' (default), True, False")
+        if stop and calls == "last":
+            raise SpecError(
+                "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
+                "use calls='first', a call index, or stop=False"
+            )
+        self._whats = _check_keep(keep)
+        self._want = call_filter(calls, also=("last",))
+        self._stop = stop
+        self._tracker = CallTracker(listener=self)
+        self._model = model
+        self._selected = select(model, list(selectors))  # a union, each module once, in model order
+        meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
+        chosen = {id(module) for _, module in self._selected}
+        aliases = {
+            raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
+        }
+        if aliases:  # names below a DDP or torch.compile wrapper, as spelled by named_modules()
+            meta["aliases"] = aliases
+        self._keeper_options: dict[str, Any] = {
+            "detach": detach,
+            "reduce": parse_reduction(reduce),
+            "reduce_spec": reduce,
+            "dtype": _check_dtype(dtype),
+            "device": torch.device(device) if device is not None else None,
+            "copy": copy,
+            "budget": parse_bytes(max_bytes) if max_bytes is not None else None,
+            "last_call_only": calls == "last",
+            "meta": meta,
+        }
+        self._keeper = Keeper(**self._keeper_options)
+        self._replica_keepers: dict[int, tuple[str, Keeper]] = {}  # thread -> (device, keeper)
+        self._replica_lock = threading.Lock()
+        self._pending: set[int] = set()
+        self._stopped = False
+        self._group = HookGroup(model, self._specs(), owner="capture", tracker=self._tracker, restore_mode=False)
+
+    # -- attaching --------------------------------------------------------------------------------
+
+    def _specs(self) -> list[HookSpec]:
+        """The capture hooks; passes are told by the call tracker, which wraps every hook of the group."""
+        specs = []
+        for name, module in self._selected:
+            if "input" in self._whats:
+                specs.append(
+                    HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True, fitted=True)
+                )
+            if "output" in self._whats:
+                specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
+        return specs
+
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
+        tracker = self._tracker
+
+        def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracker.replaying:
+                return  # a checkpointed block recomputing in backward: its values were kept already
+            if self._stopped:
+                raise _StopForward(self)  # the model caught the first signal and went on: stop again
+            call = current(module)
+            if want(call):
+                if tracker.in_replica():
+                    self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
+                    return
+                keep(name, call, "input", call_leaves(args, kwargs), args)
+                if last_what == "input":
+                    self._done(module)
+
+        return capture_input
+
+    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
+        tracker = self._tracker
+
+        def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if tracker.replaying:
+                return
+            if self._stopped:
+                raise _StopForward(self)
+            call = current(module)
+            if want(call):
+                if tracker.in_replica():
+                    self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
+                    return
+                keep(name, call, "output", flatten_tensors(output, ""), output)
+                self._done(module)
+
+        return capture_output
+
+    # -- nn.DataParallel replicas -----------------------------------------------------------------
+
+    #: Told to the call tracker: threads running DataParallel replicas in a pass are numbered
+    #: on their own and kept apart here, one cache per device.
+    accepts_replicas = True
+
+    def _keep_replica(
+        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any
+    ) -> None:
+        """Keep a replica's values in its device's cache (copies: no in-place guard on worker threads)."""
+        thread = threading.get_ident()
+        kept = self._replica_keepers.get(thread)
+        if kept is None:
+            if self._keep_passes:
+                raise CaptureError(
+                    "passes='all' keeps the model's passes, and DataParallel replicas run beside them in threads; "
+                    "capture the replicas with the default passes='latest' (capture.replicas), one pass at a time"
+                )
+            floating = [tensor for _, tensor in leaves if tensor.is_floating_point()]  # not lengths or counters
+            device = str((floating or [tensor for _, tensor in leaves])[0].device) if leaves else "cpu"
+            with self._replica_lock:
+                if any(other == device for other, _ in self._replica_keepers.values()):
+                    raise CaptureError(
+                        f"two DataParallel replicas ran on {device} in one pass; captures keep one cache per "
+                        "device (capture.replicas): give each replica its own device"
+                    )
+                keeper = Keeper(**{**self._keeper_options, "copy": True})
+                keeper.start()
+                kept = self._replica_keepers[thread] = (device, keeper)
+        kept[1].keep_leaves(name, call, what, leaves, value)
+
+    @property
+    def replicas(self) -> dict[str, Cache]:
+        """Under ``nn.DataParallel``, the latest pass's values of each replica, by device
+        (``{"cuda:0": Cache, "cuda:1": Cache}``); empty when no replica ran. The model's own
+        thread (the wrapper, the gather) is in :attr:`cache`."""
+        return {device: keeper.cache for device, keeper in self._replica_keepers.values()}
+
+    # -- one forward pass -------------------------------------------------------------------------
+
+    def pass_started(self, module: nn.Module) -> None:
+        """A new pass: a new cache, every selected module still to capture (when stopping)."""
+        if self._tracker.replaying:
+            return  # a recomputation in backward is no new pass: the forward's cache stays
+        self._pending = {id(m) for _, m in self._selected if m is not module}
+        self._replica_keepers = {}
+        self._stopped = False
+        self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
+        self._keeper.start(refill_budget=not self._keep_passes)
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """The pass is over: protect what outlives it, and report a stop the model swallowed."""
+        if self._tracker.replaying:
+            return
+        self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
+        for _, keeper in self._replica_keepers.values():
+            keeper.finish(set)  # copies already: only the device-to-host copies to wait for
+        if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
+            self._passes.append(self._keeper.cache)
+        if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
+            self._stopped = False
+            raise CaptureError(
+                f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
+                "the model?) and ran on; the values are captured, but use stop=False for this model"
+            )
+
+    def pass_abandoned(self) -> None:
+        """The previous pass was cut short (KeyboardInterrupt skips closing hooks)."""
+        self._keeper.abandon()
+
+    def refuse_thread(self) -> Exception:
+        """Another thread entered while a pass is open."""
+        return CaptureError(
+            "this capture is already recording a forward pass on another thread; "
+            "make one capture per thread (threads running nn.DataParallel replicas are kept apart, per "
+            "device, in capture.replicas)"
+        )
+
+    def _outliving_storages(self, *escaping: Any) -> set[int]:
+        """Memory that outlives the forward: its inputs and outputs, the parameters and buffers."""
+        leaving = (t for _, t in flatten_tensors(escaping))
+        return {storage_key(t) for t in (*leaving, *self._model.parameters(), *self._model.buffers())}
+
+    def _done(self, module: nn.Module) -> None:
+        if self._stop and id(module) in self._pending:
+            self._pending.discard(id(module))
+            if not self._pending:
+                self._stopped = True
+                raise _StopForward(self)
+
+    # -- reading: the cache of the latest pass ---------------------------------------------------
+
+    @property
+    def cache(self) -> Cache:
+        """The :class:`Cache` of the latest forward pass."""
+        return self._keeper.cache
+
+    @property
+    def passes(self) -> list[Cache]:
+        """With ``passes="all"``, the :class:`Cache` of every finished forward pass, in order (a
+        generation loop: the prefill, then one per new token); otherwise the latest one's."""
+        if self._keep_passes:
+            return list(self._passes)
+        return [self._keeper.cache]
+
+    def __getitem__(self, key: str | Site) -> torch.Tensor:
+        return self.cache[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.cache
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.cache)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def calls(self, key: str | Site) -> list[torch.Tensor]:
+        """Every call's value for ``key``, in order (see :meth:`Cache.calls`)."""
+        return self.cache.calls(key)
+
+    def sites(self) -> list[Site]:
+        """Every site captured in the latest pass."""
+        return self.cache.sites()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the latest pass's values."""
+        return self.cache.nbytes
+
+    def numpy(self) -> dict[str, Any]:
+        """The latest pass's values as numpy arrays (see :meth:`Cache.numpy`)."""
+        return self.cache.numpy()
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Save the latest pass's values (see :meth:`Cache.save`)."""
+        return self.cache.save(path)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Remove every hook of this capture; the values stay readable. Safe to call twice."""
+        try:
+            self._keeper.abandon()  # a pass left open (the forward was interrupted) lets go of the guard
+        finally:
+            self._group.remove()
+
+    def __exit__(self, *exc_info: object) -> bool:
+        self.remove()
+        stopped = exc_info[1] if len(exc_info) > 1 else None
+        return isinstance(stopped, _StopForward) and stopped.owner is self  # the stop signal ends the block
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
+
+
+def _describe(model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:
+    keep, detach, device, dtype, reduce, calls, max_bytes, copy = options
+    return {
+        "hookscope": __version__,
+        "torch": torch.__version__,
+        "model": type(model).__name__,
+        "selectors": [describe_selector(s) for s in selectors],
+        "keep": keep if isinstance(keep, str) else list(keep),
+        "detach": detach,
+        "device": None if device is None else str(device),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
+        "calls": calls,
+        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
+        "copy": copy,
+    }
+
+
+def _check_keep(keep: Keep | tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(keep, str) and keep in _KEEP_CHOICES:
+        return _KEEP_CHOICES[keep]
+    if isinstance(keep, (tuple, list)) and keep and set(keep) <= {"input", "output"}:
+        return tuple(w for w in ("input", "output") if w in keep)
+    raise SpecError(f"keep={keep!r} is not one of 'output' (default), 'input', 'both', ('input', 'output')")
+
+
+def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    return floating_dtype(dtype)
+
+
+def capture(
+    model: nn.Module,
+    *selectors: Selector,
+    keep: Keep | tuple[str, ...] = "output",
+    detach: bool = True,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    reduce: str | Reduction | None = None,
+    calls: Calls = "all",
+    stop: bool = False,
+    max_bytes: int | str | None = None,
+    copy: CopyMode = "auto",
+    passes: Literal["latest", "all"] = "latest",
+) -> Capture:
+    """Keep the outputs (or inputs) of the modules the selectors pick, for each forward pass.
+
+    Values are detached (``detach=False`` keeps the graph), stay on the device they were made on
+    (``device="cpu"`` moves them; from CUDA through pinned memory, one sync per forward), and may
+    be cast (``dtype``, floating values only) or reduced on the device first (``reduce="mean:1"``
+    or a function). ``calls`` keeps ``"all"`` calls of a reused module, the ``"first"``, the
+    ``"last"``, or one index. ``keep="input"`` or ``"both"`` also keeps inputs, keyword inputs
+    included (paths ``[0]``, ``['scale']``). ``max_bytes`` (``1 << 30`` or ``"1GiB"``) stops a
+    capture that would outgrow its budget with an error naming the largest sites. ``stop=True``
+    ends the forward once every selected module has been captured (its first call, or the
+    chosen index): the rest of the model does not run, and ``model(x)`` inside the ``with``
+    block ends the block. A later in-place op never changes a kept value (see ``copy``).
+    Each call of the model is a pass and starts a new cache; ``passes="all"`` keeps every
+    pass's cache (``capture.passes``; ``max_bytes`` then spans them all), for a loop that calls
+    the model several times, such as ``generate``. A checkpointed block recomputing its forward
+    in backward is not a pass: it neither adds values nor replaces them.
+
+    Example::
+
+        with hs.capture(model, "layer*.conv2", "fc") as cap:
+            model(x)
+        cap["fc"]                      # fc's output (last call)
+        cap.calls("layer1.0.conv2")    # every call, in order
+        cap.numpy(); cap.save("feats.safetensors")
+    """
+    return Capture(
+        model,
+        selectors,
+        keep=keep,
+        detach=detach,
+        device=device,
+        dtype=dtype,
+        reduce=reduce,
+        calls=calls,
+        stop=stop,
+        max_bytes=max_bytes,
+        copy=copy,
+        passes=passes,
+    )
+
+
+def run_with_capture(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | Sequence[Selector],
+    keep: Keep | tuple[str, ...] = "output",
+    detach: bool = True,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    reduce: str | Reduction | None = None,
+    calls: Calls = "all",
+    stop: bool = False,
+    max_bytes: int | str | None = None,
+    copy: CopyMode = "auto",
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Cache]:
+    """Run ``model(*args, **kwargs)`` once with a capture; return ``(output, cache)``.
+
+    ``layers`` is one selector or a list of them; the other options are :func:`capture`'s.
+    Keyword arguments that are not options go to the model (``model_kwargs`` passes ones whose
+    names clash with an option). With ``stop=True`` the output is ``None``.
+
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    >>> out, cache = run_with_capture(model, torch.randn(3, 4), layers=["0", "2"])
+    >>> cache["0"].shape, torch.equal(cache["2"], out)
+    (torch.Size([3, 8]), True)
+    >>> bool((cache["0"] < 0).any())  # the in-place ReLU did not touch the kept value
+    True
+    """
+    selectors = tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)
+    recorder = capture(
+        model,
+        *selectors,
+        keep=keep,
+        detach=detach,
+        device=device,
+        dtype=dtype,
+        reduce=reduce,
+        calls=calls,
+        stop=stop,
+        max_bytes=max_bytes,
+        copy=copy,
+    )
+    with recorder:
+        try:
+            output = model(*args, **{**kwargs, **(model_kwargs or {})})
+        except _StopForward as stopped:
+            if stopped.owner is not recorder:
+                raise
+            output = None
+    return output, recorder.cache

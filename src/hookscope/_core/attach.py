@@ -1,0 +1,430 @@
+"""Attach hooks to modules and always take them off again.
+
+This is the only file that calls PyTorch's ``register_*hook`` methods. Everything that attaches
+(``hooks``, ``capture``, ``edit``, ...) builds a list of :class:`HookSpec` and hands it to
+:class:`HookGroup`, which follows the contract of PyTorch's ``RemovableHandle``:
+
+- attaching is transactional: all hooks of a group are attached, or none stay;
+- ``remove()`` is idempotent and removes only this group's own handles, so a user's hooks and
+  other libraries' hooks survive, as do other (nested) hookscope groups;
+- the group is a context manager that removes on exit, also when the forward raised;
+- the train/eval mode of every module is restored on removal;
+- the group holds no strong reference to the model, like ``RemovableHandle``.
+
+Live groups are listed in a registry that :func:`attached` reads: hookscope never looks into
+PyTorch's private hook dictionaries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import itertools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeVar, get_args
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hookscope._core.compat.compiled import recompile_if_stale, sentinels
+from hookscope._core.names import named_modules
+from hookscope._core.select import ensure_module
+from hookscope._core.sites import CallTracker
+from hookscope.errors import SpecError, UnsupportedModelError
+
+__all__ = [
+    "HOOK_KINDS",
+    "AttachedHook",
+    "HookGroup",
+    "HookKind",
+    "HookSpec",
+    "Scoped",
+    "attached",
+    "check_kind",
+    "live_groups",
+    "refuse_uncalled",
+]
+
+HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
+HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
+
+# How PyTorch calls each kind of hook, for the arity check made once at attach time.
+_SIGNATURES: dict[tuple[str, bool], str] = {
+    ("forward_pre", False): "fn(module, args)",
+    ("forward_pre", True): "fn(module, args, kwargs)",
+    ("forward", False): "fn(module, args, output)",
+    ("forward", True): "fn(module, args, kwargs, output)",
+    ("backward_pre", False): "fn(module, grad_output)",
+    ("backward", False): "fn(module, grad_input, grad_output)",
+}
+
+_LIVE_GROUPS: dict[HookGroup, None] = {}  # insertion-ordered set of groups with hooks attached
+_group_numbers = itertools.count(1)
+
+
+def check_kind(kind: str) -> HookKind:
+    """Return ``kind`` if it names a hook kind, else raise ``SpecError`` with the closest kind."""
+    if kind in HOOK_KINDS:
+        return kind  # type: ignore[return-value]
+    close = difflib.get_close_matches(str(kind), HOOK_KINDS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise SpecError(f"hook kind {kind!r} is unknown; expected one of {', '.join(HOOK_KINDS)}{hint}")
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One hook to attach: which module, which PyTorch hook kind, which function, which flags.
+
+    ``fn`` is called exactly as PyTorch calls that kind of hook (see ``signature``); a value it
+    returns replaces the inputs/output/gradients as PyTorch documents.
+    """
+
+    name: str
+    module: nn.Module
+    kind: HookKind
+    fn: Callable[..., Any]
+    with_kwargs: bool = False
+    prepend: bool = False
+    always_call: bool = False
+    fitted: bool = False  # hookscope's own hooks, written for this kind: skip the signature check
+
+    def __post_init__(self) -> None:
+        check_kind(self.kind)
+        if self.with_kwargs and self.kind not in ("forward_pre", "forward"):
+            raise SpecError(f"with_kwargs=True applies to forward and forward_pre hooks, not {self.kind!r}")
+        if self.always_call and self.kind != "forward":
+            raise SpecError(f"always_call=True applies to forward hooks only, not {self.kind!r}")
+        if not callable(self.fn):
+            raise SpecError(
+                f"the hook for {self.name or '(root)'!r} is a {type(self.fn).__name__}, not callable; "
+                f"expected a function called as {self.signature}"
+            )
+        if isinstance(self.module, torch.jit.ScriptModule):
+            raise UnsupportedModelError(
+                f"module {self.name or '(root)'!r} is a TorchScript {type(self.module).__name__}: "
+                "scripted code never runs Python hooks; hook the eager module instead, or pick "
+                "modules outside the scripted part"
+            )
+        if not self.fitted:
+            _check_arity(self)
+
+    @property
+    def signature(self) -> str:
+        """How PyTorch will call ``fn``, e.g. ``fn(module, args, output)``."""
+        return _SIGNATURES[(self.kind, self.with_kwargs)]
+
+
+@dataclass(frozen=True)
+class AttachedHook:
+    """One live hookscope hook, as listed by :func:`attached`."""
+
+    module: str
+    kind: HookKind
+    owner: str
+    group: HookGroup
+    purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"
+
+
+@dataclass(frozen=True)
+class _Record:
+    name: str
+    module: weakref.ReferenceType[nn.Module]
+    kind: HookKind
+    purpose: str
+    handle: RemovableHandle
+
+
+class HookGroup:
+    """Hooks attached together and removed together.
+
+    Built from a list of :class:`HookSpec`; every hook is attached in the constructor or, if
+    one fails, none stays attached. Use it as a context manager, or call :meth:`remove`
+    (idempotent) when done::
+
+        with HookGroup(model, [HookSpec("fc", model.fc, "forward", print_shapes)]) as group:
+            model(x)
+        assert not group.live
+
+    With a :class:`~hookscope._core.sites.CallTracker`, the group also numbers each call of the
+    hooked modules, the root, and any extra modules named in ``count``, within each forward
+    pass: ``group.call_index(module)`` inside a hook, ``group.calls`` after the pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: Sequence[HookSpec],
+        *,
+        owner: str = "hooks",
+        tracker: CallTracker | None = None,
+        count: Sequence[tuple[str, nn.Module]] = (),
+        restore_mode: bool = True,
+    ) -> None:
+        ensure_module(model)
+        self.owner = owner
+        self.number = next(_group_numbers)
+        self._model = weakref.ref(model)
+        self._tracker = tracker
+        self._records: list[_Record] = []
+        self._modes = [(weakref.ref(m), m.training) for m in model.modules()] if restore_mode else []
+        self._live = True
+        try:
+            self._attach(model, specs, count)
+        except BaseException:
+            self._live = False
+            self._detach_all()
+            raise
+        _LIVE_GROUPS[self] = None
+
+    def _attach(self, model: nn.Module, specs: Sequence[HookSpec], count: Sequence[tuple[str, nn.Module]]) -> None:
+        refuse_uncalled(model, [spec.name for spec in specs])
+        hooked = [*(spec.module for spec in specs), *(module for _, module in count)]
+        recompile_if_stale(model, hooked)
+        for name, module, kind, fn in sentinels(model, hooked):
+            self._add(name, module, kind, "compile check", fn)  # type: ignore[arg-type]
+        tracked: dict[int, tuple[str, nn.Module]] = {}
+        if self._tracker is not None:
+            tracked[id(model)] = ("", model)
+            for name, module in [*((spec.name, spec.module) for spec in specs), *count]:
+                tracked.setdefault(id(module), (name, module))
+            for name, module in tracked.values():
+                self._tracker.watch(name, module)
+                self._add(name, module, "forward_pre", "call counter", _enter_hook(self._tracker), prepend=True)
+        for spec in specs:
+            self._add(
+                spec.name,
+                spec.module,
+                spec.kind,
+                "hook",
+                spec.fn,
+                with_kwargs=spec.with_kwargs,
+                prepend=spec.prepend,
+                always_call=spec.always_call,
+            )
+        if self._tracker is not None:  # closes the call after every hook of this group has run
+            for name, module in tracked.values():
+                closer = _exit_hook(self._tracker)
+                self._add(name, module, "forward", "call counter", closer, with_kwargs=True, always_call=True)
+
+    def _add(
+        self,
+        name: str,
+        module: nn.Module,
+        kind: HookKind,
+        purpose: str,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        prepend: bool = False,
+        always_call: bool = False,
+    ) -> None:
+        handle: RemovableHandle
+        if kind == "forward_pre":
+            handle = module.register_forward_pre_hook(fn, prepend=prepend, with_kwargs=with_kwargs)
+        elif kind == "forward":
+            handle = module.register_forward_hook(fn, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call)
+        elif kind == "backward_pre":
+            handle = module.register_full_backward_pre_hook(fn, prepend=prepend)
+        else:
+            handle = module.register_full_backward_hook(fn, prepend=prepend)
+        self._records.append(_Record(name, weakref.ref(module), kind, purpose, handle))
+
+    @property
+    def live(self) -> bool:
+        """True until :meth:`remove` has run."""
+        return self._live
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model the group was attached to, or None if it has been garbage-collected."""
+        return self._model()
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """``{module name: calls}`` in the latest forward pass (the root is named ``""``)."""
+        if self._tracker is None:
+            raise SpecError("this group does not count calls; attach it with track_calls=True")
+        return self._tracker.counts()
+
+    def call_index(self, module: nn.Module) -> int:
+        """Index (0, 1, ...) of ``module``'s current call in this pass; valid inside its hooks."""
+        if self._tracker is None:
+            raise SpecError("this group does not count calls; attach it with track_calls=True")
+        return self._tracker.current(module)
+
+    def remove(self) -> None:
+        """Remove every hook of this group and restore train/eval modes. Safe to call twice."""
+        if not self._live:
+            return
+        self._live = False
+        _LIVE_GROUPS.pop(self, None)
+        try:
+            self._detach_all()
+        finally:
+            for module_ref, training in self._modes:
+                module = module_ref()
+                if module is not None:  # per module, not train(): children may have had other modes
+                    module.training = training
+            if self._tracker is not None:
+                self._tracker.reset()
+
+    def _detach_all(self) -> None:
+        records, self._records = self._records, []
+        for record in reversed(records):
+            record.handle.remove()
+
+    def hooks(self) -> Iterator[AttachedHook]:
+        """The hooks this group has attached (empty once removed)."""
+        for record in self._records:
+            yield AttachedHook(record.name, record.kind, self.owner, self, record.purpose)
+
+    def __len__(self) -> int:
+        return sum(1 for record in self._records if record.purpose == "hook")
+
+    def __enter__(self) -> HookGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "live" if self._live else "removed"
+        return f"<HookGroup #{self.number} owner={self.owner!r}: {len(self)} hooks, {state}>"
+
+
+ScopedT = TypeVar("ScopedT", bound="Scoped")
+
+
+class Scoped:
+    """``RemovableHandle``'s contract for a feature that owns a :class:`HookGroup` (``_group``):
+    ``live``, an idempotent ``remove()``, and a ``with`` block that removes on exit."""
+
+    _group: HookGroup
+
+    @property
+    def live(self) -> bool:
+        """True until the hooks have been removed."""
+        return self._group.live
+
+    def remove(self) -> None:
+        """Remove every hook of this object. Safe to call twice."""
+        self._group.remove()
+
+    def __enter__(self: ScopedT) -> ScopedT:
+        return self
+
+    def __exit__(self, *exc: object) -> bool | None:
+        self.remove()
+        return None
+
+
+def refuse_uncalled(model: nn.Module, names: Sequence[str]) -> None:
+    """Refuse hooks on submodules of a ``torch.fx.GraphModule`` that its graph never calls.
+
+    An ``ExportedProgram.module()`` keeps its submodules only as holders of weights (its graph
+    reads them with ``get_attr``), and a ``symbolic_trace``d model calls its leaves but never
+    its containers: a hook on either would never fire, which is silent loss.
+    """
+    graph = getattr(model, "graph", None)
+    if graph is None or not isinstance(model, torch.fx.GraphModule):
+        return
+    called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
+    never = [name for name in dict.fromkeys(names) if name and name not in called]
+    if never:
+        shown = ", ".join(repr(name) for name in never[:6]) + (" ..." if len(never) > 6 else "")
+        usable = ", ".join(repr(name) for name in sorted(called)[:6]) or "none: only the root"
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a torch.fx GraphModule whose graph never calls {shown}, so hooks on "
+            f"them would never fire (torch.export's ExportedProgram.module() reads the weights directly); "
+            f"modules its graph calls: {usable}; hook the root, or the eager model before it is exported or traced"
+        )
+
+
+def attached(model: nn.Module) -> list[AttachedHook]:
+    """List the hookscope hooks attached to ``model`` and its submodules right now, in model order.
+
+    Each entry names the module (relative to ``model``), the hook kind, the owner label and the
+    :class:`HookGroup` that will remove it. Hooks registered by other code are not listed.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> attached(model)
+    []
+    """
+    ensure_module(model)
+    order = {id(module): (index, name) for index, (name, module) in enumerate(named_modules(model))}
+    found: list[tuple[int, AttachedHook]] = []
+    for group in list(_LIVE_GROUPS):
+        for record in group._records:
+            module = record.module()
+            if module is not None and id(module) in order:
+                index, name = order[id(module)]
+                found.append((index, AttachedHook(name, record.kind, group.owner, group, record.purpose)))
+    found.sort(key=lambda pair: pair[0])
+    return [hook for _, hook in found]
+
+
+def live_groups() -> list[HookGroup]:
+    """Every group with hooks still attached, on any model (used by the test suite's leak check)."""
+    return list(_LIVE_GROUPS)
+
+
+def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
+    enter = tracker.enter
+
+    def count_call(module: nn.Module, _args: Any) -> None:
+        enter(module)
+
+    return count_call
+
+
+def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any, Any], None]:
+    exit_call = tracker.exit
+
+    def close_call(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        exit_call(module, args, kwargs, output)
+
+    return close_call
+
+
+def _check_arity(spec: HookSpec) -> None:
+    """Refuse, at attach time, a function PyTorch could not call with this kind's arguments."""
+    try:
+        signature = inspect.signature(spec.fn)
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+        return
+    n_args = _arity(spec.signature)
+    if _binds(signature, n_args):
+        return
+    fitting = [
+        f"kind={kind!r}" + (", with_kwargs=True" if with_kwargs else "")
+        for (kind, with_kwargs), text in _SIGNATURES.items()
+        if _arity(text) != n_args and _binds(signature, _arity(text))
+    ]
+    hint = f"; did you mean {' or '.join(fitting)}?" if fitting else ""
+    raise SpecError(
+        f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {spec.name or '(root)'!r} takes "
+        f"{signature}, but a {spec.kind} hook is called as {spec.signature}{hint}"
+    )
+
+
+def _arity(call: str) -> int:
+    """How many arguments a call written like ``fn(module, args, output)`` passes."""
+    return call.count(",") + 1
+
+
+def _binds(signature: inspect.Signature, n_args: int) -> bool:
+    try:
+        signature.bind(*range(n_args))
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,140 @@
+"""Module names as the user thinks of them: without the attribute segments of wrappers.
+
+``DistributedDataParallel`` and ``DataParallel`` keep the model as ``.module``, and
+``torch.compile`` keeps it as ``._orig_mod``, so ``named_modules()`` of a wrapped model spells
+every layer ``module.encoder.layer.0`` or ``_orig_mod.encoder.layer.0``. The same layer of the
+same model would then have one name on rank 0 in a notebook and another in the training job.
+Here every module below a wrapper is named as in the bare model (``encoder.layer.0``); the
+wrapped module itself keeps the attribute's name (``module``, ``_orig_mod``), since the root's
+name ``""`` belongs to the wrapper, the object that is called. Selectors match either spelling
+(:func:`~hookscope._core.select.select`), so code written against ``ddp.module`` keeps working.
+
+Wrappers are recognised by class, looked up lazily, so that a process that never imports
+``torch.distributed`` or ``torch._dynamo`` does not import them here either.
+
+>>> import torch
+>>> from torch import nn
+>>> ddp_like = torch.nn.DataParallel(nn.Sequential(nn.Linear(2, 2)))
+>>> [name for name, _ in named_modules(ddp_like)]
+['', 'module', '0']
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+from torch import nn
+
+__all__ = [
+    "WRAPPER_CLASS_NAMES",
+    "NamedModule",
+    "named_modules",
+    "named_parameters",
+    "short_spelling",
+    "unwrapped_modules",
+]
+
+NamedModule = tuple[str, nn.Module]
+
+# (module that defines the class, class name, attribute holding the wrapped model)
+_WRAPPERS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
+    ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
+    ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
+)
+
+#: The wrappers' class names, for records that outlive their model (a trace's root row).
+WRAPPER_CLASS_NAMES = frozenset(class_name for _, class_name, _ in _WRAPPERS)
+
+
+def _wrapper_classes() -> list[tuple[type, str]]:
+    """The wrapper classes imported so far, with the attribute each keeps its model in."""
+    found = []
+    for module_path, class_name, attribute in _WRAPPERS:
+        owner = sys.modules.get(module_path)
+        cls = getattr(owner, class_name, None) if owner is not None else None
+        if isinstance(cls, type):
+            found.append((cls, attribute))
+    return found
+
+
+def short_spelling(name: str) -> str | None:
+    """``"0"`` for ``"module.0"`` or ``"_orig_mod.0"``: a name as spelled below a wrapper, for
+    records that outlive their model (a trace's rows) and know only the short names."""
+    for _, _, attribute in _WRAPPERS:
+        if name.startswith(attribute + "."):
+            return name[len(attribute) + 1 :]
+    return None
+
+
+def named_modules(model: nn.Module) -> list[NamedModule]:
+    """``model.named_modules()`` with wrapper segments dropped from the names below a wrapper.
+
+    Same modules, same order, each module once (as ``named_modules()``); only the names differ.
+    """
+    return [(name, module) for name, _, module in _walk(model)]
+
+
+def unwrapped_modules(model: nn.Module) -> list[NamedModule]:
+    """:func:`named_modules` without the modules wrappers hold (``module``, ``_orig_mod``): their
+    calls are the wrapper's, so a wrapped and a bare model line up name for name (diff)."""
+    classes = _wrapper_classes()
+    named = named_modules(model)
+    held = {id(inner) for _, module in named if (inner := _inner_of(module, classes)) is not None}
+    return [(name, module) for name, module in named if id(module) not in held]
+
+
+def raw_and_named_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(name, spelling in named_modules(), module)`` for every module: what selectors match."""
+    return list(_walk(model))
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` under the names of :func:`named_modules`, each parameter once."""
+    seen: set[int] = set()
+    found = []
+    for module_name, module in named_modules(model):
+        for name, parameter in module.named_parameters(prefix=module_name, recurse=False):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                found.append((name, parameter))
+    return found
+
+
+def _walk(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """Depth-first like ``named_modules()``: ``(name, raw name, module)``, each module once.
+
+    Each entry carries the prefix its children are named under: a module's own name, except
+    for the module a wrapper holds, whose children are named under the wrapper's prefix.
+    """
+    classes = _wrapper_classes()  # looked up once per walk, not per module
+    seen: set[int] = set()
+    used: set[str] = set()
+    stack: list[tuple[str, str, nn.Module, str]] = [("", "", model, "")]
+    while stack:
+        name, raw, module, prefix = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if name in used:  # a wrapped model's own attribute named like the wrapper's ("module"): keep torch's spelling
+            name = prefix = raw
+        used.add(name)
+        yield name, raw, module
+        inner = _inner_of(module, classes) if classes else None
+        children = []
+        for attribute, child in module._modules.items():
+            if child is None:
+                continue
+            child_name = f"{prefix}.{attribute}" if prefix else attribute
+            child_raw = f"{raw}.{attribute}" if raw else attribute
+            child_prefix = prefix if child is inner else child_name
+            children.append((child_name, child_raw, child, child_prefix))
+        stack.extend(reversed(children))
+
+
+def _inner_of(module: nn.Module, classes: list[tuple[type, str]]) -> nn.Module | None:
+    for cls, attribute in classes:
+        if isinstance(module, cls):
+            return module._modules.get(attribute)
+    return None

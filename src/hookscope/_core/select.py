@@ -1,0 +1,265 @@
+"""Turn a selector into the ordered list of modules it names.
+
+Every feature that attaches hooks picks its modules here, so a selector means the same thing in
+``hooks``, ``capture``, ``edit`` and the rest. One selector is compiled into one predicate
+``(name, module) -> bool``; the model's ``named_modules()`` are filtered by it, so a result is
+always a subset of the model's modules, in model order.
+
+Selector forms:
+
+==========================  ==============================================================
+``"layer1.conv2"``          an exact dotted name from ``named_modules()``; ``""`` is the root
+``"layer*.conv?"``          a glob (the string holds ``*``, ``?`` or ``[``); ``*`` also
+                            crosses dots, so ``"*conv*"`` finds convolutions at any depth
+``"re:h\\.[0-9]+\\.mlp"``    a regular expression, matched against the whole name
+``nn.Conv2d``               a module class: every module that is an instance of it
+``model.fc``                a module object: that very module
+``lambda name, m: ...``     a predicate called with each name and module
+``["fc", nn.Conv2d]``       a list, tuple or set: the union, in model order
+==========================  ==============================================================
+
+Patterns (globs and regular expressions) never match the root module, whose name is empty.
+A selector that matches nothing raises :class:`~hookscope.errors.SelectionError` naming the
+closest existing names, because a typo that silently hooks nothing is the worst kind of bug.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable, Iterable
+from typing import TypeAlias, cast
+
+import torch
+from torch import nn
+
+from hookscope._core.names import raw_and_named_modules, short_spelling
+from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
+
+__all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select", "select_names"]
+
+Predicate = Callable[[str, nn.Module], bool]
+Selector: TypeAlias = (
+    str
+    | type[nn.Module]
+    | nn.Module
+    | Predicate
+    | list["Selector"]
+    | tuple["Selector", ...]
+    | set["Selector"]
+    | frozenset["Selector"]
+)
+
+_GLOB_CHARS = frozenset("*?[")
+_REGEX_PREFIX = "re:"
+_FORMS = (
+    "a module name, a glob ('layer*.conv?'), a 're:' regular expression, an nn.Module subclass, "
+    "a module of the model, a predicate (name, module) -> bool, or a list of these"
+)
+
+
+def ensure_module(model: object) -> nn.Module:
+    """Return ``model`` if hooks can be attached to it, else raise ``UnsupportedModelError``.
+
+    TorchScript modules are refused: scripted code never calls Python hooks, so anything
+    attached to them would silently never run.
+
+    >>> ensure_module([1, 2])
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.UnsupportedModelError: expected a torch.nn.Module, got list; ...
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (TorchScript) is not supported: scripted code does not run "
+            "Python hooks; pass the eager module, the one given to torch.jit.script"
+        )
+    if not isinstance(model, nn.Module):
+        hint = ""
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            hint = f" (the class {model.__name__} itself was passed; build it first: {model.__name__}(...))"
+        raise UnsupportedModelError(
+            f"expected a torch.nn.Module, got {type(model).__name__}{hint}; "
+            "pass the model object whose modules should be hooked"
+        )
+    return model
+
+
+def describe_selector(selector: object) -> str:
+    """A short human description of ``selector`` for messages and tables."""
+    if isinstance(selector, str):
+        return repr(selector)
+    if isinstance(selector, type):
+        return f"type {selector.__name__}"
+    if isinstance(selector, nn.Module):
+        return f"module {type(selector).__name__} object"
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        return "[" + ", ".join(describe_selector(s) for s in selector) + "]"
+    if callable(selector):
+        return f"predicate {getattr(selector, '__qualname__', type(selector).__name__)}"
+    return repr(selector)
+
+
+def compile_selector(selector: Selector) -> Predicate:
+    """Compile ``selector`` into one predicate ``(name, module) -> bool``.
+
+    Malformed selectors (an invalid regular expression, an empty list, an int) raise
+    ``SpecError`` here, before any module is looked at.
+
+    >>> is_conv = compile_selector(["fc", "re:conv[0-9]"])
+    >>> is_conv("conv1", nn.Identity()), is_conv("conv", nn.Identity())
+    (True, False)
+    """
+    if isinstance(selector, str):
+        return _compile_string(selector)
+    if isinstance(selector, type):
+        if not issubclass(selector, nn.Module):
+            raise SpecError(f"selector {selector.__name__} is a class but not an nn.Module subclass; expected {_FORMS}")
+        cls = selector
+        return lambda _name, module: isinstance(module, cls)
+    if isinstance(selector, nn.Module):
+        target = selector
+        return lambda _name, module: module is target
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        members = list(selector)
+        if not members:
+            raise SpecError(f"an empty {type(selector).__name__} selects nothing; expected {_FORMS}")
+        predicates = [compile_selector(member) for member in members]
+        return lambda name, module: any(p(name, module) for p in predicates)
+    if callable(selector):
+        return selector
+    raise SpecError(f"selector {selector!r} ({type(selector).__name__}) is not usable; expected {_FORMS}")
+
+
+def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
+    """Return ``[(name, module), ...]`` that ``selector`` names in ``model``, in model order.
+
+    Each member of a list must match at least one module: a typo inside a list is still a typo.
+
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> [name for name, _ in select(model, nn.Linear)]
+    ['0', '2']
+    >>> select(model, "3")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SelectionError: selector '3' matched 0 of 4 modules; did you mean '0' ...
+    """
+    ensure_module(model)
+    entries = raw_and_named_modules(model)
+    named = [(name, module) for name, _, module in entries]
+    compile_selector(selector)  # a malformed selector (an empty list, a bad regex) is refused first
+    members = list(selector) if isinstance(selector, (list, tuple, set, frozenset)) else [selector]
+    predicates = [_spelling_blind(member) for member in members]
+    for member, predicate in zip(members, predicates, strict=True):
+        if not any(predicate(name, raw, module) for name, raw, module in entries):
+            raise SelectionError(_no_match_message(member, named, within=selector if len(members) > 1 else None))
+    return [(name, module) for name, raw, module in entries if any(p(name, raw, module) for p in predicates)]
+
+
+def _spelling_blind(selector: Selector) -> Callable[[str, str, nn.Module], bool]:
+    """A predicate on ``(name, raw name, module)``: a string selector may use either spelling
+    of a name below a wrapper (``fc`` or ``module.fc``); other selectors see the name alone."""
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        parts = [_spelling_blind(member) for member in selector]
+        return lambda name, raw, module: any(part(name, raw, module) for part in parts)
+    predicate = compile_selector(selector)
+    if isinstance(selector, str):
+        return lambda name, raw, module: predicate(name, module) or (raw != name and predicate(raw, module))
+    return lambda name, _raw, module: predicate(name, module)
+
+
+def select_names(names: list[str], selector: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The names a name-only selector (exact, glob, ``re:``, or a list of them) picks from ``names``.
+
+    For records that outlive their model (a trace's rows): the same rules and the same
+    did-you-mean errors as :func:`select`, without the modules.
+
+    >>> select_names(["", "fc", "conv1"], "conv*")
+    ['conv1']
+    """
+    members = list(selector) if isinstance(selector, (list, tuple)) else [selector]
+    if not members:
+        raise SpecError(f"an empty {type(selector).__name__} selects nothing; expected {_FORMS}")
+    if not all(isinstance(member, str) for member in members):
+        raise SpecError(
+            f"selector {describe_selector(selector)} needs the model; only names, globs and 're:' work here"
+        )
+    predicates = [_compile_string(member) for member in members]
+    stand_in = nn.Module()
+    named = [(name, stand_in) for name in names]
+    for member, predicate in zip(members, predicates, strict=True):
+        if not any(predicate(name, stand_in) for name in names):
+            within = cast(Selector, members) if len(members) > 1 else None
+            raise SelectionError(_no_match_message(member, named, within=within))
+    return [name for name in names if any(p(name, stand_in) for p in predicates)]
+
+
+def _compile_string(text: str) -> Predicate:
+    if text.startswith(_REGEX_PREFIX):
+        source = text[len(_REGEX_PREFIX) :]
+        try:
+            regex = re.compile(source)
+        except re.error as exc:
+            raise SpecError(
+                f"selector {text!r} is not a valid regular expression ({exc}); "
+                "fix the pattern, or drop the 're:' prefix to use a glob"
+            ) from None
+        return lambda name, _module: bool(name) and regex.fullmatch(name) is not None
+    if _GLOB_CHARS.intersection(text):
+        glob = re.compile(fnmatch.translate(text))
+        return lambda name, _module: bool(name) and glob.match(name) is not None
+    return lambda name, _module: name == text
+
+
+def _no_match_message(selector: Selector, named: list[tuple[str, nn.Module]], *, within: Selector | None) -> str:
+    where = f" (in {describe_selector(within)})" if within is not None else ""
+    head = f"selector {describe_selector(selector)}{where} matched 0 of {len(named)} modules"
+    names = [name for name, _ in named if name]
+    if isinstance(selector, type):
+        present = sorted({type(module).__name__ for _, module in named})
+        return f"{head}; the model holds these types: {_listing(present)}"
+    if isinstance(selector, nn.Module):
+        return f"{head}; that module is not part of this model: pass one of model.modules()"
+    if not isinstance(selector, str):
+        return f"{head}; check the predicate, or list the names with hookscope._layers(model)"
+    suggestions = _suggest(selector, names)
+    if suggestions:
+        return f"{head}; did you mean {' or '.join(repr(s) for s in suggestions)}?"
+    return f"{head}; the model's top-level names are {_listing(n for n in names if '.' not in n)}"
+
+
+def _suggest(selector: str, names: list[str]) -> list[str]:
+    """Closest names (or corrected patterns) for a string selector that matched nothing."""
+    text = selector[len(_REGEX_PREFIX) :] if selector.startswith(_REGEX_PREFIX) else selector
+    dotted = re.sub(r"\[(\w+)\]", r".\1", text).lstrip(".")  # "layers[0].fc" -> "layers.0.fc"
+    if dotted != text and dotted in names:
+        return [dotted]
+    short = short_spelling(dotted)  # spelled as below a DDP or torch.compile wrapper
+    if short is not None and short in names:
+        return [short]
+    # A name from another wrapping level: "transformer.h.0" given to the inner GPT2Model, or the reverse.
+    affixed = [n for n in names if dotted.endswith("." + n) or n.endswith("." + dotted)]
+    if affixed:
+        return sorted(affixed, key=len)[:3]
+    candidates = set(names)
+    if _GLOB_CHARS.intersection(text) and not selector.startswith(_REGEX_PREFIX):
+        candidates |= _generalised_names(text, names)
+    return difflib.get_close_matches(dotted, sorted(candidates), n=3, cutoff=0.6)
+
+
+def _generalised_names(pattern: str, names: Iterable[str]) -> set[str]:
+    """Names rewritten in the pattern's shape: 'blocks.0.mlp' seen through 'blocks.*.mpl' -> 'blocks.*.mlp'."""
+    parts = pattern.split(".")
+    shaped = set()
+    for name in names:
+        segments = name.split(".")
+        if len(segments) == len(parts):
+            shaped.add(".".join(p if fnmatch.fnmatchcase(s, p) else s for s, p in zip(segments, parts, strict=True)))
+    return shaped
+
+
+def _listing(items: Iterable[str], limit: int = 12) -> str:
+    shown = list(items)
+    more = f", ... ({len(shown) - limit} more)" if len(shown) > limit else ""
+    return ", ".join(shown[:limit]) + more if shown else "(none)"

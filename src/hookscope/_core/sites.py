@@ -1,0 +1,346 @@
+"""Sites: the address of one value seen by a hook, and the per-pass call numbering behind it.
+
+A module can run several times in one forward pass (weights shared between two places, a block
+applied in a loop). Each of those calls is its own site, numbered 0, 1, 2, ... in the order the
+calls start; the numbering starts again at every top-level forward pass.
+
+A :class:`Site` is written ``name#call:what`` followed by the tree path of the leaf, e.g.
+``transformer.h.0.attn#0:output[0]``. ``what`` is one of ``input``, ``output``, ``grad_input``
+and ``grad_output``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Literal, Protocol, get_args
+
+import torch
+from torch import nn
+
+from hookscope._core.compat.compiled import EAGER, is_compiling
+from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
+
+# The id of the backward pass running on this thread, -1 outside one (read once per pass).
+_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+__all__ = ["REPLICAS_HINT", "CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
+
+#: Ends the refusal of another thread by the features that record one thread's pass.
+REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+
+SiteKind = Literal["input", "output", "grad_input", "grad_output"]
+_SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
+_SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<what>[a-z_]+)(?P<path>.*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    """Where a value was seen: module name, call index within the pass, which value, leaf path.
+
+    >>> site = Site("layer1.conv2", 1, "output", "[0]")
+    >>> str(site)
+    'layer1.conv2#1:output[0]'
+    >>> Site.parse(str(site)) == site
+    True
+    """
+
+    module: str
+    call: int = 0
+    what: SiteKind = "output"
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.what not in _SITE_KINDS:
+            raise SpecError(f"site kind {self.what!r} is unknown; expected one of {', '.join(_SITE_KINDS)}")
+        if self.call < 0:
+            raise SpecError(f"call index {self.call} is negative; calls are numbered from 0 in each pass")
+
+    def __str__(self) -> str:
+        return f"{self.module}#{self.call}:{self.what}{self.path}"
+
+    @classmethod
+    def parse(cls, text: str) -> Site:
+        """Read a site written as ``name[#call]:what[path]``; the call defaults to 0."""
+        match = _SITE_TEXT.match(text)
+        if match is None:
+            raise SpecError(f"site {text!r} is not of the form 'name#call:what[path]', e.g. 'layer1.conv2#0:output[0]'")
+        what = match["what"]
+        if what not in _SITE_KINDS:
+            raise SpecError(f"site {text!r} names {what!r}; expected one of {', '.join(_SITE_KINDS)}")
+        return cls(match["module"], int(match["call"] or 0), what, match["path"])  # type: ignore[arg-type]
+
+
+def is_reentered(module: nn.Module) -> bool:
+    """True when an outer call of ``module`` is still running on this thread (recursion).
+
+    Bookkeeping that says "a call of the root is open" when the root is entered again means
+    either recursion or a call that was interrupted (``KeyboardInterrupt`` skips PyTorch's
+    ``always_call`` hooks, so it is never closed). Only the stack can tell them apart; this
+    walk runs on that rare path alone, never per call.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    calls = 0
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1  # the call being entered is one; an outer one makes two
+            if calls == 2:
+                return True
+        frame = frame.f_back
+    return False
+
+
+class PassListener(Protocol):
+    """Told by a :class:`CallTracker` when a forward pass starts, ends, or was cut short."""
+
+    def pass_started(self, module: nn.Module) -> None: ...
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None: ...
+
+    def pass_abandoned(self) -> None: ...
+
+    def refuse_thread(self) -> Exception:
+        """The error to raise when another thread enters while a pass is open."""
+        ...
+
+
+def _replica_opener(name: str) -> Exception:
+    return UnsupportedModelError(
+        f"a replica of {name or 'the hooked model'!r} (nn.DataParallel copies it per device and runs the "
+        "copies in threads) started a forward pass: attach to the DataParallel wrapper itself, whose call "
+        "opens the pass, so that each replica is numbered on its own and captured per device"
+    )
+
+
+class _ReplicaCalls:
+    """The call numbering of one thread's ``nn.DataParallel`` replicas, keyed by the originals."""
+
+    __slots__ = ("counts", "open")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.open: dict[int, list[int]] = {}
+
+
+class CallTracker:
+    """Numbers the calls of watched modules within each forward pass, and says when passes start and end.
+
+    ``enter`` runs in a forward pre-hook and returns the call's index; ``exit`` runs in a forward
+    hook registered with ``always_call=True``, so a forward that raises still closes its call.
+    A pass starts when a watched module is entered while no watched call is open: with the
+    model's root watched, that is each call of the model, and a submodule called on its own is
+    a pass of its own. A pass belongs to the thread that opened it; another thread entering
+    meanwhile is refused, unless it runs ``nn.DataParallel`` replicas of the watched modules
+    (shallow copies sharing their hook dicts) and the listener says ``accepts_replicas``: each
+    such thread then numbers its calls on its own. A pass whose opening module is entered again with no outer call of it
+    on the stack was cut short (``KeyboardInterrupt`` skips ``always_call`` hooks) and is dropped.
+    Modules are keyed by identity, so a module reachable under two names has one counter.
+
+    The hot path is a few dict operations and a list append/pop: no introspection per call.
+    """
+
+    __slots__ = (
+        "_counts",
+        "_listener",
+        "_lock",
+        "_names",
+        "_open",
+        "_open_calls",
+        "_opener",
+        "_originals",
+        "_replicas",
+        "_thread",
+        "replaying",
+    )
+
+    def __init__(self, listener: PassListener | None = None) -> None:
+        self._counts: dict[int, int] = {}
+        self._open: dict[int, list[int]] = {}
+        self._open_calls = 0
+        self._names: dict[int, str] = {}
+        self._listener = listener
+        self._opener = 0
+        self._thread = 0
+        self._lock = threading.RLock()  # re-entrant: a listener may run the model again
+        self._originals: dict[int, int] = {}  # id of a watched module's hook dict -> id of the module
+        self._replicas: dict[int, _ReplicaCalls] = {}  # thread -> its replicas' calls, in this pass
+        #: True during a pass that autograd runs inside a backward pass: a checkpointed block
+        #: (``torch.utils.checkpoint``) recomputing its forward. Features that record the forward
+        #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
+        #: capture nor replaces the real one; edits still apply, or the recomputation would differ.
+        self.replaying = False
+
+    def watch(self, name: str, module: nn.Module) -> None:
+        """Start counting ``module``'s calls, reported under ``name``."""
+        self._names.setdefault(id(module), name)
+        self._open.setdefault(id(module), [])  # every key from the start: compiled code guards on the dict's size
+        # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
+        self._originals.setdefault(id(module._forward_pre_hooks), id(module))
+
+    def enter(self, module: nn.Module) -> int:
+        """Open a call of ``module`` and return its index in the current pass."""
+        key = id(module)
+        if (self._open_calls == 0 or key == self._opener) and is_compiling():
+            # Opening a pass (and entering its opener again: another thread, or recursion) needs
+            # the thread, the lock and autograd's state, none of which Dynamo traces: run it
+            # eagerly, one graph break where the pass opens inside compiled code.
+            index: int = EAGER(CallTracker.enter)(self, module)
+            return index
+        if self._open_calls:
+            if not self._on_owning_thread():
+                return self._enter_replica(module)
+            if key == self._opener and not is_reentered(module):
+                self._abandon()
+        if self._open_calls == 0:
+            with self._lock:  # two threads entering at once: one opens the pass, the other is refused
+                if self._open_calls:
+                    raise self._refusal()
+                if self._originals.get(id(module._forward_pre_hooks), key) != key:
+                    raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
+                self._open_pass(module, key, threading.get_ident())
+                return self._count(key)
+        return self._count(key)
+
+    def _open_pass(self, module: nn.Module, key: int, thread: int) -> None:
+        self._counts.clear()
+        self._replicas = {}
+        self._opener = key
+        self._thread = thread
+        self.replaying = _GRAPH_TASK() != -1
+        if self._listener is not None:
+            self._listener.pass_started(module)
+
+    def _count(self, key: int) -> int:
+        index = self._counts.get(key, 0)
+        self._counts[key] = index + 1
+        self._open.setdefault(key, []).append(index)
+        self._open_calls += 1
+        return index
+
+    def exit(
+        self, module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, output: Any = None
+    ) -> None:
+        """Close the innermost open call of ``module``; a close without an open is ignored."""
+        if not self._open_calls:
+            return  # nothing open
+        if (self._open_calls == 1 or id(module) == self._opener) and is_compiling():
+            # The pass ends, or its opener closes (maybe on a refused thread, which only an eager
+            # check tells): eagerly, as the pass opened.
+            EAGER(CallTracker.exit)(self, module, args, kwargs, output)
+            return
+        if not self._on_owning_thread():
+            replica_stack = self._replica_stack(module)  # None: the close of a call refused on another thread
+            if replica_stack:
+                replica_stack.pop()
+            return
+        stack = self._open.get(id(module))
+        if not stack:
+            return
+        stack.pop()
+        if self._open_calls > 1:
+            self._open_calls -= 1
+            return
+        with self._lock:  # the pass ends: no other thread opens the next one before its listener is done
+            self._open_calls = 0
+            if self._listener is not None:
+                self._listener.pass_ended(module, args, kwargs or {}, output)
+
+    def owns(self) -> bool:
+        """True on the thread whose pass is open: a closing hook running for a call refused on
+        another thread (``always_call`` hooks run for those too) must leave the pass alone."""
+        return self._open_calls > 0 and self._on_owning_thread()
+
+    def _on_owning_thread(self) -> bool:
+        """True on the thread of the open pass. Inside compiled code the thread cannot be read
+        (Dynamo cannot trace ``get_ident``): there the pass's opener, entered and closed eagerly,
+        has already refused any other thread."""
+        return is_compiling() or threading.get_ident() == self._thread
+
+    def current(self, module: nn.Module) -> int:
+        """Index of ``module``'s innermost open call (valid inside its hooks)."""
+        stack = self._open.get(id(module))
+        if not stack and self._replicas:  # a DataParallel replica, on its own thread
+            stack = self._replica_stack(module)
+        if not stack:
+            raise RuntimeError("no call of this module is open; current() is only valid inside its hooks")
+        return stack[-1]
+
+    def in_replica(self) -> bool:
+        """True on a thread running ``nn.DataParallel`` replicas of the watched modules in this pass."""
+        return bool(self._replicas) and threading.get_ident() in self._replicas
+
+    def _enter_replica(self, module: nn.Module) -> int:
+        """A call on another thread while the pass is open: numbered on its own if it is a replica
+        (``nn.DataParallel`` runs one per device in threads) and the listener keeps replicas apart;
+        any other thread is refused, since its calls would mix with the pass's."""
+        original = self._originals.get(id(module._forward_pre_hooks))
+        accepts = self._listener is None or getattr(self._listener, "accepts_replicas", False)
+        if original is None or original == id(module) or not accepts:
+            raise self._refusal()
+        replica = self._replica_calls()
+        if replica is None:
+            with self._lock:
+                replica = self._replicas.setdefault(threading.get_ident(), _ReplicaCalls())
+        index = replica.counts.get(original, 0)
+        replica.counts[original] = index + 1
+        replica.open.setdefault(original, []).append(index)
+        return index
+
+    def _replica_calls(self) -> _ReplicaCalls | None:
+        return self._replicas.get(threading.get_ident())
+
+    def _replica_stack(self, module: nn.Module) -> list[int] | None:
+        """This thread's open calls of the original that ``module`` is a replica of."""
+        replica = self._replica_calls()
+        return replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
+
+    def counts(self) -> dict[str, int]:
+        """``{name: calls}`` for the latest pass, in the order the modules were watched."""
+        return {name: self._counts.get(key, 0) for key, name in self._names.items()}
+
+    def reset(self) -> None:
+        """Forget open calls and counts (used when hooks are removed)."""
+        self._replicas = {}
+        self._counts.clear()
+        for stack in self._open.values():
+            stack.clear()
+        self._open_calls = 0
+
+    def _abandon(self) -> None:
+        self.reset()
+        if self._listener is not None:
+            self._listener.pass_abandoned()
+
+    def _refusal(self) -> Exception:
+        if self._listener is not None:
+            return self._listener.refuse_thread()
+        return HookscopeError(
+            "these hooks are already counting a forward pass on another thread; attach one group per thread"
+        )
+
+
+def call_filter(calls: object, *, also: tuple[str, ...] = ()) -> Callable[[int], bool]:
+    """Which call indices of a module to act on: ``"all"``, ``"first"``, an index, or a list of
+    indices; a feature accepting more words (a capture's ``"last"``) names them in ``also``, and
+    they pass every index here.
+
+    >>> keep = call_filter([0, 2])
+    >>> [keep(i) for i in range(3)]
+    [True, False, True]
+    """
+    if calls == "all" or calls in also:
+        return lambda index: True
+    if calls == "first":
+        return lambda index: index == 0
+    if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 0:
+        return lambda index: index == calls
+    if isinstance(calls, (list, tuple, set)) and calls and all(isinstance(c, int) and c >= 0 for c in calls):
+        chosen = set(calls)
+        return lambda index: index in chosen
+    words = ", ".join(repr(w) for w in ("first", *also))
+    hint = "; for the last call of a module use calls='last'" if "last" in also else ""
+    raise SpecError(f"calls={calls!r} is not 'all' (default), {words}, a call index >= 0, or a list of them{hint}")

@@ -1,0 +1,318 @@
+"""``Diff``: per site and call, how far model b's values are from model a's, and where they part."""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+from hookscope._diff.metrics import Metrics
+from hookscope._shared.units import format_number
+from hookscope._trace.rows import format_shape
+from hookscope.errors import MissingDependencyError
+
+__all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]
+
+
+@dataclass(frozen=True)
+class LeafDiff:
+    """One input tensor of a compared call: its metrics, or a note saying why there are none."""
+
+    path: str
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    metrics: Metrics | None
+    note: str | None = None
+
+    def within(self, *, rtol: float, atol: float) -> bool:
+        """Compared and within tolerance (a leaf with a note, such as differing shapes, is not)."""
+        return self.note is None and self.metrics is not None and self.metrics.within(rtol=rtol, atol=atol)
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """One output tensor of one call, a against b, in the order b's outputs were made.
+
+    ``name`` is the module in a, ``name_b`` in b (they differ when matched by a mapping or
+    by order); ``path`` is the leaf inside a structured output (``""`` for a tensor).
+    ``metrics`` is None when the values could not be compared; ``note`` says why (``shapes
+    differ``, ``only in a``, ``only in b``). ``inputs`` holds the call's input tensors, to tell
+    a layer that made a difference from one that was handed it.
+    """
+
+    order: int
+    name: str
+    name_b: str
+    call: int
+    class_name: str
+    class_b: str
+    path: str
+    shape: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    dtype: str | None
+    dtype_b: str | None
+    metrics: Metrics | None
+    note: str | None
+    inputs: tuple[LeafDiff, ...]
+
+    @property
+    def site(self) -> str:
+        """``name#call``, with ``:output<path>`` for a leaf of a structured output."""
+        base = f"{self.name or '(root)'}#{self.call}"
+        return base + (f":output{self.path}" if self.path else "")
+
+    def within(self, *, rtol: float, atol: float) -> bool:
+        """Compared and within tolerance; a row with a note (differing shapes) is a divergence."""
+        return self.note is None and self.metrics is not None and self.metrics.within(rtol=rtol, atol=atol)
+
+    def inputs_within(self, *, rtol: float, atol: float) -> bool | None:
+        """True when every input tensor of the call was within tolerance; None when it had none."""
+        if not self.inputs:
+            return None
+        return all(leaf.within(rtol=rtol, atol=atol) for leaf in self.inputs)
+
+    @property
+    def input_max_abs(self) -> float | None:
+        """The largest max|a - b| over the call's inputs (None without compared inputs)."""
+        values = [leaf.metrics.max_abs for leaf in self.inputs if leaf.metrics is not None]
+        return max(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat dict: identity, shapes, the metrics as columns, and the inputs' worst difference."""
+        metrics = self.metrics
+        return {
+            "order": self.order,
+            "name": self.name,
+            "name_b": self.name_b,
+            "call": self.call,
+            "class": self.class_name,
+            "path": self.path,
+            "shape": None if self.shape is None else format_shape(self.shape),
+            "shape_b": None if self.shape_b is None else format_shape(self.shape_b),
+            "dtype": self.dtype,
+            "dtype_b": self.dtype_b,
+            "max_abs": None if metrics is None else metrics.max_abs,
+            "mean_abs": None if metrics is None else metrics.mean_abs,
+            "relative": None if metrics is None else metrics.relative,
+            "cosine": None if metrics is None else metrics.cosine,
+            "sqnr_db": None if metrics is None else metrics.sqnr_db,
+            "input_max_abs": self.input_max_abs,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a and b first part: the row, and whether its inputs still agreed."""
+
+    row: DiffRow
+    inputs_within: bool | None
+    rtol: float
+    atol: float
+    inputs_compared: bool = True
+
+    @property
+    def introduced(self) -> bool | None:
+        """True when this layer's inputs were within tolerance (or it takes none): the layer made
+        the difference; False when they already differed; None when inputs were not compared
+        (captures taken without ``keep="both"``)."""
+        if not self.inputs_compared:
+            return None
+        return self.inputs_within is not False
+
+    def __str__(self) -> str:
+        row, metrics = self.row, self.row.metrics
+        what = row.note if metrics is None or row.note else _describe(metrics)
+        kind = f" ({row.class_name})" if row.class_name else ""
+        where = f"{row.site}{kind}" + (f" = b's {row.name_b}" if row.name_b != row.name else "")
+        if not self.inputs_compared:
+            cause = "inputs were not compared (capture with keep='both' to compare them)"
+        elif self.inputs_within is None:
+            cause = "it takes no tensor input"
+        elif self.inputs_within:
+            cause = "its inputs were within tolerance: this layer introduced the difference"
+        else:
+            cause = f"its inputs already differed (max|a-b| {_number(row.input_max_abs)}): the difference came in"
+        return f"first divergence at {where}: {what}; {cause}"
+
+
+class Diff(Sequence[DiffRow]):
+    """The comparison of two models (or two captures), one row per output tensor of each call.
+
+    ``diff.first_divergence()`` is where they first part; ``print(diff)`` the table;
+    :meth:`to_pandas`, and an HTML table in Jupyter. ``only_a`` and ``only_b`` name the calls
+    that had no counterpart. Tolerances default to those ``hs.diff`` was given.
+    """
+
+    def __init__(
+        self,
+        rows: list[DiffRow],
+        *,
+        rtol: float,
+        atol: float,
+        only_a: list[str],
+        only_b: list[str],
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.rows = rows
+        self.rtol = rtol
+        self.atol = atol
+        self.only_a = only_a
+        self.only_b = only_b
+        self.meta = dict(meta or {})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, key: int) -> DiffRow: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[DiffRow]: ...
+    @overload
+    def __getitem__(self, key: str) -> DiffRow: ...
+    def __getitem__(self, key: int | slice | str) -> DiffRow | list[DiffRow]:
+        if isinstance(key, str):
+            for row in self.rows:
+                if key in (row.name, row.site, f"{row.name}#{row.call}"):
+                    return row
+            from hookscope.errors import SiteNotFoundError
+
+            raise SiteNotFoundError(f"no compared site {key!r}; sites: {', '.join(r.site for r in self.rows[:8])} ...")
+        return self.rows[key]
+
+    def __iter__(self) -> Iterator[DiffRow]:
+        return iter(self.rows)
+
+    def _tolerance(self, rtol: float | None, atol: float | None) -> tuple[float, float]:
+        return (self.rtol if rtol is None else rtol), (self.atol if atol is None else atol)
+
+    def first_divergence(self, *, rtol: float | None = None, atol: float | None = None) -> Divergence | None:
+        """The first site, in the order b made its outputs, out of tolerance (None: all within).
+
+        Within means ``max|a - b| <= atol + rtol * max|a|`` for the tensor; a site whose shapes
+        differ is out. The result says whether that call's inputs were still within tolerance
+        (this layer introduced the difference) or already differed (it came in).
+        """
+        rtol, atol = self._tolerance(rtol, atol)
+        for row in self.rows:
+            if not row.within(rtol=rtol, atol=atol):
+                inputs = row.inputs_within(rtol=rtol, atol=atol)
+                return Divergence(row, inputs, rtol, atol, inputs_compared=self.meta.get("inputs", True))
+        return None
+
+    def within(self, *, rtol: float | None = None, atol: float | None = None) -> bool:
+        """True when every compared site is within tolerance and none is missing on either side."""
+        return self.first_divergence(rtol=rtol, atol=atol) is None and not self.only_a and not self.only_b
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat dict per row, with ``within`` at the diff's tolerances."""
+        return [{**row.to_dict(), "within": row.within(rtol=self.rtol, atol=self.atol)} for row in self.rows]
+
+    def to_pandas(self) -> Any:
+        """The :meth:`records` as a ``pandas.DataFrame``."""
+        try:
+            import pandas as pd  # type: ignore[import-untyped,unused-ignore]
+        except ImportError as error:
+            raise MissingDependencyError("to_pandas() needs pandas: pip install pandas") from error
+        return pd.DataFrame.from_records(self.records())
+
+    # -- showing --------------------------------------------------------------------------------
+
+    def _cells(self) -> tuple[list[str], list[list[str]]]:
+        renamed = any(row.name_b != row.name for row in self.rows)
+        header = ["#", "site", *(["in b"] if renamed else []), "class", "shape"]
+        header += ["max|a-b|", "mean|a-b|", "rel err", "cosine", "SQNR dB", "in max|a-b|", "ok"]
+        body = []
+        for row in self.rows:
+            metrics = row.metrics
+            shape = _shapes(row.shape, row.shape_b)
+            numbers = (
+                [row.note or "", "", "", "", ""]
+                if metrics is None or row.note
+                else [
+                    _number(metrics.max_abs),
+                    _number(metrics.mean_abs),
+                    _number(metrics.relative),
+                    f"{metrics.cosine:.6f}" if math.isfinite(metrics.cosine) else _number(metrics.cosine),
+                    f"{metrics.sqnr_db:.1f}" if math.isfinite(metrics.sqnr_db) else _number(metrics.sqnr_db),
+                ]
+            )
+            ok = "yes" if row.within(rtol=self.rtol, atol=self.atol) else "NO"
+            cells = [str(row.order), row.site, *([row.name_b] if renamed else []), row.class_name, shape]
+            body.append([*cells, *numbers, _number(row.input_max_abs), ok])
+        return header, body
+
+    def footer(self) -> list[str]:
+        """The summary lines under the table."""
+        within = sum(row.within(rtol=self.rtol, atol=self.atol) for row in self.rows)
+        lines = [f"{len(self.rows)} sites compared · {within} within rtol={self.rtol:g}, atol={self.atol:g}"]
+        divergence = self.first_divergence()
+        if divergence is not None:
+            lines.append(str(divergence))
+        elif self.only_a or self.only_b:
+            lines.append(
+                f"NOT within: every compared site is, but {len(self.only_a)} calls of a and {len(self.only_b)} "
+                "of b have no counterpart"
+            )
+        else:
+            lines.append("no divergence: every compared site is within tolerance")
+        for label, names in (("only in a", self.only_a), ("only in b", self.only_b)):
+            if names:
+                shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+                lines.append(f"{label}: {shown}")
+        return lines
+
+    def table(self) -> str:
+        """The aligned table and its footer, as text."""
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+
+        header, body = self._cells()
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for index, column in enumerate(header):
+            table.add_column(column, justify="right" if index >= 4 or column == "#" else "left", no_wrap=True)
+        for cells in body:
+            table.add_row(*cells)
+        buffer = io.StringIO()
+        Console(file=buffer, width=100_000, color_system=None, highlight=False, emoji=False).print(table)
+        lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
+        return "\n".join([*lines, *self.footer()]).strip("\n")
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        divergence = self.first_divergence()
+        state = "all within tolerance" if divergence is None else f"first divergence at {divergence.row.site}"
+        return f"<Diff of {self.meta.get('a', 'a')} and {self.meta.get('b', 'b')}: {len(self)} sites, {state}>"
+
+    def _repr_html_(self) -> str:
+        header, body = self._cells()
+        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in header)
+        rows = []
+        for cells in body:
+            style = ' style="background:#fdd"' if cells[-1] == "NO" else ""
+            rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in cells) + "</tr>")
+        notes = "".join(f"<p>{html.escape(line)}</p>" for line in self.footer())
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{notes}"
+
+
+def _describe(metrics: Metrics) -> str:
+    return (
+        f"max|a-b| {_number(metrics.max_abs)}, relative error {_number(metrics.relative)}, "
+        f"SQNR {_number(metrics.sqnr_db)} dB"
+    )
+
+
+def _shapes(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> str:
+    if a == b and a is not None:
+        return format_shape(a)
+    return f"{'-' if a is None else format_shape(a)} vs {'-' if b is None else format_shape(b)}"
+
+
+def _number(value: float | None) -> str:
+    return format_number(value, digits=3, missing="-")

@@ -1,0 +1,206 @@
+"""``edit()`` and ``run_with_edits()``: change what chosen modules return (or take), scoped.
+
+An edit is any callable ``edit(value, ctx) -> value``; :mod:`hookscope.edits` has the built-ins.
+A forward hook (or, with ``on="input"``, a forward pre-hook) replaces the chosen tensor of the
+module's output (or inputs) by what the edits return, in the order given. The hooks come off on
+leaving the block, also when the forward raised.
+
+Order with other hooks: hooks run in the order they were attached, so a capture attached after
+an edit sees the edited value, and one attached before it sees the original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.select import Selector, describe_selector, ensure_module, select
+from hookscope._core.sites import CallTracker, call_filter
+from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
+from hookscope._edit.context import EditContext, EditSide
+from hookscope.errors import EditError, SpecError
+
+__all__ = ["EditFn", "Editor", "edit", "run_with_edits"]
+
+EditFn = Callable[[torch.Tensor, EditContext], torch.Tensor]
+Calls = Literal["all"] | int | Sequence[int]
+
+
+class Editor(Scoped):
+    """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        edits: Mapping[Selector, EditFn | Sequence[EditFn]],
+        *,
+        on: EditSide,
+        calls: Calls,
+    ) -> None:
+        ensure_module(model)
+        if on not in ("output", "input"):
+            raise SpecError(f"on={on!r} is not 'output' (default) or 'input'")
+        if not isinstance(edits, Mapping) or not edits:
+            raise SpecError(
+                "edits: expected a non-empty mapping {selector: edit or [edits]}, e.g. {'fc': hs.edits.zero()}"
+            )
+        self._want = call_filter(calls)
+        self._side: EditSide = on
+        self._tracker = CallTracker()
+        plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
+        for selector, chosen in edits.items():
+            functions = _functions(selector, chosen)
+            for name, module in select(model, selector):
+                plan.setdefault(id(module), (name, module, []))[2].extend(functions)
+        self._plan = list(plan.values())
+        specs = [
+            HookSpec(name, module, "forward", self._output_hook(name, fns), with_kwargs=True, fitted=True)
+            if on == "output"
+            else HookSpec(name, module, "forward_pre", self._input_hook(name, fns), with_kwargs=True, fitted=True)
+            for name, module, fns in self._plan
+        ]
+        self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, restore_mode=False)
+
+    def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
+        current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
+
+        def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            call = current(module)
+            if not want(call):
+                return None
+            leaves = _apply(targets, flatten_tensors(output), name, call, module, "output", args, kwargs)
+            return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output)
+
+        return edit_output
+
+    def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
+        current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
+
+        def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            call = current(module)
+            if not want(call):
+                return None
+            leaves = _apply(targets, call_leaves(args, kwargs), name, call, module, "input", args, kwargs)
+            return map_call_tensors(lambda path, tensor: leaves.get(path, tensor), args, kwargs)
+
+        return edit_input
+
+    @property
+    def sites(self) -> list[str]:
+        """The modules edited, in model order, with how many edits each."""
+        return [f"{name or '(root)'} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<Editor on {self._side}s of {', '.join(self.sites)}; {state}>"
+
+
+def _targets(fns: list[EditFn], side: EditSide) -> list[tuple[EditFn, str | None]]:
+    """Each edit with the path it asks for, read once at attach time (None: the first tensor).
+
+    Input paths may be written as errors show them (``input[0]``) or as they are (``[0]``).
+    """
+    targets = []
+    for fn in fns:
+        wanted = getattr(fn, "path", None)
+        if side == "input" and wanted is not None:
+            wanted = wanted.removeprefix("input")
+        targets.append((fn, wanted))
+    return targets
+
+
+def _apply(
+    targets: list[tuple[EditFn, str | None]],
+    found: list[tuple[str, torch.Tensor]],
+    name: str,
+    call: int,
+    module: nn.Module,
+    side: EditSide,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """Run the edits in order on the call's tensors (``{path: tensor}``, edited ones replaced),
+    checking that each result can take the original's place."""
+    leaves = dict(found)
+    if not leaves:
+        raise EditError(f"{EditContext(name, call, module, side, '', args, kwargs).site}: there is no tensor to edit")
+    first = found[0][0]
+    for fn, wanted in targets:
+        path = first if wanted is None else wanted
+        ctx = EditContext(name, call, module, side, path, args, kwargs)
+        old = leaves.get(path)
+        if old is None:
+            raise EditError(f"{ctx.site}: no tensor at {path!r}; the tensors are at {', '.join(leaves)}")
+        new = fn(old, ctx)
+        if not isinstance(new, torch.Tensor):
+            raise EditError(
+                f"{ctx.site}: the edit returned a {type(new).__name__}, expected a tensor like {_describe(old)}"
+            )
+        if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+            raise EditError(
+                f"{ctx.site}: the edit returned {_describe(new)}, expected {_describe(old)} (the value it replaces)"
+            )
+        leaves[path] = new
+    return leaves
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"shape {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
+
+
+def _functions(selector: Selector, chosen: EditFn | Sequence[EditFn]) -> list[EditFn]:
+    functions = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+    if not functions or not all(callable(fn) for fn in functions):
+        raise SpecError(
+            f"the edits for {describe_selector(selector)} are not callables: expected an edit such as "
+            "hs.edits.zero() or a function (value, ctx) -> value, or a list of them"
+        )
+    return functions  # type: ignore[return-value]
+
+
+def edit(
+    model: nn.Module,
+    edits: Mapping[Selector, EditFn | Sequence[EditFn]],
+    *,
+    on: EditSide = "output",
+    calls: Calls = "all",
+) -> Editor:
+    """Change what the chosen modules return (``on="input"``: what they take) while the block runs.
+
+    ``edits`` maps a selector to an edit or a list of edits, applied in the order given; an
+    edit is a built-in from :mod:`hookscope.edits` or any ``fn(value, ctx) -> value`` (``ctx``
+    is an :class:`EditContext`: site name, call index, module, inputs). ``calls`` picks which
+    calls of a module called several times are edited. An edit must return a tensor of the
+    same shape, dtype and device, else :class:`~hookscope.errors.EditError` names the site.
+
+    Example::
+
+        with hs.edit(model, {"layer3": hs.edits.zero(channels=[1, 2]), "fc": my_fn}):
+            model(x)
+    """
+    return Editor(model, edits, on=on, calls=calls)
+
+
+def run_with_edits(
+    model: nn.Module,
+    *args: Any,
+    edits: Mapping[Selector, EditFn | Sequence[EditFn]],
+    on: EditSide = "output",
+    calls: Calls = "all",
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``model(*args, **kwargs)`` once with ``edits`` (see :func:`edit`) and return its output.
+
+    >>> import torch, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Identity())
+    >>> out = hs.run_with_edits(model, torch.ones(1, 2), edits={"1": hs.edits.scale(0.0)})
+    >>> out.abs().sum().item()
+    0.0
+    """
+    with edit(model, edits, on=on, calls=calls):
+        return model(*args, **{**kwargs, **(model_kwargs or {})})

@@ -1,0 +1,463 @@
+"""``hs.extract``: the features of a whole data set, streamed to a zarr store, resumable, sharded.
+
+The steps, on every process (one, or each rank of a ``torch.distributed`` job):
+
+1. read what ``out`` holds already and decide: a new store, a resumed one, or a refusal;
+2. run the first batch (the probe) to learn the sites and the shape of a row: the layout;
+3. compare the configuration with the stored one (every difference named) and meet the other
+   ranks; rank 0 makes the store; meet again;
+4. read the manifest and share the chunks still to do between the ranks, round robin;
+5. run the batches of this rank's chunks, the writer thread storing each chunk as it fills;
+6. meet; rank 0 checks that every chunk is done and marks the store complete; meet.
+
+A failure at any step is shared at the next meeting, so no rank waits for one that gave up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope._core.attach import HookGroup
+from hookscope._core.select import Selector, describe_selector, ensure_module
+from hookscope._core.sites import Site
+from hookscope._extract.config import data_identity, differences, model_identity
+from hookscope._extract.data import Batch, IndexedSource, Inputs, Source, make_source
+from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
+from hookscope._extract.progress import ExtractProgress
+from hookscope._extract.ranks import Ranks, resolve_ranks
+from hookscope._extract.reduce import TokenMask
+from hookscope._extract.store import Store, open_store
+from hookscope._extract.writer import ChunkWriter, WriterThread
+from hookscope._extract.zarr_io import (
+    FORMAT,
+    Manifest,
+    Target,
+    clear,
+    create_store,
+    open_group,
+    read_meta,
+    remove_partial_files,
+    target_of,
+    write_meta,
+    zarr_module,
+)
+from hookscope._shared.dtypes import dtype_name, floating_dtype
+from hookscope._shared.reduce import Reduction
+from hookscope._version import __version__
+from hookscope.errors import SpecError, StoreError, StoreWriteError
+
+__all__ = ["extract"]
+
+T = TypeVar("T")
+
+
+def extract(
+    model: nn.Module,
+    data: Any,
+    layers: Selector | Sequence[Selector],
+    out: str | Path | Any,
+    *,
+    reduce: str | Reduction | Mapping[Any, str | Reduction | None] | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    num_workers: int | None = None,
+    chunk_rows: int | None = None,
+    keep: str = "output",
+    calls: Any = "all",
+    mask: str | None = "auto",
+    inputs: Inputs | None = None,
+    indices: Sequence[int] | None = None,
+    progress: bool | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    eval_mode: bool = True,
+    compression_level: int | None = 3,
+    model_spec: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    command: str | None = None,
+) -> Store:
+    """Run ``model`` over ``data`` and store the values of ``layers`` for every row in a zarr store.
+
+    One array per site (a module's output; every call of a reused module; every tensor of a
+    tuple or ``ModelOutput``), shaped ``(N, ...)`` and chunked along the rows. Returns the
+    complete :class:`Store`.
+
+    ``data``: a ``DataLoader`` (not shuffling), a map-style ``Dataset`` (batched by
+    ``batch_size``, default 32, with ``num_workers``; ``indices`` picks rows), a tensor or array
+    of rows or a dict of them (keyword inputs), or any iterable of batches. A batch is a
+    tensor, a dict of keyword inputs, or a tuple whose first element is the input (labels
+    after it are ignored); ``inputs=lambda batch: (args, kwargs)`` says otherwise.
+
+    Options: ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a
+    function, or a dict ``{selector: reduction}``, first match wins; ``"mean:1"``, ``"last"``
+    and the others over dim 1 use only real tokens when the batch has an ``attention_mask``,
+    see ``mask``), ``dtype`` to store floats in (``torch.float16``, ``"bfloat16"``), ``device``
+    to put the inputs on (default: the model's), ``keep`` and ``calls`` as in
+    :func:`hookscope.capture`, ``chunk_rows`` (a multiple of the batch; default up to 1,024
+    rows or 8 MiB per chunk), ``compression_level`` (zstd; None for none), ``progress``
+    (default: when standard error is a terminal). The model runs under ``torch.no_grad()``, in
+    eval mode unless ``eval_mode=False``; its mode is restored after.
+
+    Resuming: a store left by a run that stopped is continued by the same call (``resume=True``,
+    the default): done chunks are skipped and the result is bit-identical to an uninterrupted
+    run. A store made with another configuration (model, layers, reductions, dtype, rows, ...)
+    is refused with every difference named, unless ``overwrite=True`` replaces it.
+
+    Many processes: call it on every rank of a ``torch.distributed`` job (torchrun,
+    accelerate); each rank writes whole chunks of its own and rank 0 marks the store complete.
+
+    Example::
+
+        store = hs.extract(model, loader, layers=["h.5", "ln_f"], out="feats.zarr", reduce="mean:1")
+        store["h.5"][:10]                       # numpy rows 0..9
+    """
+    ensure_module(model)
+    zarr_module()
+    target = target_of(out)
+    ranks = resolve_ranks(rank, world_size)
+    source = make_source(data, batch_size=batch_size, num_workers=num_workers, indices=indices, inputs=inputs)
+    if not isinstance(source, IndexedSource) and ranks.world_size > 1:
+        raise SpecError(
+            f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
+            "one, or tensors); this data is a stream that only one process can read in order"
+        )
+    storage = floating_dtype(dtype)
+    mask_key, mask_required = _mask_option(mask)
+    run_on = _device(device) if device is not None else _model_device(model)
+    _check_compression(compression_level)
+    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    captures = SiteCaptures(model, selectors, reduce=reduce, keep=keep, calls=calls, dtype=storage, mask=TokenMask())
+    job = _Job(
+        model=model,
+        source=source,
+        target=target,
+        ranks=ranks,
+        captures=captures,
+        device=run_on,
+        mask_key=mask_key,
+        mask_required=mask_required,
+        progress=progress,
+        compression_level=compression_level,
+    )
+    config = {
+        "model": model_identity(model, model_spec),
+        "layers": [_layer_text(s) for s in selectors],
+        "keep": keep,
+        "calls": calls,
+        "dtype": None if storage is None else dtype_name(storage),
+        "reduce": captures.reductions,
+        "mask": mask_key,
+        "rows": source.rows,
+        "eval_mode": eval_mode,
+        "compression_level": compression_level,
+        "device": run_on.type,  # CPU and GPU kernels round differently: rows of one would not match the other's
+    }
+    with HookGroup(model, [], owner="extract"), captures:  # the group restores every module's train/eval mode
+        if eval_mode:
+            model.eval()
+        return job.run(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One process's part of an extraction (see the module doc for the steps)."""
+
+    model: nn.Module
+    source: Source
+    target: Target
+    ranks: Ranks
+    captures: SiteCaptures
+    device: torch.device
+    mask_key: str | None
+    mask_required: bool
+    progress: bool | None
+    compression_level: int | None
+
+    def step(self, name: str, work: Callable[[], T], *, main_only: bool = False) -> T:
+        """Run ``work`` (on rank 0 alone with ``main_only``), then meet: a failure on any rank is raised on all."""
+        failure: Exception | None = None
+        result: Any = None
+        try:
+            if self.ranks.is_main or not main_only:
+                result = work()
+        except Exception as error:
+            failure = error
+        self.ranks.agree(failure, name)
+        return result  # type: ignore[no-any-return]
+
+    def run(
+        self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
+    ) -> Store:
+        existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        probe = self.step("reading the first batch", self.source.probe)
+        config = self.step("describing the data", lambda: self._described(config, probe, chunk_rows))
+        if existing is not None and existing.get("state") == "complete":  # done: compare, without running anything
+            stored = existing["config"].get("chunk_rows")
+            wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": existing.get("sites", [])}
+            self.step("comparing configurations", lambda: _same_config(self.target, existing, wanted))
+            return self._opened()
+        reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
+        values, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
+        first = ProbeValues(probe, values)  # handed to the first batch of this rank's work, then dropped
+        del values
+        meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
+        if existing is not None:
+            self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
+        self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
+        group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
+        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first))
+        self.step("completing the store", lambda: self._complete(group, manifest, layout, meta, rows), main_only=True)
+        return self._opened()
+
+    def _described(self, config: dict[str, Any], probe: Batch, chunk_rows: int | None) -> dict[str, Any]:
+        """The configuration with what the data says of itself; ``chunk_rows`` checked before any comparison."""
+        if chunk_rows is not None:
+            choose_chunk_rows(self.source.batch_size, 1, None, chunk_rows)
+        return {**config, "batch_size": self.source.batch_size, "data": data_identity(probe, self.source)}
+
+    def _manifest(self) -> tuple[Any, Manifest, set[int]]:
+        group = open_group(self.target, writable=True)
+        manifest = Manifest(group)
+        return group, manifest, manifest.done()
+
+    def _opened(self) -> Store:
+        return open_store(self.target.store if self.target.path is None else self.target.path)
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _existing(self, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+        """The stored hookscope attributes to resume, or None for a new store (after checks)."""
+        meta = read_meta(self.target)
+        if meta is None:
+            return None
+        if meta == {}:
+            if overwrite:
+                return None
+            raise StoreError(
+                f"out {self.target.label!r} is a zarr store that hookscope did not make; choose another path, or "
+                "overwrite=True (--overwrite) to replace it"
+            )
+        if overwrite or meta.get("state") == "creating":  # 'creating': cut short before any data
+            return None
+        if not resume:
+            raise StoreError(
+                f"out {self.target.label!r} already holds a feature store ({meta.get('state')}); resume=True continues "
+                "it, overwrite=True (--overwrite) replaces it, or choose another path"
+            )
+        if meta.get("format") != FORMAT:
+            raise StoreError(
+                f"out {self.target.label!r} is a store of format {meta.get('format')!r}; this hookscope writes format "
+                f"{FORMAT}: overwrite=True replaces it"
+            )
+        return meta
+
+    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[dict[Site, torch.Tensor], Layout]:
+        """Run the first batch; its sites, row shapes and dtypes make the layout."""
+        values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
+        if not values:
+            raise SpecError(
+                "the layers captured no tensor on the first batch: they did not run, or returned no tensor; "
+                "check the layers with hs.layers(model, batch)"
+            )
+        check_batch_first(probe, values)
+        names = array_names(list(values))
+        sites = tuple(
+            SiteLayout(
+                name=names[site],
+                site=str(site),
+                layer=site.module,
+                shape=tuple(value.shape[1:]),
+                dtype=dtype_name(value.dtype),
+                reduce=self.captures.reductions.get(site.module),
+            )
+            for site, value in values.items()
+        )
+        widest = max(site.row_bytes for site in sites)
+        batch = self.source.batch_size
+        rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
+        return values, Layout(sites, self.source.rows, batch, rows)
+
+    def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
+        if existing is not None:
+            remove_partial_files(self.target)  # temporary files of writes a killed run left half-done
+            return
+        if read_meta(self.target) is not None:
+            clear(self.target)  # overwrite=True, or a store cut short while it was being made
+        create_store(self.target, layout, meta, self.compression_level)
+
+    def _write(
+        self,
+        group: Any,
+        manifest: Manifest,
+        done: set[int],
+        layout: Layout,
+        first: ProbeValues,
+    ) -> int:
+        """Run and write this rank's chunks; return the rows the data held."""
+        source = self.source
+        owned: set[int] | None = None
+        if isinstance(source, IndexedSource):
+            assert layout.chunks is not None
+            todo = [c for c in range(layout.chunks) if c not in done]
+            mine = todo[self.ranks.rank :: self.ranks.world_size]
+            owned = set(mine)
+            total: int | None = sum(layout.rows_in(c) for c in mine)
+            batches = source.batches([layout.span(c) for c in mine])
+        else:
+            total = None if layout.rows is None else layout.rows - sum(layout.rows_in(c) for c in done)
+            batches = source.stream()
+        writer = ChunkWriter(
+            group=group, layout=layout, manifest=manifest, done=done, owned=owned, label=self.target.label
+        )
+        name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
+        shown = self.progress if self.ranks.is_main else False
+        with ExtractProgress(
+            total, enabled=shown, label=f"extract → {name}", written=lambda: writer.bytes_written
+        ) as bar:
+            thread = WriterThread(writer)
+            try:
+                end = run_batches(
+                    self.model,
+                    batches,
+                    captures=self.captures,
+                    layout=layout,
+                    writer=thread,
+                    device=self.device,
+                    mask_key=self.mask_key,
+                    mask_required=self.mask_required,
+                    reused=first,
+                    on_batch=bar.advance,
+                )
+            except BaseException:
+                with contextlib.suppress(BaseException):  # the forward's error is the one to report
+                    thread.close()  # what was queued lands, and is recorded, before it propagates
+                raise
+            thread.close(end)
+        if not isinstance(source, IndexedSource) and layout.rows is not None and end != layout.rows:
+            raise SpecError(f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted")
+        held = max(group[site.name].shape[0] for site in layout.sites) if layout.rows is None else end
+        if held > end:
+            raise SpecError(
+                f"the data ended at row {end}, but the store holds {held} rows from an earlier run: the stream "
+                "changed since; overwrite=True (--overwrite) starts again"
+            )
+        short = writer.unfinished()
+        if short:
+            chunk, filled, wanted = short[0]
+            raise SpecError(
+                f"chunk {chunk} received {filled} of its {wanted} rows: the data yielded fewer rows than it said "
+                "it held (check the data set's __len__)"
+            )
+        return end
+
+    def _complete(self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any], end: int) -> None:
+        rows = layout.rows if layout.rows is not None else end
+        chunks = math.ceil(rows / layout.chunk_rows)
+        missing = sorted(set(range(chunks)) - manifest.done())
+        if missing:
+            raise StoreWriteError(
+                f"{len(missing)} of {chunks} chunks are not recorded as done (first: {missing[0]}); run the same "
+                "extraction again to write them"
+            )
+        write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks})
+
+
+def _reusable_chunk_rows(existing: dict[str, Any] | None, batch_size: int) -> int | None:
+    """The stored chunking, to resume with, when it still fits the batch (else the default, and a difference)."""
+    stored = existing["config"].get("chunk_rows") if existing else None
+    return stored if isinstance(stored, int) and stored % batch_size == 0 else None
+
+
+def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[str, Any]:
+    import zarr
+
+    return {
+        "format": FORMAT,
+        "state": "writing",
+        "rows": layout.rows,
+        "chunks": layout.chunks,
+        "config": config,
+        "sites": [site.to_json() for site in layout.sites],
+        "versions": {
+            "hookscope": __version__,
+            "torch": torch.__version__,
+            "zarr": zarr.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "command": command if command is not None else shlex.join(sys.argv),
+    }
+
+
+def _same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """Raise ``StoreError`` naming every difference between the stored and the wanted configuration."""
+
+    def comparable(meta: dict[str, Any]) -> dict[str, Any]:
+        sites = {site["name"]: _site_text(site) for site in meta.get("sites", [])}
+        return {**meta.get("config", {}), "sites": sites}
+
+    found = differences(comparable(stored), comparable(wanted))
+    if found:
+        raise StoreError(
+            f"out {target.label!r} was made with another configuration, so its rows cannot be continued: "
+            + "; ".join(found)
+            + "; run with the stored configuration to resume, overwrite=True (--overwrite) to start again, "
+            "or choose another path"
+        )
+
+
+def _site_text(site: dict[str, Any]) -> str:
+    """``"h.0#0:output (N, 768) float32 reduce=mean:1"``: one stored site, as a difference shows it."""
+    shape = "".join(f", {n}" for n in site.get("shape", []))
+    reduce = f" reduce={site['reduce']}" if site.get("reduce") else ""
+    return f"{site.get('site')} (N{shape}) {site.get('dtype')}{reduce}"
+
+
+def _layer_text(selector: object) -> str:
+    """A selector as the store records it: names, globs and regexes as written, others described."""
+    return selector if isinstance(selector, str) else describe_selector(selector)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise SpecError(f"device={device!r} is not a torch device; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from error
+
+
+def _check_compression(level: int | None) -> None:
+    if level is None or (isinstance(level, int) and not isinstance(level, bool) and -7 <= level <= 22):
+        return
+    raise SpecError(f"compression_level={level!r} is not a zstd level; expected an int from -7 to 22, or None")
+
+
+def _mask_option(mask: str | None) -> tuple[str | None, bool]:
+    if mask is None:
+        return None, False
+    if mask == "auto":
+        return "attention_mask", False
+    if isinstance(mask, str) and mask:
+        return mask, True
+    raise SpecError(f"mask={mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,283 @@
+"""The forward side of an extraction: captures per reduction, batches in, values out.
+
+Each reduction is one :func:`hookscope.capture` over the modules it applies to (a capture
+applies one reduction), all sharing the :class:`TokenMask` of the current batch. After each
+forward the values of every site are checked against the layout and handed to the writer
+thread; from a GPU through reused pinned buffers with non-blocking copies and an event that
+the writer waits on, so the main thread never waits for the device and goes on to the next
+batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._capture import Capture, capture
+from hookscope._core.names import named_modules
+from hookscope._core.select import Selector, describe_selector, select
+from hookscope._core.sites import Site
+from hookscope._core.tree import map_tensors
+from hookscope._extract.data import Batch
+from hookscope._extract.layout import Layout
+from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
+from hookscope._extract.writer import Work, WriterThread
+from hookscope._shared.reduce import Reduction
+from hookscope.errors import SpecError
+
+__all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]
+
+ReduceOption = str | Reduction | None | Mapping[Any, str | Reduction | None]
+_WHAT_ORDER = {"input": 0, "output": 1}
+
+
+class SiteCaptures:
+    """The captures of one extraction, attached together; ``collect()`` reads the latest forward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[Selector],
+        *,
+        reduce: ReduceOption,
+        keep: str,
+        calls: Any,
+        dtype: torch.dtype | None,
+        mask: TokenMask,
+    ) -> None:
+        self.model = model
+        self.mask = mask
+        chosen = select(model, layers)  # SelectionError with the closest names, before anything runs
+        self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
+        groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
+        self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
+        self._groups = [
+            (extraction_reduction(spec, mask), [module for _, module in members]) for spec, members in groups
+        ]
+        self._options = {"keep": keep, "calls": calls, "dtype": dtype}
+        self._captures: list[Capture] = []
+
+    def __enter__(self) -> SiteCaptures:
+        try:
+            for reduction, modules in self._groups:
+                self._captures.append(capture(self.model, *modules, reduce=reduction, **self._options))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        captures, self._captures = self._captures, []
+        for made in captures:
+            made.remove()
+
+    def collect(self) -> dict[Site, torch.Tensor]:
+        """Every site of the latest forward, in model order, then call, then input before output."""
+        found = {site: made.cache[site] for made in self._captures for site in made.cache.sites()}
+        return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
+
+    def _rank(self, site: Site) -> tuple[int, int, int, str]:
+        return (self.order.get(site.module, -1), site.call, _WHAT_ORDER.get(site.what, 2), site.path)
+
+
+def _groups(
+    model: nn.Module, chosen: list[tuple[str, nn.Module]], reduce: ReduceOption
+) -> list[tuple[str | Reduction | None, list[tuple[str, nn.Module]]]]:
+    """Modules grouped by reduction; with a dict, a module takes the first key that selects it."""
+    if not isinstance(reduce, Mapping):
+        return [(reduce, chosen)]
+    assigned: dict[str, str | Reduction | None] = {}
+    chosen_names = {name for name, _ in chosen}
+    for key, spec in reduce.items():
+        extraction_reduction(spec, TokenMask())  # every value is checked, also one no layer ends up using
+        hits = [name for name, _ in select(model, key)]
+        if not set(hits) & chosen_names:
+            named = ", ".join(hits[:3]) + (", ..." if len(hits) > 3 else "")
+            raise SpecError(
+                f"reduce key {describe_selector(key)} selects {named}, none of the layers being extracted; "
+                "use a key that names some of them"
+            )
+        for name in hits:
+            assigned.setdefault(name, spec)
+    groups: dict[tuple[str, object], tuple[str | Reduction | None, list[tuple[str, nn.Module]]]] = {}
+    for name, module in chosen:
+        spec = assigned.get(name)
+        key = ("name", spec) if isinstance(spec, str) else ("object", id(spec))  # equal texts share a capture
+        groups.setdefault(key, (spec, []))[1].append((name, module))
+    return list(groups.values())
+
+
+class ProbeValues:
+    """The first batch's values, handed on once instead of running that batch again, then let go.
+
+    Let go at the first batch this rank runs, whether it is that batch or not: on a rank that does
+    not own the first chunk, or a resumed run that has it, they would otherwise stay in memory
+    (on the GPU, for unreduced sites) for the whole run.
+    """
+
+    def __init__(self, batch: Batch, values: dict[Site, torch.Tensor]) -> None:
+        self.batch = batch
+        self.values: dict[Site, torch.Tensor] | None = values
+
+    def take(self, batch: Batch) -> dict[Site, torch.Tensor] | None:
+        values, self.values = self.values, None
+        same = batch.start == self.batch.start and batch.rows == self.batch.rows
+        return values if same else None
+
+
+class HostCopier:
+    """Device values to host memory: pinned buffers reused across batches, copies that do not block.
+
+    CPU values pass through untouched. CUDA values are copied into pinned buffers (one pool
+    per shape and dtype, refilled when the writer is done with a batch) on the current stream
+    of their device, followed by an event on that stream for the writer to wait on: one per
+    device, so a model spread over several GPUs is waited for on each. Other devices are
+    copied synchronously.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def work(self, start: int, values: list[torch.Tensor]) -> Work:
+        if all(v.device.type == "cpu" for v in values):
+            return Work(start, values)
+        host: list[torch.Tensor] = []
+        pinned: list[torch.Tensor] = []
+        devices: dict[torch.device, None] = {}
+        for value in values:
+            if value.is_cuda:
+                buffer = self._take(value)
+                buffer.copy_(value, non_blocking=True)  # queued on the current stream of value's device
+                host.append(buffer)
+                pinned.append(buffer)
+                devices[value.device] = None
+            else:
+                host.append(value.cpu())
+        ready = []
+        for device in devices:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            ready.append(event)
+        return Work(start, host, ready, release=lambda: self._give_back(pinned))
+
+    def _take(self, value: torch.Tensor) -> torch.Tensor:
+        key = (tuple(value.shape), value.dtype)
+        with self._lock:
+            spare = self._free.get(key)
+            if spare:
+                return spare.pop()
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+
+    def _give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+
+
+def run_batches(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    captures: SiteCaptures,
+    layout: Layout,
+    writer: WriterThread,
+    device: torch.device,
+    mask_key: str | None,
+    mask_required: bool,
+    reused: ProbeValues | None,
+    on_batch: Callable[[int], None],
+) -> int:
+    """Run every batch the writer still wants, hand its values on; return the rows the data held.
+
+    ``reused`` holds a batch already run (the probe) and its values, handed on instead of run again.
+    """
+    sites = {Site.parse(site.site): site for site in layout.sites}
+    copier = HostCopier()
+    end = 0
+    for batch in batches:
+        end = max(end, batch.stop)
+        if layout.rows is not None and batch.stop > layout.rows:
+            raise SpecError(
+                f"the data yielded rows up to {batch.stop - 1}, past the {layout.rows} rows it held when counted; "
+                "it must yield the same rows in every pass over it"
+            )
+        if not writer.writer.wants(batch.start, batch.stop):
+            continue  # a stream's batch inside chunks a resumed store already has
+        values = reused.take(batch) if reused is not None else None
+        if values is None:
+            values = forward(model, batch, captures, device, mask_key, mask_required)
+        ordered = _checked(values, sites, batch)
+        writer.submit(copier.work(batch.start, ordered))
+        on_batch(batch.rows)
+    return end
+
+
+def forward(
+    model: nn.Module,
+    batch: Batch,
+    captures: SiteCaptures,
+    device: torch.device,
+    mask_key: str | None,
+    mask_required: bool,
+) -> dict[Site, torch.Tensor]:
+    """One forward of ``batch`` on ``device`` under ``no_grad``; the values of every captured site."""
+    args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (batch.args, batch.kwargs))
+    captures.mask.value = _mask(kwargs, mask_key, mask_required, batch)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        captures.mask.value = None
+    return captures.collect()
+
+
+def _mask(kwargs: dict[str, Any], key: str | None, required: bool, batch: Batch) -> torch.Tensor | None:
+    if key is None:
+        return None
+    found = kwargs.get(key)
+    if isinstance(found, torch.Tensor) and found.dim() == 2:
+        return found.bool()
+    if required:
+        present = ", ".join(repr(k) for k in kwargs) or "none"
+        raise SpecError(
+            f"mask={key!r}: the batch of rows {batch.start}..{batch.stop - 1} has no 2-D tensor {key!r} "
+            f"(keyword inputs: {present}); name the key that holds the padding mask, or mask=None"
+        )
+    return None
+
+
+def _checked(values: dict[Site, torch.Tensor], sites: Mapping[Site, Any], batch: Batch) -> list[torch.Tensor]:
+    """The values in layout order, each checked against its site's shape and dtype."""
+    missing = [str(site) for site in sites if site not in values]
+    extra = [str(site) for site in values if site not in sites]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{', '.join(missing[:3])} did not run")
+        if extra:
+            parts.append(f"{', '.join(extra[:3])} ran but not in the first batch")
+        raise SpecError(
+            f"rows {batch.start}..{batch.stop - 1}: {'; '.join(parts)}; every batch must reach the same sites "
+            "(a module that runs a data-dependent number of times cannot fill a fixed set of arrays: pick calls='last')"
+        )
+    ordered = []
+    for site, layout in sites.items():
+        value = values[site]
+        layout.check(value, batch.rows, batch.start)
+        ordered.append(value)
+    return ordered
+
+
+def check_batch_first(batch: Batch, values: dict[Site, torch.Tensor]) -> None:
+    """Raise ``SpecError`` for a site of the probe whose first dimension is not the batch."""
+    for site, value in values.items():
+        if value.dim() == 0 or value.shape[0] != batch.rows:
+            raise SpecError(
+                f"site {str(site)!r} gave shape {tuple(value.shape)} for a batch of {batch.rows} rows; its first "
+                "dimension must be the batch: pick a module whose output is batch-first, or reduce so it is"
+            )

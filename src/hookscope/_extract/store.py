@@ -1,0 +1,274 @@
+"""Reading a feature store: ``hs.open_store(path)``.
+
+A store is a plain zarr v3 group, so ``zarr.open_group(path)``, ``xarray.open_zarr(path)`` and
+``dask.array.from_zarr(path, component=name)`` read it too. This module adds what they do not
+know: site names, the original dtype of values kept as bits (bfloat16 comes back as bfloat16
+in ``store.torch``, as float32 in numpy), the configuration the store was made with, and
+whether it is complete.
+"""
+
+from __future__ import annotations
+
+import difflib
+import html
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hookscope._extract.layout import SiteLayout
+from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
+from hookscope._shared.bits import bits_to_tensor
+from hookscope._shared.units import format_bytes
+from hookscope.errors import MissingDependencyError, SiteNotFoundError, StoreError
+
+__all__ = ["Store", "StoreArray", "open_store"]
+
+
+class StoreArray:
+    """One site's rows, read lazily: indexing reads only the chunks it touches.
+
+    ``array[10:20]`` is a numpy array (bfloat16 and float8 values as float32, exactly);
+    ``array.torch(slice(10, 20))`` a tensor in the values' own dtype; ``array.zarr`` the zarr array.
+    """
+
+    def __init__(self, zarr_array: Any, layout: SiteLayout) -> None:
+        self.zarr = zarr_array
+        self.layout = layout
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def site(self) -> str:
+        return self.layout.site
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.zarr.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy dtype indexing returns (float32 for values stored as bits)."""
+        return np.dtype(np.float32) if self.layout.as_bits else self.layout.stored
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.layout.torch_dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        raw: np.ndarray = np.asarray(self.zarr[index])
+        if not self.layout.as_bits:
+            return raw
+        return bits_to_tensor(raw, self.layout.torch_dtype).float().numpy()
+
+    def torch(self, index: Any = slice(None)) -> Tensor:
+        """Rows ``index`` as a tensor of the dtype the values had (``torch.bfloat16`` included)."""
+        return bits_to_tensor(np.asarray(self.zarr[index]), self.layout.torch_dtype)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        values = self[:]
+        return values if dtype is None else values.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"<StoreArray {self.name!r} {self.shape} {self.layout.dtype}>"
+
+
+class Store:
+    """A feature store made by :func:`hookscope.extract`.
+
+    ``store["h.0"]`` is a :class:`StoreArray` (by array name or site text), ``store.torch("h.0",
+    slice(0, 32))`` a tensor, ``store.sites`` the array names, ``len(store)`` the number of rows
+    and ``store.meta`` the configuration it was made with.
+
+    Example::
+
+        store = hs.open_store("feats.zarr")
+        x = store["h.5"][:1000]                     # numpy, (1000, 768)
+        t = store.torch("h.5", slice(0, 1000))      # torch, the stored dtype (bfloat16 too)
+    """
+
+    def __init__(self, target: Target, group: Any, meta: dict[str, Any]) -> None:
+        self.target = target
+        self.group = group
+        self.meta = meta
+        self._layouts = [SiteLayout.from_json(record) for record in meta["sites"]]
+        self._by_key: dict[str, SiteLayout] = {}
+        for layout in self._layouts:
+            self._by_key[layout.name] = layout
+            self._by_key.setdefault(layout.site, layout)
+
+    @property
+    def path(self) -> str:
+        return self.target.label
+
+    @property
+    def sites(self) -> list[str]:
+        """The array names, in model order."""
+        return [layout.name for layout in self._layouts]
+
+    @property
+    def complete(self) -> bool:
+        return self.meta.get("state") == "complete"
+
+    @property
+    def rows(self) -> int:
+        """Rows in every array (for a stream still being written: the rows written so far)."""
+        rows = self.meta.get("rows")
+        if rows is None:
+            first = self.sites[0] if self.sites else None
+            return int(self.group[first].shape[0]) if first is not None else 0
+        return int(rows)
+
+    @property
+    def chunk_rows(self) -> int:
+        return int(self.meta["config"]["chunk_rows"])
+
+    def done_chunks(self) -> set[int]:
+        """The chunks recorded as written; every chunk of a complete store."""
+        return Manifest(self.group).done()
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sites)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._by_key
+
+    def __getitem__(self, key: str) -> StoreArray:
+        layout = self._by_key.get(key)
+        if layout is None:
+            raise SiteNotFoundError(self._not_found(key))
+        return StoreArray(self.group[layout.name], layout)
+
+    def torch(self, key: str, index: Any = slice(None)) -> Tensor:
+        """Rows ``index`` of site ``key`` as a tensor of the values' own dtype."""
+        return self[key].torch(index)
+
+    def _not_found(self, key: str) -> str:
+        same_module = [layout.name for layout in self._layouts if layout.layer == key]
+        if same_module:
+            return f"{key!r} has several sites in {self.path}; name one of {', '.join(map(repr, same_module))}"
+        close = difflib.get_close_matches(key, list(self._by_key), n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"sites: {', '.join(self.sites[:8])}"
+        return f"no site {key!r} in {self.path}; {hint}"
+
+    def to_hf_dataset(self, sites: list[str] | None = None, *, cache_dir: str | None = None) -> Any:
+        """The rows as a Hugging Face ``datasets.Dataset``, one column per site (``pip install datasets``).
+
+        Rows are read chunk by chunk and written to the datasets cache (``cache_dir``, default the
+        datasets library's), so the store never has to fit in memory. Values kept as bits
+        (bfloat16, float8) become float32.
+        """
+        try:
+            import datasets
+        except ImportError as error:
+            raise MissingDependencyError("to_hf_dataset needs datasets: pip install datasets") from error
+        if self.target.path is None:
+            raise StoreError("to_hf_dataset reads a store by path; this store is not on a local path")
+        names = [self[key].name for key in (sites or self.sites)]
+        features = datasets.Features({name: _hf_feature(datasets, self[name]) for name in names})
+        return datasets.Dataset.from_generator(  # a tuple: datasets would shard a list between workers
+            _hf_rows,
+            features=features,
+            gen_kwargs={"path": str(self.target.path), "names": tuple(names)},
+            cache_dir=cache_dir,
+        )
+
+    def __repr__(self) -> str:
+        state = self.meta.get("state", "?")
+        lines = [f"<Store {self.path}: {self.rows:,} rows, {len(self.sites)} sites, {state}>"]
+        width = max((len(name) for name in self.sites), default=4)
+        for layout in self._layouts:
+            shape = "(N" + "".join(f", {n}" for n in layout.shape) + ")"
+            size = format_bytes(self.rows * layout.row_bytes)
+            reduce = f"  reduce={layout.reduce}" if layout.reduce else ""
+            lines.append(f"  {layout.name:<{width}}  {shape:<18} {layout.dtype:<9} {size:>9}{reduce}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{html.escape(layout.name)}</td><td>{html.escape(layout.site)}</td>"
+            f"<td>(N, {', '.join(map(str, layout.shape))})</td><td>{layout.dtype}</td>"
+            f"<td>{html.escape(layout.reduce or '')}</td></tr>"
+            for layout in self._layouts
+        )
+        title = html.escape(f"{self.path}: {self.rows:,} rows, {self.meta.get('state', '?')}")
+        return (
+            f"<div><b>hookscope store</b> {title}<table><tr><th>array</th><th>site</th><th>shape</th>"
+            f"<th>dtype</th><th>reduce</th></tr>{rows}</table></div>"
+        )
+
+
+def _hf_feature(datasets: Any, array: StoreArray) -> Any:
+    value = str(array.dtype)
+    shape = array.shape[1:]
+    if not shape:
+        return datasets.Value(value)
+    if len(shape) == 1:
+        return datasets.List(datasets.Value(value), length=shape[0])
+    if len(shape) > 5:
+        raise StoreError(f"site {array.name!r} has {len(shape)}-D rows; datasets takes at most 5-D arrays")
+    kind = getattr(datasets, f"Array{len(shape)}D")
+    return kind(shape=shape, dtype=value)
+
+
+def _hf_rows(path: str, names: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    store = open_store(path)
+    step = store.chunk_rows
+    for start in range(0, len(store), step):
+        block = {name: store[name][start : start + step] for name in names}
+        for offset in range(len(next(iter(block.values())))):
+            yield {name: values[offset] for name, values in block.items()}
+
+
+def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> Store:
+    """Open a store made by :func:`hookscope.extract` for reading.
+
+    An incomplete store (a run that stopped part-way) raises ``StoreError`` naming how much is
+    done; ``partial=True`` opens it anyway (rows of chunks not done read as 0;
+    ``store.done_chunks()`` says which are).
+
+    >>> import tempfile, torch
+    >>> from torch import nn
+    >>> import hookscope as hs
+    >>> out = tempfile.mkdtemp() + "/feats.zarr"
+    >>> _ = hs.extract(nn.Sequential(nn.Linear(4, 3)), torch.randn(10, 4), layers="0", out=out, progress=False)
+    >>> store = hs.open_store(out)
+    >>> len(store), store.sites, store["0"][:2].shape
+    (10, ['0'], (2, 3))
+    """
+    target = target_of(path)
+    meta = read_meta(target)
+    if not meta:
+        what = "nothing" if meta is None else "a zarr store hookscope did not make"
+        raise StoreError(f"{target.label!r} holds {what}; expected a store written by hookscope.extract")
+    group = open_group(target, writable=False)
+    if meta.get("state") == "creating":
+        raise StoreError(
+            f"store {target.label!r} was cut short while it was being made and holds no data; run the extraction "
+            "again, which makes it anew"
+        )
+    store = Store(target, group, meta)
+    if not store.complete and not partial:
+        chunks = meta.get("chunks")
+        done = len(store.done_chunks())
+        of = f" of {chunks}" if chunks is not None else ""
+        raise StoreError(
+            f"store {target.label!r} is incomplete: {done}{of} chunks written (state {meta.get('state')!r}); run the "
+            "same extraction again to finish it (it resumes), or open_store(path, partial=True) to read what is done"
+        )
+    return store

@@ -1,0 +1,198 @@
+"""The zarr side of a store: where it lives, what is there already, making it, its manifest.
+
+zarr is imported here and only here (``import hookscope`` stays light). A store is one zarr v3
+group: the hookscope attributes, one array per site, and a subgroup ``_hookscope`` whose
+``done`` array is the manifest of completed chunks. The manifest is an array with one element
+per chunk and one chunk per element, so each process writes its own chunk files and never
+another's; an element is 1 once every site's chunk has landed. It is not inferred from the
+presence of chunk files: zarr writes no file for a chunk that holds only its fill value.
+
+The hookscope attributes say ``state``: ``"creating"`` until every array exists (a store cut
+short there holds no data and is made again), ``"writing"``, and ``"complete"``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from hookscope._extract.layout import Layout
+from hookscope.errors import MissingDependencyError, StoreError
+
+__all__ = [
+    "FORMAT",
+    "Manifest",
+    "Target",
+    "create_store",
+    "read_meta",
+    "remove_partial_files",
+    "target_of",
+    "write_meta",
+    "zarr_module",
+]
+
+FORMAT = 1
+META_KEY = "hookscope"
+MANIFEST_GROUP = "_hookscope"
+
+
+def zarr_module() -> ModuleType:
+    """``zarr`` (3.1 or newer), or ``MissingDependencyError`` with the install line."""
+    try:
+        import zarr
+    except ImportError as error:
+        raise MissingDependencyError(
+            "feature stores need zarr>=3.1 (Python 3.11 or newer): pip install 'zarr>=3.1'"
+        ) from error
+    major, minor = (int(part) for part in zarr.__version__.split(".")[:2])
+    if (major, minor) < (3, 1):
+        raise MissingDependencyError(f"feature stores need zarr>=3.1, found {zarr.__version__}: pip install -U zarr")
+    return zarr
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a store goes: a local path (``path`` set) or any zarr store object."""
+
+    store: Any
+    label: str
+    path: Path | None
+
+
+def target_of(out: Any) -> Target:
+    """A :class:`Target` for ``out``: a path (str or ``PathLike``) or a ``zarr.abc.store.Store``."""
+    zarr = zarr_module()
+    if isinstance(out, (str, os.PathLike)):
+        path = Path(out).expanduser()
+        return Target(zarr.storage.LocalStore(path), str(path), path)
+    if isinstance(out, zarr.abc.store.Store):
+        return Target(out, repr(out), None)
+    raise StoreError(f"out={out!r} is a {type(out).__name__}; expected a path such as 'feats.zarr' or a zarr Store")
+
+
+def read_meta(target: Target) -> dict[str, Any] | None:
+    """The hookscope attributes of the store at ``target``; None where nothing is stored yet.
+
+    Raises ``StoreError`` for something that is not a store hookscope made, naming the fix.
+    """
+    zarr = zarr_module()
+    if target.path is not None:
+        if target.path.exists() and not target.path.is_dir():
+            raise StoreError(f"out {target.label!r} is a file; expected a directory for a zarr store, e.g. feats.zarr")
+        if not target.path.exists() or not any(target.path.iterdir()):
+            return None
+        if not (target.path / "zarr.json").exists():
+            raise StoreError(
+                f"out {target.label!r} holds files and is not a zarr store; hookscope replaces only stores: "
+                "choose another path, or remove it yourself"
+            )
+    elif zarr.core.sync.sync(target.store.is_empty("")):
+        return None
+    try:
+        group = zarr.open_group(store=target.store, mode="r")
+    except Exception as error:
+        raise StoreError(f"out {target.label!r} holds something that is not a zarr group ({error})") from error
+    meta = group.attrs.asdict().get(META_KEY)
+    if not isinstance(meta, dict):
+        return {}  # a zarr store hookscope did not make
+    return meta
+
+
+def clear(target: Target) -> None:
+    """Remove the store at ``target`` (``overwrite=True``)."""
+    if target.path is not None:
+        shutil.rmtree(target.path)
+    else:
+        zarr_module().core.sync.sync(target.store.clear())
+
+
+def create_store(target: Target, layout: Layout, meta: dict[str, Any], compression_level: int | None) -> Any:
+    """Make the group, one array per site and the manifest; return the group, state ``"writing"``."""
+    zarr = zarr_module()
+    try:
+        if target.path is not None:
+            target.path.mkdir(parents=True, exist_ok=True)
+        group = zarr.create_group(
+            store=target.store, overwrite=True, attributes={META_KEY: {**meta, "state": "creating"}}
+        )
+        compressors = [zarr.codecs.ZstdCodec(level=compression_level)] if compression_level is not None else None
+        rows = layout.rows if layout.rows is not None else 0
+        for site in layout.sites:
+            group.create_array(
+                site.name,
+                shape=(rows, *site.shape),
+                chunks=(layout.chunk_rows, *site.shape),
+                dtype=site.stored,
+                compressors=compressors,
+                fill_value=0,
+                dimension_names=["row", *(f"{site.name}.{axis}" for axis in range(1, len(site.shape) + 1))],
+                attributes={META_KEY: site.to_json()},
+            )
+        Manifest.create(group, layout.chunks or 0)
+        write_meta(group, {**meta, "state": "writing"})
+    except OSError as error:
+        raise StoreError(f"out {target.label!r} cannot be written: {error}; choose a writable path") from error
+    return group
+
+
+_PARTIAL = re.compile(r"\.[0-9a-f]{32}\.partial$")  # zarr's local store writes <name>.<uuid>.partial, then renames
+
+
+def remove_partial_files(target: Target) -> None:
+    """Remove the temporary files of writes that a killed process left half-done (a local store only)."""
+    if target.path is None:
+        return
+    for path in target.path.rglob("*.partial"):
+        if _PARTIAL.search(path.name):
+            path.unlink(missing_ok=True)
+
+
+def open_group(target: Target, *, writable: bool) -> Any:
+    return zarr_module().open_group(store=target.store, mode="r+" if writable else "r")
+
+
+def write_meta(group: Any, meta: dict[str, Any]) -> None:
+    """Replace the hookscope attributes (one atomic write of the group's ``zarr.json`` on a local disk)."""
+    group.attrs.update({META_KEY: meta})
+
+
+class Manifest:
+    """Which chunks have landed: ``done[c] == 1`` once every site's chunk ``c`` is written."""
+
+    def __init__(self, group: Any) -> None:
+        self.array = group.get(f"{MANIFEST_GROUP}/done")  # None in a store cut short while being made
+
+    @staticmethod
+    def create(group: Any, chunks: int) -> None:
+        holder = group.create_group(MANIFEST_GROUP)
+        holder.create_array("done", shape=(chunks,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
+
+    def done(self) -> set[int]:
+        """The chunks recorded as done; an element that cannot be read counts as not done."""
+        if self.array is None:
+            return set()
+        try:
+            flags = np.asarray(self.array[:])
+        except Exception:  # a torn element file: read one by one, and trust only what reads back as 1
+            return {c for c in range(self.array.shape[0]) if self._readable_flag(c)}
+        return {int(c) for c in np.flatnonzero(flags == 1)}
+
+    def _readable_flag(self, chunk: int) -> bool:
+        try:
+            return bool(self.array[chunk] == 1)
+        except Exception:
+            return False
+
+    def mark(self, chunk: int) -> None:
+        """Record ``chunk`` as done; grows the manifest for a stream whose length is not known."""
+        assert self.array is not None, "the manifest is made with the store"
+        if chunk >= self.array.shape[0]:
+            self.array.resize((chunk + 1,))
+        self.array[chunk] = 1

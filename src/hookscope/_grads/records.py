@@ -1,0 +1,134 @@
+"""What a :class:`~hookscope._grads.monitor.GradMonitor` keeps of each step, and its tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hookscope._shared.stats import Stats
+from hookscope.errors import MissingDependencyError, SpecError
+
+__all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame"]
+
+GradWhat = Literal["grad_output", "grad_input", "param"]
+METRICS = ("norm", "mean_abs", "max_abs", "nan", "inf", "ratio")
+
+
+@dataclass(frozen=True)
+class GradRecord:
+    """One gradient of one step: of a module call's output or input tensor, or of a parameter.
+
+    ``norm`` is the L2 norm, ``mean_abs`` and ``max_abs`` of |g|; ``ratio`` is ``norm / |w|``
+    for parameters (None for activations). ``order`` ranks activation gradients in the order
+    backward produced them (0 first).
+    """
+
+    step: int
+    module: str
+    class_name: str
+    call: int
+    what: GradWhat
+    path: str
+    norm: float
+    mean_abs: float
+    max_abs: float
+    nan: int
+    inf: int
+    count: int
+    ratio: float | None = None
+    order: int | None = None
+
+    @property
+    def finite(self) -> bool:
+        """True when the gradient has no NaN or Inf."""
+        return self.nan == 0 and self.inf == 0
+
+    @property
+    def layer(self) -> str:
+        """``module#call`` for activations (``(root)#0`` for the model), the parameter's name for parameters."""
+        return self.path if self.what == "param" else f"{self.module or '(root)'}#{self.call}"
+
+    @property
+    def column(self) -> str:
+        """:attr:`layer`, with ``:path`` when the tensor is not the call's only output or first input:
+        the name used by history tables, plots and TensorBoard tags."""
+        if self.what == "param" or self.path in ("output", "[0]"):
+            return self.layer
+        return f"{self.layer}:{self.path}"
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        module: str,
+        class_name: str,
+        call: int,
+        what: GradWhat,
+        path: str,
+        stats: Stats,
+        *,
+        order: int | None = None,
+    ) -> GradRecord:
+        """A record from a gradient's :class:`~hookscope._shared.stats.Stats`."""
+        return cls(step, module, class_name, call, what, path, **_numbers(stats), order=order)
+
+    @classmethod
+    def of_parameter(cls, step: int, name: str, stats: Stats, weight_norm: float) -> GradRecord:
+        """A parameter's record: ``ratio`` is its gradient's norm over the weight's norm."""
+        numbers = _numbers(stats)
+        module, _, _ = name.rpartition(".")
+        ratio = numbers["norm"] / weight_norm if weight_norm > 0 else math.nan  # a zero weight: no ratio
+        return cls(step, module, "", 0, "param", name, **numbers, ratio=ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def _numbers(stats: Stats) -> dict[str, Any]:
+    squares = (stats.std**2) * max(stats.count - 1, 0) + stats.mean**2 * stats.count
+    return {
+        "norm": math.sqrt(max(squares, 0.0)) if stats.finite else math.nan,
+        "mean_abs": stats.abs_mean,
+        "max_abs": max(abs(stats.min), abs(stats.max)) if stats.count else math.nan,
+        "nan": stats.nan,
+        "inf": stats.inf,
+        "count": stats.count,
+    }
+
+
+@dataclass(frozen=True)
+class GradStep:
+    """The records of one recorded step, and the dead units known at its end."""
+
+    step: int
+    records: list[GradRecord]
+    dead: dict[str, list[int]] = field(default_factory=dict)
+
+    def of(self, what: GradWhat) -> list[GradRecord]:
+        """The records of one kind (``grad_output``, ``grad_input``, ``param``)."""
+        return [record for record in self.records if record.what == what]
+
+
+def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
+    """Steps x layers of one metric, as a pandas DataFrame (layers in the order first seen)."""
+    if metric not in METRICS:
+        raise SpecError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
+    if what not in ("grad_output", "grad_input", "param"):
+        raise SpecError(f"what={what!r} is not 'grad_output', 'grad_input' or 'param'")
+    try:
+        import pandas as pd  # type: ignore[import-untyped,unused-ignore]
+    except ImportError as error:
+        raise MissingDependencyError("history() needs pandas: pip install pandas") from error
+    rows: dict[int, dict[str, float]] = {}
+    for step in steps:
+        row = rows.setdefault(step.step, {})
+        for record in step.of(what):  # type: ignore[arg-type]
+            key = record.column
+            value = getattr(record, metric)
+            row[key] = math.nan if value is None else float(value)
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    frame.index.name = "step"
+    return frame

@@ -1,0 +1,13 @@
+"""Trace: a per-call table of shapes, dtypes, value ranges and timing; where the first NaN/Inf appears.
+
+``recorder`` attaches the hooks and builds each pass's :class:`Trace` (``result``) from
+:class:`TraceRow` s (``rows``); ``render`` draws it; ``identity`` lets a tensor seen twice be
+measured once; ``timing`` holds the per-call clock and peak-memory counter; ``nonfinite`` is
+the lighter detector that raises at the first module making a NaN/Inf.
+"""
+
+from hookscope._trace.recorder import Tracer, trace, tracing
+from hookscope._trace.result import Trace
+from hookscope._trace.rows import TensorInfo, TraceRow
+
+__all__ = ["TensorInfo", "Trace", "TraceRow", "Tracer", "trace", "tracing"]

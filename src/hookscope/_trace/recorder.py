@@ -1,0 +1,522 @@
+"""``trace()`` and ``tracing()``: one row per module call, with statistics read once per pass.
+
+Two hooks per traced module: a pre-hook opens the call's row (inputs, depth, parent, timer) and
+a closing hook registered with ``always_call=True`` fills in the outputs, so a forward that
+raises still closes every row and marks the calls the exception passed through. Statistics are
+queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with one transfer per
+device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
+child's, a module's input an earlier module's output) is not measured twice.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.names import named_modules
+from hookscope._core.params import count, own_count
+from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.sites import REPLICAS_HINT, CallTracker
+from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope._shared.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
+from hookscope._shared.identity import SeenTensors
+from hookscope._shared.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
+from hookscope._trace.result import Trace, describe_call
+from hookscope._trace.rows import CallStatus, TensorInfo, TraceRow
+from hookscope._trace.timing import CallClock, PeakMemory
+from hookscope._version import __version__
+from hookscope.errors import HookscopeError, SpecError
+
+__all__ = ["Tracer", "trace", "tracing"]
+
+
+@dataclass
+class _Leaf:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    stats_index: int | None
+    source: str | None
+
+
+@dataclass(frozen=True)
+class _FinishedPass:
+    state: _Pass
+    model_name: str
+    seconds: float
+    failure: int | None  # the innermost call the exception the forward ended with went through
+    done: list[torch.cuda.Event]  # recorded after the last statistic on each CUDA stream used
+
+
+def _record_done(streams: set[torch.cuda.Stream]) -> list[torch.cuda.Event]:
+    """An event on each CUDA stream statistics were queued on: no sync, just a marker."""
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        events.append(event)
+    return events
+
+
+def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's shape; a nested tensor's ragged sizes are -1 (shown as ``?``)."""
+    if not tensor.is_nested:
+        return tuple(tensor.shape)
+    sizes = [component.shape for component in tensor.unbind()]
+    if not sizes:
+        return (0, *(-1,) * (tensor.dim() - 1))
+    ragged = (len({size[d] for size in sizes}) == 1 for d in range(tensor.dim() - 1))
+    return (len(sizes), *(sizes[0][d] if same else -1 for d, same in enumerate(ragged)))
+
+
+@dataclass
+class _Draft:
+    order: int
+    depth: int
+    parent: int | None
+    name: str
+    class_name: str
+    call: int
+    params: int
+    module_id: int
+    handled: BaseException | None  # the exception being handled when the call began, if any
+    inputs: list[_Leaf]
+    outputs: list[_Leaf] = field(default_factory=list)
+    finished: int | None = None
+    status: CallStatus = "ok"
+    error: BaseException | None = None  # what went through the call, when it raised
+    cuda: torch.device | None = None  # the call's CUDA device, for its timer and memory counter
+    timer: int | None = None
+    measured_before: float = 0.0  # the pass's measuring time when the call's timer started
+    peak_bytes: int | None = None
+
+
+class _Pass:
+    """Everything one forward pass accumulates; a new pass starts from a clean one."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Draft] = []
+        self.stack: list[_Draft] = []
+        self.raws: list[RawStats] = []
+        self.histograms: list[RawHistogram] = []  # one per raw statistic, when histograms are on
+        self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
+        self.finished = 0
+        self.clock = CallClock()
+        self.started = time.perf_counter()
+        self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
+        self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
+        self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
+
+
+class Tracer(Scoped):
+    """Hooks that record a :class:`Trace` of every forward pass; made by :func:`tracing`.
+
+    ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
+    stop where the exception went through, and ``trace.failure`` is the innermost such call).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Selector | Sequence[Selector] | None,
+        stats: bool,
+        input_stats: bool,
+        timing: bool,
+        memory: bool,
+        histograms: bool | int = False,
+    ) -> None:
+        ensure_module(model)
+        self._model = weakref.ref(model)
+        self._stats = stats
+        self._bins = _bins(histograms, stats)
+        self._input_stats = stats and input_stats
+        self._timing = timing
+        self._memory = memory
+        self._tracker = CallTracker(listener=self)
+        self._pass = _Pass()
+        self._peaks: dict[int, PeakMemory] = {}
+        self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
+        self._trace: Trace | None = None
+        self._finished: _FinishedPass | None = None  # the latest pass, statistics not yet read
+        self._selected = _modules(model, layers)
+        self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
+        specs = []
+        for name, module in self._selected:
+            params = own_count(module)
+            specs.append(
+                HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True, fitted=True)
+            )
+            specs.append(
+                HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True, fitted=True)
+            )
+        self._group = HookGroup(model, specs, owner="trace", tracker=self._tracker, restore_mode=False)
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _opener(
+        self, name: str, module: nn.Module, params: int
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        current, class_name, tracker = self._tracker.current, type(module).__name__, self._tracker
+
+        def open_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if tracker.replaying:
+                return  # a checkpointed block recomputing in backward: traced in the forward already
+            state = self._pass
+            parent = state.stack[-1] if state.stack else None
+            leaves = call_leaves(args, kwargs)
+            draft = _Draft(
+                order=len(state.rows),
+                depth=len(state.stack),
+                parent=None if parent is None else parent.order,
+                name=name,
+                class_name=class_name,
+                call=current(module),
+                params=params,
+                module_id=id(module),
+                handled=sys.exc_info()[1],
+                inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
+            )
+            device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
+            if self._memory and device is not None:
+                self._peak_memory(device).enter()
+            if self._timing and not is_compiling():  # one fused graph under torch.compile: no per-call times
+                draft.measured_before = state.measuring
+                draft.timer = state.clock.start(device)
+            state.rows.append(draft)
+            state.stack.append(draft)
+
+        return open_row
+
+    def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            state = self._pass
+            if self._tracker.replaying:
+                return
+            if not self._tracker.owns() or not state.stack or state.stack[-1].module_id != id(module):
+                return  # a call refused on another thread, or the pass was reset while this call ran
+            draft = state.stack.pop()
+            if draft.timer is not None:
+                state.clock.stop(draft.timer, excluded=state.measuring - draft.measured_before)
+            if self._memory and draft.cuda is not None:
+                draft.peak_bytes = self._peak_memory(draft.cuda).exit()
+            draft.finished = state.finished
+            state.finished += 1
+            error = sys.exc_info()[1]
+            if error is not draft.handled:
+                draft.status, draft.error = "raised", error
+                return
+            site = f"{name}#{draft.call}"
+            draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
+
+        return close_row
+
+    def _leaf(self, state: _Pass, path: str, tensor: torch.Tensor, measure: bool, producer: str | None) -> _Leaf:
+        known = state.seen.get(tensor)
+        if known is not None:
+            index, source = known
+            if index is None and measure and is_measurable(tensor):
+                index = self._measure(state, tensor)
+                state.seen.put(tensor, (index, source))
+        else:
+            index, source = None, None
+            if measure and is_measurable(tensor):
+                index = self._measure(state, tensor)
+            if producer is not None or index is not None:
+                state.seen.put(tensor, (index, producer))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return _Leaf(path, shape_of(tensor), dtype, str(tensor.device), index, source)
+
+    def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
+        timed = self._timing and not is_compiling()
+        began = time.perf_counter() if timed else 0.0
+        state.raws.append(raw_stats(tensor, scratch=self._scratch))
+        if self._bins:
+            state.histograms.append(raw_histogram(tensor, bins=self._bins))
+        if timed:
+            state.measuring += time.perf_counter() - began
+        if tensor.is_cuda:
+            state.streams.add(torch.cuda.current_stream(tensor.device))
+        return len(state.raws) - 1
+
+    def _peak_memory(self, device: torch.device) -> PeakMemory:
+        index = device.index or 0
+        if index not in self._peaks:
+            self._peaks[index] = PeakMemory(index)
+        return self._peaks[index]
+
+    # -- passes (told by the call tracker) ----------------------------------------------------------
+
+    def pass_started(self, module: nn.Module) -> None:
+        """A new forward pass: forget the previous one's drafts (not for a recomputation in backward)."""
+        if self._tracker.replaying:
+            return
+        self._pass = _Pass()
+        for peaks in self._peaks.values():
+            peaks.clear()
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Keep the finished pass; its statistics are read when the trace is first looked at.
+
+        Reading here would be a host sync inside the model's last hook; deferring it keeps the
+        whole forward free of syncs, so the first read happens after ``model(x)`` returned.
+        """
+        if self._tracker.replaying:
+            return
+        state = self._pass
+        error = sys.exc_info()[1]
+        failed = error is not None and error is not state.handled
+        raised = [draft.order for draft in state.rows if failed and draft.error is error]
+        for draft in state.rows:
+            draft.error = None  # the traceback would keep the forward's activations alive
+        self._finished = _FinishedPass(
+            state,
+            type(module).__name__,
+            time.perf_counter() - state.started,
+            max(raised) if raised else None,
+            _record_done(state.streams),
+        )
+        self._trace = None
+
+    def pass_abandoned(self) -> None:
+        """The previous pass was cut short (KeyboardInterrupt): drop it."""
+        self._pass = _Pass()
+
+    def refuse_thread(self) -> Exception:
+        """Another thread entered while a pass is open."""
+        return HookscopeError(
+            "this trace is already recording a forward pass on another thread; trace one thread at a time; "
+            + REPLICAS_HINT
+        )
+
+    def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:
+        def info(leaf: _Leaf) -> TensorInfo:
+            index = leaf.stats_index
+            measured, histogram = (None, None) if index is None else (stats[index], histograms[index])
+            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source, histogram)
+
+        return TraceRow(
+            order=draft.order,
+            depth=draft.depth,
+            name=draft.name,
+            class_name=draft.class_name,
+            call=draft.call,
+            params=draft.params,
+            inputs=tuple(info(leaf) for leaf in draft.inputs),
+            outputs=tuple(info(leaf) for leaf in draft.outputs),
+            parent=draft.parent,
+            finished=draft.finished,
+            status=draft.status if draft.finished is not None else "raised",
+            time_ms=None if clock is None or draft.timer is None or draft.finished is None else clock.read(draft.timer),
+            peak_bytes=draft.peak_bytes,
+        )
+
+    # -- reading and lifetime -----------------------------------------------------------------------
+
+    @property
+    def trace(self) -> Trace:
+        """The :class:`Trace` of the latest forward pass (its statistics are read on first access)."""
+        latest = self.latest
+        if latest is None:
+            raise SpecError("no forward pass has been traced yet: call the model inside the tracing() block")
+        return latest
+
+    @property
+    def latest(self) -> Trace | None:
+        """The latest pass's :class:`Trace`, or None before the first forward."""
+        if self._trace is None and self._finished is not None:
+            self._trace = self._build(self._finished)
+            self._finished = None  # the rows hold what is needed; let the device vectors go
+        return self._trace
+
+    def _build(self, finished: _FinishedPass) -> Trace:
+        """Read every statistic of a pass at once (one transfer per device) and make its rows."""
+        state = finished.state
+        meta: dict[str, Any] = {
+            "hookscope": __version__,
+            "torch": torch.__version__,
+            "model": finished.model_name,
+            "wall_ms": finished.seconds * 1e3,
+            "stats": self._stats,
+            "timing": self._timing,
+            "params": self._total_params,
+            "histogram_bins": self._bins,
+        }
+        try:
+            for event in finished.done:
+                event.synchronize()  # the statistics were queued on the forward's streams
+            stats: list[Any] = read_stats(state.raws)
+            histograms: list[Any] = read_histograms(state.histograms) if self._bins else [None] * len(stats)
+            if self._timing:
+                state.clock.synchronize()
+        except RuntimeError as error:  # a device that failed in the forward (a device-side assert)
+            stats = histograms = [None] * len(state.raws)
+            meta["stats_error"] = f"{type(error).__name__}: {error}"
+        clock = state.clock if self._timing and "stats_error" not in meta else None  # unread times: none
+        rows = [self._freeze(draft, stats, histograms, clock) for draft in state.rows]
+        return Trace(_with_self_time(rows), model=self._model(), meta=meta, failure=finished.failure)
+
+    def remove(self) -> None:
+        """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
+        self._scratch = Scratch()  # let go of the work buffer
+        self._group.remove()
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "removed"
+        return f"<Tracer of {len(self._selected)} modules, {state}>"
+
+
+def tracing(
+    model: nn.Module,
+    *,
+    layers: Selector | Sequence[Selector] | None = None,
+    stats: bool = True,
+    input_stats: bool = True,
+    timing: bool = False,
+    memory: bool = False,
+    histograms: bool | int = False,
+) -> Tracer:
+    """Trace every forward pass of ``model`` while the block runs; ``tracer.trace`` is the latest.
+
+    Use it where :func:`trace` cannot call the model for you (a generation loop, your own
+    training step); the options are :func:`trace`'s. The model runs as you call it: grad mode
+    and train/eval mode are yours.
+
+    Example::
+
+        with hs.tracing(model, timing=True) as tracer:
+            model.generate(ids, max_new_tokens=5)
+        print(tracer.trace)          # the last forward pass
+    """
+    return Tracer(
+        model,
+        layers=layers,
+        stats=stats,
+        input_stats=input_stats,
+        timing=timing,
+        memory=memory,
+        histograms=histograms,
+    )
+
+
+def trace(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | Sequence[Selector] | None = None,
+    stats: bool = True,
+    input_stats: bool = True,
+    timing: bool = False,
+    memory: bool = False,
+    histograms: bool | int = False,
+    grad: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and return a :class:`Trace`: one row per module call.
+
+    Each row holds the call's order, depth, name, class and call index, the shapes, dtypes and
+    devices of its inputs (keyword inputs too) and outputs (every tensor of a structured
+    output), its own parameter count, and statistics of every output tensor: min, max, mean,
+    std, mean |x|, fraction of zeros, NaN and +/-Inf counts. They are computed on the device
+    and read once after the forward (see :mod:`hookscope._shared.stats`).
+
+    - ``layers``: trace only these modules (default: all, the model itself included);
+    - ``stats=False``: shapes only; ``input_stats=False``: skip inputs no traced module
+      returned (the model's input, results of functional ops), which ``first_nonfinite``
+      then takes as finite;
+    - ``timing=True``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring
+      is taken out); ``memory=True``: the rise of peak CUDA memory per call (this resets
+      PyTorch's peak counter, ``torch.cuda.max_memory_allocated``, as it goes);
+    - ``histograms=True`` (or a bin count; default 64): a histogram of every measured tensor's
+      finite values, counted on the device from a sample of at most 32,768 values
+      (``TensorInfo.histogram``; see :mod:`hookscope._shared.histogram`), for
+      :func:`hookscope.plots.histograms`;
+    - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
+      mode is left as it is;
+    - ``model_kwargs``: keyword arguments for the model whose names clash with these options
+      (``nn.TransformerDecoder``'s ``memory=``); other keyword arguments go to the model.
+
+    A forward that raises re-raises its error with a note naming the innermost module it went
+    through and the shapes that went in; ``hs.tracing`` keeps the partial trace.
+
+    >>> import torch, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> t = hs.trace(model, torch.randn(3, 4))
+    >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
+    (4, '0', (3, 8), True)
+    """
+    flags = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory, "grad": grad}
+    for option, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise SpecError(
+                f"{option}= is trace's own option and takes True or False, not a {type(value).__name__}; "
+                f"to pass {option}= to the model, use model_kwargs={{{option!r}: ...}}"
+            )
+    if isinstance(layers, torch.Tensor):
+        raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
+    options = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory}
+    with tracing(model, layers=layers, histograms=histograms, **options) as tracer:
+        try:
+            with nullcontext() if grad else torch.no_grad():
+                model(*args, **{**kwargs, **(model_kwargs or {})})
+        except Exception as error:
+            failure = tracer.latest.failure if tracer.latest is not None else None
+            if failure is not None and hasattr(error, "add_note"):
+                error.add_note(f"hookscope.trace: the error went through {describe_call(failure)}")
+            raise
+    return tracer.trace
+
+
+def _bins(histograms: bool | int, stats: bool) -> int | None:
+    """The bin count ``histograms=`` asks for (None: off), or a clear error."""
+    if isinstance(histograms, (bool, np.bool_)):
+        bins = DEFAULT_BINS if histograms else None
+    elif isinstance(histograms, int) and histograms > 0:
+        bins = histograms
+    else:
+        raise SpecError(f"histograms={histograms!r}; expected True, False or a positive number of bins such as 64")
+    if bins and not stats:
+        raise SpecError("histograms= needs statistics: leave stats=True (stats=False records shapes only)")
+    return bins
+
+
+def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
+    if layers is None:
+        return named_modules(model)
+    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    if not selectors:
+        raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
+    return select(model, selectors)  # a union, each module once, in model order
+
+
+def _cuda_device(leaves: list[tuple[str, torch.Tensor]]) -> torch.device | None:
+    for _, tensor in leaves:
+        if tensor.device.type == "cuda":
+            return tensor.device
+    return None
+
+
+def _with_self_time(rows: list[TraceRow]) -> list[TraceRow]:
+    """Fill ``self_ms``: a call's time minus the time of the traced calls directly inside it."""
+    if all(row.time_ms is None for row in rows):
+        return rows
+    children: dict[int, float] = {}
+    for row in rows:
+        if row.parent is not None and row.time_ms is not None:
+            children[row.parent] = children.get(row.parent, 0.0) + row.time_ms
+    return [
+        row if row.time_ms is None else replace(row, self_ms=max(row.time_ms - children.get(row.order, 0.0), 0.0))
+        for row in rows
+    ]

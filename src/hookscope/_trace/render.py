@@ -1,0 +1,232 @@
+"""How a :class:`~hookscope._trace.result.Trace` looks: text table (rich), HTML, flat records.
+
+rich is imported here only, when a table is drawn, so ``import hookscope`` stays light.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hookscope._shared.stats import Stats
+from hookscope._shared.units import format_bytes, format_number
+from hookscope._trace.rows import TensorInfo, TraceRow, format_shape
+from hookscope.errors import SpecError
+
+if TYPE_CHECKING:
+    from hookscope._trace.result import Trace
+
+__all__ = ["COLUMNS", "flat_record", "leaf_records", "render_html", "render_text", "rich_table", "rich_view"]
+
+_MAX_LEAVES_SHOWN = 2
+
+
+def _shapes(infos: Sequence[TensorInfo], *, keyword: bool) -> str:
+    shown = []
+    for info in infos[:_MAX_LEAVES_SHOWN]:
+        text = format_shape(info.shape)
+        if keyword and info.path.startswith("['"):  # a keyword input: name it
+            text = f"{info.path[2:].split(chr(39), 1)[0]}={text}"
+        shown.append(text)
+    more = len(infos) - _MAX_LEAVES_SHOWN
+    return ", ".join(shown) + (f" +{more}" if more > 0 else "")
+
+
+def _stat(field: str) -> Callable[[TraceRow], str]:
+    def cell(row: TraceRow) -> str:
+        stats = row.stats
+        return "" if stats is None or stats.count == 0 else format_number(getattr(stats, field))
+
+    return cell
+
+
+def _zeros(row: TraceRow) -> str:
+    stats = row.stats
+    return "" if stats is None or stats.count == 0 else f"{100 * stats.zero_frac:.1f}%"
+
+
+def _nonfinite(row: TraceRow) -> str:
+    counts = [(info.stats.nan, info.stats.inf) for info in row.outputs if info.stats is not None]
+    nan, inf = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if not counts:
+        return ""
+    return "-" if nan == inf == 0 else f"{nan:,}/{inf:,}"
+
+
+def _module(row: TraceRow, repeated: set[str]) -> str:
+    label = row.name or "(root)"
+    if row.name in repeated:
+        label += f"#{row.call}"
+    if row.status == "raised":
+        label += " !"
+    return "  " * row.depth + label
+
+
+# key: (header, cell, right-aligned)
+COLUMNS: dict[str, tuple[str, Callable[[TraceRow], str], bool]] = {
+    "order": ("#", lambda row: str(row.order), True),
+    "module": ("module", lambda row: row.name or "(root)", False),  # indented by _module below
+    "class": ("class", lambda row: row.class_name, False),
+    "call": ("call", lambda row: str(row.call), True),
+    "inputs": ("inputs", lambda row: _shapes(row.inputs, keyword=True), False),
+    "outputs": ("outputs", lambda row: _shapes(row.outputs, keyword=False), False),
+    "dtype": ("dtype", lambda row: row.output.dtype if row.output is not None else "", False),
+    "device": ("device", lambda row: row.output.device if row.output is not None else "", False),
+    "params": ("params", lambda row: f"{row.params:,}" if row.params else "", True),
+    "min": ("min", _stat("min"), True),
+    "max": ("max", _stat("max"), True),
+    "mean": ("mean", _stat("mean"), True),
+    "std": ("std", _stat("std"), True),
+    "abs_mean": ("mean|x|", _stat("abs_mean"), True),
+    "zeros": ("zeros", _zeros, True),
+    "nonfinite": ("nan/inf", _nonfinite, True),
+    "time": ("ms", lambda row: "" if row.time_ms is None else f"{row.time_ms:.3f}", True),
+    "self_time": ("self ms", lambda row: "" if row.self_ms is None else f"{row.self_ms:.3f}", True),
+    "memory": ("peak mem", lambda row: "" if row.peak_bytes is None else format_bytes(row.peak_bytes), True),
+}
+_STAT_COLUMNS = ("min", "max", "mean", "std", "abs_mean", "zeros", "nonfinite")
+
+
+def default_columns(rows: Sequence[TraceRow]) -> list[str]:
+    """What a table shows unless told: statistics when there are any, time and memory when measured."""
+    columns = ["order", "module", "class", "inputs", "outputs", "dtype", "params"]
+    if any(row.stats is not None for row in rows):
+        columns += _STAT_COLUMNS
+    if any(row.time_ms is not None for row in rows):
+        columns += ["time", "self_time"]
+    if any(row.peak_bytes is not None for row in rows):
+        columns.append("memory")
+    return columns
+
+
+def _columns(rows: Sequence[TraceRow], columns: Sequence[str] | None) -> list[str]:
+    if columns is None:
+        return default_columns(rows)
+    chosen = [columns] if isinstance(columns, str) else list(columns)
+    unknown = [key for key in chosen if key not in COLUMNS]
+    if unknown or not chosen:
+        raise SpecError(f"columns {unknown or chosen!r}: expected keys among {', '.join(COLUMNS)}")
+    return chosen
+
+
+def _cells(trace: Trace, rows: Sequence[TraceRow], keys: list[str]) -> list[list[str]]:
+    counts: dict[str, int] = {}
+    for row in trace.rows:
+        counts[row.name] = counts.get(row.name, 0) + 1
+    repeated = {name for name, n in counts.items() if n > 1}
+    return [[_module(row, repeated) if key == "module" else COLUMNS[key][1](row) for key in keys] for row in rows]
+
+
+def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
+    """The lines under the table: counts, the first non-finite call, a failure."""
+    modules = len({row.name for row in trace.rows})
+    shown = f"{len(rows)} of {len(trace)} calls shown" if len(rows) != len(trace) else f"{len(trace)} calls"
+    params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows}.values()))
+    lines = [f"{shown} · {modules} modules · {params:,} parameters"]
+    culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None
+    if culprit is not None:
+        lines.append(f"first NaN/Inf: made by {culprit.site} ({culprit.class_name}) from finite inputs")
+    failure = trace.failure
+    if failure is not None:
+        lines.append(f"the forward raised in {failure.site} ({failure.class_name}); rows marked ! did not return")
+    return lines
+
+
+def rich_table(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None, *, colour: bool) -> Any:
+    """A ``rich.table.Table`` of ``rows``; non-finite rows in red when ``colour``."""
+    from rich import box
+    from rich.table import Table
+
+    keys = _columns(rows, columns)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for key in keys:
+        header, _, right = COLUMNS[key]
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for row, cells in zip(rows, _cells(trace, rows, keys), strict=True):
+        style = "red" if colour and (row.output_finite is False or row.status == "raised") else None
+        table.add_row(*cells, style=style)
+    return table
+
+
+def rich_view(trace: Trace, rows: Sequence[TraceRow]) -> Any:
+    """The table and its footer, for a rich console (colours on)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(rich_table(trace, rows, None, colour=True), *(Text(line) for line in footer(trace, rows)))
+
+
+def render_text(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None) -> str:
+    """The table as plain text, as wide as its content (no wrapping, no colour)."""
+    from rich.console import Console
+
+    table = rich_table(trace, rows, columns, colour=False)
+    buffer = io.StringIO()  # wide enough never to wrap: a table is only as wide as its content
+    console = Console(file=buffer, width=100_000, color_system=None, highlight=False, emoji=False)
+    console.print(table)
+    lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
+    return "\n".join([*lines, *footer(trace, rows)]).strip("\n")
+
+
+def render_html(trace: Trace, rows: Sequence[TraceRow]) -> str:
+    """An HTML table (every name escaped); rows with NaN/Inf or that raised are tinted."""
+    keys = _columns(rows, None)
+    head = "".join(f"<th>{html.escape(COLUMNS[key][0])}</th>" for key in keys)
+    body = []
+    for row, cells in zip(rows, _cells(trace, rows, keys), strict=True):
+        bad = row.output_finite is False or row.status == "raised"
+        style = ' style="background:#fdd"' if bad else ""
+        tds = "".join(f"<td>{html.escape(cell).replace('  ', '&nbsp;&nbsp;')}</td>" for cell in cells)
+        body.append(f"<tr{style}>{tds}</tr>")
+    notes = "".join(f"<p>{html.escape(line)}</p>" for line in footer(trace, rows))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{notes}"
+
+
+def _stats_columns(stats: Stats | None) -> dict[str, Any]:
+    fields = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
+    return {field: (None if stats is None else getattr(stats, field)) for field in fields}
+
+
+def flat_record(row: TraceRow) -> dict[str, Any]:
+    """One call as a flat dict: identity, shapes as text, the main output's statistics, timing."""
+    main = row.output
+    return {
+        "order": row.order,
+        "depth": row.depth,
+        "name": row.name,
+        "class": row.class_name,
+        "call": row.call,
+        "parent": row.parent,
+        "finished": row.finished,
+        "status": row.status,
+        "params": row.params,
+        "inputs": "; ".join(f"{i.path} {format_shape(i.shape)} {i.dtype}" for i in row.inputs),
+        "outputs": "; ".join(f"{o.path} {format_shape(o.shape)} {o.dtype}" for o in row.outputs),
+        "dtype": None if main is None else main.dtype,
+        "device": None if main is None else main.device,
+        **_stats_columns(row.stats),
+        "time_ms": row.time_ms,
+        "self_ms": row.self_ms,
+        "peak_bytes": row.peak_bytes,
+    }
+
+
+def leaf_records(rows: Sequence[TraceRow]) -> list[dict[str, Any]]:
+    """One dict per output tensor of every call, with its path and statistics."""
+    return [
+        {
+            "order": row.order,
+            "name": row.name,
+            "class": row.class_name,
+            "call": row.call,
+            "path": info.path,
+            "shape": format_shape(info.shape),
+            "dtype": info.dtype,
+            "device": info.device,
+            **_stats_columns(info.stats),
+        }
+        for row in rows
+        for info in row.outputs
+    ]

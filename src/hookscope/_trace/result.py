@@ -1,0 +1,253 @@
+"""``Trace``: the rows of one traced forward pass, with the questions one asks of them.
+
+Where the first NaN/Inf came from (:meth:`Trace.first_nonfinite`), where a failed forward
+stopped (:attr:`Trace.failure`), and the same rows as a printed table, pandas, CSV, JSON or HTML.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from torch import nn
+
+from hookscope._core.names import WRAPPER_CLASS_NAMES, short_spelling
+from hookscope._core.select import Selector, select, select_names
+from hookscope._shared.files import atomic_path
+from hookscope._shared.json import finite_json
+from hookscope._trace.rows import TensorInfo, TraceRow, format_shape
+from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
+
+__all__ = ["MASK_WORDS", "Trace", "accepted_input", "describe_call"]
+
+# An input whose name holds one of these words may carry -inf on purpose (an additive mask).
+MASK_WORDS = ("mask", "bias")
+
+
+def accepted_input(info: TensorInfo, allowed: set[str]) -> bool:
+    """True when a call's input does not disqualify it from being blamed for a NaN/Inf.
+
+    Finite inputs, tensors returned by an allow-listed module, and -inf (never NaN or +inf) in
+    an input named like a mask (``attention_mask=``, ``['causal_mask']``) are accepted.
+    """
+    if info.stats is None or info.stats.finite:
+        return True
+    if info.source is not None and info.source.rsplit("#", 1)[0] in allowed:
+        return True
+    only_negative_inf = info.stats.nan == 0 and info.stats.posinf == 0
+    return only_negative_inf and any(word in info.path.lower() for word in MASK_WORDS)
+
+
+class Trace(Sequence[TraceRow]):
+    """One row per module call of a forward pass, in the order calls started.
+
+    ``trace[3]`` is the fourth call; ``trace["layer1.conv1"]`` the first call of that module
+    (``trace.calls(name)`` every call). ``print(trace)`` shows the table; :meth:`table` takes
+    ``max_depth``, ``filter`` (a selector) and ``columns``.
+    """
+
+    def __init__(
+        self,
+        rows: list[TraceRow],
+        *,
+        model: nn.Module | None = None,
+        meta: dict[str, Any] | None = None,
+        failure: int | None = None,
+    ) -> None:
+        self.rows = rows
+        self._failure = failure
+        self.meta = dict(meta or {})
+        self._model = weakref.ref(model) if model is not None else None
+        self._by_name: dict[str, list[TraceRow]] = {}
+        for row in rows:
+            self._by_name.setdefault(row.name, []).append(row)
+
+    # -- reading rows ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, key: int) -> TraceRow: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[TraceRow]: ...
+    @overload
+    def __getitem__(self, key: str) -> TraceRow: ...
+    def __getitem__(self, key: int | slice | str) -> TraceRow | list[TraceRow]:
+        if isinstance(key, str):
+            return self.calls(key)[0]
+        return self.rows[key]
+
+    def __iter__(self) -> Iterator[TraceRow]:
+        return iter(self.rows)
+
+    def _wrapped(self) -> bool:
+        """True when the traced model was a DDP, DataParallel or torch.compile wrapper."""
+        roots = self._by_name.get("") or []
+        return bool(roots) and roots[0].class_name in WRAPPER_CLASS_NAMES
+
+    def calls(self, name: str) -> list[TraceRow]:
+        """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model)."""
+        rows = self._by_name.get("" if name == "(root)" else name)
+        short = short_spelling(name) if not rows and self._wrapped() else None
+        if short is not None:  # "module.0" below a DDP or torch.compile wrapper: the row is "0"
+            rows = self._by_name.get(short)
+        if not rows:
+            import difflib
+
+            close = difflib.get_close_matches(name, [n for n in self._by_name if n], n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise SiteNotFoundError(
+                f"no call of a module named {name!r} in this trace ({len(self._by_name)} modules){hint}"
+            )
+        return rows
+
+    def select(self, selector: Selector) -> list[TraceRow]:
+        """The rows of the modules ``selector`` picks (any hookscope selector), in call order."""
+        names = self._names_of(selector)
+        return [row for row in self.rows if row.name in names]
+
+    @property
+    def failure(self) -> TraceRow | None:
+        """Where a failed forward raised: the innermost call the exception it ended with went
+        through. None when the forward returned, even if a call inside raised and was caught."""
+        return None if self._failure is None else self.rows[self._failure]
+
+    def first_nonfinite(self, allow: Selector | Sequence[Selector] | None = None) -> TraceRow | None:
+        """The first call, in the order calls returned, whose inputs were finite and output was not.
+
+        That call made the first NaN/Inf: its own computation, not an earlier layer's, produced
+        it. Its row holds the statistics of its inputs and outputs. ``allow`` names modules whose
+        non-finite outputs are intended (a module building a -inf attention mask): they are not
+        blamed, and what they return counts as finite where it goes in. -inf alone in an input
+        named like a mask (``attention_mask``) is accepted too. Returns None when every output
+        is finite, or when the values were already non-finite where they came in.
+        """
+        if self.meta.get("stats") is False:
+            raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
+        allowed = self._names_of(allow) if allow is not None else set()
+        finished = sorted((row for row in self.rows if row.finished is not None), key=lambda row: row.finished or 0)
+        for row in finished:
+            if row.name in allowed or row.output_finite is not False:
+                continue
+            if all(accepted_input(info, allowed) for info in row.inputs):
+                return row
+        return None
+
+    def _names_of(self, selector: Selector | Sequence[Selector]) -> set[str]:
+        model = self._model() if self._model is not None else None
+        chosen: Any = list(selector) if isinstance(selector, (list, tuple)) else selector
+        if model is not None:
+            return {name for name, _ in select(model, chosen)}
+        members = chosen if isinstance(chosen, list) else [chosen]
+        if not all(isinstance(member, str) for member in members):
+            raise SpecError("the traced model is gone; only name, glob and 're:' selectors work on its trace now")
+        return set(select_names(list(self._by_name), chosen))  # names, globs and regexes still work
+
+    # -- showing --------------------------------------------------------------------------------
+
+    def table(
+        self,
+        *,
+        max_depth: int | None = None,
+        filter: Selector | Sequence[Selector] | None = None,  # noqa: A002 (the issue's own word)
+        columns: Sequence[str] | None = None,
+    ) -> str:
+        """The aligned table as text; ``print(trace)`` shows ``trace.table()``.
+
+        ``max_depth`` hides calls nested deeper (0: the model alone), ``filter`` keeps the rows
+        of the modules a selector picks, ``columns`` picks and orders columns by key (see
+        :data:`hookscope._trace.render.COLUMNS`).
+        """
+        from hookscope._trace.render import render_text
+
+        return render_text(self, self._shown(max_depth, filter), columns)
+
+    def _shown(self, max_depth: int | None, filter: Selector | Sequence[Selector] | None) -> list[TraceRow]:  # noqa: A002
+        rows = self.rows
+        if max_depth is not None:
+            if max_depth < 0:
+                raise SpecError(f"max_depth={max_depth} is negative; 0 shows the model's own call, 1 its children")
+            rows = [row for row in rows if row.depth <= max_depth]
+        if filter is not None:
+            names = self._names_of(filter)
+            rows = [row for row in rows if row.name in names]
+        return rows
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        modules = len({row.name for row in self.rows})
+        state = f", failed in {self.failure.site}" if self.failure is not None else ""
+        return (
+            f"<Trace of {self.meta.get('model', 'a model')}: {len(self)} calls of {modules} modules{state}; print() it>"
+        )
+
+    def __rich__(self) -> Any:
+        from hookscope._trace.render import rich_view
+
+        return rich_view(self, self.rows)
+
+    def _repr_html_(self) -> str:
+        from hookscope._trace.render import render_html
+
+        return render_html(self, self.rows)
+
+    # -- exporting ------------------------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat dict per call: the main output's statistics as columns (see :meth:`to_pandas`)."""
+        from hookscope._trace.render import flat_record
+
+        return [flat_record(row) for row in self.rows]
+
+    def to_pandas(self, *, per: str = "call") -> Any:
+        """A ``pandas.DataFrame``: one row per call (``per="call"``, the main output's statistics)
+        or one per output tensor (``per="leaf"``, with a ``path`` column)."""
+        try:
+            import pandas as pd  # type: ignore[import-untyped,unused-ignore]
+        except ImportError as error:
+            raise MissingDependencyError("to_pandas() needs pandas: pip install pandas") from error
+        if per == "call":
+            return pd.DataFrame.from_records(self.records())
+        if per == "leaf":
+            from hookscope._trace.render import leaf_records
+
+            return pd.DataFrame.from_records(leaf_records(self.rows))
+        raise SpecError(f"per={per!r} is not 'call' (one row per module call) or 'leaf' (one per output tensor)")
+
+    def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The :meth:`records` as CSV; written to ``path`` (atomically) when given. Returns the text."""
+        import csv
+        import io
+
+        records = self.records()
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(records[0]) if records else ["order"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        return _write(path, buffer.getvalue())
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = 1) -> str:
+        """Every row with every input and output tensor, as strict JSON (NaN and Inf are written
+        as the strings ``"nan"``, ``"inf"``, ``"-inf"``); written to ``path`` when given."""
+        document = {"meta": {**self.meta, "failure": self._failure}, "rows": [row.to_dict() for row in self.rows]}
+        return _write(path, json.dumps(finite_json(document), indent=indent, allow_nan=False) + "\n")
+
+
+def _write(path: str | os.PathLike[str] | None, text: str) -> str:
+    if path is not None:
+        with atomic_path(path) as temporary:
+            Path(temporary).write_text(text, encoding="utf-8")
+    return text
+
+
+def describe_call(row: TraceRow) -> str:
+    """``"'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32"``."""
+    inputs = ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in row.inputs) or "no tensors"
+    return f"{row.name or '(root)'!r} ({row.class_name}, call {row.call}) with inputs {inputs}"
