@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._capture import capture
-from hookscope._capture.cache import Cache
+from hookscope._capture import Cache, capture
 from hookscope._core.names import unwrapped_modules
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import map_tensors

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._capture.cache import Cache
+from hookscope._capture import Cache
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.compiled import EAGER, is_compiling
 from hookscope._core.sites import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._diff.metrics import raw_metrics
+from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import is_measurable
-from hookscope._trace.recorder import shape_of
 from hookscope.errors import HookscopeError
 
 __all__ = ["Comparer", "Kept", "LeafDraft", "Reference"]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from hookscope._diff.metrics import Metrics
+from hookscope._shared.shapes import format_shape
 from hookscope._shared.units import format_number
-from hookscope._trace.rows import format_shape
 from hookscope.errors import MissingDependencyError
 
 __all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]

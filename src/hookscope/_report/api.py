@@ -16,19 +16,16 @@ from hookscope._capture import capture
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves
-from hookscope._grads.monitor import GradMonitor, watch_grads
+from hookscope._grads import GradMonitor, watch_grads
 from hookscope._report import sections
 from hookscope._report.images import Image, embed
 from hookscope._report.render import render, script_json
 from hookscope._shared.files import atomic_path
 from hookscope._shared.histogram import Histogram
-from hookscope._trace import trace
-from hookscope._trace.result import Trace
-from hookscope._trace.rows import TraceRow
+from hookscope._shared.thinning import DEFAULT_MAX_SITES, spread
+from hookscope._trace import Trace, TraceRow, trace
 from hookscope._version import __version__
 from hookscope.errors import MissingDependencyError, SpecError
-from hookscope.plots.activations import DEFAULT_MAX_SITES, spread
-from hookscope.plots.depth import depth_rows
 
 __all__ = ["DEFAULT_FEATURE_MAPS", "html_path", "report"]
 
@@ -87,7 +84,7 @@ def report(
     _need_plotting()
     call_kwargs = {**kwargs, **(model_kwargs or {})}
     traced = trace(model, *args, histograms=True, model_kwargs=call_kwargs)
-    chosen = depth_rows(traced, sites)  # a mistyped selector fails here, before anything is drawn
+    chosen = traced.measured_leaves(sites)  # a mistyped selector fails here, before anything is drawn
     figures: dict[str, Image | None] = {"layer_stats": None, "histograms": None}
     if chosen:
         figures["layer_stats"] = _layer_stats(traced, sites)
@@ -174,9 +171,9 @@ def _counted_histogram(row: TraceRow) -> Histogram | None:
 
 
 def _histograms(named: list[tuple[str, Histogram]]) -> Image:
-    from hookscope.plots.activations import histogram_grid
+    from hookscope.plots import histograms
 
-    fig = histogram_grid(named)  # one panel per chosen call, not every call of a reused module
+    fig = histograms(named)  # one panel per chosen call, not every call of a reused module
     return embed(
         fig,
         f"value histograms of {len(named)} layers",

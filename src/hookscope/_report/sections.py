@@ -11,11 +11,11 @@ from typing import Any
 from torch import nn
 
 from hookscope._core.params import count, own_count
-from hookscope._grads.records import GradStep
+from hookscope._grads import GradStep
+from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.units import format_number
-from hookscope._trace.result import Trace
-from hookscope._trace.rows import TensorInfo, TraceRow, format_shape
+from hookscope._trace import TensorInfo, Trace, TraceRow
 
 __all__ = ["COLUMNS", "Column", "details", "feature_map_rows", "overview", "param_rows", "table_rows"]
 

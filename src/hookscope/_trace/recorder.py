@@ -31,8 +31,9 @@ from hookscope._core.sites import REPLICAS_HINT, CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
 from hookscope._shared.identity import SeenTensors
+from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
-from hookscope._trace.result import Trace, describe_call
+from hookscope._trace.result import Trace
 from hookscope._trace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope._trace.timing import CallClock, PeakMemory
 from hookscope._version import __version__
@@ -68,17 +69,6 @@ def _record_done(streams: set[torch.cuda.Stream]) -> list[torch.cuda.Event]:
         event.record(stream)
         events.append(event)
     return events
-
-
-def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The tensor's shape; a nested tensor's ragged sizes are -1 (shown as ``?``)."""
-    if not tensor.is_nested:
-        return tuple(tensor.shape)
-    sizes = [component.shape for component in tensor.unbind()]
-    if not sizes:
-        return (0, *(-1,) * (tensor.dim() - 1))
-    ragged = (len({size[d] for size in sizes}) == 1 for d in range(tensor.dim() - 1))
-    return (len(sizes), *(sizes[0][d] if same else -1 for d, same in enumerate(ragged)))
 
 
 @dataclass
@@ -474,7 +464,7 @@ def trace(
         except Exception as error:
             failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is not None and hasattr(error, "add_note"):
-                error.add_note(f"hookscope.trace: the error went through {describe_call(failure)}")
+                error.add_note(f"hookscope.trace: the error went through {failure.describe()}")
             raise
     return tracer.trace
 

@@ -10,9 +10,10 @@ import io
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.units import format_bytes, format_number
-from hookscope._trace.rows import TensorInfo, TraceRow, format_shape
+from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import SpecError
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from hookscope._core.names import WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
 from hookscope._shared.files import atomic_path
 from hookscope._shared.json import finite_json
-from hookscope._trace.rows import TensorInfo, TraceRow, format_shape
+from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
 
-__all__ = ["MASK_WORDS", "Trace", "accepted_input", "describe_call"]
+__all__ = ["MASK_WORDS", "Trace", "accepted_input"]
 
 # An input whose name holds one of these words may carry -inf on purpose (an additive mask).
 MASK_WORDS = ("mask", "bias")
@@ -110,6 +110,25 @@ class Trace(Sequence[TraceRow]):
         """The rows of the modules ``selector`` picks (any hookscope selector), in call order."""
         names = self._names_of(selector)
         return [row for row in self.rows if row.name in names]
+
+    def measured_leaves(self, sites: Selector | Sequence[Selector] | None = None) -> list[TraceRow]:
+        """The rows to draw along depth, in the order their outputs came to exist.
+
+        By default the calls of leaf modules (a container only passes its last child's output
+        on); ``sites`` picks other modules. Only calls that returned measured outputs count.
+
+        >>> import torch, hookscope as hs
+        >>> t = hs.trace(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), torch.ones(1, 2))
+        >>> [row.name for row in t.measured_leaves()]
+        ['0', '1']
+        """
+        if sites is not None:
+            rows = self.select(sites)  # type: ignore[arg-type]
+        else:
+            parents = {row.parent for row in self.rows}
+            rows = [row for row in self.rows if row.order not in parents and row.name]
+        measured = [row for row in rows if row.stats is not None and row.finished is not None]
+        return sorted(measured, key=lambda row: row.finished or 0)
 
     @property
     def failure(self) -> TraceRow | None:
@@ -245,9 +264,3 @@ def _write(path: str | os.PathLike[str] | None, text: str) -> str:
         with atomic_path(path) as temporary:
             Path(temporary).write_text(text, encoding="utf-8")
     return text
-
-
-def describe_call(row: TraceRow) -> str:
-    """``"'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32"``."""
-    inputs = ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in row.inputs) or "no tensors"
-    return f"{row.name or '(root)'!r} ({row.class_name}, call {row.call}) with inputs {inputs}"

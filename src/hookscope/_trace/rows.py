@@ -6,16 +6,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hookscope._shared.histogram import Histogram
+from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 
-__all__ = ["CallStatus", "TensorInfo", "TraceRow", "format_shape"]
+__all__ = ["CallStatus", "TensorInfo", "TraceRow"]
 
 CallStatus = Literal["ok", "raised"]
-
-
-def format_shape(shape: tuple[int, ...]) -> str:
-    """``(2, 16, 32)`` -> ``"[2, 16, 32]"``; a scalar is ``"[]"``; a ragged size (-1) is ``?``."""
-    return "[" + ", ".join("?" if size < 0 else str(size) for size in shape) + "]"
 
 
 @dataclass(frozen=True)
@@ -42,6 +38,16 @@ class TensorInfo:
     def finite(self) -> bool | None:
         """True/False when statistics were computed, None when they were not."""
         return None if self.stats is None else self.stats.finite
+
+    def describe(self) -> str:
+        """The call in words, for error notes.
+
+        For example ``'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32``.
+        """
+        inputs = (
+            ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in self.inputs) or "no tensors"
+        )
+        return f"{self.name or '(root)'!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (statistics nested under ``"stats"``)."""

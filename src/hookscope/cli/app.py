@@ -186,7 +186,6 @@ def trace_command(
 
     from hookscope._core.select import select
     from hookscope._trace import TraceRow, tracing
-    from hookscope._trace.result import describe_call
     from hookscope.cli.sample import prepare
 
     sample = prepare(model, input_shape, dtype, seed)
@@ -214,7 +213,7 @@ def trace_command(
     if failed is not None:  # the partial trace is shown and written; then the error, and exit 1
         raised, where = failed
         typer.echo(f"error: {type(raised).__name__}: {raised}", err=True)
-        typer.echo(f"the forward raised in {describe_call(where)}", err=True)
+        typer.echo(f"the forward raised in {where.describe()}", err=True)
         raise typer.Exit(EXIT_FAILURE)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hookscope._shared.histogram import DEFAULT_BINS, Histogram
+from hookscope._shared.thinning import DEFAULT_MAX_SITES, spread
 from hookscope.errors import SpecError
 from hookscope.plots.figure import grid, literal, new_figure, short_label
 
@@ -17,10 +18,9 @@ if TYPE_CHECKING:
     from hookscope._core.select import Selector
     from hookscope._trace.result import Trace
 
-__all__ = ["feature_maps", "histogram_grid", "histograms", "spread"]
+__all__ = ["feature_maps", "histogram_grid", "histograms"]
 
 _HISTOGRAM_COLUMNS = 4
-DEFAULT_MAX_SITES = 16
 
 
 def feature_maps(
@@ -71,7 +71,7 @@ def feature_maps(
 
 
 def histograms(
-    source: Trace | Mapping[str, torch.Tensor],
+    source: Trace | Mapping[str, torch.Tensor] | Sequence[tuple[str, Histogram]],
     sites: Selector | Sequence[str] | None = None,
     *,
     bins: int = DEFAULT_BINS,
@@ -82,7 +82,8 @@ def histograms(
 
     ``source`` is a trace taken with ``histograms=True`` (its histograms were counted on the
     device) or a capture (``Cache``, or any mapping of names to tensors: the values are
-    counted here). ``sites`` picks what to draw: a selector for a trace, keys for a capture;
+    counted here), or ``(label, Histogram)`` pairs already counted, drawn as given. ``sites``
+    picks what to draw: a selector for a trace, keys for a capture;
     by default every layer with values, thinned to ``max_sites`` spread from first to last.
     ``log=True`` puts the counts on a log axis, where a few outliers stay visible.
 
@@ -91,7 +92,12 @@ def histograms(
         t = hs.trace(model, x, histograms=True)
         hs.plots.histograms(t, sites="layer*", log=True).savefig("histograms.png")
     """
-    named = _trace_histograms(source, sites) if _is_trace(source) else _cache_histograms(source, sites, bins)  # type: ignore[arg-type]
+    if isinstance(source, (list, tuple)):
+        if sites is not None:
+            raise SpecError("sites= picks from a trace or a capture; (label, Histogram) pairs are drawn as given")
+        return histogram_grid(source, log=log)
+    traced = _is_trace(source)
+    named = _trace_histograms(source, sites) if traced else _cache_histograms(source, sites, bins)  # type: ignore[arg-type]
     if not named:
         raise SpecError("no values to draw: the chosen sites hold no tensor with a finite value")
     return histogram_grid(spread(named, max_sites) if sites is None else named, log=log)
@@ -111,18 +117,6 @@ def histogram_grid(named: Sequence[tuple[str, Histogram]], *, log: bool = False)
         ax.tick_params(which="both", labelsize=6)
     fig.suptitle("value distributions" + (" (log counts)" if log else ""), fontsize=9)
     return fig
-
-
-def spread(items: list[Any], limit: int) -> list[Any]:
-    """At most ``limit`` of ``items``, evenly spread from the first to the last (both kept)."""
-    if limit < 1:
-        raise SpecError(f"max_sites={limit}; expected at least 1")
-    if len(items) <= limit:
-        return items
-    if limit == 1:
-        return items[:1]
-    picks = sorted({round(i * (len(items) - 1) / (limit - 1)) for i in range(limit)})
-    return [items[i] for i in picks]
 
 
 def _channel_maps(value: torch.Tensor | np.ndarray, sample: int) -> np.ndarray:

@@ -13,21 +13,8 @@ from hookscope.plots.figure import depth_figure, label_layers
 if TYPE_CHECKING:
     from hookscope._core.select import Selector
     from hookscope._trace.result import Trace
-    from hookscope._trace.rows import TraceRow
 
-__all__ = ["depth_rows", "layer_stats"]
-
-
-def depth_rows(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> list[TraceRow]:
-    """The rows to draw along depth: by default the calls of leaf modules (containers only pass
-    their last child's output on), in the order their outputs came to exist."""
-    if sites is not None:
-        rows = trace.select(sites)  # type: ignore[arg-type]
-    else:
-        parents = {row.parent for row in trace.rows}
-        rows = [row for row in trace.rows if row.order not in parents and row.name]
-    measured = [row for row in rows if row.stats is not None and row.finished is not None]
-    return sorted(measured, key=lambda row: row.finished or 0)
+__all__ = ["layer_stats"]
 
 
 def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> Any:
@@ -44,7 +31,7 @@ def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None
     """
     if trace.meta.get("stats") is False:
         raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
-    rows = depth_rows(trace, sites)
+    rows = trace.measured_leaves(sites)
     if not rows:
         raise SpecError("no layer of this trace has measured outputs to draw")
     stats = [row.stats for row in rows]
