@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import doctest
+import inspect
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hookscope as hs
 from hookscope import errors
@@ -37,3 +41,32 @@ def test_errors_derive_from_base_and_builtin(error: type[Exception], builtin: ty
     assert issubclass(error, errors.HookscopeError)
     assert issubclass(error, builtin)
     assert error.__name__ in (errors.__doc__ or "")
+
+
+def test_every_export_names_hookscope_as_its_module() -> None:
+    """Reprs, tracebacks and pickles show the name a user writes, never a private path."""
+    for name in hs.__all__:
+        exported = getattr(hs, name)
+        if isinstance(exported, type) or inspect.isfunction(exported):
+            assert exported.__module__ == "hookscope", name
+    assert repr(hs.Capture).startswith("<class 'hookscope.Capture'")
+
+
+def test_exports_still_pickle_and_keep_their_source() -> None:
+    site = hs.Site("h.0.mlp", 1, "output", "[0]")
+    assert pickle.loads(pickle.dumps(site)) == site
+    stats = hs.tensor_stats(torch.arange(4.0))
+    assert pickle.loads(pickle.dumps(stats)) == stats
+    assert inspect.getsourcefile(hs.capture) is not None
+    assert inspect.getsourcefile(hs.capture).endswith("recorder.py")  # type: ignore[union-attr]
+
+
+def test_doctests_of_exports_are_collected_where_they_are_defined() -> None:
+    """The doctest finder is told each export's real module (see conftest.py): a class's
+    method examples would otherwise be skipped silently."""
+    finder = doctest.DocTestFinder()
+    from hookscope._trace import result
+
+    names = {test.name for test in finder.find(result)}
+    assert "hookscope._trace.result.Trace.measured_leaves" in names
+    assert not any("Trace" in test.name for test in finder.find(hs))

@@ -113,3 +113,29 @@ __all__ = [
     "tracing",
     "watch_grads",
 ]
+
+
+#: Where each export rewritten below is defined, for tools that must find its source module
+#: (the test suite's doctest collection reads it; ``inspect.getsourcefile`` still works).
+_defined_in: dict[object, str] = {}
+
+
+def _own_exports() -> None:
+    """Name ``hookscope`` as the home of every exported class and function.
+
+    Reprs, tracebacks, pickles and documentation then show ``hookscope.Capture``, the name a
+    user writes, not the private module it happens to be defined in (``hookscope._capture...``).
+    """
+    for name in __all__:
+        exported = globals()[name]
+        home = getattr(exported, "__module__", None)
+        if (
+            (isinstance(exported, type) or callable(exported))
+            and isinstance(home, str)
+            and home.startswith("hookscope.")
+        ):
+            _defined_in[exported] = home
+            exported.__module__ = __name__
+
+
+_own_exports()
