@@ -12,25 +12,23 @@ from importlib import resources
 from typing import Any
 
 from hookscope._shared.json import finite_json
-from hookscope.errors import MissingDependencyError
+from hookscope._shared.optional import require
 
 __all__ = ["render", "script_json"]
 
 
 def render(context: dict[str, Any]) -> str:
     """The report's HTML for ``context`` (the template's variables, assets added here)."""
-    try:
-        import jinja2
-    except ImportError as error:
-        raise MissingDependencyError("reports need jinja2 and matplotlib: pip install 'hookscope[report]'") from error
+    jinja2 = require("jinja2", purpose="hs.report", extra="report")
     assets = resources.files("hookscope._report") / "assets"
     environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     template = environment.from_string((assets / "report.html.j2").read_text(encoding="utf-8"))
-    return template.render(
+    html: str = template.render(
         **context,
         css=(assets / "report.css").read_text(encoding="utf-8"),
         js=(assets / "report.js").read_text(encoding="utf-8"),
     )
+    return html
 
 
 def script_json(value: Any) -> str:

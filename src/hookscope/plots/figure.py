@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hookscope.errors import MissingDependencyError
+from hookscope._shared.optional import require
 
 __all__ = ["depth_figure", "grid", "label_layers", "literal", "new_figure", "short_label"]
 
@@ -15,11 +15,8 @@ _MAX_TICKS = 48  # layer names under an axis; a deeper model names every k-th la
 
 def new_figure(width: float, height: float) -> Any:
     """A pyplot-free ``Figure`` (no window, no global state), or a clear error without matplotlib."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise MissingDependencyError("plots need matplotlib: pip install 'hookscope[plots]'") from error
-    return Figure(figsize=(width, height), layout="constrained")
+    figure = require("matplotlib.figure", purpose="hs.plots", extra="plots")
+    return figure.Figure(figsize=(width, height), layout="constrained")
 
 
 def depth_figure(layers: int, height: float, *, per_layer: float = 0.22) -> Any:
