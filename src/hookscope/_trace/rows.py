@@ -39,16 +39,6 @@ class TensorInfo:
         """True/False when statistics were computed, None when they were not."""
         return None if self.stats is None else self.stats.finite
 
-    def describe(self) -> str:
-        """The call in words, for error notes.
-
-        For example ``'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32``.
-        """
-        inputs = (
-            ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in self.inputs) or "no tensors"
-        )
-        return f"{self.name or '(root)'!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (statistics nested under ``"stats"``)."""
         described: dict[str, Any] = {
@@ -96,6 +86,16 @@ class TraceRow:
     def site(self) -> str:
         """``name#call``, the row's address (``(root)`` for the model itself)."""
         return f"{self.name or '(root)'}#{self.call}"
+
+    def describe(self) -> str:
+        """The call in words, for error notes.
+
+        For example ``'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32``.
+        """
+        inputs = (
+            ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in self.inputs) or "no tensors"
+        )
+        return f"{self.name or '(root)'!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
 
     @property
     def output(self) -> TensorInfo | None:
