@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
 from hookscope._core.attach import attached
+from hookscope._core.select import select_names
 from tests.models import Handshake, track
 
 
@@ -388,7 +389,7 @@ def test_a_trace_reads_back_under_the_wrappers_spelling_too() -> None:
     trace = hs.trace(parallel, torch.randn(1, 2))
     assert trace["module.0"] is trace["0"]
     with pytest.raises(hs.SelectionError, match="did you mean '0'"):
-        hs.core.select.select_names([row.name for row in trace.rows], "module.0")
+        select_names([row.name for row in trace.rows], "module.0")
 
 
 def test_a_wrapped_and_a_bare_model_diff_alike_either_way_round() -> None:
