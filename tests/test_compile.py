@@ -17,7 +17,7 @@ import torch._dynamo
 from torch import nn
 
 import hookscope as hs
-from hookscope._core import compiled
+from hookscope._core.compat import compiled
 from hookscope.errors import UnsupportedModelError
 from tests.models import Handshake
 
