@@ -203,7 +203,7 @@ class TestPasses:
             def other_thread(self, x: torch.Tensor) -> None:
                 try:
                     self(x)
-                except hs.CaptureError as error:
+                except hs.ConcurrentPassError as error:
                     errors.append(error)
 
         model = CallsFromAThread()

@@ -191,7 +191,8 @@ def test_a_second_thread_inside_a_pass_is_refused_and_the_first_pass_is_whole() 
         out = model(first)
         other.join(timeout=30)
     assert len(refused) == 1
-    assert isinstance(refused[0], hs.errors.CaptureError)
+    assert isinstance(refused[0], hs.ConcurrentPassError)
+    assert (refused[0].feature, refused[0].module) == ("capture", "")  # the other thread entered the model
     assert "another thread" in str(refused[0])
     assert "DataParallel" in str(refused[0])
     torch.testing.assert_close(cap["1"], out)  # the refused call left the open pass alone
@@ -212,7 +213,7 @@ def test_threads_racing_to_open_passes_never_mix_them() -> None:
             try:
                 model(inputs[i])
                 done.append(i)
-            except hs.errors.CaptureError:
+            except hs.ConcurrentPassError:
                 pass
 
     with torch.no_grad(), hs.capture(model, ["0", "2"], keep="both", passes="all") as cap:

@@ -291,7 +291,7 @@ def test_a_second_thread_inside_a_compiled_pass_is_refused_and_the_pass_stays_wh
         out = compiled_model(first)
         other.join(timeout=30)
     assert len(refused) == 1
-    assert isinstance(refused[0], hs.errors.CaptureError)
+    assert isinstance(refused[0], hs.ConcurrentPassError)
     assert sorted(cap) == ["0#0:output", "1#0:output", "2#0:output"]
     torch.testing.assert_close(cap["2"], out)
     torch.testing.assert_close(cap["0"], model[0](first))

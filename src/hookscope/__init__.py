@@ -32,6 +32,7 @@ from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
 from hookscope.errors import (
     CaptureError,
+    ConcurrentPassError,
     EditError,
     FileFormatError,
     HookscopeError,
@@ -51,6 +52,7 @@ __all__ = [
     "Cache",
     "Capture",
     "CaptureError",
+    "ConcurrentPassError",
     "Diff",
     "DiffRow",
     "Divergence",

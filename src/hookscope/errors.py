@@ -15,6 +15,8 @@ does::
     ├── MissingDependencyError (ImportError)  an optional package is needed and not installed
     ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
     │                                      budget, or its value was changed in place after capture
+    ├── ConcurrentPassError (RuntimeError)  a second thread entered the model while a feature was
+    │                                      recording a forward pass on another thread
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "ConcurrentPassError",
     "EditError",
     "FileFormatError",
     "HookscopeError",
@@ -93,6 +96,23 @@ class CaptureError(HookscopeError, RuntimeError):
     names the largest sites), or, on read, when a value kept without a copy was changed in
     place after it was captured.
     """
+
+
+class ConcurrentPassError(HookscopeError, RuntimeError):
+    """A second thread entered the model while a feature was recording a forward pass on another.
+
+    Features that number a pass's calls (``trace``, ``detect_nonfinite``, ``watch_grads``,
+    ``diff``, ``capture``, call-counting ``hooks``) follow one pass at a time: hooks belong to
+    the modules, not to a thread, so the calls of two threads' passes would interleave in one
+    record. The second thread is refused at its first hooked call and the first thread's pass
+    goes on whole. ``feature`` names the feature recording (``"trace"``, ...) and ``module``
+    the module the refused thread entered (``""`` for the model itself).
+    """
+
+    def __init__(self, message: str, *, feature: str = "", module: str = "") -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.module = module
 
 
 class NonFiniteError(HookscopeError, FloatingPointError):

@@ -101,7 +101,7 @@ class Capture(Scoped):
         self._whats = _check_keep(keep)
         self._want = call_filter(calls, also=("last",))
         self._stop = stop
-        self._tracker = CallTracker(listener=self)
+        self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
         self._selected = select(model, list(selectors))  # a union, each module once, in model order
         meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
@@ -251,14 +251,6 @@ class Capture(Scoped):
     def pass_abandoned(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt skips closing hooks)."""
         self._keeper.abandon()
-
-    def refuse_thread(self) -> Exception:
-        """Another thread entered while a pass is open."""
-        return CaptureError(
-            "this capture is already recording a forward pass on another thread; "
-            "make one capture per thread (threads running nn.DataParallel replicas are kept apart, per "
-            "device, in capture.replicas)"
-        )
 
     def _outliving_storages(self, *escaping: Any) -> set[int]:
         """Memory that outlives the forward: its inputs and outputs, the parameters and buffers."""

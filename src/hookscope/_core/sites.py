@@ -23,15 +23,25 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
-from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
+from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
-# The id of the backward pass running on this thread, -1 outside one (read once per pass).
+# The id of the backward pass running on this thread, -1 outside one.
 _GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
-__all__ = ["REPLICAS_HINT", "CallTracker", "PassListener", "Site", "SiteKind", "call_filter", "is_reentered"]
+__all__ = [
+    "REPLICAS_HINT",
+    "CallTracker",
+    "PassListener",
+    "Site",
+    "SiteKind",
+    "call_filter",
+    "in_backward",
+    "is_reentered",
+]
 
-#: Ends the refusal of another thread by the features that record one thread's pass.
+#: Ends the refusal of another thread: the one case where threads are expected.
 REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
@@ -94,18 +104,25 @@ def is_reentered(module: nn.Module) -> bool:
     return False
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread: a module called now is a
+    checkpointed block (``torch.utils.checkpoint``) recomputing its forward."""
+    return _GRAPH_TASK() != -1
+
+
 class PassListener(Protocol):
-    """Told by a :class:`CallTracker` when a forward pass starts, ends, or was cut short."""
+    """Told by a :class:`CallTracker` when a forward pass starts, ends, or was cut short.
+
+    A listener that keeps ``nn.DataParallel`` replicas apart (the capture) also sets
+    ``accepts_replicas = True``; any other thread entering during a pass is refused by the
+    tracker itself, with one :class:`~hookscope.errors.ConcurrentPassError` for every feature.
+    """
 
     def pass_started(self, module: nn.Module) -> None: ...
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None: ...
 
     def pass_abandoned(self) -> None: ...
-
-    def refuse_thread(self) -> Exception:
-        """The error to raise when another thread enters while a pass is open."""
-        ...
 
 
 def _replica_opener(name: str) -> Exception:
@@ -136,15 +153,19 @@ class CallTracker:
     a pass of its own. A pass belongs to the thread that opened it; another thread entering
     meanwhile is refused, unless it runs ``nn.DataParallel`` replicas of the watched modules
     (shallow copies sharing their hook dicts) and the listener says ``accepts_replicas``: each
-    such thread then numbers its calls on its own. A pass whose opening module is entered again with no outer call of it
-    on the stack was cut short (``KeyboardInterrupt`` skips ``always_call`` hooks) and is dropped.
-    Modules are keyed by identity, so a module reachable under two names has one counter.
+    such thread then numbers its calls on its own. A refused thread gets a
+    :class:`~hookscope.errors.ConcurrentPassError` naming ``feature``, the one that records (the
+    ``hs.`` verb: ``"trace"``, ``"capture"``, ...). A pass whose opening module is entered again
+    with no outer call of it on the stack was cut short (``KeyboardInterrupt`` skips
+    ``always_call`` hooks) and is dropped. Modules are keyed by identity, so a module reachable
+    under two names has one counter.
 
     The hot path is a few dict operations and a list append/pop: no introspection per call.
     """
 
     __slots__ = (
         "_counts",
+        "_feature",
         "_listener",
         "_lock",
         "_names",
@@ -157,7 +178,8 @@ class CallTracker:
         "replaying",
     )
 
-    def __init__(self, listener: PassListener | None = None) -> None:
+    def __init__(self, listener: PassListener | None = None, *, feature: str = "hooks") -> None:
+        self._feature = feature
         self._counts: dict[int, int] = {}
         self._open: dict[int, list[int]] = {}
         self._open_calls = 0
@@ -198,7 +220,7 @@ class CallTracker:
         if self._open_calls == 0:
             with self._lock:  # two threads entering at once: one opens the pass, the other is refused
                 if self._open_calls:
-                    raise self._refusal()
+                    raise self._refusal(module)
                 if self._originals.get(id(module._forward_pre_hooks), key) != key:
                     raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
                 self._open_pass(module, key, threading.get_ident())
@@ -210,7 +232,7 @@ class CallTracker:
         self._replicas = {}
         self._opener = key
         self._thread = thread
-        self.replaying = _GRAPH_TASK() != -1
+        self.replaying = in_backward()
         if self._listener is not None:
             self._listener.pass_started(module)
 
@@ -252,7 +274,8 @@ class CallTracker:
     def owns(self) -> bool:
         """True on the thread whose pass is open: a closing hook running for a call refused on
         another thread (``always_call`` hooks run for those too) must leave the pass alone."""
-        return self._open_calls > 0 and self._on_owning_thread()
+        # _on_owning_thread(), inlined: this runs in every recorder's closing hook
+        return self._open_calls > 0 and (is_compiling() or threading.get_ident() == self._thread)
 
     def _on_owning_thread(self) -> bool:
         """True on the thread of the open pass. Inside compiled code the thread cannot be read
@@ -280,7 +303,7 @@ class CallTracker:
         original = self._originals.get(id(module._forward_pre_hooks))
         accepts = self._listener is None or getattr(self._listener, "accepts_replicas", False)
         if original is None or original == id(module) or not accepts:
-            raise self._refusal()
+            raise self._refusal(module)
         replica = self._replica_calls()
         if replica is None:
             with self._lock:
@@ -315,11 +338,16 @@ class CallTracker:
         if self._listener is not None:
             self._listener.pass_abandoned()
 
-    def _refusal(self) -> Exception:
-        if self._listener is not None:
-            return self._listener.refuse_thread()
-        return HookscopeError(
-            "these hooks are already counting a forward pass on another thread; attach one group per thread"
+    def _refusal(self, module: nn.Module) -> ConcurrentPassError:
+        """The one error for a thread entering during another thread's pass (on that rare path only)."""
+        key = self._originals.get(id(module._forward_pre_hooks), id(module))  # a replica: its original's name
+        name = self._names.get(key, "")
+        return ConcurrentPassError(
+            f"hs.{self._feature} is already recording a forward pass on another thread, and this thread entered "
+            f"{name or '(root)'!r}: expected one thread at a time, since the calls of two passes would mix; call "
+            f"the model from one thread, or give each thread its own copy of the model; {REPLICAS_HINT}",
+            feature=self._feature,
+            module=name,
         )
 
 

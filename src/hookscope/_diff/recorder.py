@@ -4,25 +4,25 @@ Run a records every call of the chosen modules (order, class, shapes) while ``hs
 keeps their values (on ``keep_on``, the CPU by default; safe against later in-place ops, and
 a tensor seen twice is kept once). Run b compares each value the moment its module produces
 it, queueing the metrics on b's device, and lets go of a's value once compared: the peak is
-a's values plus b's own forward, never both activation sets held at once.
+a's values plus b's own forward, never both activation sets held at once. Both runs are
+:class:`~hookscope._shared.call_recorder.CallRecorder` s whose hooks run eagerly under
+``torch.compile``: comparing reads values back.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from hookscope._capture import Cache
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
-from hookscope._core.compat.compiled import EAGER, is_compiling
-from hookscope._core.sites import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._diff.metrics import raw_metrics
+from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import is_measurable
 from hookscope.errors import HookscopeError
@@ -76,87 +76,54 @@ def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-class _Run(Scoped):
-    """Hooks on every chosen module of one model, numbered by a call tracker, removed by the caller."""
+@dataclass(eq=False)
+class _Module(Watched):
+    leaf: bool  # has no children: a container passes a child's values on
 
-    def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]], owner: str) -> None:
-        self._tracker = CallTracker(listener=self)
-        specs = []
-        for name, module in modules:
-            specs.append(
-                HookSpec(name, module, "forward_pre", self._enter(name, module), with_kwargs=True, fitted=True)
-            )
-            specs.append(HookSpec(name, module, "forward", self._leave(name), with_kwargs=True, fitted=True))
+
+R = TypeVar("R", Kept, CallDraft)
+
+
+@dataclass(eq=False)
+class _Open(OpenCall[_Module], Generic[R]):
+    record: R  # what the run keeps of the call
+
+
+class _Run(CallRecorder[_Module, _Open[R]]):
+    """Hooks on every chosen module of one model, run once; removed by the caller."""
+
+    feature = "diff"
+
+    def __init__(self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> None:
         self.passes = 0
-        self._group = HookGroup(model, specs, owner=owner, tracker=self._tracker, restore_mode=False)
+        super().__init__(model, modules, escape_compiled=True)
 
-    def _enter(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current, class_name = self._tracker.current, type(module).__name__
-        leaf = next(module.children(), None) is None
+    def watch(self, name: str, module: nn.Module) -> _Module:
+        return _Module(name, type(module).__name__, next(module.children(), None) is None)
 
-        def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if is_compiling():  # the comparison reads values back: run it eagerly
-                EAGER(type(self).opened)(self, name, current(module), class_name, leaf, call_leaves(args, kwargs))
-                return
-            self.opened(name, current(module), class_name, leaf, call_leaves(args, kwargs))
-
-        return enter
-
-    def _leave(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        current = self._tracker.current
-
-        def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if is_compiling():
-                EAGER(type(self).closed)(self, name, current(module), flatten_tensors(output, ""))
-                return
-            self.closed(name, current(module), flatten_tensors(output, ""))
-
-        return leave
-
-    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
-        raise NotImplementedError
-
-    def closed(self, name: str, call: int, leaves: Leaves) -> None:
-        raise NotImplementedError
-
-    # -- told by the call tracker ---------------------------------------------------------------
-
-    def pass_started(self, module: nn.Module) -> None:
+    def start_pass(self, module: nn.Module) -> None:
         self.passes += 1
         if self.passes > 1:
             raise HookscopeError("a diff runs each model once; this model was called a second time in one run")
 
-    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        pass
 
-    def pass_abandoned(self) -> None:
-        pass
-
-    def refuse_thread(self) -> Exception:
-        return HookscopeError("a diff follows one thread; this model was entered from another thread meanwhile")
-
-
-class Reference(_Run):
+class Reference(_Run[Kept]):
     """Run a: every call, in the order calls began, with its shapes; :meth:`fill` adds the values."""
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
         self.calls: list[Kept] = []
-        self._open: dict[tuple[str, int], Kept] = {}
-        super().__init__(model, modules, owner="diff")
+        super().__init__(model, modules)
 
-    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
-        kept = Kept(name, call, class_name, leaf)
-        for path, tensor in leaves:
+    def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Open[Kept]:
+        kept = Kept(site.name, call, site.class_name, site.leaf)
+        for path, tensor in call_leaves(args, kwargs):
             kept.shapes["input" + path] = (shape_of(tensor), _dtype(tensor))
         self.calls.append(kept)
-        self._open[(name, call)] = kept
+        return _Open(site, call, handled, kept)
 
-    def closed(self, name: str, call: int, leaves: Leaves) -> None:
-        kept = self._open.pop((name, call), None)  # no always_call: this runs only after a call returned
-        if kept is None:
-            return
-        for path, tensor in leaves:
-            kept.shapes["output" + path] = (shape_of(tensor), _dtype(tensor))
+    def close_call(self, draft: _Open[Kept], output: Any) -> None:
+        for path, tensor in flatten_tensors(output, ""):
+            draft.record.shapes["output" + path] = (shape_of(tensor), _dtype(tensor))
 
     def fill(self, cache: Cache) -> None:
         """Take the values of every recorded call from ``cache`` (a capture of the same forward)."""
@@ -167,7 +134,7 @@ class Reference(_Run):
                 (kept.inputs if site.what == "input" else kept.outputs)[site.path] = cache[site]
 
 
-class Comparer(_Run):
+class Comparer(_Run[CallDraft]):
     """Run b: each value measured against run a's as it is produced; a's copy is let go after."""
 
     def __init__(
@@ -178,7 +145,6 @@ class Comparer(_Run):
         pairs: dict[str, str] | None,
     ) -> None:
         self.drafts: list[CallDraft] = []
-        self._open: dict[tuple[str, int], CallDraft] = {}
         self._by_site = {(kept.name, kept.call): kept for kept in reference}
         self._in_order = list(reference)
         self._pairs = pairs  # None: match by order
@@ -186,7 +152,7 @@ class Comparer(_Run):
         self._finished = 0
         self.matched: set[tuple[str, int]] = set()
         self._measured: Measured = {}
-        super().__init__(model, modules, owner="diff")
+        super().__init__(model, modules)
 
     def _reference(self, name: str, call: int) -> Kept | None:
         if self._pairs is None:
@@ -195,28 +161,26 @@ class Comparer(_Run):
         name_a = self._pairs.get(name)
         return None if name_a is None else self._by_site.get((name_a, call))
 
-    def opened(self, name: str, call: int, class_name: str, leaf: bool, leaves: Leaves) -> None:
-        kept = self._reference(name, call)
+    def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Open[CallDraft]:
+        kept = self._reference(site.name, call)
         self._started += 1
-        draft = CallDraft(name, call, class_name, leaf, kept)
+        draft = CallDraft(site.name, call, site.class_name, site.leaf, kept)
         if kept is not None:
             self.matched.add((kept.name, kept.call))
-            draft.leaves = compare_leaves("input", kept.inputs, kept.shapes, leaves, self._measured)
+            draft.leaves = compare_leaves("input", kept.inputs, kept.shapes, call_leaves(args, kwargs), self._measured)
             kept.inputs.clear()  # compared: a's copies of them can go
         self.drafts.append(draft)
-        self._open[(name, call)] = draft
+        return _Open(site, call, handled, draft)
 
-    def closed(self, name: str, call: int, leaves: Leaves) -> None:
-        draft = self._open.pop((name, call), None)
-        if draft is None:
-            return
-        draft.finished = self._finished
+    def close_call(self, draft: _Open[CallDraft], output: Any) -> None:
+        compared = draft.record
+        compared.finished = self._finished
         self._finished += 1
-        if draft.reference is not None:
-            draft.leaves += compare_leaves(
-                "output", draft.reference.outputs, draft.reference.shapes, leaves, self._measured
-            )
-            draft.reference.outputs.clear()
+        if compared.reference is not None:
+            reference = compared.reference
+            leaves = flatten_tensors(output, "")
+            compared.leaves += compare_leaves("output", reference.outputs, reference.shapes, leaves, self._measured)
+            reference.outputs.clear()
 
 
 Measured = dict[tuple[int, int], tuple["weakref.ref[torch.Tensor]", int, tuple[int, torch.Tensor]]]

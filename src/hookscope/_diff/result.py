@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from hookscope._diff.metrics import Metrics
+from hookscope._shared.blame import findings
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.units import format_number
 from hookscope.errors import MissingDependencyError
@@ -193,15 +194,25 @@ class Diff(Sequence[DiffRow]):
         """The first site, in the order b made its outputs, out of tolerance (None: all within).
 
         Within means ``max|a - b| <= atol + rtol * max|a|`` for the tensor; a site whose shapes
-        differ is out. The result says whether that call's inputs were still within tolerance
-        (this layer introduced the difference) or already differed (it came in).
+        differ is out. The result says, by the blame rule of :mod:`hookscope._shared.blame`,
+        whether that call's inputs were still within tolerance (this layer introduced the
+        difference; also when it takes no tensor) or already differed (it came in). Unlike a
+        NaN, a difference that came in is still where the two models part, so it is returned.
         """
         rtol, atol = self._tolerance(rtol, atol)
-        for row in self.rows:
-            if not row.within(rtol=rtol, atol=atol):
-                inputs = row.inputs_within(rtol=rtol, atol=atol)
-                return Divergence(row, inputs, rtol, atol, inputs_compared=self.meta.get("inputs", True))
-        return None
+        found = next(
+            findings(
+                self.rows,
+                output_fine=lambda row: row.within(rtol=rtol, atol=atol),
+                inputs_fine=lambda row: row.inputs_within(rtol=rtol, atol=atol) is not False,
+            ),
+            None,
+        )
+        if found is None:
+            return None
+        row = found.call
+        inputs = None if not row.inputs else found.introduced  # no tensor input: neither
+        return Divergence(row, inputs, rtol, atol, inputs_compared=self.meta.get("inputs", True))
 
     def within(self, *, rtol: float | None = None, atol: float | None = None) -> bool:
         """True when every compared site is within tolerance and none is missing on either side."""

@@ -21,7 +21,6 @@ gradients to the step's statistics.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,17 +28,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.sites import REPLICAS_HINT, CallTracker
+from hookscope._core.sites import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._grads.records import GradRecord, GradStep, GradWhat
 from hookscope._grads.replay import Replay, checkpoint_context
 from hookscope._grads.summary import GradSummary, summarise
+from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.identity import SeenTensors
 from hookscope._shared.stats import RawStats, Stats, full_value, is_measurable, merge_raw, raw_stats, read_stats
-from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
+from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["DEAD_UNIT_TYPES", "GradMonitor", "watch_grads"]
 
@@ -47,12 +46,16 @@ __all__ = ["DEAD_UNIT_TYPES", "GradMonitor", "watch_grads"]
 DEAD_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6, nn.Threshold)
 
 
-_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+@dataclass(eq=False)
+class _Module(Watched):
+    watches_units: bool  # a ReLU-like activation: its dead units are looked for
+    unhooked: _Open | None = None  # the draft of each call left unhooked (no grad, or hooked already)
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (a checkpointed block recomputing its forward)."""
-    return _GRAPH_TASK() != -1
+@dataclass(eq=False)
+class _Open(OpenCall[_Module]):
+    sequence: int  # when the call started in the forward
+    inputs: list[tuple[str, int]]  # (path, slot) of the inputs that require grad
 
 
 @dataclass
@@ -75,7 +78,6 @@ class _Step:
         self.slots = 0
         self.seen: SeenTensors[int] = SeenTensors()
         self.alive: dict[tuple[str, int], torch.Tensor] = {}  # ReLU-like outputs: channels ever non-zero
-        self.open: dict[int, list[tuple[int, int, list[tuple[str, int]]] | None]] = {}  # module id -> open calls
         self.sequence = 0  # watched calls started in this step's forwards
         self.replay = Replay()
         self.handles: list[RemovableHandle] = []  # hooks on leaf tensors, which outlive the step
@@ -89,7 +91,7 @@ class _Step:
         self.handles.clear()
 
 
-class GradMonitor(Scoped):
+class GradMonitor(CallRecorder[_Module, _Open]):
     """Gradient statistics of a model over a training loop; made by :func:`watch_grads`.
 
     Call :meth:`step` once per optimiser step, after ``loss.backward()`` and before
@@ -97,6 +99,8 @@ class GradMonitor(Scoped):
     hook) and appends them to :attr:`records`. ``every=N`` records every N-th step only: on the
     others the monitor's hooks return after one check (the call counter still counts).
     """
+
+    feature = "watch_grads"
 
     def __init__(
         self,
@@ -123,7 +127,6 @@ class GradMonitor(Scoped):
         self._parameters = _parameters(model, self._selected, whole=not selectors)
         if params:
             _refuse_offloaded(self._parameters)
-        self._tracker = CallTracker(listener=self)
         self._pass_grad = True
         self._pass_checkpointed = False
         self._step_index = 0
@@ -132,69 +135,49 @@ class GradMonitor(Scoped):
         self._records: list[GradStep] = []
         self._dead: dict[tuple[str, int], deque[torch.Tensor]] = {}
         self._written = -1  # the last step sent to TensorBoard
-        specs = []
-        if activations:
-            for name, module in self._selected:
-                specs.append(HookSpec(name, module, "forward_pre", self._pre_hook(), with_kwargs=True, fitted=True))
-                specs.append(
-                    HookSpec(name, module, "forward", self._forward_hook(name, module), always_call=True, fitted=True)
-                )
-        self._group = HookGroup(model, specs, owner="watch_grads", tracker=self._tracker, restore_mode=False)
+        super().__init__(model, self._selected if activations else [])
 
-    # -- hooks ----------------------------------------------------------------------------------
+    # -- calls (told by the recorder's hooks) ---------------------------------------------------
 
-    def _pre_hook(self) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current = self._tracker.current
+    def watch(self, name: str, module: nn.Module) -> _Module:
+        """A watched module, and the one draft its unhooked calls share."""
+        units = isinstance(module, DEAD_UNIT_TYPES) and getattr(module, "value", 0) == 0
+        site = _Module(name, type(module).__name__, units)
+        site.unhooked = _Open(site, 0, None, -1, [])
+        return site
 
-        def before_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self._recording:
-                return
-            step = self._current
-            opened = step.open.setdefault(id(module), [])
-            opened.append(None)  # replaced below when this call is hooked; popped by the forward hook
-            if not torch.is_grad_enabled():
-                if not _in_backward() and (context := self._no_grad_context()) is not None:
-                    step.replay.skip(context, id(module), step.sequence, current(module))  # re-run in backward
-                step.sequence += 1
-                return
-            if _in_backward():  # a checkpoint re-running its block inside the backward
-                context = checkpoint_context() if step.replay.waiting else None  # non-reentrant: no walk
-                claimed = None if context is None else step.replay.claim(context, id(module))
-                if claimed is None:
-                    return  # non-reentrant re-run: hooked in the forward already
-                sequence, call = claimed
-            else:
-                sequence, call = step.sequence, current(module)
-                step.sequence += 1
-            # Inputs are hooked before the module runs: a module that changes its input in place
-            # (ReLU(inplace=True)) must not turn grad_input into the gradient of its output.
-            leaves = call_leaves(args, kwargs)
-            opened[-1] = (call, sequence, [(path, self._watch(step, t)) for path, t in leaves if t.requires_grad])
+    def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Open | None:
+        """Hook the call's inputs that require grad: before the module runs, so that a module
+        changing its input in place (``ReLU(inplace=True)``) leaves ``grad_input`` its own."""
+        step = self._current
+        if not torch.is_grad_enabled():
+            if not in_backward() and (context := self._no_grad_context()) is not None:
+                step.replay.skip(context, id(site), step.sequence, call)  # re-run in backward
+            step.sequence += 1
+            return site.unhooked
+        if in_backward():  # a checkpoint re-running its block inside the backward
+            context = checkpoint_context() if step.replay.waiting else None  # non-reentrant: no walk
+            claimed = None if context is None else step.replay.claim(context, id(site))
+            if claimed is None:
+                return site.unhooked  # non-reentrant re-run: hooked in the forward already
+            sequence, call = claimed
+        else:
+            sequence = step.sequence
+            step.sequence += 1
+        inputs = [(path, self._watch(step, t)) for path, t in call_leaves(args, kwargs) if t.requires_grad]
+        return _Open(site, call, handled, sequence, inputs)
 
-        return before_forward
-
-    def _forward_hook(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        class_name = type(module).__name__
-        watches_units = isinstance(module, DEAD_UNIT_TYPES) and getattr(module, "value", 0) == 0
-
-        def after_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self._recording:
-                return
-            step = self._current
-            stack = step.open.get(id(module))
-            if not stack:
-                return  # opened before this step began
-            opened = stack.pop()
-            if opened is None or output is None:
-                return  # not hooked (no grad, or hooked in the forward already), or the call raised
-            call, sequence, inputs = opened
-            outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output) if t.requires_grad]
-            if outputs or inputs:
-                step.calls.append(_Call(name, class_name, call, sequence, outputs, inputs))
-            if watches_units and isinstance(output, torch.Tensor):
-                _note_alive(step, (name, call), output)
-
-        return after_forward
+    def close_call(self, draft: _Open, output: Any) -> None:
+        """Hook the outputs that require grad; note which units of a ReLU-like output were alive."""
+        site = draft.site
+        if draft is site.unhooked:
+            return
+        step = self._current
+        outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output) if t.requires_grad]
+        if outputs or draft.inputs:
+            step.calls.append(_Call(site.name, site.class_name, draft.call, draft.sequence, outputs, draft.inputs))
+        if site.watches_units and isinstance(output, torch.Tensor):
+            _note_alive(step, (site.name, draft.call), output)
 
     def _watch(self, step: _Step, tensor: torch.Tensor) -> int:
         slot = step.seen.get(tensor)
@@ -216,9 +199,14 @@ class GradMonitor(Scoped):
             step.handles.append(handle)
         return slot
 
-    # -- passes (told by the call tracker) ------------------------------------------------------
+    # -- passes (told by the recorder) ----------------------------------------------------------
 
-    def pass_started(self, module: nn.Module) -> None:
+    def skips_pass(self) -> bool:
+        """Only the steps ``every`` skips: a checkpointed block recomputing in backward is where
+        a reentrant checkpoint's gradients are hooked, so recomputations are recorded."""
+        return not self._recording
+
+    def start_pass(self, module: nn.Module) -> None:
         """A forward begins. One that begins without grad is looked at once: inside a reentrant
         checkpoint (``checkpoint(model, x)``), or plain evaluation, whose calls need no stack walk."""
         self._pass_grad = torch.is_grad_enabled()
@@ -228,19 +216,6 @@ class GradMonitor(Scoped):
         """The reentrant checkpoint a call made without grad runs in, walking the stack only where
         one can be: a no-grad call inside a forward that had grad, or a checkpointed forward."""
         return checkpoint_context() if self._pass_grad or self._pass_checkpointed else None
-
-    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Nothing to do: a step ends at :meth:`step`, not with a forward."""
-
-    def pass_abandoned(self) -> None:
-        """A forward cut short (KeyboardInterrupt): forget the calls it left open."""
-        self._current.open.clear()
-
-    def refuse_thread(self) -> Exception:
-        """Another thread entered while a forward is open."""
-        return HookscopeError(
-            "watch_grads is already watching a forward pass on another thread; one thread at a time; " + REPLICAS_HINT
-        )
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -255,6 +230,8 @@ class GradMonitor(Scoped):
         self._step_index += 1
         recorded = self._recording
         self._recording = self._step_index % self._every == 0
+        self.skipping = not self._recording  # from the next call on, not only from the next pass
+        self.opened.clear()  # calls open now began in the step that ends here
         step.close()
         if not recorded or not (step.calls or (self._params and any(p.grad is not None for _, p in self._parameters))):
             return None
@@ -376,7 +353,7 @@ class GradMonitor(Scoped):
         """Remove the hooks. What the open step caught so far is kept for a last :meth:`step`;
         gradients arriving after this are not recorded."""
         self._current.close()
-        self._group.remove()
+        super().remove()
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"

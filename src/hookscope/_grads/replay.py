@@ -38,7 +38,8 @@ class Replay:
     __slots__ = ("_skipped",)
 
     def __init__(self) -> None:
-        # (checkpoint, module id) -> [(forward sequence number, call index), ...] not yet claimed
+        # (checkpoint, module id) -> [(forward sequence number, call index), ...] not yet claimed;
+        # any id unique per watched module serves (the monitor passes its record of the module's)
         self._skipped: dict[tuple[int, int], list[tuple[int, int]]] = {}
 
     def skip(self, context: int, module_id: int, sequence: int, call: int) -> None:

@@ -12,8 +12,10 @@ argument       default     a layer is flagged at a step when ...
 =============  ==========  ==============================================================
 
 Activation gradients (``grad_output``) are judged when they were recorded, else parameter
-gradients. A non-finite gradient is traced to its origin in backward order: the first module
-call whose ``grad_input`` holds a NaN/Inf while its ``grad_output`` does not. Dead units are
+gradients. A non-finite gradient is traced to its origin by the blame rule of
+:mod:`hookscope._shared.blame`, in backward order: a module call's backward takes its
+``grad_output`` and makes its ``grad_input``, so the origin is the first call whose
+``grad_input`` holds a NaN/Inf while its ``grad_output`` does not. Dead units are
 channels of a ReLU-like output that were zero for every sample of the monitor's
 ``dead_window`` last recorded steps.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hookscope._grads.records import GradRecord, GradStep
+from hookscope._shared.blame import blame
 from hookscope.errors import SpecError
 
 __all__ = ["FlagKind", "GradFlag", "GradSummary", "summarise"]
@@ -122,18 +125,19 @@ def _nonfinite_origin(step: GradStep) -> tuple[str, str] | None:
     """``(layer, detail)`` of the step's first NaN/Inf gradient, or None when all are finite.
 
     The first call, in backward order, whose grad_input is non-finite while its grad_output is
-    finite made it. Failing that (a functional op between modules, the loss, or parameters
-    only), the earliest non-finite gradient in backward order is named, saying so.
+    finite made it (a call without a grad_output record is not known to have had a finite one).
+    Failing that (a functional op between modules, the loss, or parameters only), the earliest
+    non-finite gradient in backward order is named, saying so.
     """
     if all(record.finite for record in step.records):
         return None
     outputs: dict[str, bool] = {}
     for record in step.of("grad_output"):
         outputs[record.layer] = outputs.get(record.layer, True) and record.finite
-    inputs = sorted((r for r in step.of("grad_input") if not r.finite and r.order is not None), key=_order)
-    for record in inputs:
-        if outputs.get(record.layer, False):
-            return record.layer, "first NaN/Inf in backward order (grad_input, finite grad_output)"
+    made = sorted((r for r in step.of("grad_input") if r.order is not None), key=_order)
+    origin = blame(made, output_fine=lambda r: r.finite, inputs_fine=lambda r: outputs.get(r.layer, False))
+    if origin is not None:
+        return origin.layer, "first NaN/Inf in backward order (grad_input, finite grad_output)"
     activations = sorted((r for r in step.records if r.what != "param" and not r.finite), key=_order)
     if activations:
         first = activations[0]

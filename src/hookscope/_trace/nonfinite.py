@@ -6,31 +6,29 @@ accelerator the sums are queued on the device and read once when the forward end
 check costs about one pass over each activation and a single sync; ``raise_immediately=True``
 reads each module's sums at once (a sync per module) to stop the forward at the culprit.
 
-The blame rule is :meth:`Trace.first_nonfinite`'s: the first call to return whose output is
-non-finite and whose inputs are finite, or came from an allow-listed module, or are -inf only
-in an input named like a mask.
+The blame rule is :mod:`hookscope._shared.blame`'s, as for :meth:`Trace.first_nonfinite`: the
+first call to return whose output is non-finite and whose inputs are finite, or came from an
+allow-listed module, or are -inf only in an input named like a mask.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.names import named_modules
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.sites import REPLICAS_HINT, CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope._shared.blame import blame, fine_input
+from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.identity import SeenTensors
 from hookscope._shared.stats import accumulator, flat_values, is_measurable
-from hookscope._trace.result import MASK_WORDS
-from hookscope.errors import HookscopeError, NonFiniteError
+from hookscope.errors import NonFiniteError
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
 
@@ -46,13 +44,8 @@ class _Leaf:
     source: str | None = None
 
 
-@dataclass
-class _Call:
-    name: str
-    class_name: str
-    call: int
-    module_id: int
-    handled: BaseException | None  # the exception being handled when the call began, if any
+@dataclass(eq=False)
+class _Call(OpenCall[Watched]):
     inputs: list[_Leaf]
     outputs: list[_Leaf] = field(default_factory=list)
 
@@ -83,11 +76,13 @@ def _kind(value: float) -> float:
     return -math.inf if value == -math.inf else 0.0
 
 
-class NonFiniteDetector(Scoped):
+class NonFiniteDetector(CallRecorder[Watched, _Call]):
     """Hooks that raise :class:`~hookscope.errors.NonFiniteError` at the module making the first NaN/Inf.
 
     Made by :func:`detect_nonfinite`; removed on leaving the ``with`` block or by ``remove()``.
     """
+
+    feature = "detect_nonfinite"
 
     def __init__(
         self,
@@ -100,49 +95,24 @@ class NonFiniteDetector(Scoped):
         chosen: Any = list(allow) if isinstance(allow, (list, tuple)) else allow
         self._allowed = {name for name, _ in select(model, chosen)} if allow is not None else set()
         self._immediately = raise_immediately
-        self._tracker = CallTracker(listener=self)
         self._calls: list[_Call] = []
-        self._open: list[_Call] = []
         self._seen: SeenTensors[tuple[Signature, str | None]] = SeenTensors()
-        self._handled: BaseException | None = None
-        specs = []
-        for name, module in named_modules(model):
-            specs.append(
-                HookSpec(name, module, "forward_pre", self._opener(name, module), with_kwargs=True, fitted=True)
-            )
-            specs.append(
-                HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True, fitted=True)
-            )
-        self._group = HookGroup(model, specs, owner="detect_nonfinite", tracker=self._tracker, restore_mode=False)
+        super().__init__(model, named_modules(model))
 
-    def _opener(self, name: str, module: nn.Module) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current, class_name = self._tracker.current, type(module).__name__
+    # -- calls (told by the recorder's hooks) -------------------------------------------------------
 
-        def open_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._tracker.replaying:
-                return  # a checkpointed block recomputing: checked in the forward already
-            leaves = [self._leaf(path, t, None) for path, t in call_leaves(args, kwargs)]
-            self._open.append(_Call(name, class_name, current(module), id(module), sys.exc_info()[1], leaves))
+    def open_call(self, site: Watched, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Call:
+        """Sign the call's inputs (a tensor seen before keeps its signature and its source)."""
+        return _Call(site, call, handled, [self._leaf(path, t, None) for path, t in call_leaves(args, kwargs)])
 
-        return open_call
-
-    def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        def close_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self._tracker.replaying:
-                return
-            if not self._tracker.owns() or not self._open or self._open[-1].module_id != id(module):
-                return  # a call refused on another thread, or no open record for it
-            record = self._open.pop()
-            if sys.exc_info()[1] is not record.handled:
-                return  # the call raised: it returned nothing to blame
-            site = f"{name}#{record.call}"
-            record.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "output")]
-            self._calls.append(record)
-            if self._immediately:
-                self._settle([record])
-                self._check([record], final=False)
-
-        return close_call
+    def close_call(self, draft: _Call, output: Any) -> None:
+        """Sign the outputs; with ``raise_immediately``, judge the call now."""
+        site = f"{draft.site.name}#{draft.call}"
+        draft.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "output")]
+        self._calls.append(draft)
+        if self._immediately:
+            self._settle([draft])
+            self._check([draft], final=False)
 
     def _leaf(self, path: str, tensor: torch.Tensor, producer: str | None) -> _Leaf:
         known = self._seen.get(tensor)
@@ -152,35 +122,26 @@ class NonFiniteDetector(Scoped):
         self._seen.put(tensor, (value, producer))
         return _Leaf(path, value, None)
 
-    # -- passes -----------------------------------------------------------------------------------
+    # -- passes (told by the recorder) --------------------------------------------------------------
 
-    def pass_started(self, module: nn.Module) -> None:
-        """A new pass: forget the last one (a recomputation in backward is none)."""
-        if self._tracker.replaying:
-            return
-        self._calls, self._open = [], []
+    def start_pass(self, module: nn.Module) -> None:
+        """A new pass: forget the last one."""
+        self._calls = []
         self._seen.clear()
-        self._handled = sys.exc_info()[1]
 
-    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def end_pass(self, module: nn.Module, error: BaseException | None) -> None:
         """Read every sum at once and blame the first module that made a NaN/Inf."""
-        if self._tracker.replaying:
-            return
-        calls, self._calls, self._open = self._calls, [], []
+        calls, self._calls = self._calls, []
         self._seen.clear()
-        if sys.exc_info()[1] is not self._handled:
+        if error is not None:
             return  # the forward raised: its own error is the news
         self._settle(calls)
         self._check(calls, final=True)
 
-    def pass_abandoned(self) -> None:
+    def abandon_pass(self) -> None:
         """The previous pass was cut short."""
-        self._calls, self._open = [], []
+        self._calls = []
         self._seen.clear()
-
-    def refuse_thread(self) -> Exception:
-        """Another thread entered while a pass is open."""
-        return HookscopeError("detect_nonfinite is already watching a forward pass on another thread; " + REPLICAS_HINT)
 
     @staticmethod
     def _settle(calls: list[_Call]) -> None:
@@ -199,41 +160,46 @@ class NonFiniteDetector(Scoped):
                 leaf.signature = _kind(float(leaf.signature))
 
     def _check(self, calls: list[_Call], *, final: bool) -> None:
-        for record in calls:
-            if record.name in self._allowed:
-                continue
-            bad = [leaf for leaf in record.outputs if leaf.signature != 0.0]
-            if bad and all(self._accepted(leaf) for leaf in record.inputs):
-                what = "NaN or +inf" if math.isnan(float(bad[0].signature)) else "-inf"
-                raise NonFiniteError(
-                    f"{what} first appears in {bad[0].path} of {record.name or '(root)'!r} "
-                    f"({record.class_name}, call {record.call}): its inputs were finite. "
-                    "hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
-                    "if these values are intended (a -inf mask), pass allow=[...] naming the module",
-                    module=record.name,
-                    call=record.call,
-                    path=bad[0].path,
-                )
+        """Raise at the call the blame rule names; at the end of a pass, also at a NaN/Inf that
+        came in with the model's input."""
+        culprit = blame(calls, output_fine=self._output_fine, inputs_fine=self._inputs_fine)
+        if culprit is not None:
+            bad = next(leaf for leaf in culprit.outputs if leaf.signature != 0.0)
+            what = "NaN or +inf" if math.isnan(float(bad.signature)) else "-inf"
+            name = culprit.site.name
+            raise NonFiniteError(
+                f"{what} first appears in {bad.path} of {name or '(root)'!r} "
+                f"({culprit.site.class_name}, call {culprit.call}): its inputs were finite. "
+                "hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
+                "if these values are intended (a -inf mask), pass allow=[...] naming the module",
+                module=name,
+                call=culprit.call,
+                path=bad.path,
+            )
         if final and calls:
             root = calls[-1]  # the pass's opener returns last
             bad_inputs = [leaf.path for leaf in root.inputs if not self._accepted(leaf)]
             if bad_inputs and any(leaf.signature != 0.0 for leaf in root.outputs):
                 raise NonFiniteError(
                     f"the NaN/Inf came in with the input: {', '.join(bad_inputs)} of "
-                    f"{root.name or '(root)'!r} ({root.class_name}) is not finite",
-                    module=root.name,
+                    f"{root.site.name or '(root)'!r} ({root.site.class_name}) is not finite",
+                    module=root.site.name,
                     call=root.call,
                     path=bad_inputs[0],
                 )
 
-    def _accepted(self, leaf: _Leaf) -> bool:
-        if leaf.signature == 0.0:
-            return True
-        if leaf.source is not None and leaf.source.rsplit("#", 1)[0] in self._allowed:
-            return True
-        return float(leaf.signature) == -math.inf and any(word in leaf.path.lower() for word in MASK_WORDS)
+    def _output_fine(self, record: _Call) -> bool:
+        """Finite, or intended: a module in ``allow`` is never blamed."""
+        return record.site.name in self._allowed or all(leaf.signature == 0.0 for leaf in record.outputs)
 
-    # -- lifetime ---------------------------------------------------------------------------------
+    def _inputs_fine(self, record: _Call) -> bool:
+        return all(self._accepted(leaf) for leaf in record.inputs)
+
+    def _accepted(self, leaf: _Leaf) -> bool:
+        value = float(leaf.signature)
+        return fine_input(
+            leaf.path, leaf.source, finite=value == 0.0, negative_inf_only=value == -math.inf, allowed=self._allowed
+        )
 
 
 def detect_nonfinite(

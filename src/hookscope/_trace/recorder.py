@@ -1,8 +1,9 @@
 """``trace()`` and ``tracing()``: one row per module call, with statistics read once per pass.
 
-Two hooks per traced module: a pre-hook opens the call's row (inputs, depth, parent, timer) and
-a closing hook registered with ``always_call=True`` fills in the outputs, so a forward that
-raises still closes every row and marks the calls the exception passed through. Statistics are
+Two hooks per traced module, those of a :class:`~hookscope._shared.call_recorder.CallRecorder`:
+when a call begins its row takes the inputs, depth, parent and timer; when it returns, the
+outputs; a call an exception went through is marked as raised, so a forward that raises still
+closes every row. Statistics are
 queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with one transfer per
 device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
 child's, a module's input an earlier module's output) is not measured twice.
@@ -10,10 +11,9 @@ child's, a module's input an earlier module's output) is not measured twice.
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,13 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.names import named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.sites import REPLICAS_HINT, CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
 from hookscope._shared.identity import SeenTensors
 from hookscope._shared.shapes import shape_of
@@ -37,7 +36,7 @@ from hookscope._trace.result import Trace
 from hookscope._trace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope._trace.timing import CallClock, PeakMemory
 from hookscope._version import __version__
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import SpecError
 
 __all__ = ["Tracer", "trace", "tracing"]
 
@@ -71,17 +70,16 @@ def _record_done(streams: set[torch.cuda.Stream]) -> list[torch.cuda.Event]:
     return events
 
 
-@dataclass
-class _Draft:
+@dataclass(eq=False)
+class _Module(Watched):
+    params: int  # its own parameters, counted once at attach time
+
+
+@dataclass(eq=False)
+class _Draft(OpenCall[_Module]):
     order: int
     depth: int
     parent: int | None
-    name: str
-    class_name: str
-    call: int
-    params: int
-    module_id: int
-    handled: BaseException | None  # the exception being handled when the call began, if any
     inputs: list[_Leaf]
     outputs: list[_Leaf] = field(default_factory=list)
     finished: int | None = None
@@ -98,24 +96,24 @@ class _Pass:
 
     def __init__(self) -> None:
         self.rows: list[_Draft] = []
-        self.stack: list[_Draft] = []
         self.raws: list[RawStats] = []
         self.histograms: list[RawHistogram] = []  # one per raw statistic, when histograms are on
         self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
         self.finished = 0
         self.clock = CallClock()
         self.started = time.perf_counter()
-        self.handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
 
 
-class Tracer(Scoped):
+class Tracer(CallRecorder[_Module, _Draft]):
     """Hooks that record a :class:`Trace` of every forward pass; made by :func:`tracing`.
 
     ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
     stop where the exception went through, and ``trace.failure`` is the innermost such call).
     """
+
+    feature = "trace"
 
     def __init__(
         self,
@@ -135,7 +133,6 @@ class Tracer(Scoped):
         self._input_stats = stats and input_stats
         self._timing = timing
         self._memory = memory
-        self._tracker = CallTracker(listener=self)
         self._pass = _Pass()
         self._peaks: dict[int, PeakMemory] = {}
         self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
@@ -143,75 +140,55 @@ class Tracer(Scoped):
         self._finished: _FinishedPass | None = None  # the latest pass, statistics not yet read
         self._selected = _modules(model, layers)
         self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
-        specs = []
-        for name, module in self._selected:
-            params = own_count(module)
-            specs.append(
-                HookSpec(name, module, "forward_pre", self._opener(name, module, params), with_kwargs=True, fitted=True)
-            )
-            specs.append(
-                HookSpec(name, module, "forward", self._closer(name), with_kwargs=True, always_call=True, fitted=True)
-            )
-        self._group = HookGroup(model, specs, owner="trace", tracker=self._tracker, restore_mode=False)
+        super().__init__(model, self._selected)
 
-    # -- hooks ------------------------------------------------------------------------------------
+    # -- calls (told by the recorder's hooks) -------------------------------------------------------
 
-    def _opener(
-        self, name: str, module: nn.Module, params: int
-    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        current, class_name, tracker = self._tracker.current, type(module).__name__, self._tracker
+    def watch(self, name: str, module: nn.Module) -> _Module:
+        """A traced module's name, class and own parameter count, found once."""
+        return _Module(name, type(module).__name__, own_count(module))
 
-        def open_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if tracker.replaying:
-                return  # a checkpointed block recomputing in backward: traced in the forward already
-            state = self._pass
-            parent = state.stack[-1] if state.stack else None
-            leaves = call_leaves(args, kwargs)
-            draft = _Draft(
-                order=len(state.rows),
-                depth=len(state.stack),
-                parent=None if parent is None else parent.order,
-                name=name,
-                class_name=class_name,
-                call=current(module),
-                params=params,
-                module_id=id(module),
-                handled=sys.exc_info()[1],
-                inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
-            )
-            device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
-            if self._memory and device is not None:
-                self._peak_memory(device).enter()
-            if self._timing and not is_compiling():  # one fused graph under torch.compile: no per-call times
-                draft.measured_before = state.measuring
-                draft.timer = state.clock.start(device)
-            state.rows.append(draft)
-            state.stack.append(draft)
+    def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Draft:
+        """Open the call's row: its place in the tree, its inputs, its timer."""
+        state, opened = self._pass, self.opened
+        parent = opened[-1] if opened else None
+        leaves = call_leaves(args, kwargs)
+        draft = _Draft(
+            site,
+            call,
+            handled,
+            order=len(state.rows),
+            depth=len(opened),
+            parent=None if parent is None else parent.order,
+            inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
+        )
+        device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
+        if self._memory and device is not None:
+            self._peak_memory(device).enter()
+        if self._timing and not is_compiling():  # one fused graph under torch.compile: no per-call times
+            draft.measured_before = state.measuring
+            draft.timer = state.clock.start(device)
+        state.rows.append(draft)
+        return draft
 
-        return open_row
+    def close_call(self, draft: _Draft, output: Any) -> None:
+        """The call returned: stop its timer and memory counter, number it in the order calls
+        finished, and measure its outputs."""
+        state = self._pass
+        if draft.timer is not None:
+            state.clock.stop(draft.timer, excluded=state.measuring - draft.measured_before)
+        if self._memory and draft.cuda is not None:
+            draft.peak_bytes = self._peak_memory(draft.cuda).exit()
+        draft.finished = state.finished
+        state.finished += 1
+        site = f"{draft.site.name}#{draft.call}"
+        draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
 
-    def _closer(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        def close_row(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            state = self._pass
-            if self._tracker.replaying:
-                return
-            if not self._tracker.owns() or not state.stack or state.stack[-1].module_id != id(module):
-                return  # a call refused on another thread, or the pass was reset while this call ran
-            draft = state.stack.pop()
-            if draft.timer is not None:
-                state.clock.stop(draft.timer, excluded=state.measuring - draft.measured_before)
-            if self._memory and draft.cuda is not None:
-                draft.peak_bytes = self._peak_memory(draft.cuda).exit()
-            draft.finished = state.finished
-            state.finished += 1
-            error = sys.exc_info()[1]
-            if error is not draft.handled:
-                draft.status, draft.error = "raised", error
-                return
-            site = f"{name}#{draft.call}"
-            draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
-
-        return close_row
+    def call_raised(self, draft: _Draft, error: BaseException) -> None:
+        """An exception went through the call: closed as one that returned nothing, marked as
+        raised, and keeping the error until the pass ends (to find where the forward failed)."""
+        self.close_call(draft, None)
+        draft.status, draft.error = "raised", error
 
     def _leaf(self, state: _Pass, path: str, tensor: torch.Tensor, measure: bool, producer: str | None) -> _Leaf:
         known = state.seen.get(tensor)
@@ -247,28 +224,22 @@ class Tracer(Scoped):
             self._peaks[index] = PeakMemory(index)
         return self._peaks[index]
 
-    # -- passes (told by the call tracker) ----------------------------------------------------------
+    # -- passes (told by the recorder) --------------------------------------------------------------
 
-    def pass_started(self, module: nn.Module) -> None:
-        """A new forward pass: forget the previous one's drafts (not for a recomputation in backward)."""
-        if self._tracker.replaying:
-            return
+    def start_pass(self, module: nn.Module) -> None:
+        """A new forward pass: forget the previous one's drafts."""
         self._pass = _Pass()
         for peaks in self._peaks.values():
             peaks.clear()
 
-    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def end_pass(self, module: nn.Module, error: BaseException | None) -> None:
         """Keep the finished pass; its statistics are read when the trace is first looked at.
 
         Reading here would be a host sync inside the model's last hook; deferring it keeps the
         whole forward free of syncs, so the first read happens after ``model(x)`` returned.
         """
-        if self._tracker.replaying:
-            return
         state = self._pass
-        error = sys.exc_info()[1]
-        failed = error is not None and error is not state.handled
-        raised = [draft.order for draft in state.rows if failed and draft.error is error]
+        raised = [draft.order for draft in state.rows if error is not None and draft.error is error]
         for draft in state.rows:
             draft.error = None  # the traceback would keep the forward's activations alive
         self._finished = _FinishedPass(
@@ -280,16 +251,9 @@ class Tracer(Scoped):
         )
         self._trace = None
 
-    def pass_abandoned(self) -> None:
+    def abandon_pass(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt): drop it."""
         self._pass = _Pass()
-
-    def refuse_thread(self) -> Exception:
-        """Another thread entered while a pass is open."""
-        return HookscopeError(
-            "this trace is already recording a forward pass on another thread; trace one thread at a time; "
-            + REPLICAS_HINT
-        )
 
     def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:
         def info(leaf: _Leaf) -> TensorInfo:
@@ -300,10 +264,10 @@ class Tracer(Scoped):
         return TraceRow(
             order=draft.order,
             depth=draft.depth,
-            name=draft.name,
-            class_name=draft.class_name,
+            name=draft.site.name,
+            class_name=draft.site.class_name,
             call=draft.call,
-            params=draft.params,
+            params=draft.site.params,
             inputs=tuple(info(leaf) for leaf in draft.inputs),
             outputs=tuple(info(leaf) for leaf in draft.outputs),
             parent=draft.parent,
@@ -361,7 +325,7 @@ class Tracer(Scoped):
     def remove(self) -> None:
         """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
         self._scratch = Scratch()  # let go of the work buffer
-        self._group.remove()
+        super().remove()
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"

@@ -17,29 +17,23 @@ from torch import nn
 
 from hookscope._core.names import WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
+from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.files import atomic_path
 from hookscope._shared.json import finite_json
 from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
 
-__all__ = ["MASK_WORDS", "Trace", "accepted_input"]
-
-# An input whose name holds one of these words may carry -inf on purpose (an additive mask).
-MASK_WORDS = ("mask", "bias")
+__all__ = ["Trace"]
 
 
-def accepted_input(info: TensorInfo, allowed: set[str]) -> bool:
-    """True when a call's input does not disqualify it from being blamed for a NaN/Inf.
-
-    Finite inputs, tensors returned by an allow-listed module, and -inf (never NaN or +inf) in
-    an input named like a mask (``attention_mask=``, ``['causal_mask']``) are accepted.
-    """
-    if info.stats is None or info.stats.finite:
+def _accepted_input(info: TensorInfo, allowed: set[str]) -> bool:
+    """True when a call's input does not disqualify it from being blamed for a NaN/Inf
+    (:func:`~hookscope._shared.blame.fine_input`); an input not measured counts as finite."""
+    stats = info.stats
+    if stats is None or stats.finite:
         return True
-    if info.source is not None and info.source.rsplit("#", 1)[0] in allowed:
-        return True
-    only_negative_inf = info.stats.nan == 0 and info.stats.posinf == 0
-    return only_negative_inf and any(word in info.path.lower() for word in MASK_WORDS)
+    only_negative_inf = stats.nan == 0 and stats.posinf == 0
+    return fine_input(info.path, info.source, finite=False, negative_inf_only=only_negative_inf, allowed=allowed)
 
 
 class Trace(Sequence[TraceRow]):
@@ -137,7 +131,8 @@ class Trace(Sequence[TraceRow]):
         return None if self._failure is None else self.rows[self._failure]
 
     def first_nonfinite(self, allow: Selector | Sequence[Selector] | None = None) -> TraceRow | None:
-        """The first call, in the order calls returned, whose inputs were finite and output was not.
+        """The first call, in the order calls returned, whose inputs were finite and output was not
+        (the blame rule of :mod:`hookscope._shared.blame`).
 
         That call made the first NaN/Inf: its own computation, not an earlier layer's, produced
         it. Its row holds the statistics of its inputs and outputs. ``allow`` names modules whose
@@ -150,12 +145,11 @@ class Trace(Sequence[TraceRow]):
             raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
         allowed = self._names_of(allow) if allow is not None else set()
         finished = sorted((row for row in self.rows if row.finished is not None), key=lambda row: row.finished or 0)
-        for row in finished:
-            if row.name in allowed or row.output_finite is not False:
-                continue
-            if all(accepted_input(info, allowed) for info in row.inputs):
-                return row
-        return None
+        return blame(
+            finished,
+            output_fine=lambda row: row.name in allowed or row.output_finite is not False,
+            inputs_fine=lambda row: all(_accepted_input(info, allowed) for info in row.inputs),
+        )
 
     def _names_of(self, selector: Selector | Sequence[Selector]) -> set[str]:
         model = self._model() if self._model is not None else None
