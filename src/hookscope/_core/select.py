@@ -62,9 +62,13 @@ _FORMS = (
 def ensure_module(model: object) -> nn.Module:
     """Return ``model`` if hooks can be attached to it, else raise ``UnsupportedModelError``.
 
-    TorchScript modules are refused: scripted code never calls Python hooks, so anything
-    attached to them would silently never run.
+    Every hookscope call that takes a model checks it so; call it yourself to refuse a model
+    where it comes in (a config, a command line) rather than at its first use. TorchScript
+    modules are refused: scripted code never calls Python hooks, so anything attached to them
+    would silently never run. A class passed instead of an instance is named as such.
 
+    >>> ensure_module(nn.Linear(2, 2))
+    Linear(in_features=2, out_features=2, bias=True)
     >>> ensure_module([1, 2])
     Traceback (most recent call last):
     ...

@@ -13,8 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from hookscope._core.select import Selector
-from hookscope._version import __version__
+import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
 from hookscope.errors import HookscopeError, SpecError
@@ -35,7 +34,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"hookscope {__version__}")
+        typer.echo(f"hookscope {hs.__version__}")
         raise typer.Exit()
 
 
@@ -75,7 +74,6 @@ def layers_command(
     ] = False,
 ) -> None:
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
-    from hookscope._layers import layers
     from hookscope.cli.sample import SampleRun, build_model
     from hookscope.cli.specs import make_input
 
@@ -83,7 +81,7 @@ def layers_command(
         raise SpecError("--no-run and --input-shape contradict each other; drop one")
     net = build_model(model, dtype)
     if no_run:
-        typer.echo(str(layers(net)))
+        typer.echo(str(hs.layers(net)))
         return
     try:
         sample = SampleRun(net, *make_input(net, input_shape, dtype=dtype))
@@ -91,10 +89,10 @@ def layers_command(
         if input_shape is not None:
             raise
         typer.echo(f"note: no calls counted; {error}", err=True)  # the table is still worth printing
-        typer.echo(str(layers(net)))
+        typer.echo(str(hs.layers(net)))
         return
     typer.echo(sample.describe_input())
-    typer.echo(str(sample.run(lambda net, args, kwargs: layers(net, *args, **kwargs))))
+    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, **kwargs))))
 
 
 @app.command("capture")
@@ -127,18 +125,14 @@ def capture_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
-    from hookscope._capture import run_with_capture
-    from hookscope._capture.files import SUPPORTED_SUFFIXES
     from hookscope.cli.sample import prepare
 
-    if out.suffix.lower() not in SUPPORTED_SUFFIXES:  # before the model runs, not after
-        formats = ", ".join(SUPPORTED_SUFFIXES)
-        raise SpecError(f"--out {out}: {out.suffix or 'no extension'} is not a capture format; use {formats}")
+    hs.tensor_file_format(out)  # a mistyped extension fails before the model runs, not after
     selectors = _selectors(layers)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     _, cache = sample.run(
-        lambda net, args, kwargs: run_with_capture(
+        lambda net, args, kwargs: hs.run_with_capture(
             net,
             *args,
             layers=selectors,
@@ -184,8 +178,6 @@ def trace_command(
     """
     import torch
 
-    from hookscope._core.select import select
-    from hookscope._trace import TraceRow, tracing
     from hookscope.cli.sample import prepare
 
     sample = prepare(model, input_shape, dtype, seed)
@@ -193,12 +185,12 @@ def trace_command(
     selectors = _selectors(only or [])
     net = sample.model.eval()
     if selectors:
-        select(net, selectors)  # a mistyped --filter fails now, not after the forward
-    with tracing(net, timing=timing) as tracer:
+        hs.select(net, selectors)  # a mistyped --filter fails now, not after the forward
+    with hs.tracing(net, timing=timing) as tracer:
         try:
             with torch.no_grad():
                 net(*sample.args, **sample.kwargs)
-            failed: tuple[Exception, TraceRow] | None = None
+            failed: tuple[Exception, hs.TraceRow] | None = None
         except Exception as error:
             failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is None:
@@ -232,7 +224,6 @@ def grads_command(
     The loss is synthetic: cross-entropy against random labels for a (batch, classes) output,
     else mean squared error against random targets. For a quick look at gradient flow at init.
     """
-    from hookscope._grads.monitor import watch_grads
     from hookscope.cli.sample import prepare
     from hookscope.cli.training import train_steps
 
@@ -240,7 +231,7 @@ def grads_command(
         raise SpecError(f"--png {png}: expected a file name ending in .png")
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
-    with watch_grads(sample.model) as monitor:
+    with hs.watch_grads(sample.model) as monitor:
         sample.run(
             lambda _net, _args, _kwargs: train_steps(
                 sample,
@@ -255,9 +246,7 @@ def grads_command(
         )
     typer.echo(str(monitor.summary()))
     if png is not None:
-        from hookscope.plots import grad_flow
-
-        grad_flow(monitor).savefig(png, dpi=100)
+        hs.plots.grad_flow(monitor).savefig(png, dpi=100)
         typer.echo(f"wrote {png}")
 
 
@@ -282,8 +271,6 @@ def edit_command(
     """Run MODEL with and without edits and print how much the final output changed."""
     import torch
 
-    from hookscope._core.tree import flatten_tensors
-    from hookscope._edit import edit as attach_edits
     from hookscope.cli.edit_specs import parse_edit
     from hookscope.cli.sample import prepare
 
@@ -298,11 +285,11 @@ def edit_command(
     net = sample.model.eval()
     with torch.no_grad():
         plain = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-        with attach_edits(net, parsed, on=on) as editor:  # type: ignore[arg-type]
+        with hs.edit(net, parsed, on=on) as editor:  # type: ignore[arg-type]
             typer.echo(f"edits on {', '.join(editor.sites)}")
             edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-    before = [(p, t) for p, t in flatten_tensors(plain) if t.is_floating_point()]
-    after = [t for _, t in flatten_tensors(edited) if t.is_floating_point()]
+    before = [(p, t) for p, t in hs.flatten_tensors(plain) if t.is_floating_point()]
+    after = [t for _, t in hs.flatten_tensors(edited) if t.is_floating_point()]
     if not before or len(before) != len(after):
         raise SpecError("the model's output holds no floating-point tensor to compare")
     path, first = before[0]
@@ -342,17 +329,15 @@ def report_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
-    from hookscope._report.api import html_path, report
     from hookscope.cli.report_run import loss_from_spec
     from hookscope.cli.sample import prepare
 
-    html_path(out)  # a wrong file name fails before the model is built
     loss_fn = loss_from_spec(loss) if loss is not None else None
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}
     try:
-        written = report(
+        written = hs.report(
             sample.model,
             *sample.args,
             out=out,
@@ -457,7 +442,6 @@ def extract_command(
 
     import torch
 
-    from hookscope._extract import extract
     from hookscope.cli.data_specs import load_data
     from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
     from hookscope.cli.sample import build_model
@@ -470,7 +454,7 @@ def extract_command(
         net = build_model(model, model_dtype).to(run_on)
         dataset = load_data(data, net, seed=seed)
         started = time.perf_counter()
-        store = extract(
+        store = hs.extract(
             net,
             dataset,
             _selectors(layers),
@@ -497,7 +481,7 @@ def extract_command(
             size = store_size(out)
             typer.echo(
                 f"wrote {len(store):,} rows of {len(store.sites)} sites to {out} in {elapsed:.1f} s"
-                + (f" ({size} on disk)" if size else "")
+                + (f" ({size:,} bytes on disk)" if size is not None else "")
             )
 
 
@@ -512,7 +496,7 @@ def _calls(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
-def _selectors(options: list[str]) -> list[Selector]:
+def _selectors(options: list[str]) -> list[hs.Selector]:
     """Selectors from a repeatable option whose values may also be comma-separated."""
     return [part.strip() for option in options for part in option.split(",") if part.strip()]
 
