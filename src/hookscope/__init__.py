@@ -34,6 +34,7 @@ from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
 from hookscope.errors import (
     CaptureError,
+    DataError,
     EditError,
     FileFormatError,
     HookscopeError,
@@ -53,6 +54,7 @@ __all__ = [
     "Cache",
     "Capture",
     "CaptureError",
+    "DataError",
     "Diff",
     "DiffRow",
     "Divergence",

@@ -1,7 +1,10 @@
-"""The typer application and the one place that turns errors into exit codes.
+"""The typer application and the one place that turns errors into exit codes (``EXIT_CODES``).
 
-Exit codes: 0 success, 2 bad input (usage errors and every ``HookscopeError``), 1 a failure at
-run time. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
+Exit codes: 0 success; 2 bad input, which changing the command fixes (usage errors, and every
+``HookscopeError`` but two); 1 a failure at run time, which the command cannot help (the disk,
+data that broke its promises, a model that raised on real input); 130 after Ctrl-C, with a line
+saying what was kept. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
+The library's errors know nothing of exit codes: what an error means to a shell is decided here.
 """
 
 from __future__ import annotations
@@ -12,19 +15,61 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import DataError, HookscopeError, SpecError, StoreWriteError
 
-__all__ = ["app", "main"]
+__all__ = ["EXIT_CODES", "app", "exit_code", "main"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
+
+#: The exit code of each error class. An error takes the code of the first class of its MRO
+#: listed here, so a subclass listed overrides its base: every ``HookscopeError`` is bad input
+#: except the two that happen however right the command was.
+EXIT_CODES: dict[type[BaseException], int] = {
+    HookscopeError: EXIT_BAD_INPUT,  # a spec, selector, option, file or store the command named
+    DataError: EXIT_FAILURE,  # the data broke a promise part-way (fewer rows than its len(), ...)
+    StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
+    KeyboardInterrupt: EXIT_INTERRUPTED,
+    Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
+}
+
+#: What Ctrl-C leaves behind, unless a command says otherwise (``_on_interrupt``).
+_NOTHING_KEPT = "interrupted (Ctrl-C) before the command finished; run it again to do it all"
+
+
+def exit_code(error: BaseException) -> int:
+    """The code the command line exits with after ``error``: the first entry of its MRO in ``EXIT_CODES``.
+
+    >>> exit_code(hs.SpecError("bad")), exit_code(hs.DataError("short")), exit_code(KeyboardInterrupt())
+    (2, 1, 130)
+    """
+    return next((EXIT_CODES[cls] for cls in type(error).__mro__ if cls in EXIT_CODES), EXIT_FAILURE)
+
+
+class _Commands(TyperGroup):
+    """The group of commands; a Ctrl-C in any of them prints what was kept and exits 130.
+
+    Here rather than in :func:`main` because typer turns a ``KeyboardInterrupt`` into a silent
+    exit before ``main`` could see it.
+    """
+
+    def invoke(self, ctx: Any) -> Any:  # click's Context: typer vendors click from 0.29 on, under a private name
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as stop:
+            typer.echo(f"error: {(ctx.obj or {}).get('on_interrupt', _NOTHING_KEPT)}", err=True)
+            raise typer.Exit(exit_code(stop)) from None
+
 
 app = typer.Typer(
     name="hookscope",
+    cls=_Commands,
     help="Look inside PyTorch models and change what happens there, through module hooks.",
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -36,6 +81,11 @@ def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"hookscope {hs.__version__}")
         raise typer.Exit()
+
+
+def _on_interrupt(ctx: typer.Context, note: str) -> None:
+    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130)."""
+    ctx.ensure_object(dict)["on_interrupt"] = note
 
 
 @app.callback(invoke_without_command=True)
@@ -449,6 +499,11 @@ def extract_command(
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
+    _on_interrupt(
+        ctx,
+        f"interrupted (Ctrl-C); the chunks recorded as done stay in {out}: run the same command again to resume "
+        "after them",
+    )
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
@@ -502,14 +557,12 @@ def _selectors(options: list[str]) -> list[hs.Selector]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``hookscope`` console script; exits with the codes in the module doc."""
+    """Entry point of the ``hookscope`` console script; exits with the codes of ``EXIT_CODES``."""
     try:  # usage errors (unknown command or option) are typer's: usage text and exit code 2
         given = list(sys.argv[1:] if argv is None else argv)
         app(args=given, prog_name="hookscope", obj={"argv": given})  # extract records its command line
-    except HookscopeError as error:  # bad input, unless the error says it is a failure at run time
-        _fail(error, getattr(error, "exit_code", EXIT_BAD_INPUT))
-    except Exception as error:  # a failure at run time: one line, not a traceback
-        _fail(error, EXIT_FAILURE)
+    except Exception as error:  # one line, not a traceback
+        _fail(error, exit_code(error))
 
 
 def _fail(error: Exception, code: int) -> None:
