@@ -1,4 +1,5 @@
-"""Tests for hookscope._capture.files: bit-exact round trips, metadata, atomic writes, refusals."""
+"""``hs.save_tensors`` / ``hs.load_tensors`` / ``hs.tensor_file_format``: bit-exact round trips,
+metadata, atomic writes, files from other tools, refusals."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from hookscope._capture.files import SUPPORTED_SUFFIXES, load_tensors, save_tensors
+import hookscope as hs
+from hookscope import load_tensors, save_tensors, tensor_file_format
+from hookscope._capture.files import SUPPORTED_SUFFIXES
 from hookscope.errors import FileFormatError, SpecError
 
 DTYPES = [
@@ -271,6 +274,32 @@ def test_unknown_suffix_is_refused(tmp_path: Path, name: str) -> None:
     assert leftovers(tmp_path) == []
     with pytest.raises(SpecError, match="cannot read"):
         load_tensors(tmp_path / name)
+    with pytest.raises(SpecError, match=re.escape(f"{str(tmp_path / name)!r}: suffix")):
+        tensor_file_format(tmp_path / name)
+
+
+@pytest.mark.parametrize(("name", "format_name"), [("a.safetensors", "safetensors"), ("b.NPZ", "npz"), ("c.pt", "pt")])
+def test_the_format_a_name_picks_is_the_one_written(tmp_path: Path, name: str, format_name: str) -> None:
+    assert tensor_file_format(name) == format_name
+    path = save_tensors(tmp_path / name, {"x": torch.arange(4)})  # meta is optional
+    members = zipfile.ZipFile(path).namelist() if zipfile.is_zipfile(path) else []
+    written = {  # a zip of .npy members, torch's zip around a pickle, or safetensors' length + JSON header
+        "npz": bool(members) and all(name.endswith(".npy") for name in members),
+        "pt": any(name.endswith("data.pkl") for name in members),
+        "safetensors": not members and path.read_bytes()[8:9] == b"{",
+    }
+    assert [name for name, found in written.items() if found] == [format_name]
+    assert load_tensors(path)[1] == {}
+
+
+def test_the_public_names_are_the_functions_cache_save_and_load_use(tmp_path: Path) -> None:
+    cache = hs.Cache({hs.Site("fc", 0): torch.ones(2, dtype=torch.bfloat16)}, meta={"model": "mlp"})
+    tensors, meta = load_tensors(cache.save(tmp_path / "c.npz"))
+    assert list(tensors) == ["fc#0:output"]
+    assert tensors["fc#0:output"].dtype == torch.bfloat16
+    assert meta == {"model": "mlp"}
+    save_tensors(tmp_path / "d.pt", {"fc#0:output": torch.zeros(3)}, {"model": "other"})
+    assert hs.load(tmp_path / "d.pt").meta == {"model": "other"}
 
 
 def test_missing_safetensors_package_is_named(tmp_path: Path) -> None:

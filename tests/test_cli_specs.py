@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hookscope.cli.specs import load_model, make_input, parse_dtype, parse_shape
+import hookscope as hs
+from hookscope.cli.specs import load_model, make_input, parse_shape
 from hookscope.demo.models import SmallCNN
 from hookscope.errors import SpecError, UnsupportedModelError
 from tests.test_cli import run_cli
@@ -198,13 +199,13 @@ def test_parse_shape_refuses(text: str) -> None:
     ],
 )
 def test_parse_dtype(text: str, dtype: torch.dtype) -> None:
-    assert parse_dtype(text) == dtype
+    assert hs.parse_dtype(text) == dtype
 
 
 @pytest.mark.parametrize("text", ["int8", "fp8", ""])
 def test_parse_dtype_refuses(text: str) -> None:
     with pytest.raises(SpecError, match="expected one of float32, fp32"):
-        parse_dtype(text)
+        hs.parse_dtype(text)
 
 
 # --- make_input ----------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -279,3 +281,40 @@ def test_zero_along_one_dim_matches_a_mask(part: dict[str, list[int]], shape: tu
     assert torch.equal(fast, want)
     masked = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(mask=want == 0)})
     assert torch.equal(masked, want)
+
+
+def test_an_edit_with_the_wrong_arity_is_refused_before_the_forward() -> None:
+    model = SmallCNN().eval()
+    with pytest.raises(SpecError, match=r"takes \(value\), but an edit is called as edit\(value, ctx\)"):
+        hs.edit(model, {"fc": lambda value: value * 2})
+    assert not model.fc._forward_hooks  # nothing was attached
+    x = SmallCNN.example()
+    with torch.no_grad():
+        with hs.edit(model, {"fc": lambda value, ctx: value * 2}):  # both parameters: accepted
+            edited = model(x)
+        assert torch.equal(edited, model(x) * 2)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: hs.edits.scale("0.5"), r"scale\(factor='0.5'\): expected a number or a tensor, got str"),
+        (lambda: hs.edits.clamp(max="1"), r"clamp\(max='1'\): expected a number, got str"),
+        (lambda: hs.edits.noise(None), r"noise\(std=None\): expected a number"),
+        (lambda: hs.edits.noise(0.1, seed=1.5), r"noise\(seed=1.5\): expected an int"),
+        (lambda: hs.edits.add(torch.ones(4), scale="2"), r"add\(scale='2'\)"),
+    ],
+)
+def test_what_an_edit_cannot_compute_with_is_refused_when_it_is_made(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        make()
+
+
+def test_a_tensor_factor_scales_per_channel() -> None:
+    model = SmallCNN().eval()
+    x = SmallCNN.example()
+    factor = torch.arange(16.0).reshape(1, 16, 1, 1)
+    with torch.no_grad():
+        edited = hs.run_with_edits(model, x, edits={"conv1": hs.edits.scale(factor)})
+        by_hand = model.fc(torch.flatten(model.pool(model.relu(model.conv1(x) * factor)), 1))
+    assert torch.allclose(edited, by_hand, atol=1e-6)

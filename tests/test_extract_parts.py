@@ -15,7 +15,7 @@ from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_ch
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._shared.bits import numpy_dtype
 from hookscope.cli.data_specs import RandomRows
-from hookscope.errors import SpecError
+from hookscope.errors import DataError, SpecError
 
 
 @pytest.fixture
@@ -94,8 +94,9 @@ def test_layout_spans_and_dtypes() -> None:
     assert numpy_dtype(torch.int64) == np.int64
     assert numpy_dtype(torch.float8_e4m3fn) == np.uint8
     assert SiteLayout.from_json(site.to_json()) == site
-    with pytest.raises(SpecError, match=r"gave \(8, 11\) bfloat16 for rows 16..23"):
+    with pytest.raises(DataError, match=r"gave \(8, 11\) bfloat16 for rows 16..23") as info:
         site.check(torch.zeros(8, 11, dtype=torch.bfloat16), 8, 16)
+    assert info.value.rows == range(16, 24)
 
 
 def test_array_names_are_short_when_unambiguous() -> None:

@@ -164,6 +164,20 @@ class TestBadSelectors:
         with pytest.raises(TypeError, match=r"build it first: SmallCNN\(...\)"):
             ensure_module(SmallCNN)
 
+    def test_ensure_module_is_public_and_returns_the_model_itself(self) -> None:
+        model = SmallCNN()
+        assert hs.ensure_module(model) is model
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2)))
+        for refused in (scripted, SmallCNN, [model]):
+            with pytest.raises(hs.UnsupportedModelError):
+                hs.ensure_module(refused)
+
+    def test_a_typo_inside_a_nested_list_is_still_a_typo(self) -> None:
+        # hs.capture(model, ["conv1", "fcc"]) hands select a list holding that list
+        with pytest.raises(hs.SelectionError, match=r"selector 'fcc' \(in \['conv1', 'fcc'\]\).*did you mean 'fc'"):
+            select(SmallCNN(), [["conv1", "fcc"]])
+        assert names(SmallCNN(), [["conv1"], ("fc",)]) == ["conv1", "fc"]
+
     def test_script_module_refused(self) -> None:
         scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2)))
         with pytest.raises(hs.UnsupportedModelError, match=r"TorchScript.*pass the eager module"):

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from hookscope import edits, plots
 from hookscope._capture import Cache, Capture, capture, load, run_with_capture
+from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached
-from hookscope._core.select import Selector, select
+from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
@@ -25,6 +26,7 @@ from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSu
 from hookscope._hooks import hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._report import report
+from hookscope._shared.dtypes import parse_dtype
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
 from hookscope._trace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
@@ -33,6 +35,7 @@ from hookscope._version import __version__
 from hookscope.errors import (
     CaptureError,
     ConcurrentPassError,
+    DataError,
     EditError,
     FileFormatError,
     HookscopeError,
@@ -53,6 +56,7 @@ __all__ = [
     "Capture",
     "CaptureError",
     "ConcurrentPassError",
+    "DataError",
     "Diff",
     "DiffRow",
     "Divergence",
@@ -98,18 +102,23 @@ __all__ = [
     "diff",
     "edit",
     "edits",
+    "ensure_module",
     "extract",
     "flatten_tensors",
     "hooks",
     "layers",
     "load",
+    "load_tensors",
     "map_tensors",
     "open_store",
+    "parse_dtype",
     "plots",
     "report",
     "run_with_capture",
     "run_with_edits",
+    "save_tensors",
     "select",
+    "tensor_file_format",
     "tensor_stats",
     "trace",
     "tracing",

@@ -19,6 +19,7 @@ and an edit in a training step gets gradients.
 from __future__ import annotations
 
 import difflib
+import numbers
 import zlib
 from typing import Any
 
@@ -83,6 +84,7 @@ class Zero(Edit):
 
 class Scale(Edit):
     def __init__(self, factor: float, **options: Any) -> None:
+        _check_number("scale", "factor", factor, tensor_ok=True)
         super().__init__(**options)
         self.factor = factor
 
@@ -97,6 +99,9 @@ class Clamp(Edit):
     def __init__(self, low: float | None, high: float | None, **options: Any) -> None:
         if low is None and high is None:
             raise SpecError("clamp() needs min= or max= (or both)")
+        for name, bound in (("min", low), ("max", high)):
+            if bound is not None:
+                _check_number("clamp", name, bound)
         super().__init__(**options)
         self.low, self.high = low, high
 
@@ -111,6 +116,7 @@ class Add(Edit):
     def __init__(self, vector: torch.Tensor, factor: float, **options: Any) -> None:
         if not isinstance(vector, torch.Tensor):
             raise SpecError(f"add() takes a tensor (a steering vector), not a {type(vector).__name__}")
+        _check_number("add", "scale", factor, tensor_ok=True)
         super().__init__(**options)
         self.vector, self.factor = vector, factor
 
@@ -122,6 +128,8 @@ class Add(Edit):
 
 class Noise(Edit):
     def __init__(self, std: float, seed: int, **options: Any) -> None:
+        _check_number("noise", "std", std)
+        _check_number("noise", "seed", seed, integral=True)
         if std < 0:
             raise SpecError(f"noise(std={std}) is negative; expected a standard deviation >= 0")
         super().__init__(**options)
@@ -206,6 +214,16 @@ class Patch(FromCache):
                 f"patch between runs of the same input shape{self._reduced()}"
             )
         return self._where(mask, cached, value)
+
+
+def _check_number(edit: str, name: str, value: object, *, tensor_ok: bool = False, integral: bool = False) -> None:
+    """Refuse, when the edit is made, an argument the edit could not compute with when it runs."""
+    if isinstance(value, numbers.Integral if integral else numbers.Real):
+        return
+    if tensor_ok and isinstance(value, torch.Tensor):
+        return  # broadcast against the value, e.g. one factor per channel
+    expected = "an int" if integral else "a number or a tensor" if tensor_ok else "a number"
+    raise SpecError(f"{edit}({name}={value!r}): expected {expected}, got {type(value).__name__}")
 
 
 def _broadcasts(new: torch.Tensor, value: torch.Tensor, ctx: EditContext, what: str) -> None:

@@ -6,17 +6,22 @@ does::
 
     HookscopeError (Exception)
     ├── SelectionError (LookupError)       a selector matched no module
+    │                                      (.selector, .suggestions)
     ├── SiteNotFoundError (KeyError)       a site name names nothing that was captured
+    │                                      (.key, .candidates)
     ├── SpecError (ValueError)             an argument has the wrong form: an unknown hook kind,
     │                                      a hook that is not callable, an unusable selector
     ├── FileFormatError (ValueError)       a file is not what its extension or contents promise
+    ├── DataError (ValueError)             data broke a promise it made before: fewer rows than
+    │                                      its length, a batch unlike the first (.rows)
     ├── UnsupportedModelError (TypeError)  the object is not an eager ``torch.nn.Module``
     │                                      (a TorchScript module, a list, a function, ...)
     ├── MissingDependencyError (ImportError)  an optional package is needed and not installed
     ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
     │                                      budget, or its value was changed in place after capture
+    │                                      (.site)
     ├── ConcurrentPassError (RuntimeError)  a second thread entered the model while a feature was
-    │                                      recording a forward pass on another thread
+    │                                      recording a forward pass on another thread (.feature, .module)
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
@@ -27,7 +32,10 @@ does::
                                            recorded, and the same call resumes after it
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
-line prints exactly that line.
+line prints exactly that line. The same facts are attributes (in parentheses above), so a program
+can act on an error without reading its message: ``error.suggestions[0]`` is the name a mistyped
+selector probably meant. Which exit code the command line gives each error is the command
+line's business (``hookscope.cli.app``), not the errors'.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 __all__ = [
     "CaptureError",
     "ConcurrentPassError",
+    "DataError",
     "EditError",
     "FileFormatError",
     "HookscopeError",
@@ -59,7 +68,22 @@ class SelectionError(HookscopeError, LookupError):
 
     The message names the closest existing names, e.g. ``selector 'blocks.*.mpl' matched 0 of 143
     modules; did you mean 'blocks.*.mlp'?``.
+
+    Attributes:
+        selector: the selector that matched nothing, as given; in a list of selectors, the member
+            that matched nothing (a typo inside a list is still a typo).
+        suggestions: the names or corrected patterns the message offers, closest first; empty
+            when none is close (the message then lists the model's names or types instead).
+
+    >>> error = SelectionError("selector 'fcc' matched 0 of 3 modules", selector="fcc", suggestions=("fc",))
+    >>> error.selector, error.suggestions
+    ('fcc', ('fc',))
     """
+
+    def __init__(self, message: str, *, selector: object = None, suggestions: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.selector = selector
+        self.suggestions = tuple(suggestions)
 
 
 class SpecError(HookscopeError, ValueError):
@@ -75,7 +99,22 @@ class SiteNotFoundError(HookscopeError, KeyError):
 
     The message lists the closest captured names, or the leaf paths when a structured output
     has several tensors and the name did not say which one.
+
+    Attributes:
+        key: the key that was looked up, as text (a ``Site`` as its full name).
+        candidates: keys that do name something, closest first: the captured names close to
+            ``key`` (every captured name when none is close), or the values, calls or tensors
+            to choose from; empty when there is nothing to offer.
+
+    >>> error = SiteNotFoundError("no site 'fcc'", key="fcc", candidates=("fc",))
+    >>> error.key, error.candidates
+    ('fcc', ('fc',))
     """
+
+    def __init__(self, message: str, *, key: str | None = None, candidates: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.candidates = tuple(candidates)
 
     def __str__(self) -> str:  # KeyError would show the message in quotes
         return str(self.args[0]) if self.args else ""
@@ -83,6 +122,27 @@ class SiteNotFoundError(HookscopeError, KeyError):
 
 class FileFormatError(HookscopeError, ValueError):
     """A file cannot be read or written in the format its extension names."""
+
+
+class DataError(HookscopeError, ValueError):
+    """Data broke a promise it made before: its length, its first batch, an earlier run's rows.
+
+    A data set yielded fewer rows than its ``len()``, a stream ended before rows an earlier run
+    stored, a batch reached other sites or gave other shapes than the first batch did. Data
+    that is wrong from the start is a :class:`SpecError`; this error means the data changed its
+    story part-way, which no argument can fix: the data itself (or its loader) must.
+
+    Attributes:
+        rows: the rows concerned, e.g. ``range(96, 128)`` for a batch; None when no row range
+            tells more than the message.
+
+    >>> DataError("the data yielded 90 rows; expected 100", rows=range(90, 100)).rows
+    range(90, 100)
+    """
+
+    def __init__(self, message: str, *, rows: range | None = None) -> None:
+        super().__init__(message)
+        self.rows = rows
 
 
 class MissingDependencyError(HookscopeError, ImportError):
@@ -95,7 +155,18 @@ class CaptureError(HookscopeError, RuntimeError):
     Raised when keeping a value would exceed the capture's ``max_bytes`` budget (the message
     names the largest sites), or, on read, when a value kept without a copy was changed in
     place after it was captured.
+
+    Attributes:
+        site: the full name of the site concerned (``"fc#0:output"``); None when the error is
+            about the capture as a whole.
+
+    >>> CaptureError("the value captured at 'fc#0:output' was changed in place", site="fc#0:output").site
+    'fc#0:output'
     """
+
+    def __init__(self, message: str, *, site: str | None = None) -> None:
+        super().__init__(message)
+        self.site = site
 
 
 class ConcurrentPassError(HookscopeError, RuntimeError):
@@ -153,10 +224,7 @@ class StoreWriteError(StoreError):
     """Writing a feature store failed part-way, e.g. the disk is full.
 
     Every chunk recorded as done has landed; running the same extraction again resumes after them.
-    The command line exits with 1 (a failure at run time), not 2.
     """
-
-    exit_code = 1
 
 
 class StaleCompiledCodeWarning(UserWarning):

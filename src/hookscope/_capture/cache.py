@@ -6,7 +6,8 @@ value: ``"fc"`` is the output of ``fc``'s last call; ``"block#1"`` its second ca
 ``"model#0:output.last_hidden_state"`` a ``ModelOutput`` field. Left out, the call is the last
 one, the value is the output (the input if only inputs were kept), and the leaf is the value
 itself when it is a tensor, or its only tensor. A key that names nothing raises
-``SiteNotFoundError`` with the closest names, or the leaf paths to choose from.
+``SiteNotFoundError`` with the closest names, or the leaf paths to choose from, in its message
+and as keys that do name something (``.candidates``).
 """
 
 from __future__ import annotations
@@ -164,13 +165,14 @@ class Cache(Mapping[str, torch.Tensor]):
             if key.module in aliases:  # "module.fc" below a wrapper is kept as "fc"
                 key = dataclasses.replace(key, module=aliases[key.module])
             if key not in self._entries:
-                raise SiteNotFoundError(f"site {str(key)!r} was not captured; {self._captured_hint(key.module)}")
+                hint, close = self._captured_hint(key.module)
+                raise SiteNotFoundError(f"site {str(key)!r} was not captured; {hint}", key=str(key), candidates=close)
             return key
         if not isinstance(key, str):
             raise SpecError(f"a cache key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
         match = _KEY.match(key)
         if match is None:
-            raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'")
+            raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
         spelled = match["module"] or ""
         module = str(aliases.get(spelled, spelled))
         return self._resolve_parts(key, module, match["call"], match["what"], match["path"])
@@ -180,25 +182,36 @@ class Cache(Mapping[str, torch.Tensor]):
         kept = sorted({w for (m, w) in index if m == module})
         if not kept:
             if module in self._empty:
-                raise SiteNotFoundError(f"nothing was captured for {module!r}: {self._empty[module]}")
-            raise SiteNotFoundError(f"nothing was captured for {module!r}; {self._captured_hint(module)}")
+                raise SiteNotFoundError(f"nothing was captured for {module!r}: {self._empty[module]}", key=key)
+            hint, close = self._captured_hint(module)
+            raise SiteNotFoundError(f"nothing was captured for {module!r}; {hint}", key=key, candidates=close)
         chosen_what = what or ("output" if "output" in kept else kept[0])
         if chosen_what not in kept:
-            raise SiteNotFoundError(f"{key!r}: {chosen_what!r} of {module!r} was not kept; kept: {', '.join(kept)}")
+            raise SiteNotFoundError(
+                f"{key!r}: {chosen_what!r} of {module!r} was not kept; kept: {', '.join(kept)}",
+                key=key,
+                candidates=tuple(f"{module}:{w}" for w in kept),
+            )
         by_call = index[(module, chosen_what)]
         chosen_call = int(call) if call is not None else max(by_call)
         if chosen_call not in by_call:
-            raise SiteNotFoundError(f"{key!r}: call {chosen_call} was not captured; calls kept: {sorted(by_call)}")
+            raise SiteNotFoundError(
+                f"{key!r}: call {chosen_call} was not captured; calls kept: {sorted(by_call)}",
+                key=key,
+                candidates=tuple(f"{module}#{c}:{chosen_what}" for c in sorted(by_call)),
+            )
         leaves = by_call[chosen_call]
         if path:
             if path not in leaves:
-                raise SiteNotFoundError(f"{key!r} names no tensor; {self._leaf_hint(leaves)}")
+                hint, names = self._leaf_hint(leaves)
+                raise SiteNotFoundError(f"{key!r} names no tensor; {hint}", key=key, candidates=names)
             return leaves[path]
         if "" in leaves:
             return leaves[""]
         if len(leaves) == 1:
             return next(iter(leaves.values()))
-        raise SiteNotFoundError(f"{key!r} holds {len(leaves)} tensors; {self._leaf_hint(leaves)}")
+        hint, names = self._leaf_hint(leaves)
+        raise SiteNotFoundError(f"{key!r} holds {len(leaves)} tensors; {hint}", key=key, candidates=names)
 
     def _built_index(self) -> _Index:
         if self._index is None:
@@ -208,20 +221,23 @@ class Cache(Mapping[str, torch.Tensor]):
             self._index = index
         return self._index
 
-    def _captured_hint(self, module: str) -> str:
+    def _captured_hint(self, module: str) -> tuple[str, tuple[str, ...]]:
+        """The hint for a module that holds nothing here, and the captured names it offers instead."""
         modules = sorted({site.module for site in self._entries})
         if not modules:
-            return "the cache is empty (did the forward run inside the capture?)"
+            return "the cache is empty (did the forward run inside the capture?)", ()
         close = difflib.get_close_matches(module, modules, n=3, cutoff=0.5)
         if close:
-            return f"did you mean {' or '.join(repr(m) for m in close)}?"
+            return f"did you mean {' or '.join(repr(m) for m in close)}?", tuple(close)
         shown = ", ".join(repr(m) for m in modules[:10]) + (", ..." if len(modules) > 10 else "")
-        return f"captured modules: {shown}"
+        return f"captured modules: {shown}", tuple(modules)
 
     @staticmethod
-    def _leaf_hint(leaves: Mapping[str, Site]) -> str:
+    def _leaf_hint(leaves: Mapping[str, Site]) -> tuple[str, tuple[str, ...]]:
+        """The hint for a value of several tensors, and their full site names."""
         names = [f"'{site.module}:{site.what}{site.path}'" for site in leaves.values()]
-        return f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
+        hint = f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
+        return hint, tuple(str(site) for site in leaves.values())
 
     def _checked(self, site: Site) -> torch.Tensor:
         tensor = self._entries[site]
@@ -229,7 +245,8 @@ class Cache(Mapping[str, torch.Tensor]):
         if version is not None and tensor._version != version:
             raise CaptureError(
                 f"the value captured at {str(site)!r} was changed in place after it was captured "
-                "(by code that ran later); capture it with copy=True, or read it before the change"
+                "(by code that ran later); capture it with copy=True, or read it before the change",
+                site=str(site),
             )
         return tensor
 

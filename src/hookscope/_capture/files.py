@@ -35,7 +35,7 @@ from hookscope._shared.bits import UINT_OF_WIDTH
 from hookscope._shared.files import atomic_path
 from hookscope.errors import FileFormatError, HookscopeError, MissingDependencyError, SpecError
 
-__all__ = ["SUPPORTED_SUFFIXES", "load_tensors", "save_tensors"]
+__all__ = ["SUPPORTED_SUFFIXES", "load_tensors", "save_tensors", "tensor_file_format"]
 
 SUPPORTED_SUFFIXES: tuple[str, ...] = (".safetensors", ".npz", ".pt")
 
@@ -53,11 +53,33 @@ _SAFETENSORS_BASE = frozenset(
 _FORMAT_NAMES = {".safetensors": "safetensors", ".npz": "numpy .npz", ".pt": "torch .pt"}
 
 
-def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
-    """Write ``tensors`` and the JSON-serialisable ``meta`` to ``path``, in the format its suffix names.
+def tensor_file_format(path: str | os.PathLike[str]) -> str:
+    """The format a file name picks: ``"safetensors"``, ``"npz"`` or ``"pt"``; else ``SpecError``.
 
-    The write is atomic: on any error nothing is left under ``path`` (an older file there stays
-    as it was). Tensors are written from CPU, contiguous, each owning its memory.
+    :func:`save_tensors`, :func:`load_tensors`, ``Cache.save`` and ``hs.load`` choose the
+    format by this rule. Check an output path with it before a long run, so that a mistyped
+    extension fails at once rather than after the run, when the values are saved.
+
+    >>> tensor_file_format("acts.safetensors"), tensor_file_format("runs/acts.NPZ")
+    ('safetensors', 'npz')
+    >>> tensor_file_format("acts.csv")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: 'acts.csv': suffix '.csv' is not one of .safetensors, .npz, .pt; ...
+    """
+    return _suffix(Path(path)).removeprefix(".")
+
+
+def save_tensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None
+) -> Path:
+    """Write named ``tensors`` and the JSON-serialisable ``meta`` to ``path``, in the format its suffix names.
+
+    For values that must come back exactly, in any dtype: ``.npz`` and ``.safetensors`` lack
+    bfloat16 or float8, so those are stored as their bits and restored on load, and a ``.pt``
+    file needs no pickle of anything but tensors to be read back (``weights_only=True``). The
+    write is atomic: on any error nothing is left under ``path`` (an older file there stays as
+    it was). Tensors are written from CPU, contiguous, each owning its memory.
 
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "acts.npz"
@@ -69,14 +91,20 @@ def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tenso
     if suffix == ".safetensors":
         _require_safetensors("saving")
     prepared = _prepare(tensors)
-    header = _header(prepared, meta)
+    header = _header(prepared, {} if meta is None else meta)
     with atomic_path(final) as temporary:
         _WRITERS[suffix](temporary, prepared, header)
     return final
 
 
 def load_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a file written by :func:`save_tensors`: ``(tensors in saved order, meta)``, on CPU.
+    """Read named tensors from a ``.safetensors``, ``.npz`` or ``.pt`` file: ``(tensors, meta)``, on CPU.
+
+    A file written by :func:`save_tensors` comes back bit-exact: saved order, dtypes (bfloat16
+    and float8 too) and ``meta``. A file written by another tool (``np.savez``, safetensors'
+    ``save_file``, ``torch.save`` of a dict of tensors) loads with the dtypes it stores and
+    ``meta == {}``. A ``.pt`` file is read with ``weights_only=True``, so opening one from
+    anyone runs no code.
 
     >>> import tempfile
     >>> path = save_tensors(Path(tempfile.mkdtemp()) / "a.pt", {"x": torch.arange(3)}, {"step": 1})
@@ -94,13 +122,14 @@ def load_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
         return _decode(stored, header, final)
 
 
-def _suffix(path: Path, action: str) -> str:
-    """The lower-case suffix of ``path`` if it is one hookscope can ``action`` (save / read)."""
+def _suffix(path: Path, action: str | None = None) -> str:
+    """The lower-case suffix of ``path`` if it names a format; the error says what failed (save / read)."""
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
+        where = f"cannot {action} {str(path)!r}" if action else repr(str(path))
         raise SpecError(
-            f"cannot {action} {str(path)!r}: suffix {suffix or '(none)'!r} is not one of "
-            f"{', '.join(SUPPORTED_SUFFIXES)}; name the file e.g. 'activations.safetensors'"
+            f"{where}: suffix {suffix or '(none)'!r} is not one of {', '.join(SUPPORTED_SUFFIXES)}; "
+            "name the file e.g. 'activations.safetensors'"
         )
     return suffix
 

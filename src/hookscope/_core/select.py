@@ -20,7 +20,8 @@ Selector forms:
 
 Patterns (globs and regular expressions) never match the root module, whose name is empty.
 A selector that matches nothing raises :class:`~hookscope.errors.SelectionError` naming the
-closest existing names, because a typo that silently hooks nothing is the worst kind of bug.
+closest existing names (in its message and as ``.suggestions``), because a typo that silently
+hooks nothing is the worst kind of bug.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ _FORMS = (
 def ensure_module(model: object) -> nn.Module:
     """Return ``model`` if hooks can be attached to it, else raise ``UnsupportedModelError``.
 
-    TorchScript modules are refused: scripted code never calls Python hooks, so anything
-    attached to them would silently never run.
+    Every hookscope call that takes a model checks it so; call it yourself to refuse a model
+    where it comes in (a config, a command line) rather than at its first use. TorchScript
+    modules are refused: scripted code never calls Python hooks, so anything attached to them
+    would silently never run. A class passed instead of an instance is named as such.
 
+    >>> ensure_module(nn.Linear(2, 2))
+    Linear(in_features=2, out_features=2, bias=True)
     >>> ensure_module([1, 2])
     Traceback (most recent call last):
     ...
@@ -135,7 +140,8 @@ def compile_selector(selector: Selector) -> Predicate:
 def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
     """Return ``[(name, module), ...]`` that ``selector`` names in ``model``, in model order.
 
-    Each member of a list must match at least one module: a typo inside a list is still a typo.
+    Each member of a list (of a list inside it too) must match at least one module: a typo
+    inside a list is still a typo.
 
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> [name for name, _ in select(model, nn.Linear)]
@@ -149,20 +155,24 @@ def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
     entries = raw_and_named_modules(model)
     named = [(name, module) for name, _, module in entries]
     compile_selector(selector)  # a malformed selector (an empty list, a bad regex) is refused first
-    members = list(selector) if isinstance(selector, (list, tuple, set, frozenset)) else [selector]
+    members = _members(selector)
     predicates = [_spelling_blind(member) for member in members]
     for member, predicate in zip(members, predicates, strict=True):
         if not any(predicate(name, raw, module) for name, raw, module in entries):
-            raise SelectionError(_no_match_message(member, named, within=selector if len(members) > 1 else None))
+            raise _no_match(member, named, within=members if len(members) > 1 else None)
     return [(name, module) for name, raw, module in entries if any(p(name, raw, module) for p in predicates)]
+
+
+def _members(selector: Selector) -> list[Selector]:
+    """The selectors a list holds, nested lists opened: each must match on its own."""
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        return [leaf for member in selector for leaf in _members(member)]
+    return [selector]
 
 
 def _spelling_blind(selector: Selector) -> Callable[[str, str, nn.Module], bool]:
     """A predicate on ``(name, raw name, module)``: a string selector may use either spelling
     of a name below a wrapper (``fc`` or ``module.fc``); other selectors see the name alone."""
-    if isinstance(selector, (list, tuple, set, frozenset)):
-        parts = [_spelling_blind(member) for member in selector]
-        return lambda name, raw, module: any(part(name, raw, module) for part in parts)
     predicate = compile_selector(selector)
     if isinstance(selector, str):
         return lambda name, raw, module: predicate(name, module) or (raw != name and predicate(raw, module))
@@ -191,7 +201,7 @@ def select_names(names: list[str], selector: str | list[str] | tuple[str, ...]) 
     for member, predicate in zip(members, predicates, strict=True):
         if not any(predicate(name, stand_in) for name in names):
             within = cast(Selector, members) if len(members) > 1 else None
-            raise SelectionError(_no_match_message(member, named, within=within))
+            raise _no_match(member, named, within=within)
     return [name for name in names if any(p(name, stand_in) for p in predicates)]
 
 
@@ -212,21 +222,24 @@ def _compile_string(text: str) -> Predicate:
     return lambda name, _module: name == text
 
 
-def _no_match_message(selector: Selector, named: list[tuple[str, nn.Module]], *, within: Selector | None) -> str:
+def _no_match(selector: Selector, named: list[tuple[str, nn.Module]], *, within: Selector | None) -> SelectionError:
+    """The error for ``selector`` matching none of ``named``: the closest names, in the message and as fields."""
     where = f" (in {describe_selector(within)})" if within is not None else ""
     head = f"selector {describe_selector(selector)}{where} matched 0 of {len(named)} modules"
     names = [name for name, _ in named if name]
+    suggestions = _suggest(selector, names) if isinstance(selector, str) else []
     if isinstance(selector, type):
         present = sorted({type(module).__name__ for _, module in named})
-        return f"{head}; the model holds these types: {_listing(present)}"
-    if isinstance(selector, nn.Module):
-        return f"{head}; that module is not part of this model: pass one of model.modules()"
-    if not isinstance(selector, str):
-        return f"{head}; check the predicate, or list the names with hookscope._layers(model)"
-    suggestions = _suggest(selector, names)
-    if suggestions:
-        return f"{head}; did you mean {' or '.join(repr(s) for s in suggestions)}?"
-    return f"{head}; the model's top-level names are {_listing(n for n in names if '.' not in n)}"
+        message = f"{head}; the model holds these types: {_listing(present)}"
+    elif isinstance(selector, nn.Module):
+        message = f"{head}; that module is not part of this model: pass one of model.modules()"
+    elif not isinstance(selector, str):
+        message = f"{head}; check the predicate, or list the names with hookscope.layers(model)"
+    elif suggestions:
+        message = f"{head}; did you mean {' or '.join(repr(s) for s in suggestions)}?"
+    else:
+        message = f"{head}; the model's top-level names are {_listing(n for n in names if '.' not in n)}"
+    return SelectionError(message, selector=selector, suggestions=tuple(suggestions))
 
 
 def _suggest(selector: str, names: list[str]) -> list[str]:

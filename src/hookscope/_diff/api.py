@@ -233,6 +233,16 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
+def _own_inputs(inputs: object) -> Inputs:
+    """``inputs_b`` checked: a pair ``(args tuple, kwargs dict)``, as ``inputs=`` of ``hs.extract`` returns."""
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], tuple) and isinstance(inputs[1], dict):
+        return inputs[0], inputs[1]
+    raise SpecError(
+        f"inputs_b is {type(inputs).__name__}; expected b's (args tuple, kwargs dict), "
+        "e.g. inputs_b=((x.half(),), {})"
+    )
+
+
 def _moved(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
 
@@ -252,6 +262,7 @@ class DiffFunction:
         atol: float = DEFAULT_ATOL,
         keep_on: str | torch.device = "cpu",
         model_kwargs: dict[str, Any] | None = None,
+        inputs_b: Inputs | None = None,
         **kwargs: Any,
     ) -> Diff:
         """Compare ``a`` and ``b`` layer by layer: two models run on the same inputs, or two captures.
@@ -270,20 +281,38 @@ class DiffFunction:
         a's copy is dropped, so the peak is one copy of a's values plus b's own forward.
         Train/eval modes are left as they are (use eval mode: dropout would differ).
 
+        ``inputs_b=(args, kwargs)`` gives b inputs of its own, for a b that cannot take a's:
+        a copy in another dtype needs inputs in that dtype, a port may name its arguments
+        differently. They should hold the same values, or every site differs from the first.
+
         Example::
 
             d = hs.diff(model, quantised, x)
             print(d.first_divergence())     # first divergence at h.3.mlp#0 (Linear): ...
             d.to_pandas()
+
+        b in float64, given float64 inputs; the output's max|a-b| is the one computed by hand:
+
+        >>> import copy, hookscope as hs
+        >>> a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> b, x = copy.deepcopy(a).double(), torch.randn(2, 4)
+        >>> d = hs.diff(a, b, x, inputs_b=((x.double(),), {}))
+        >>> [row.site for row in d.rows], d.within(rtol=1e-5, atol=1e-6)
+        (['0#0', '1#0', '(root)#0'], True)
+        >>> with torch.no_grad():
+        ...     by_hand = (a(x).double() - b(x.double())).abs().max().item()
+        >>> d.rows[-1].metrics.max_abs == by_hand
+        True
         """
         if isinstance(a, Cache) or isinstance(b, Cache):
             if not (isinstance(a, Cache) and isinstance(b, Cache)):
                 raise SpecError("pass two models or two captures (Cache) to hs.diff, not one of each")
-            if args or kwargs:
+            if args or kwargs or inputs_b is not None:
                 raise SpecError("two captures are compared as they are: pass no inputs with them")
             return compare_caches(a, b, match=match, rtol=rtol, atol=atol)
         inputs = (args, {**kwargs, **(model_kwargs or {})})
-        return compare_models(a, b, inputs, inputs, match=match, layers=layers, rtol=rtol, atol=atol, keep_on=keep_on)
+        other = inputs if inputs_b is None else _own_inputs(inputs_b)
+        return compare_models(a, b, inputs, other, match=match, layers=layers, rtol=rtol, atol=atol, keep_on=keep_on)
 
     def dtypes(
         self,

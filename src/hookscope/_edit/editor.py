@@ -11,6 +11,7 @@ an edit sees the edited value, and one attached before it sees the original.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -153,13 +154,31 @@ def _describe(tensor: torch.Tensor) -> str:
 
 
 def _functions(selector: Selector, chosen: EditFn | Sequence[EditFn]) -> list[EditFn]:
-    functions = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+    functions: list[Any] = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
     if not functions or not all(callable(fn) for fn in functions):
         raise SpecError(
             f"the edits for {describe_selector(selector)} are not callables: expected an edit such as "
             "hs.edits.zero() or a function (value, ctx) -> value, or a list of them"
         )
-    return functions  # type: ignore[return-value]
+    for fn in functions:
+        _check_arity(selector, fn)
+    return functions
+
+
+def _check_arity(selector: Selector, fn: Callable[..., Any]) -> None:
+    """Refuse, when the edit is attached, a function the hook could not call as ``fn(value, ctx)``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise SpecError(
+            f"edit {name!r} for {describe_selector(selector)} takes {signature}, but an edit is called as "
+            "edit(value, ctx); take both, e.g. lambda value, ctx: value * 2"
+        ) from None
 
 
 def edit(

@@ -57,7 +57,7 @@ from hookscope._extract.zarr_io import (
 from hookscope._shared.dtypes import dtype_name, floating_dtype
 from hookscope._shared.reduce import Reduction
 from hookscope._version import __version__
-from hookscope.errors import SpecError, StoreError, StoreWriteError
+from hookscope.errors import DataError, SpecError, StoreError, StoreWriteError
 
 __all__ = ["extract"]
 
@@ -116,7 +116,10 @@ def extract(
     Resuming: a store left by a run that stopped is continued by the same call (``resume=True``,
     the default): done chunks are skipped and the result is bit-identical to an uninterrupted
     run. A store made with another configuration (model, layers, reductions, dtype, rows, ...)
-    is refused with every difference named, unless ``overwrite=True`` replaces it.
+    is refused with every difference named, unless ``overwrite=True`` replaces it. Data that
+    changes its story part-way (fewer rows than its ``len()``, a batch that reaches other sites or
+    gives other shapes than the first) raises :class:`~hookscope.errors.DataError` naming the
+    rows (``.rows``); the chunks recorded before it stay valid.
 
     Many processes: call it on every rank of a ``torch.distributed`` job (torchrun,
     accelerate); each rank writes whole chunks of its own and rank 0 marks the store complete.
@@ -349,19 +352,25 @@ class _Job:
                 raise
             thread.close(end)
         if not isinstance(source, IndexedSource) and layout.rows is not None and end != layout.rows:
-            raise SpecError(f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted")
+            raise DataError(
+                f"the data yielded {end} rows; expected {layout.rows}, the rows it held when counted",
+                rows=range(end, layout.rows),  # the batches never go past it: run_batches refuses that
+            )
         held = max(group[site.name].shape[0] for site in layout.sites) if layout.rows is None else end
         if held > end:
-            raise SpecError(
+            raise DataError(
                 f"the data ended at row {end}, but the store holds {held} rows from an earlier run: the stream "
-                "changed since; overwrite=True (--overwrite) starts again"
+                "changed since; overwrite=True (--overwrite) starts again",
+                rows=range(end, held),
             )
         short = writer.unfinished()
         if short:
             chunk, filled, wanted = short[0]
-            raise SpecError(
+            start, _ = layout.span(chunk)
+            raise DataError(
                 f"chunk {chunk} received {filled} of its {wanted} rows: the data yielded fewer rows than it said "
-                "it held (check the data set's __len__)"
+                "it held (check the data set's __len__)",
+                rows=range(start + filled, start + wanted),
             )
         return end
 

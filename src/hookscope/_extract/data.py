@@ -38,7 +38,7 @@ from torch.utils.data import (
 )
 
 from hookscope._core.tree import flatten_tensors
-from hookscope.errors import SpecError
+from hookscope.errors import DataError, SpecError
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -221,9 +221,10 @@ class IndexedSource:
     def _batch(self, start: int, expected: int, raw: Any) -> Batch:
         batch = numbered(self.inputs, start, raw)
         if batch.rows != expected:
-            raise SpecError(
+            raise DataError(
                 f"the batch of rows {start}..{start + expected - 1} has {batch.rows} rows, not {expected}: the "
-                "collate function must stack one row per index along dimension 0"
+                "collate function must stack one row per index along dimension 0",
+                rows=range(start, start + expected),
             )
         return batch
 

@@ -19,7 +19,7 @@ import torch
 from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS, numpy_dtype
 from hookscope._shared.dtypes import dtype_name
-from hookscope.errors import SpecError
+from hookscope.errors import DataError, SpecError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -86,7 +86,7 @@ class SiteLayout:
         )
 
     def check(self, value: torch.Tensor, rows: int, start: int) -> None:
-        """Raise ``SpecError`` unless ``value`` holds ``rows`` rows of this site's shape and dtype."""
+        """Raise ``DataError`` unless ``value`` holds ``rows`` rows of this site's shape and dtype."""
         shape = tuple(value.shape)
         if shape[:1] == (rows,) and shape[1:] == self.shape and dtype_name(value.dtype) == self.dtype:
             return
@@ -98,7 +98,10 @@ class SiteLayout:
             if shape[:1] == (rows,)
             else "the first dimension must be the batch: pick a module whose output is batch-first"
         )
-        raise SpecError(f"site {self.site!r} gave {found} for {first}; the store holds {expected} per batch; {hint}")
+        raise DataError(
+            f"site {self.site!r} gave {found} for {first}; the store holds {expected} per batch; {hint}",
+            rows=range(start, start + rows),
+        )
 
 
 @dataclass(frozen=True)

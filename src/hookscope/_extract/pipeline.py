@@ -27,7 +27,7 @@ from hookscope._extract.layout import Layout
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._extract.writer import Work, WriterThread
 from hookscope._shared.reduce import Reduction
-from hookscope.errors import SpecError
+from hookscope.errors import DataError, SpecError
 
 __all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]
 
@@ -202,9 +202,10 @@ def run_batches(
     for batch in batches:
         end = max(end, batch.stop)
         if layout.rows is not None and batch.stop > layout.rows:
-            raise SpecError(
+            raise DataError(
                 f"the data yielded rows up to {batch.stop - 1}, past the {layout.rows} rows it held when counted; "
-                "it must yield the same rows in every pass over it"
+                "it must yield the same rows in every pass over it",
+                rows=range(max(batch.start, layout.rows), batch.stop),
             )
         if not writer.writer.wants(batch.start, batch.stop):
             continue  # a stream's batch inside chunks a resumed store already has
@@ -261,9 +262,11 @@ def _checked(values: dict[Site, torch.Tensor], sites: Mapping[Site, Any], batch:
             parts.append(f"{', '.join(missing[:3])} did not run")
         if extra:
             parts.append(f"{', '.join(extra[:3])} ran but not in the first batch")
-        raise SpecError(
+        raise DataError(
             f"rows {batch.start}..{batch.stop - 1}: {'; '.join(parts)}; every batch must reach the same sites "
-            "(a module that runs a data-dependent number of times cannot fill a fixed set of arrays: pick calls='last')"
+            "(a module that runs a data-dependent number of times cannot fill a fixed set of arrays: "
+            "pick calls='last')",
+            rows=range(batch.start, batch.stop),
         )
     ordered = []
     for site, layout in sites.items():

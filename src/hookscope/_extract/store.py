@@ -151,20 +151,23 @@ class Store:
     def __getitem__(self, key: str) -> StoreArray:
         layout = self._by_key.get(key)
         if layout is None:
-            raise SiteNotFoundError(self._not_found(key))
+            raise self._not_found(key)
         return StoreArray(self.group[layout.name], layout)
 
     def torch(self, key: str, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` of site ``key`` as a tensor of the values' own dtype."""
         return self[key].torch(index)
 
-    def _not_found(self, key: str) -> str:
+    def _not_found(self, key: str) -> SiteNotFoundError:
+        """The error for a key that names no array: the arrays it may have meant, in the message and as fields."""
         same_module = [layout.name for layout in self._layouts if layout.layer == key]
         if same_module:
-            return f"{key!r} has several sites in {self.path}; name one of {', '.join(map(repr, same_module))}"
+            message = f"{key!r} has several sites in {self.path}; name one of {', '.join(map(repr, same_module))}"
+            return SiteNotFoundError(message, key=key, candidates=tuple(same_module))
         close = difflib.get_close_matches(key, list(self._by_key), n=3, cutoff=0.5)
         hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"sites: {', '.join(self.sites[:8])}"
-        return f"no site {key!r} in {self.path}; {hint}"
+        message = f"no site {key!r} in {self.path}; {hint}"
+        return SiteNotFoundError(message, key=key, candidates=tuple(close or self.sites))
 
     def to_hf_dataset(self, sites: list[str] | None = None, *, cache_dir: str | None = None) -> Any:
         """The rows as a Hugging Face ``datasets.Dataset``, one column per site (``pip install datasets``).

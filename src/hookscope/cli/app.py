@@ -1,7 +1,10 @@
-"""The typer application and the one place that turns errors into exit codes.
+"""The typer application and the one place that turns errors into exit codes (``EXIT_CODES``).
 
-Exit codes: 0 success, 2 bad input (usage errors and every ``HookscopeError``), 1 a failure at
-run time. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
+Exit codes: 0 success; 2 bad input, which changing the command fixes (usage errors, and every
+``HookscopeError`` but three); 1 a failure at run time, which the command cannot help (the disk,
+data that broke its promises, a model that raised on real input); 130 after Ctrl-C, with a line
+saying what was kept. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
+The library's errors know nothing of exit codes: what an error means to a shell is decided here.
 """
 
 from __future__ import annotations
@@ -12,20 +15,62 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
-from hookscope._core.select import Selector
-from hookscope._version import __version__
+import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import ConcurrentPassError, DataError, HookscopeError, SpecError, StoreWriteError
 
-__all__ = ["app", "main"]
+__all__ = ["EXIT_CODES", "app", "exit_code", "main"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
+
+#: The exit code of each error class. An error takes the code of the first class of its MRO
+#: listed here, so a subclass listed overrides its base: every ``HookscopeError`` is bad input
+#: except those that happen however right the command was.
+EXIT_CODES: dict[type[BaseException], int] = {
+    HookscopeError: EXIT_BAD_INPUT,  # a spec, selector, option, file or store the command named
+    DataError: EXIT_FAILURE,  # the data broke a promise part-way (fewer rows than its len(), ...)
+    StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
+    ConcurrentPassError: EXIT_FAILURE,  # another thread ran the model meanwhile: nothing the command did
+    KeyboardInterrupt: EXIT_INTERRUPTED,
+    Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
+}
+
+#: What Ctrl-C leaves behind, unless a command says otherwise (``_on_interrupt``).
+_NOTHING_KEPT = "interrupted (Ctrl-C) before the command finished; run it again to do it all"
+
+
+def exit_code(error: BaseException) -> int:
+    """The code the command line exits with after ``error``: the first entry of its MRO in ``EXIT_CODES``.
+
+    >>> exit_code(hs.SpecError("bad")), exit_code(hs.DataError("short")), exit_code(KeyboardInterrupt())
+    (2, 1, 130)
+    """
+    return next((EXIT_CODES[cls] for cls in type(error).__mro__ if cls in EXIT_CODES), EXIT_FAILURE)
+
+
+class _Commands(TyperGroup):
+    """The group of commands; a Ctrl-C in any of them prints what was kept and exits 130.
+
+    Here rather than in :func:`main` because typer turns a ``KeyboardInterrupt`` into a silent
+    exit before ``main`` could see it.
+    """
+
+    def invoke(self, ctx: Any) -> Any:  # click's Context: typer vendors click from 0.29 on, under a private name
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as stop:
+            typer.echo(f"error: {(ctx.obj or {}).get('on_interrupt', _NOTHING_KEPT)}", err=True)
+            raise typer.Exit(exit_code(stop)) from None
+
 
 app = typer.Typer(
     name="hookscope",
+    cls=_Commands,
     help="Look inside PyTorch models and change what happens there, through module hooks.",
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -35,8 +80,13 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"hookscope {__version__}")
+        typer.echo(f"hookscope {hs.__version__}")
         raise typer.Exit()
+
+
+def _on_interrupt(ctx: typer.Context, note: str) -> None:
+    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130)."""
+    ctx.ensure_object(dict)["on_interrupt"] = note
 
 
 @app.callback(invoke_without_command=True)
@@ -75,7 +125,6 @@ def layers_command(
     ] = False,
 ) -> None:
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
-    from hookscope._layers import layers
     from hookscope.cli.sample import SampleRun, build_model
     from hookscope.cli.specs import make_input
 
@@ -83,7 +132,7 @@ def layers_command(
         raise SpecError("--no-run and --input-shape contradict each other; drop one")
     net = build_model(model, dtype)
     if no_run:
-        typer.echo(str(layers(net)))
+        typer.echo(str(hs.layers(net)))
         return
     try:
         sample = SampleRun(net, *make_input(net, input_shape, dtype=dtype))
@@ -91,10 +140,10 @@ def layers_command(
         if input_shape is not None:
             raise
         typer.echo(f"note: no calls counted; {error}", err=True)  # the table is still worth printing
-        typer.echo(str(layers(net)))
+        typer.echo(str(hs.layers(net)))
         return
     typer.echo(sample.describe_input())
-    typer.echo(str(sample.run(lambda net, args, kwargs: layers(net, *args, **kwargs))))
+    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, **kwargs))))
 
 
 @app.command("capture")
@@ -127,18 +176,14 @@ def capture_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
-    from hookscope._capture import run_with_capture
-    from hookscope._capture.files import SUPPORTED_SUFFIXES
     from hookscope.cli.sample import prepare
 
-    if out.suffix.lower() not in SUPPORTED_SUFFIXES:  # before the model runs, not after
-        formats = ", ".join(SUPPORTED_SUFFIXES)
-        raise SpecError(f"--out {out}: {out.suffix or 'no extension'} is not a capture format; use {formats}")
+    hs.tensor_file_format(out)  # a mistyped extension fails before the model runs, not after
     selectors = _selectors(layers)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     _, cache = sample.run(
-        lambda net, args, kwargs: run_with_capture(
+        lambda net, args, kwargs: hs.run_with_capture(
             net,
             *args,
             layers=selectors,
@@ -184,8 +229,6 @@ def trace_command(
     """
     import torch
 
-    from hookscope._core.select import select
-    from hookscope._trace import TraceRow, tracing
     from hookscope.cli.sample import prepare
 
     sample = prepare(model, input_shape, dtype, seed)
@@ -193,12 +236,12 @@ def trace_command(
     selectors = _selectors(only or [])
     net = sample.model.eval()
     if selectors:
-        select(net, selectors)  # a mistyped --filter fails now, not after the forward
-    with tracing(net, timing=timing) as tracer:
+        hs.select(net, selectors)  # a mistyped --filter fails now, not after the forward
+    with hs.tracing(net, timing=timing) as tracer:
         try:
             with torch.no_grad():
                 net(*sample.args, **sample.kwargs)
-            failed: tuple[Exception, TraceRow] | None = None
+            failed: tuple[Exception, hs.TraceRow] | None = None
         except Exception as error:
             failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is None:
@@ -232,7 +275,6 @@ def grads_command(
     The loss is synthetic: cross-entropy against random labels for a (batch, classes) output,
     else mean squared error against random targets. For a quick look at gradient flow at init.
     """
-    from hookscope._grads.monitor import watch_grads
     from hookscope.cli.sample import prepare
     from hookscope.cli.training import train_steps
 
@@ -240,7 +282,7 @@ def grads_command(
         raise SpecError(f"--png {png}: expected a file name ending in .png")
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
-    with watch_grads(sample.model) as monitor:
+    with hs.watch_grads(sample.model) as monitor:
         sample.run(
             lambda _net, _args, _kwargs: train_steps(
                 sample,
@@ -255,9 +297,7 @@ def grads_command(
         )
     typer.echo(str(monitor.summary()))
     if png is not None:
-        from hookscope.plots import grad_flow
-
-        grad_flow(monitor).savefig(png, dpi=100)
+        hs.plots.grad_flow(monitor).savefig(png, dpi=100)
         typer.echo(f"wrote {png}")
 
 
@@ -282,8 +322,6 @@ def edit_command(
     """Run MODEL with and without edits and print how much the final output changed."""
     import torch
 
-    from hookscope._core.tree import flatten_tensors
-    from hookscope._edit import edit as attach_edits
     from hookscope.cli.edit_specs import parse_edit
     from hookscope.cli.sample import prepare
 
@@ -298,11 +336,11 @@ def edit_command(
     net = sample.model.eval()
     with torch.no_grad():
         plain = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-        with attach_edits(net, parsed, on=on) as editor:  # type: ignore[arg-type]
+        with hs.edit(net, parsed, on=on) as editor:  # type: ignore[arg-type]
             typer.echo(f"edits on {', '.join(editor.sites)}")
             edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-    before = [(p, t) for p, t in flatten_tensors(plain) if t.is_floating_point()]
-    after = [t for _, t in flatten_tensors(edited) if t.is_floating_point()]
+    before = [(p, t) for p, t in hs.flatten_tensors(plain) if t.is_floating_point()]
+    after = [t for _, t in hs.flatten_tensors(edited) if t.is_floating_point()]
     if not before or len(before) != len(after):
         raise SpecError("the model's output holds no floating-point tensor to compare")
     path, first = before[0]
@@ -342,17 +380,15 @@ def report_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
-    from hookscope._report.api import html_path, report
     from hookscope.cli.report_run import loss_from_spec
     from hookscope.cli.sample import prepare
 
-    html_path(out)  # a wrong file name fails before the model is built
     loss_fn = loss_from_spec(loss) if loss is not None else None
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}
     try:
-        written = report(
+        written = hs.report(
             sample.model,
             *sample.args,
             out=out,
@@ -457,7 +493,6 @@ def extract_command(
 
     import torch
 
-    from hookscope._extract import extract
     from hookscope.cli.data_specs import load_data
     from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
     from hookscope.cli.sample import build_model
@@ -465,12 +500,17 @@ def extract_command(
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
+    _on_interrupt(
+        ctx,
+        f"interrupted (Ctrl-C); the chunks recorded as done stay in {out}: run the same command again to resume "
+        "after them",
+    )
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
         dataset = load_data(data, net, seed=seed)
         started = time.perf_counter()
-        store = extract(
+        store = hs.extract(
             net,
             dataset,
             _selectors(layers),
@@ -497,7 +537,7 @@ def extract_command(
             size = store_size(out)
             typer.echo(
                 f"wrote {len(store):,} rows of {len(store.sites)} sites to {out} in {elapsed:.1f} s"
-                + (f" ({size} on disk)" if size else "")
+                + (f" ({size:,} bytes on disk)" if size is not None else "")
             )
 
 
@@ -512,20 +552,18 @@ def _calls(text: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
-def _selectors(options: list[str]) -> list[Selector]:
+def _selectors(options: list[str]) -> list[hs.Selector]:
     """Selectors from a repeatable option whose values may also be comma-separated."""
     return [part.strip() for option in options for part in option.split(",") if part.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``hookscope`` console script; exits with the codes in the module doc."""
+    """Entry point of the ``hookscope`` console script; exits with the codes of ``EXIT_CODES``."""
     try:  # usage errors (unknown command or option) are typer's: usage text and exit code 2
         given = list(sys.argv[1:] if argv is None else argv)
         app(args=given, prog_name="hookscope", obj={"argv": given})  # extract records its command line
-    except HookscopeError as error:  # bad input, unless the error says it is a failure at run time
-        _fail(error, getattr(error, "exit_code", EXIT_BAD_INPUT))
-    except Exception as error:  # a failure at run time: one line, not a traceback
-        _fail(error, EXIT_FAILURE)
+    except Exception as error:  # one line, not a traceback
+        _fail(error, exit_code(error))
 
 
 def _fail(error: Exception, code: int) -> None:

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope._capture.files import load_tensors
-from hookscope._extract.data import TensorRows
+import hookscope as hs
 from hookscope.cli.specs import load_attribute, make_input, parse_shape
 from hookscope.errors import HookscopeError, SpecError
 
@@ -105,7 +104,8 @@ def _random(spec: str, model: nn.Module, seed: int) -> RandomRows:
     return RandomRows(rows, tuple(sample.shape[1:]), seed=seed, key=key, vocab_size=int(vocab or 0))
 
 
-def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> TensorRows:
+def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> Any:
+    """The rows of a file as ``hs.extract`` reads them: one array of rows, or a dict of named columns."""
     if not path.is_file():
         raise SpecError(f"data {spec!r}: file not found (looked at {path.resolve()}); check the path")
     try:
@@ -118,15 +118,15 @@ def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> TensorRows:
         columns = next(iter(columns.values()))
     if not isinstance(columns, Mapping):
         main = getattr(model, "main_input_name", None)
-        return TensorRows({main: columns} if isinstance(main, str) else columns)
-    return TensorRows(dict(columns))
+        return {main: columns} if isinstance(main, str) else columns
+    return dict(columns)
 
 
 def _read(path: Path, suffix: str) -> Any:
     """One memory-mapped array (``.npy``), or the named tensors of a file the capture's reader reads."""
     if suffix == ".npy":
         return np.load(path, mmap_mode="r")
-    tensors, _ = load_tensors(path)  # .npz, .pt and .safetensors, with their errors and dtypes
+    tensors, _ = hs.load_tensors(path)  # .npz, .pt and .safetensors, with their errors and dtypes
     return tensors
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
+import hookscope as hs
 from hookscope.cli.options import InputShape
 from hookscope.errors import HookscopeError, SpecError
 
@@ -48,33 +49,29 @@ def diff_command(
 
     import torch
 
-    from hookscope._diff.api import cast_floats, compare_models
-    from hookscope._shared.dtypes import parse_dtype
     from hookscope.cli.specs import load_model, make_input
 
     if csv is not None and not csv.parent.is_dir():
         raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
     if mapping and by_order:
         raise SpecError("--map and --by-order pair sites in two different ways; pass one")
-    match = _mapping(mapping) if mapping else ("order" if by_order else "name")
+    pairing: Literal["name", "order"] = "order" if by_order else "name"
+    match = _mapping(mapping) if mapping else pairing
     torch.manual_seed(seed)  # the same random weights for the same spec on both sides
     net_a = load_model(model_a)
     torch.manual_seed(seed)
     net_b = load_model(model_b)
     args, kwargs = make_input(net_a, input_shape, seed=seed)
-    if dtype is not None:
-        net_b = net_b.to(parse_dtype(dtype))
-    inputs_a = (args, kwargs)
-    inputs_b = (
-        inputs_a if dtype is None else (cast_floats(args, parse_dtype(dtype)), cast_floats(kwargs, parse_dtype(dtype)))
-    )
+    inputs_b = None
+    if dtype is not None:  # b and its floating inputs cast: the same seeded values, in b's dtype
+        net_b = net_b.to(hs.parse_dtype(dtype))
+        inputs_b = make_input(net_a, input_shape, dtype=dtype, seed=seed)
     typer.echo(
         "input: "
         + ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in [*args, *kwargs.values()])
     )
-    options = {"match": match, "layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
     try:
-        result = compare_models(net_a, net_b, inputs_a, inputs_b, **options)  # type: ignore[arg-type]
+        result = hs.diff(net_a, net_b, *args, match=match, rtol=rtol, atol=atol, model_kwargs=kwargs, inputs_b=inputs_b)
     except (HookscopeError, OSError):
         raise
     except Exception as error:  # a model failed on the made-up input: the likeliest culprit

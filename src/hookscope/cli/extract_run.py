@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._shared.units import format_bytes
 from hookscope.errors import SpecError
 
 __all__ = ["distributed_job", "every_module", "parse_reductions", "store_size"]
@@ -78,8 +77,8 @@ def distributed_job(device: str | None) -> Iterator[tuple[int, torch.device]]:
         dist.destroy_process_group()
 
 
-def store_size(path: Path) -> str:
-    """Bytes on disk under ``path``, e.g. ``'1.2 MiB'``; empty when it is not a local directory."""
+def store_size(path: Path) -> int | None:
+    """Bytes on disk under ``path``; None when it is not a local directory (an ``s3://`` store)."""
     if not path.is_dir():
-        return ""
-    return format_bytes(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        return None
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from hookscope.cli.specs import load_model, make_input, parse_dtype
+import hookscope as hs
+from hookscope.cli.specs import load_model, make_input
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["SampleRun", "build_model", "prepare"]
@@ -51,7 +52,7 @@ class SampleRun:
 def build_model(model_spec: str, dtype: str | None) -> nn.Module:
     """Build the model ``model_spec`` names, cast to ``dtype`` if given."""
     model = load_model(model_spec)
-    return model.to(parse_dtype(dtype)) if dtype is not None else model
+    return model.to(hs.parse_dtype(dtype)) if dtype is not None else model
 
 
 def prepare(model_spec: str, input_shape: str | None, dtype: str | None, seed: int = 0) -> SampleRun:

@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.select import ensure_module
-from hookscope._shared.dtypes import parse_dtype
+import hookscope as hs
 from hookscope.errors import MissingDependencyError, SpecError
 
-__all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_dtype", "parse_shape"]
+__all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_shape"]
 
 FORMS = "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or 'hf-config:<model_type>[?key=value&...]'"
 DEFAULT_SEQUENCE_LENGTH = 16
@@ -120,7 +119,7 @@ def make_input(
     maker = getattr(model, "sample_input", None)
     values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
     if dtype is not None:
-        values = values.to(parse_dtype(dtype))
+        values = values.to(hs.parse_dtype(dtype))
     if main_input == "pixel_values":
         return (), {"pixel_values": values}
     return (values,), {}
@@ -215,7 +214,7 @@ def _attribute(spec: str, module: object, target: str, dotted: str, kind: str = 
 
 def _build(spec: str, found: object, attribute: str) -> nn.Module:
     if isinstance(found, nn.Module):
-        return ensure_module(found)  # refuses a TorchScript module
+        return hs.ensure_module(found)  # refuses a TorchScript module
     if not callable(found):
         raise _error(
             spec, f"{attribute!r} is {type(found).__name__}", "name an nn.Module, a class or a factory function"
@@ -228,7 +227,7 @@ def _build(spec: str, found: object, attribute: str) -> nn.Module:
         ) from error
     if not isinstance(made, nn.Module):
         raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", "return the model")
-    return ensure_module(made)  # refuses a TorchScript module
+    return hs.ensure_module(made)  # refuses a TorchScript module
 
 
 def _hf_config(spec: str, text: str) -> nn.Module:
@@ -252,7 +251,7 @@ def _hf_config(spec: str, text: str) -> nn.Module:
         raise _error(
             spec, f"building {model_type!r} raised {type(error).__name__}: {error}", "check the overrides"
         ) from error
-    return ensure_module(model)
+    return hs.ensure_module(model)
 
 
 def _overrides(spec: str, query: str) -> dict[str, Any]:

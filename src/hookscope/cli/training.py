@@ -14,8 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional
 
-from hookscope._core.tree import flatten_tensors
-from hookscope._grads.monitor import GradMonitor
+import hookscope as hs
 from hookscope.cli.sample import SampleRun
 from hookscope.cli.specs import make_input
 from hookscope.errors import SpecError
@@ -25,7 +24,7 @@ __all__ = ["synthetic_loss", "train_steps"]
 
 def synthetic_loss(output: object, generator: torch.Generator) -> torch.Tensor:
     """The loss described in the module doc, for a model's ``output``."""
-    floating = [t for _, t in flatten_tensors(output) if t.is_floating_point() and t.requires_grad]
+    floating = [t for _, t in hs.flatten_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not floating:
         raise SpecError("the model's output holds no floating-point tensor that requires grad: nothing to train")
     prediction = floating[0]
@@ -38,7 +37,7 @@ def synthetic_loss(output: object, generator: torch.Generator) -> torch.Tensor:
 
 def train_steps(
     sample: SampleRun,
-    monitor: GradMonitor,
+    monitor: hs.GradMonitor,
     *,
     steps: int,
     lr: float,
