@@ -319,7 +319,7 @@ def test_missing_safetensors_package_is_named(tmp_path: Path) -> None:
     target = tmp_path / "out" / "x.safetensors"
     result = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == (
-        "saving .safetensors files needs the safetensors package: pip install safetensors (or save to .npz or .pt)"
+        "saving .safetensors files needs safetensors: pip install safetensors (or save to .npz or .pt)"
     )
     assert not target.exists()
     assert not target.parent.exists()

@@ -21,10 +21,10 @@ def test_a_present_module_is_returned() -> None:
     ("kwargs", "message"),
     [
         ({"purpose": "hs.plots", "extra": "plots"}, "hs.plots needs missing_pkg_xyz: pip install 'hookscope[plots]'"),
-        ({"purpose": "to_pandas()"}, "to_pandas() needs missing_pkg_xyz: pip install 'missing_pkg_xyz'"),
+        ({"purpose": "to_pandas()"}, "to_pandas() needs missing_pkg_xyz: pip install missing_pkg_xyz"),
         (
             {"purpose": "saving .safetensors files", "hint": " (or save to .npz or .pt)"},
-            "saving .safetensors files needs missing_pkg_xyz: pip install 'missing_pkg_xyz' (or save to .npz or .pt)",
+            "saving .safetensors files needs missing_pkg_xyz: pip install missing_pkg_xyz (or save to .npz or .pt)",
         ),
     ],
 )

@@ -26,7 +26,7 @@ from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSu
 from hookscope._hooks import hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._report import report
-from hookscope._shared.dtypes import parse_dtype
+from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
 from hookscope._trace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
@@ -100,6 +100,7 @@ __all__ = [
     "capture",
     "detect_nonfinite",
     "diff",
+    "dtype_name",
     "edit",
     "edits",
     "ensure_module",

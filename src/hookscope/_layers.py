@@ -14,14 +14,12 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
-from hookscope._core.names import named_modules
+from hookscope._core.names import module_label, named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
 
 __all__ = ["Layer", "LayerTable", "layers"]
-
-ROOT_LABEL = "(root)"
 
 
 class Layer(NamedTuple):
@@ -76,7 +74,7 @@ class LayerTable:
     def __str__(self) -> str:
         header = ["name", "class", "params"] + (["calls"] if self.has_calls else [])
         body = [
-            [row.name or ROOT_LABEL, row.class_name, f"{row.params:,}"] + ([str(row.calls)] if self.has_calls else [])
+            [module_label(row.name), row.class_name, f"{row.params:,}"] + ([str(row.calls)] if self.has_calls else [])
             for row in self.rows
         ]
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]

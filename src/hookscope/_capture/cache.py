@@ -26,6 +26,7 @@ import torch
 
 from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
@@ -257,7 +258,7 @@ class Cache(Mapping[str, torch.Tensor]):
             (
                 str(site),
                 str(tuple(t.shape)),
-                str(t.dtype).removeprefix("torch."),
+                dtype_name(t.dtype),
                 str(t.device),
                 format_bytes(tensor_bytes(t)),
             )

@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from hookscope._shared.bits import UINT_OF_WIDTH
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.files import atomic_path
-from hookscope.errors import FileFormatError, HookscopeError, MissingDependencyError, SpecError
+from hookscope._shared.optional import require
+from hookscope.errors import FileFormatError, HookscopeError, SpecError
 
 __all__ = ["SUPPORTED_SUFFIXES", "load_tensors", "save_tensors", "tensor_file_format"]
 
@@ -136,13 +138,8 @@ def _suffix(path: Path, action: str | None = None) -> str:
 
 def _require_safetensors(action: str) -> None:
     """Raise :class:`MissingDependencyError` if the optional ``safetensors`` package is missing."""
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError as error:
-        hint = " (or save to .npz or .pt)" if action == "saving" else ""
-        raise MissingDependencyError(
-            f"{action} .safetensors files needs the safetensors package: pip install safetensors{hint}"
-        ) from error
+    hint = " (or save to .npz or .pt)" if action == "saving" else ""
+    require("safetensors.torch", purpose=f"{action} .safetensors files", hint=hint)
 
 
 def _check_entry(key: object, value: object) -> None:
@@ -205,9 +202,7 @@ def _header(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str
         raise SpecError(f"meta is a {type(meta).__name__}; pass a dict of JSON values, e.g. {{'model': 'gpt2'}}")
     meta = dict(meta)
     _check_json(meta, "meta")
-    records = {
-        key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for key, t in tensors.items()
-    }
+    records = {key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for key, t in tensors.items()}
     return json.dumps({"format": _FORMAT, "version": _VERSION, "tensors": records, "meta": meta})
 
 

@@ -23,6 +23,7 @@ from hookscope._capture.cache import Cache, tensor_bytes
 from hookscope._capture.guard import CopyOnWrite, storage_key
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.reduce import Reduction
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, SpecError
@@ -195,7 +196,7 @@ class Keeper:
         except (RuntimeError, IndexError, TypeError, ValueError) as error:
             raise SpecError(
                 f"reduce={self._reduce_spec!r} failed on {str(site)!r}, a {tuple(value.shape)} "
-                f"{str(value.dtype).removeprefix('torch.')} tensor: {error}; pick dimensions that fit every "
+                f"{dtype_name(value.dtype)} tensor: {error}; pick dimensions that fit every "
                 "selected layer's values, or capture those layers separately"
             ) from error
 

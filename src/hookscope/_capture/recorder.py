@@ -33,7 +33,7 @@ from hookscope._core.names import raw_and_named_modules
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.sites import CallTracker, Site, call_filter
 from hookscope._core.tree import call_leaves, flatten_tensors
-from hookscope._shared.dtypes import floating_dtype
+from hookscope._shared.dtypes import dtype_name, floating_dtype
 from hookscope._shared.reduce import Reduction, parse_reduction
 from hookscope._shared.units import parse_bytes
 from hookscope._version import __version__
@@ -341,7 +341,7 @@ def _describe(model: nn.Module, selectors: tuple[Selector, ...], *options: Any) 
         "keep": keep if isinstance(keep, str) else list(keep),
         "detach": detach,
         "device": None if device is None else str(device),
-        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "dtype": None if dtype is None else dtype_name(dtype),
         "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
         "calls": calls,
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),

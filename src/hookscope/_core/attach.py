@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope._core.compat.compiled import recompile_if_stale, sentinels
-from hookscope._core.names import named_modules
+from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
 from hookscope.errors import SpecError, UnsupportedModelError
@@ -101,12 +101,12 @@ class HookSpec:
             raise SpecError(f"always_call=True applies to forward hooks only, not {self.kind!r}")
         if not callable(self.fn):
             raise SpecError(
-                f"the hook for {self.name or '(root)'!r} is a {type(self.fn).__name__}, not callable; "
+                f"the hook for {module_label(self.name)!r} is a {type(self.fn).__name__}, not callable; "
                 f"expected a function called as {self.signature}"
             )
         if isinstance(self.module, torch.jit.ScriptModule):
             raise UnsupportedModelError(
-                f"module {self.name or '(root)'!r} is a TorchScript {type(self.module).__name__}: "
+                f"module {module_label(self.name)!r} is a TorchScript {type(self.module).__name__}: "
                 "scripted code never runs Python hooks; hook the eager module instead, or pick "
                 "modules outside the scripted part"
             )
@@ -412,7 +412,7 @@ def _check_arity(spec: HookSpec) -> None:
     ]
     hint = f"; did you mean {' or '.join(fitting)}?" if fitting else ""
     raise SpecError(
-        f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {spec.name or '(root)'!r} takes "
+        f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {module_label(spec.name)!r} takes "
         f"{signature}, but a {spec.kind} hook is called as {spec.signature}{hint}"
     )
 

@@ -27,13 +27,42 @@ from collections.abc import Iterator
 from torch import nn
 
 __all__ = [
+    "ROOT_LABEL",
     "WRAPPER_CLASS_NAMES",
     "NamedModule",
+    "call_label",
+    "module_label",
     "named_modules",
     "named_parameters",
     "short_spelling",
     "unwrapped_modules",
 ]
+
+#: How the model itself is shown wherever a module is named: its own name is the empty string,
+#: which would print as nothing (``'#0'``). Lookups accept it as well as ``""``.
+ROOT_LABEL = "(root)"
+
+
+def module_label(name: str) -> str:
+    """A module's name as shown: ``(root)`` for the model itself.
+
+    >>> module_label("h.0.mlp"), module_label("")
+    ('h.0.mlp', '(root)')
+    """
+    return name or ROOT_LABEL
+
+
+def call_label(name: str, call: int) -> str:
+    """One call of a module as tables and messages show it: ``name#call``, ``(root)#0`` for the model.
+
+    A :class:`~hookscope._core.sites.Site` adds which value and its path (``str(site)`` keeps
+    the empty name, so that it parses back).
+
+    >>> call_label("h.0.mlp", 1), call_label("", 0)
+    ('h.0.mlp#1', '(root)#0')
+    """
+    return f"{name or ROOT_LABEL}#{call}"
+
 
 NamedModule = tuple[str, nn.Module]
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
+from hookscope._core.names import module_label
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
 # The id of the backward pass running on this thread, -1 outside one.
@@ -344,7 +345,7 @@ class CallTracker:
         name = self._names.get(key, "")
         return ConcurrentPassError(
             f"hs.{self._feature} is already recording a forward pass on another thread, and this thread entered "
-            f"{name or '(root)'!r}: expected one thread at a time, since the calls of two passes would mix; call "
+            f"{module_label(name)!r}: expected one thread at a time, since the calls of two passes would mix; call "
             f"the model from one thread, or give each thread its own copy of the model; {REPLICAS_HINT}",
             feature=self._feature,
             module=name,

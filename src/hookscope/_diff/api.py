@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache, capture
-from hookscope._core.names import unwrapped_modules
+from hookscope._core.names import call_label, unwrapped_modules
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import map_tensors
 from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics
 from hookscope._diff.recorder import CallDraft, Comparer, Kept, LeafDraft, Reference, compare_leaves
 from hookscope._diff.result import Diff, DiffRow, LeafDiff
+from hookscope._shared.dtypes import dtype_name
 from hookscope.errors import SpecError
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "DiffFunction", "cast_floats", "compare_caches", "compare_models", "diff"]
@@ -92,7 +93,7 @@ def compare_caches(a: Cache, b: Cache, *, match: Match, rtol: float, atol: float
         drafts.append(draft)
     matched = {(kept.name, kept.call) for kept, _ in paired}
     paired_b = {id(kb) for _, kb in paired}
-    only_b = [f"{k.name or '(root)'}#{k.call}" for k in calls_b if id(k) not in paired_b]
+    only_b = [f"{call_label(k.name, k.call)}" for k in calls_b if id(k) not in paired_b]
     with_inputs = any(kept.inputs for kept in calls_a) and any(kept.inputs for kept in calls_b)
     return _rows(drafts, calls_a, matched, only_b, rtol, atol, {"a": "Cache", "b": "Cache", "inputs": with_inputs})
 
@@ -108,7 +109,7 @@ def _calls_of(cache: Cache) -> list[Kept]:
         kept = calls.setdefault(key, Kept(site.module, site.call, ""))
         tensor = cache[site]
         (kept.inputs if site.what == "input" else kept.outputs)[site.path] = tensor
-        kept.shapes[site.what + site.path] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        kept.shapes[site.what + site.path] = (tuple(tensor.shape), dtype_name(tensor.dtype))
         first_seen.setdefault(key, position)
         if site.what == "output":
             first_output.setdefault(key, position)
@@ -118,7 +119,7 @@ def _calls_of(cache: Cache) -> list[Kept]:
 def _diff(
     comparer: Comparer, reference: list[Kept], rtol: float, atol: float, meta: dict[str, Any], *, check_classes: bool
 ) -> Diff:
-    only_b = [f"{d.name_b or '(root)'}#{d.call}" for d in comparer.drafts if d.reference is None]
+    only_b = [f"{call_label(d.name_b, d.call)}" for d in comparer.drafts if d.reference is None]
     finished = sorted((d for d in comparer.drafts if d.finished is not None), key=lambda d: d.finished or 0)
     return _rows(finished, reference, comparer.matched, only_b, rtol, atol, meta, check_classes=check_classes)
 
@@ -154,7 +155,7 @@ def _rows(
             if check_classes and note is None and off_track:  # paired by order, a layer against another kind
                 note = f"classes differ ({kept.class_name} vs {draft.class_b})"
             rows.append(_row(len(rows), kept, draft, leaf, read.get(id(leaf)), note, inputs))
-    only_a = [f"{k.name or '(root)'}#{k.call}" for k in reference if (k.name, k.call) not in matched]
+    only_a = [f"{call_label(k.name, k.call)}" for k in reference if (k.name, k.call) not in matched]
     return Diff(rows, rtol=rtol, atol=atol, only_a=only_a, only_b=only_b, meta=meta)
 
 

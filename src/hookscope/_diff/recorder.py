@@ -23,6 +23,7 @@ from hookscope._capture import Cache
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._diff.metrics import raw_metrics
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import is_measurable
 from hookscope.errors import HookscopeError
@@ -73,7 +74,7 @@ class CallDraft:
 
 
 def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return dtype_name(tensor.dtype)
 
 
 @dataclass(eq=False)

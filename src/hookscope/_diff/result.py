@@ -9,11 +9,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+from hookscope._core.names import call_label
 from hookscope._diff.metrics import Metrics
 from hookscope._shared.blame import findings
+from hookscope._shared.optional import require
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.units import format_number
-from hookscope.errors import MissingDependencyError
 
 __all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]
 
@@ -62,7 +63,7 @@ class DiffRow:
     @property
     def site(self) -> str:
         """``name#call``, with ``:output<path>`` for a leaf of a structured output."""
-        base = f"{self.name or '(root)'}#{self.call}"
+        base = f"{call_label(self.name, self.call)}"
         return base + (f":output{self.path}" if self.path else "")
 
     def within(self, *, rtol: float, atol: float) -> bool:
@@ -224,10 +225,7 @@ class Diff(Sequence[DiffRow]):
 
     def to_pandas(self) -> Any:
         """The :meth:`records` as a ``pandas.DataFrame``."""
-        try:
-            import pandas as pd  # type: ignore[import-untyped,unused-ignore]
-        except ImportError as error:
-            raise MissingDependencyError("to_pandas() needs pandas: pip install pandas") from error
+        pd = require("pandas", purpose="to_pandas()", extra="pandas")
         return pd.DataFrame.from_records(self.records())
 
     # -- showing --------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from hookscope._core.names import call_label
+
 __all__ = ["EditContext", "EditSide"]
 
 EditSide = Literal["output", "input"]
@@ -32,4 +34,4 @@ class EditContext:
     def site(self) -> str:
         """``name#call:path``, e.g. ``h.0#0:output[0]``."""
         where = self.path if self.side == "output" else f"input{self.path}"
-        return f"{self.name or '(root)'}#{self.call}:{where}"
+        return f"{call_label(self.name, self.call)}:{where}"

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.names import module_label
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.sites import CallTracker, call_filter
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._edit.context import EditContext, EditSide
+from hookscope._shared.dtypes import dtype_name
 from hookscope.errors import EditError, SpecError
 
 __all__ = ["EditFn", "Editor", "edit", "run_with_edits"]
@@ -93,7 +95,7 @@ class Editor(Scoped):
     @property
     def sites(self) -> list[str]:
         """The modules edited, in model order, with how many edits each."""
-        return [f"{name or '(root)'} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
+        return [f"{module_label(name)} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
@@ -150,7 +152,7 @@ def _apply(
 
 
 def _describe(tensor: torch.Tensor) -> str:
-    return f"shape {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
+    return f"shape {tuple(tensor.shape)} {dtype_name(tensor.dtype)} on {tensor.device}"
 
 
 def _functions(selector: Selector, chosen: EditFn | Sequence[EditFn]) -> list[EditFn]:

@@ -22,8 +22,9 @@ from torch import Tensor
 from hookscope._extract.layout import SiteLayout
 from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
+from hookscope._shared.optional import require
 from hookscope._shared.units import format_bytes
-from hookscope.errors import MissingDependencyError, SiteNotFoundError, StoreError
+from hookscope.errors import SiteNotFoundError, StoreError
 
 __all__ = ["Store", "StoreArray", "open_store"]
 
@@ -176,10 +177,7 @@ class Store:
         datasets library's), so the store never has to fit in memory. Values kept as bits
         (bfloat16, float8) become float32.
         """
-        try:
-            import datasets
-        except ImportError as error:
-            raise MissingDependencyError("to_hf_dataset needs datasets: pip install datasets") from error
+        datasets = require("datasets", purpose="to_hf_dataset()", extra="datasets")
         if self.target.path is None:
             raise StoreError("to_hf_dataset reads a store by path; this store is not on a local path")
         names = [self[key].name for key in (sites or self.sites)]

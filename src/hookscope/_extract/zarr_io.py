@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from hookscope._extract.layout import Layout
-from hookscope.errors import MissingDependencyError, StoreError
+from hookscope._shared.optional import require
+from hookscope.errors import StoreError
 
 __all__ = [
     "FORMAT",
@@ -45,16 +46,7 @@ MANIFEST_GROUP = "_hookscope"
 
 def zarr_module() -> ModuleType:
     """``zarr`` (3.1 or newer), or ``MissingDependencyError`` with the install line."""
-    try:
-        import zarr
-    except ImportError as error:
-        raise MissingDependencyError(
-            "feature stores need zarr>=3.1 (Python 3.11 or newer): pip install 'zarr>=3.1'"
-        ) from error
-    major, minor = (int(part) for part in zarr.__version__.split(".")[:2])
-    if (major, minor) < (3, 1):
-        raise MissingDependencyError(f"feature stores need zarr>=3.1, found {zarr.__version__}: pip install -U zarr")
-    return zarr
+    return require("zarr", purpose="a feature store", minimum=(3, 1), hint=" (on Python 3.11 or newer)")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.names import named_modules, named_parameters
+from hookscope._core.names import call_label, named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors
@@ -303,7 +303,7 @@ class GradMonitor(CallRecorder[_Module, _Open]):
                 ever = torch.stack(list(window)).any(0)
                 channels = (~ever).nonzero().flatten().tolist()
                 if channels:
-                    dead[f"{name or '(root)'}#{call}"] = channels
+                    dead[f"{call_label(name, call)}"] = channels
         return dead
 
     # -- reading --------------------------------------------------------------------------------

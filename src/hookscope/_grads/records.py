@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hookscope._core.names import call_label
+from hookscope._shared.optional import require
 from hookscope._shared.stats import Stats
-from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.errors import SpecError
 
 __all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame"]
 
@@ -48,7 +50,7 @@ class GradRecord:
     @property
     def layer(self) -> str:
         """``module#call`` for activations (``(root)#0`` for the model), the parameter's name for parameters."""
-        return self.path if self.what == "param" else f"{self.module or '(root)'}#{self.call}"
+        return self.path if self.what == "param" else f"{call_label(self.module, self.call)}"
 
     @property
     def column(self) -> str:
@@ -118,10 +120,7 @@ def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
         raise SpecError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
     if what not in ("grad_output", "grad_input", "param"):
         raise SpecError(f"what={what!r} is not 'grad_output', 'grad_input' or 'param'")
-    try:
-        import pandas as pd  # type: ignore[import-untyped,unused-ignore]
-    except ImportError as error:
-        raise MissingDependencyError("history() needs pandas: pip install pandas") from error
+    pd = require("pandas", purpose="history()", extra="pandas")
     rows: dict[int, dict[str, float]] = {}
     for step in steps:
         row = rows.setdefault(step.step, {})

@@ -22,10 +22,11 @@ from hookscope._report.images import Image, embed
 from hookscope._report.render import render, script_json
 from hookscope._shared.files import atomic_path
 from hookscope._shared.histogram import Histogram
+from hookscope._shared.optional import require
 from hookscope._shared.thinning import DEFAULT_MAX_SITES, spread
 from hookscope._trace import Trace, TraceRow, trace
 from hookscope._version import __version__
-from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.errors import SpecError
 
 __all__ = ["DEFAULT_FEATURE_MAPS", "html_path", "report"]
 
@@ -129,13 +130,9 @@ def html_path(out: str | os.PathLike[str]) -> Path:
 
 
 def _need_plotting() -> None:
-    for module in ("matplotlib", "jinja2"):
-        try:
-            __import__(module)
-        except ImportError as error:
-            raise MissingDependencyError(
-                f"reports need jinja2 and matplotlib ({module} is missing): pip install 'hookscope[report]'"
-            ) from error
+    """Both of the report's packages, checked before the model runs rather than after."""
+    for module in ("jinja2", "matplotlib"):
+        require(module, purpose="hs.report", extra="report")
 
 
 def _notes(traced: Trace) -> list[dict[str, str]]:

@@ -10,8 +10,10 @@ from typing import Any
 
 from torch import nn
 
+from hookscope._core.names import module_label
 from hookscope._core.params import count, own_count
 from hookscope._grads import GradStep
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.units import format_number
@@ -65,7 +67,7 @@ def overview(model: nn.Module, trace: Trace) -> dict[str, Any]:
         "model_class": type(model).__name__,
         "params": count(parameters),
         "trainable": count(p for p in parameters if p.requires_grad),
-        "param_dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in parameters})) or "none",
+        "param_dtypes": ", ".join(sorted({dtype_name(p.dtype) for p in parameters})) or "none",
         "devices": ", ".join(sorted({str(p.device) for p in parameters})) or "none",
         "modules": len(modules),
         "modules_called": len({row.name for row in trace.rows}),
@@ -138,7 +140,7 @@ def _table_row(row: TraceRow) -> dict[str, Any]:
     indent = "  " * row.depth
     cells = [
         _cell(str(row.order), row.order, "num"),
-        _cell(indent + (row.name or "(root)"), None, "name"),
+        _cell(indent + module_label(row.name), None, "name"),
         _cell(row.class_name),
         _cell(str(row.call), row.call, "num"),
         _cell("" if main is None else format_shape(main.shape)),
@@ -148,7 +150,7 @@ def _table_row(row: TraceRow) -> dict[str, Any]:
         _cell("" if nonfinite is None else str(nonfinite), nonfinite, "num"),
         _cell(f"{row.params:,}" if row.params else "", row.params, "num"),
     ]
-    return {"cells": cells, "bad": bad, "search": f"{row.name or '(root)'} {row.class_name}".lower()}
+    return {"cells": cells, "bad": bad, "search": f"{module_label(row.name)} {row.class_name}".lower()}
 
 
 def _cell(text: str, sort: float | None = None, cls: str = "") -> dict[str, Any]:

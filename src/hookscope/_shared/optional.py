@@ -45,7 +45,7 @@ def require(
     """
     name = package or module.split(".")[0]
     wanted = name if minimum is None else f"{name}>={'.'.join(map(str, minimum))}"
-    install = f"pip install 'hookscope[{extra}]'" if extra else f"pip install '{wanted}'"
+    install = f"pip install 'hookscope[{extra}]'" if extra else f"pip install {_quoted(wanted)}"
     try:
         imported = importlib.import_module(module)
     except ImportError as error:
@@ -54,8 +54,15 @@ def require(
         top = importlib.import_module(module.split(".")[0])
         found = str(getattr(top, "__version__", "0"))
         if _version(found) < minimum:
-            raise MissingDependencyError(f"{purpose} needs {wanted}, found {found}: pip install -U '{wanted}'{hint}")
+            raise MissingDependencyError(
+                f"{purpose} needs {wanted}, found {found}: pip install -U {_quoted(wanted)}{hint}"
+            )
     return imported
+
+
+def _quoted(requirement: str) -> str:
+    """A requirement as a shell reads it: ``numpy``, but ``'zarr>=3.1'`` (``>`` would redirect)."""
+    return f"'{requirement}'" if any(c in requirement for c in "<>=[]") else requirement
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.names import named_modules
+from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.blame import blame, fine_input
@@ -168,7 +168,7 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
             what = "NaN or +inf" if math.isnan(float(bad.signature)) else "-inf"
             name = culprit.site.name
             raise NonFiniteError(
-                f"{what} first appears in {bad.path} of {name or '(root)'!r} "
+                f"{what} first appears in {bad.path} of {module_label(name)!r} "
                 f"({culprit.site.class_name}, call {culprit.call}): its inputs were finite. "
                 "hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
                 "if these values are intended (a -inf mask), pass allow=[...] naming the module",
@@ -182,7 +182,7 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
             if bad_inputs and any(leaf.signature != 0.0 for leaf in root.outputs):
                 raise NonFiniteError(
                     f"the NaN/Inf came in with the input: {', '.join(bad_inputs)} of "
-                    f"{root.site.name or '(root)'!r} ({root.site.class_name}) is not finite",
+                    f"{module_label(root.site.name)!r} ({root.site.class_name}) is not finite",
                     module=root.site.name,
                     call=root.call,
                     path=bad_inputs[0],

@@ -28,6 +28,7 @@ from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
+from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
 from hookscope._shared.identity import SeenTensors
 from hookscope._shared.shapes import shape_of
@@ -203,7 +204,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
                 index = self._measure(state, tensor)
             if producer is not None or index is not None:
                 state.seen.put(tensor, (index, producer))
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = dtype_name(tensor.dtype)
         return _Leaf(path, shape_of(tensor), dtype, str(tensor.device), index, source)
 
     def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:

@@ -10,6 +10,7 @@ import io
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hookscope._core.names import module_label
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.units import format_bytes, format_number
@@ -57,7 +58,7 @@ def _nonfinite(row: TraceRow) -> str:
 
 
 def _module(row: TraceRow, repeated: set[str]) -> str:
-    label = row.name or "(root)"
+    label = module_label(row.name)
     if row.name in repeated:
         label += f"#{row.call}"
     if row.status == "raised":
@@ -68,7 +69,7 @@ def _module(row: TraceRow, repeated: set[str]) -> str:
 # key: (header, cell, right-aligned)
 COLUMNS: dict[str, tuple[str, Callable[[TraceRow], str], bool]] = {
     "order": ("#", lambda row: str(row.order), True),
-    "module": ("module", lambda row: row.name or "(root)", False),  # indented by _module below
+    "module": ("module", lambda row: module_label(row.name), False),  # indented by _module below
     "class": ("class", lambda row: row.class_name, False),
     "call": ("call", lambda row: str(row.call), True),
     "inputs": ("inputs", lambda row: _shapes(row.inputs, keyword=True), False),

@@ -15,13 +15,14 @@ from typing import Any, overload
 
 from torch import nn
 
-from hookscope._core.names import WRAPPER_CLASS_NAMES, short_spelling
+from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
 from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.files import atomic_path
 from hookscope._shared.json import finite_json
+from hookscope._shared.optional import require
 from hookscope._trace.rows import TensorInfo, TraceRow
-from hookscope.errors import MissingDependencyError, SiteNotFoundError, SpecError
+from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Trace"]
 
@@ -86,7 +87,7 @@ class Trace(Sequence[TraceRow]):
 
     def calls(self, name: str) -> list[TraceRow]:
         """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model)."""
-        rows = self._by_name.get("" if name == "(root)" else name)
+        rows = self._by_name.get("" if name == ROOT_LABEL else name)
         short = short_spelling(name) if not rows and self._wrapped() else None
         if short is not None:  # "module.0" below a DDP or torch.compile wrapper: the row is "0"
             rows = self._by_name.get(short)
@@ -222,10 +223,7 @@ class Trace(Sequence[TraceRow]):
     def to_pandas(self, *, per: str = "call") -> Any:
         """A ``pandas.DataFrame``: one row per call (``per="call"``, the main output's statistics)
         or one per output tensor (``per="leaf"``, with a ``path`` column)."""
-        try:
-            import pandas as pd  # type: ignore[import-untyped,unused-ignore]
-        except ImportError as error:
-            raise MissingDependencyError("to_pandas() needs pandas: pip install pandas") from error
+        pd = require("pandas", purpose="to_pandas()", extra="pandas")
         if per == "call":
             return pd.DataFrame.from_records(self.records())
         if per == "leaf":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hookscope._core.names import call_label, module_label
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
@@ -85,7 +86,7 @@ class TraceRow:
     @property
     def site(self) -> str:
         """``name#call``, the row's address (``(root)`` for the model itself)."""
-        return f"{self.name or '(root)'}#{self.call}"
+        return f"{call_label(self.name, self.call)}"
 
     def describe(self) -> str:
         """The call in words, for error notes.
@@ -95,7 +96,7 @@ class TraceRow:
         inputs = (
             ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in self.inputs) or "no tensors"
         )
-        return f"{self.name or '(root)'!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
+        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
 
     @property
     def output(self) -> TensorInfo | None:

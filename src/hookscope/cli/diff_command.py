@@ -66,10 +66,7 @@ def diff_command(
     if dtype is not None:  # b and its floating inputs cast: the same seeded values, in b's dtype
         net_b = net_b.to(hs.parse_dtype(dtype))
         inputs_b = make_input(net_a, input_shape, dtype=dtype, seed=seed)
-    typer.echo(
-        "input: "
-        + ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in [*args, *kwargs.values()])
-    )
+    typer.echo("input: " + ", ".join(f"{tuple(t.shape)} {hs.dtype_name(t.dtype)}" for t in [*args, *kwargs.values()]))
     try:
         result = hs.diff(net_a, net_b, *args, match=match, rtol=rtol, atol=atol, model_kwargs=kwargs, inputs_b=inputs_b)
     except (HookscopeError, OSError):

@@ -33,7 +33,7 @@ class SampleRun:
     def describe_input(self) -> str:
         """``"input: (1, 3, 32, 32) float32"`` or ``"input: input_ids (1, 16) int64"``."""
         labelled = [("", x) for x in self.args] + [(f"{name} ", x) for name, x in self.kwargs.items()]
-        parts = [f"{label}{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for label, x in labelled]
+        parts = [f"{label}{tuple(x.shape)} {hs.dtype_name(x.dtype)}" for label, x in labelled]
         return "input: " + ", ".join(parts)
 
     def run(self, call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], T]) -> T:

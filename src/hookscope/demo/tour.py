@@ -27,6 +27,7 @@ from torch import nn
 from hookscope import edits
 from hookscope._capture import load, run_with_capture
 from hookscope._core.attach import attached
+from hookscope._core.names import module_label
 from hookscope._edit import run_with_edits
 from hookscope._grads.monitor import watch_grads
 from hookscope._hooks import hooks
@@ -129,7 +130,7 @@ def _shape(value: Any) -> str:
 
 
 def _label(model_names: dict[nn.Module, str], module: nn.Module) -> str:
-    return f"{model_names.get(module, '?') or '(root)'} ({type(module).__name__})"
+    return f"{module_label(model_names.get(module, '?'))} ({type(module).__name__})"
 
 
 def _shape_printer(model: nn.Module, write: Write) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:

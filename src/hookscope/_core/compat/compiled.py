@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.names import named_modules
+from hookscope._core.names import module_label, named_modules
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
 __all__ = ["EAGER", "compile_wrappers", "is_compiling", "recompile_if_stale", "sentinels"]
@@ -122,7 +122,7 @@ def sentinels(model: nn.Module, hooked: Sequence[nn.Module]) -> list[tuple[str, 
         def returned(_module: nn.Module, _args: Any, _output: Any, mark: list[bool] = mark, name: str = name) -> None:
             if not mark[0]:
                 raise UnsupportedModelError(
-                    f"the torch.compile'd code of {name or '(root)'!r} ran without calling the hooks attached "
+                    f"the torch.compile'd code of {module_label(name)!r} ran without calling the hooks attached "
                     "inside it (it was compiled before they were attached); call torch._dynamo.reset() and "
                     "run again, or attach the hooks before the first compiled call"
                 )
