@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import html
-import io
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,6 +12,7 @@ from hookscope._diff.metrics import Metrics
 from hookscope._shared.blame import findings
 from hookscope._shared.optional import require
 from hookscope._shared.shapes import format_shape
+from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import format_number
 
 __all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]
@@ -230,15 +229,17 @@ class Diff(Sequence[DiffRow]):
 
     # -- showing --------------------------------------------------------------------------------
 
-    def _cells(self) -> tuple[list[str], list[list[str]]]:
+    def _table(self) -> Table:
+        """The rows as a :class:`~hookscope._shared.tables.Table`: a row out of tolerance is marked,
+        the footer is its notes."""
         renamed = any(row.name_b != row.name for row in self.rows)
-        header = ["#", "site", *(["in b"] if renamed else []), "class", "shape"]
-        header += ["max|a-b|", "mean|a-b|", "rel err", "cosine", "SQNR dB", "in max|a-b|", "ok"]
-        body = []
+        names = ["site", *(["in b"] if renamed else []), "class", "shape"]
+        numbers = ["max|a-b|", "mean|a-b|", "rel err", "cosine", "SQNR dB", "in max|a-b|", "ok"]
+        columns = [Column("#", "right"), *map(Column, names), *(Column(header, "right") for header in numbers)]
+        table = Table(columns, notes=self.footer())
         for row in self.rows:
             metrics = row.metrics
-            shape = _shapes(row.shape, row.shape_b)
-            numbers = (
+            measured = (
                 [row.note or "", "", "", "", ""]
                 if metrics is None or row.note
                 else [
@@ -249,10 +250,11 @@ class Diff(Sequence[DiffRow]):
                     f"{metrics.sqnr_db:.1f}" if math.isfinite(metrics.sqnr_db) else _number(metrics.sqnr_db),
                 ]
             )
-            ok = "yes" if row.within(rtol=self.rtol, atol=self.atol) else "NO"
-            cells = [str(row.order), row.site, *([row.name_b] if renamed else []), row.class_name, shape]
-            body.append([*cells, *numbers, _number(row.input_max_abs), ok])
-        return header, body
+            within = row.within(rtol=self.rtol, atol=self.atol)
+            cells = [str(row.order), row.site, *([row.name_b] if renamed else []), row.class_name]
+            cells += [_shapes(row.shape, row.shape_b), *measured, _number(row.input_max_abs), "yes" if within else "NO"]
+            table.add(*cells, bad=not within)
+        return table
 
     def footer(self) -> list[str]:
         """The summary lines under the table."""
@@ -276,20 +278,7 @@ class Diff(Sequence[DiffRow]):
 
     def table(self) -> str:
         """The aligned table and its footer, as text."""
-        from rich import box
-        from rich.console import Console
-        from rich.table import Table
-
-        header, body = self._cells()
-        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-        for index, column in enumerate(header):
-            table.add_column(column, justify="right" if index >= 4 or column == "#" else "left", no_wrap=True)
-        for cells in body:
-            table.add_row(*cells)
-        buffer = io.StringIO()
-        Console(file=buffer, width=100_000, color_system=None, highlight=False, emoji=False).print(table)
-        lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
-        return "\n".join([*lines, *self.footer()]).strip("\n")
+        return self._table().text()
 
     def __str__(self) -> str:
         return self.table()
@@ -300,14 +289,10 @@ class Diff(Sequence[DiffRow]):
         return f"<Diff of {self.meta.get('a', 'a')} and {self.meta.get('b', 'b')}: {len(self)} sites, {state}>"
 
     def _repr_html_(self) -> str:
-        header, body = self._cells()
-        head = "".join(f"<th>{html.escape(cell)}</th>" for cell in header)
-        rows = []
-        for cells in body:
-            style = ' style="background:#fdd"' if cells[-1] == "NO" else ""
-            rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in cells) + "</tr>")
-        notes = "".join(f"<p>{html.escape(line)}</p>" for line in self.footer())
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{notes}"
+        return self._table().html()
+
+    def __rich__(self) -> Any:
+        return self._table().rich()
 
 
 def _describe(metrics: Metrics) -> str:

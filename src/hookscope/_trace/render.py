@@ -1,18 +1,17 @@
-"""How a :class:`~hookscope._trace.result.Trace` looks: text table (rich), HTML, flat records.
+"""How a :class:`~hookscope._trace.result.Trace` looks: its table's columns and cells, flat records.
 
-rich is imported here only, when a table is drawn, so ``import hookscope`` stays light.
+The table is drawn as text, HTML or for rich by :mod:`hookscope._shared.tables`.
 """
 
 from __future__ import annotations
 
-import html
-import io
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookscope._core.names import module_label
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
+from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import format_bytes, format_number
 from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import SpecError
@@ -20,7 +19,7 @@ from hookscope.errors import SpecError
 if TYPE_CHECKING:
     from hookscope._trace.result import Trace
 
-__all__ = ["COLUMNS", "flat_record", "leaf_records", "render_html", "render_text", "rich_table", "rich_view"]
+__all__ = ["COLUMNS", "flat_record", "footer", "leaf_records", "table"]
 
 _MAX_LEAVES_SHOWN = 2
 
@@ -136,54 +135,15 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     return lines
 
 
-def rich_table(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None, *, colour: bool) -> Any:
-    """A ``rich.table.Table`` of ``rows``; non-finite rows in red when ``colour``."""
-    from rich import box
-    from rich.table import Table
-
+def table(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None) -> Table:
+    """``rows`` as a :class:`~hookscope._shared.tables.Table`, the footer as its notes; rows
+    with NaN/Inf outputs or that raised are marked (red on a console, tinted in HTML)."""
     keys = _columns(rows, columns)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for key in keys:
-        header, _, right = COLUMNS[key]
-        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    headers = [Column(COLUMNS[key][0], "right" if COLUMNS[key][2] else "left") for key in keys]
+    shown = Table(headers, notes=footer(trace, rows))
     for row, cells in zip(rows, _cells(trace, rows, keys), strict=True):
-        style = "red" if colour and (row.output_finite is False or row.status == "raised") else None
-        table.add_row(*cells, style=style)
-    return table
-
-
-def rich_view(trace: Trace, rows: Sequence[TraceRow]) -> Any:
-    """The table and its footer, for a rich console (colours on)."""
-    from rich.console import Group
-    from rich.text import Text
-
-    return Group(rich_table(trace, rows, None, colour=True), *(Text(line) for line in footer(trace, rows)))
-
-
-def render_text(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None) -> str:
-    """The table as plain text, as wide as its content (no wrapping, no colour)."""
-    from rich.console import Console
-
-    table = rich_table(trace, rows, columns, colour=False)
-    buffer = io.StringIO()  # wide enough never to wrap: a table is only as wide as its content
-    console = Console(file=buffer, width=100_000, color_system=None, highlight=False, emoji=False)
-    console.print(table)
-    lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
-    return "\n".join([*lines, *footer(trace, rows)]).strip("\n")
-
-
-def render_html(trace: Trace, rows: Sequence[TraceRow]) -> str:
-    """An HTML table (every name escaped); rows with NaN/Inf or that raised are tinted."""
-    keys = _columns(rows, None)
-    head = "".join(f"<th>{html.escape(COLUMNS[key][0])}</th>" for key in keys)
-    body = []
-    for row, cells in zip(rows, _cells(trace, rows, keys), strict=True):
-        bad = row.output_finite is False or row.status == "raised"
-        style = ' style="background:#fdd"' if bad else ""
-        tds = "".join(f"<td>{html.escape(cell).replace('  ', '&nbsp;&nbsp;')}</td>" for cell in cells)
-        body.append(f"<tr{style}>{tds}</tr>")
-    notes = "".join(f"<p>{html.escape(line)}</p>" for line in footer(trace, rows))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{notes}"
+        shown.add(*cells, bad=row.output_finite is False or row.status == "raised")
+    return shown
 
 
 def _stats_columns(stats: Stats | None) -> dict[str, Any]:

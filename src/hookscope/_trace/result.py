@@ -177,9 +177,9 @@ class Trace(Sequence[TraceRow]):
         of the modules a selector picks, ``columns`` picks and orders columns by key (see
         :data:`hookscope._trace.render.COLUMNS`).
         """
-        from hookscope._trace.render import render_text
+        from hookscope._trace.render import table
 
-        return render_text(self, self._shown(max_depth, filter), columns)
+        return table(self, self._shown(max_depth, filter), columns).text()
 
     def _shown(self, max_depth: int | None, filter: Selector | Sequence[Selector] | None) -> list[TraceRow]:  # noqa: A002
         rows = self.rows
@@ -203,14 +203,14 @@ class Trace(Sequence[TraceRow]):
         )
 
     def __rich__(self) -> Any:
-        from hookscope._trace.render import rich_view
+        from hookscope._trace.render import table
 
-        return rich_view(self, self.rows)
+        return table(self, self.rows, None).rich()
 
     def _repr_html_(self) -> str:
-        from hookscope._trace.render import render_html
+        from hookscope._trace.render import table
 
-        return render_html(self, self.rows)
+        return table(self, self.rows, None).html()
 
     # -- exporting ------------------------------------------------------------------------------
 
