@@ -374,8 +374,9 @@ class TestCacheApi:
         assert cache.to("cpu")["heads.aux"].device.type == "cpu"
         text = repr(cache)
         assert text.splitlines()[0] == "Cache: 3 tensors, 104 B"
-        assert "heads.aux#0:output   (2, 3)  float32  cpu     24 B" in text
-        assert "<td>heads.aux#0:output</td><td>(2, 3)</td>" in cache._repr_html_()
+        assert "heads.aux#0:output    (2, 3)   float32   cpu      24 B" in text
+        left = '<td style="text-align:left">'
+        assert f"{left}heads.aux#0:output</td>{left}(2, 3)</td>" in cache._repr_html_()
 
     def test_bf16_numpy_is_converted_explicitly(self) -> None:
         model = SmallCNN().to(torch.bfloat16)

@@ -275,7 +275,7 @@ def test_layers_demo_cnn_counts_calls(capsys: pytest.CaptureFixture[str]) -> Non
     lines = out.splitlines()
     assert lines[0] == "input: (1, 3, 32, 32) float32"
     assert lines[1].split() == ["name", "class", "params", "calls"]
-    assert "conv1   Conv2d                448      1" in out
+    assert "conv1    Conv2d                 448       1" in out
     assert "5 modules · 618 parameters (618 trainable)" in out
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import html
 import io
 import re
 
 import pytest
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table as RichTable
+from torch import nn
 
+import hookscope as hs
 from hookscope._shared.tables import Column, Table
+from tests.models import track
 
 SCRIPT = "<script>alert(1)</script>"
 
@@ -160,3 +165,42 @@ def test_rich_shows_cells_as_written_not_as_markup() -> None:
 def test_rich_does_not_wrap_a_long_cell() -> None:
     plain, _ = rich_lines(make([("0", "y" * 300, "1")]).rich(), width=400)
     assert len(plain.splitlines()) == 3
+
+
+# -- every result goes through it ----------------------------------------------------------------
+
+
+def scripted() -> nn.Module:
+    model = track(nn.Sequential())
+    model.add_module(SCRIPT, nn.Linear(2, 2))
+    return model.eval()
+
+
+def test_a_module_named_script_is_escaped_in_every_html_view() -> None:
+    model, x = scripted(), torch.randn(1, 2)
+    _, cache = hs.run_with_capture(model, x, layers=[SCRIPT])
+    pages = {
+        "trace": hs.trace(model, x)._repr_html_(),
+        "layers": hs.layers(model, x)._repr_html_(),
+        "cache": cache._repr_html_(),
+        "diff": hs.diff(model, copy.deepcopy(model), x)._repr_html_(),
+    }
+    for what, page in pages.items():
+        assert "<script>" not in page, what
+        assert html.escape(SCRIPT) in page, what
+
+
+def test_every_text_view_has_the_trace_layout() -> None:
+    model, x = scripted(), torch.randn(1, 2)
+    _, cache = hs.run_with_capture(model, x, layers=[SCRIPT])
+    texts = {
+        "trace": hs.trace(model, x).table(),
+        "layers": str(hs.layers(model, x)),
+        "cache": repr(cache).split("\n", 1)[1],  # below its title line
+        "diff": hs.diff(model, copy.deepcopy(model), x).table(),
+    }
+    for what, text in texts.items():
+        header, rule, *rows = text.splitlines()
+        assert set(rule) == {"─"}, what
+        assert "   " in header, what  # columns three spaces apart
+        assert any(line.startswith(SCRIPT) or f"  {SCRIPT}" in line for line in rows), what

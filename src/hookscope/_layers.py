@@ -18,6 +18,7 @@ from hookscope._core.names import module_label, named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
+from hookscope._shared.tables import Column, Table
 
 __all__ = ["Layer", "LayerTable", "layers"]
 
@@ -71,23 +72,8 @@ class LayerTable:
             return self.rows[key]
         return self._by_name[key]
 
-    def __str__(self) -> str:
-        header = ["name", "class", "params"] + (["calls"] if self.has_calls else [])
-        body = [
-            [module_label(row.name), row.class_name, f"{row.params:,}"] + ([str(row.calls)] if self.has_calls else [])
-            for row in self.rows
-        ]
-        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-        right = {2, 3}  # numbers align right
-
-        def render(line: list[str]) -> str:
-            cells = [
-                cell.rjust(w) if i in right else cell.ljust(w)
-                for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-            ]
-            return "  ".join(cells).rstrip()
-
-        rule = "-" * len(render(header))
+    def _table(self) -> Table:
+        """The rows as a :class:`~hookscope._shared.tables.Table`, the totals as its note."""
         own_sum = sum(row.params for row in self.rows)
         shared = (
             f" ({own_sum - self.total_params:,} counted under two names above)" if own_sum != self.total_params else ""
@@ -98,10 +84,21 @@ class LayerTable:
         if self.has_calls:
             unused = sum(1 for row in self.rows if row.calls == 0)
             footer += f" · {unused} modules not called" if unused else ""
-        return "\n".join([render(header), rule, *(render(line) for line in body), rule, footer])
+        columns = [Column("name"), Column("class"), Column("params", "right")]
+        table = Table(columns + ([Column("calls", "right")] if self.has_calls else []), notes=[footer])
+        for row in self.rows:
+            calls = [str(row.calls)] if self.has_calls else []
+            table.add(module_label(row.name), row.class_name, f"{row.params:,}", *calls)
+        return table
+
+    def __str__(self) -> str:
+        return self._table().text()
 
     def __repr__(self) -> str:
         return str(self)
+
+    def _repr_html_(self) -> str:
+        return self._table().html()
 
 
 def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> LayerTable:
@@ -115,12 +112,11 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
 
         >>> import hookscope as hs
         >>> print(hs.layers(nn.Sequential(nn.Linear(4, 8), nn.ReLU())))
-        name    class       params
-        --------------------------
-        (root)  Sequential       0
-        0       Linear          40
-        1       ReLU             0
-        --------------------------
+        name     class        params
+        ────────────────────────────
+        (root)   Sequential        0
+        0        Linear           40
+        1        ReLU              0
         3 modules · 40 parameters (40 trainable)
     """
     ensure_module(model)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import html
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -27,6 +26,7 @@ import torch
 from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
@@ -253,35 +253,20 @@ class Cache(Mapping[str, torch.Tensor]):
 
     # -- display ----------------------------------------------------------------------------------
 
-    def _rows(self) -> list[tuple[str, str, str, str, str]]:
-        return [
-            (
-                str(site),
-                str(tuple(t.shape)),
-                dtype_name(t.dtype),
-                str(t.device),
-                format_bytes(tensor_bytes(t)),
-            )
-            for site, t in self._entries.items()
-        ]
+    def _table(self) -> Table:
+        """One row per kept tensor: site, shape, dtype, device and size, under a count."""
+        title = f"Cache: {len(self)} tensors, {format_bytes(self.nbytes)}"
+        table = Table([*map(Column, ("site", "shape", "dtype", "device")), Column("size", "right")], title=title)
+        for site, tensor in self._entries.items():
+            size = format_bytes(tensor_bytes(tensor))
+            table.add(str(site), str(tuple(tensor.shape)), dtype_name(tensor.dtype), str(tensor.device), size)
+        return table
 
     def __repr__(self) -> str:
-        head = f"Cache: {len(self)} tensors, {format_bytes(self.nbytes)}"
-        if not self._entries:
-            return head
-        header = ("site", "shape", "dtype", "device", "size")
-        rows = [header, *self._rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        return "\n".join([head, *lines])
+        return self._table().text()
 
     def _repr_html_(self) -> str:
-        head = f"<p><b>Cache</b>: {len(self)} tensors, {format_bytes(self.nbytes)}</p>"
-        cells = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self._rows()
-        )
-        header = "".join(f"<th>{name}</th>" for name in ("site", "shape", "dtype", "device", "size"))
-        return f"{head}<table><thead><tr>{header}</tr></thead><tbody>{cells}</tbody></table>"
+        return self._table().html()
 
 
 def load(path: str | os.PathLike[str]) -> Cache:

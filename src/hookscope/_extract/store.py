@@ -10,7 +10,6 @@ whether it is complete.
 from __future__ import annotations
 
 import difflib
-import html
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ from hookscope._extract.layout import SiteLayout
 from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
 from hookscope._shared.optional import require
+from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import format_bytes
 from hookscope.errors import SiteNotFoundError, StoreError
 
@@ -189,29 +189,24 @@ class Store:
             cache_dir=cache_dir,
         )
 
-    def __repr__(self) -> str:
-        state = self.meta.get("state", "?")
-        lines = [f"<Store {self.path}: {self.rows:,} rows, {len(self.sites)} sites, {state}>"]
-        width = max((len(name) for name in self.sites), default=4)
+    def _table(self) -> Table:
+        """One row per array: its name, the site that fills it, one row's shape, its dtype and its
+        size uncompressed, under the store's path, rows and state."""
+        title = f"<Store {self.path}: {self.rows:,} rows, {len(self.sites)} sites, {self.meta.get('state', '?')}>"
+        reduced = any(layout.reduce for layout in self._layouts)
+        columns = [*map(Column, ("array", "site", "shape", "dtype")), Column("size", "right")]
+        table = Table(columns + ([Column("reduce")] if reduced else []), title=title)
         for layout in self._layouts:
-            shape = "(N" + "".join(f", {n}" for n in layout.shape) + ")"
+            shape = str(("N", *layout.shape)).replace("'", "")  # (N, 16, 30, 30)
             size = format_bytes(self.rows * layout.row_bytes)
-            reduce = f"  reduce={layout.reduce}" if layout.reduce else ""
-            lines.append(f"  {layout.name:<{width}}  {shape:<18} {layout.dtype:<9} {size:>9}{reduce}")
-        return "\n".join(lines)
+            table.add(layout.name, layout.site, shape, layout.dtype, size, *([layout.reduce or ""] if reduced else []))
+        return table
+
+    def __repr__(self) -> str:
+        return self._table().text()
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{html.escape(layout.name)}</td><td>{html.escape(layout.site)}</td>"
-            f"<td>(N, {', '.join(map(str, layout.shape))})</td><td>{layout.dtype}</td>"
-            f"<td>{html.escape(layout.reduce or '')}</td></tr>"
-            for layout in self._layouts
-        )
-        title = html.escape(f"{self.path}: {self.rows:,} rows, {self.meta.get('state', '?')}")
-        return (
-            f"<div><b>hookscope store</b> {title}<table><tr><th>array</th><th>site</th><th>shape</th>"
-            f"<th>dtype</th><th>reduce</th></tr>{rows}</table></div>"
-        )
+        return self._table().html()
 
 
 def _hf_feature(datasets: Any, array: StoreArray) -> Any:

@@ -360,19 +360,15 @@ class GradMonitor(CallRecorder[_Module, _Open]):
         return f"<GradMonitor of {len(self._selected)} modules: {len(self._records)} steps recorded, {state}>"
 
     def _repr_html_(self) -> str:
-        """The summary and the latest step's gradient norms, for Jupyter."""
-        import html
+        """The latest step's gradient norms (a row with NaN/Inf marked), then the summary, for Jupyter."""
+        from hookscope._shared.tables import Column, Table
 
-        head = f"<p><b>{html.escape(repr(self))}</b></p><pre>{html.escape(str(self.summary()))}</pre>"
-        if not self._records:
-            return head
-        rows = "".join(
-            f"<tr><td>{html.escape(r.column)}</td><td>{r.what}</td><td>{r.norm:.4g}</td>"
-            f"<td>{r.mean_abs:.4g}</td><td>{r.max_abs:.4g}</td><td>{r.nan}/{r.inf}</td></tr>"
-            for r in self._records[-1].records
-        )
-        header = "<tr><th>layer</th><th>what</th><th>norm</th><th>mean |g|</th><th>max |g|</th><th>nan/inf</th></tr>"
-        return f"{head}<table><thead>{header}</thead><tbody>{rows}</tbody></table>"
+        columns = [Column("layer"), Column("what"), *(Column(h, "right") for h in ("norm", "mean |g|", "max |g|"))]
+        table = Table([*columns, Column("nan/inf", "right")], title=repr(self), notes=str(self.summary()).splitlines())
+        for r in self._records[-1].records if self._records else ():
+            cells = (f"{r.norm:.4g}", f"{r.mean_abs:.4g}", f"{r.max_abs:.4g}", f"{r.nan}/{r.inf}")
+            table.add(r.column, r.what, *cells, bad=bool(r.nan or r.inf))
+        return table.html()
 
 
 def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None:
