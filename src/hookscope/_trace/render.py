@@ -6,7 +6,7 @@ The table is drawn as text, HTML or for rich by :mod:`hookscope._shared.tables`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hookscope._core.names import module_label
 from hookscope._shared.shapes import format_shape
@@ -16,8 +16,22 @@ from hookscope._shared.units import format_bytes, format_number
 from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import SpecError
 
-if TYPE_CHECKING:
-    from hookscope._trace.result import Trace
+
+class Trace(Protocol):
+    """What drawing reads of a :class:`~hookscope._trace.result.Trace`: its rows, meta and verdicts.
+
+    A protocol rather than the class, so that this module (which the class draws itself with)
+    does not import it back.
+    """
+
+    rows: list[TraceRow]
+    meta: dict[str, Any]
+
+    @property
+    def failure(self) -> TraceRow | None: ...
+
+    def first_nonfinite(self) -> TraceRow | None: ...
+
 
 __all__ = ["COLUMNS", "flat_record", "footer", "leaf_records", "table"]
 
@@ -123,7 +137,8 @@ def _cells(trace: Trace, rows: Sequence[TraceRow], keys: list[str]) -> list[list
 def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     """The lines under the table: counts, the first non-finite call, a failure."""
     modules = len({row.name for row in trace.rows})
-    shown = f"{len(rows)} of {len(trace)} calls shown" if len(rows) != len(trace) else f"{len(trace)} calls"
+    calls = len(trace.rows)
+    shown = f"{len(rows)} of {calls} calls shown" if len(rows) != calls else f"{calls} calls"
     params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows}.values()))
     lines = [f"{shown} · {modules} modules · {params:,} parameters"]
     culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None

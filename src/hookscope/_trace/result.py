@@ -21,6 +21,7 @@ from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.files import atomic_path
 from hookscope._shared.json import finite_json
 from hookscope._shared.optional import require
+from hookscope._trace.render import flat_record, leaf_records, table
 from hookscope._trace.rows import TensorInfo, TraceRow
 from hookscope.errors import SiteNotFoundError, SpecError
 
@@ -177,8 +178,6 @@ class Trace(Sequence[TraceRow]):
         of the modules a selector picks, ``columns`` picks and orders columns by key (see
         :data:`hookscope._trace.render.COLUMNS`).
         """
-        from hookscope._trace.render import table
-
         return table(self, self._shown(max_depth, filter), columns).text()
 
     def _shown(self, max_depth: int | None, filter: Selector | Sequence[Selector] | None) -> list[TraceRow]:  # noqa: A002
@@ -203,21 +202,15 @@ class Trace(Sequence[TraceRow]):
         )
 
     def __rich__(self) -> Any:
-        from hookscope._trace.render import table
-
         return table(self, self.rows, None).rich()
 
     def _repr_html_(self) -> str:
-        from hookscope._trace.render import table
-
         return table(self, self.rows, None).html()
 
     # -- exporting ------------------------------------------------------------------------------
 
     def records(self) -> list[dict[str, Any]]:
         """One flat dict per call: the main output's statistics as columns (see :meth:`to_pandas`)."""
-        from hookscope._trace.render import flat_record
-
         return [flat_record(row) for row in self.rows]
 
     def to_pandas(self, *, per: str = "call") -> Any:
@@ -227,8 +220,6 @@ class Trace(Sequence[TraceRow]):
         if per == "call":
             return pd.DataFrame.from_records(self.records())
         if per == "leaf":
-            from hookscope._trace.render import leaf_records
-
             return pd.DataFrame.from_records(leaf_records(self.rows))
         raise SpecError(f"per={per!r} is not 'call' (one row per module call) or 'leaf' (one per output tensor)")
 
