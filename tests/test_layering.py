@@ -173,3 +173,52 @@ def test_a_violation_is_reported_once_with_file_line_and_rule(tmp_path: Path, mo
         "hookscope/cli/app.py:2: hookscope.cli.app imports hookscope._capture.cache: the CLI imports only the "
         "public API (import hookscope as hs, hookscope.cli.*)"
     ]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round a loop (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_round_a_loop() -> None:
+    """A cycle hidden behind an import inside a function or under TYPE_CHECKING is still a cycle:
+    the two modules are one unit that pretends to be two."""
+    graph = {
+        module_name(path): {target for _, target in imports_of(path)} - {module_name(path)}
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert import_cycles(graph) == []
+
+
+def test_import_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
