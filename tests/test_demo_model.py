@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from hookscope.demo.models import WEIGHTS_FILE, ShapesCNN, load_shapes_cnn
 from hookscope.demo.shapes import CLASSES, make_shapes
 from hookscope.demo.train import EPOCHS, accuracy, main, train
+from hookscope.errors import SpecError
 
 # Training uses seed 0 for its images and seed 1 for its test images; this one is neither.
 HOLDOUT_SEED = 12345
@@ -62,7 +63,7 @@ def test_same_seed_same_images_and_global_rng_untouched() -> None:
 
 @pytest.mark.parametrize(("count", "size"), [(-1, 32), (4, 3)])
 def test_bad_arguments_are_refused(count: int, size: int) -> None:
-    with pytest.raises(ValueError, match="must be"):
+    with pytest.raises(SpecError, match="must be"):
         make_shapes(count, seed=0, size=size)
 
 

@@ -131,6 +131,14 @@ def test_capture_error_names_the_site_that_was_changed_in_place() -> None:
     assert "'fc#0:output' was changed in place" in str(info.value)
 
 
+def test_capture_error_names_the_site_that_broke_the_budget() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 64)).eval()
+    with pytest.raises(hs.CaptureError) as info, hs.capture(model, "*", max_bytes=300), torch.no_grad():
+        model(torch.randn(2, 4))  # 2 x 4 floats fit in 300 bytes; 2 x 64 more do not
+    assert info.value.site == "1#0:output"
+    assert hs.attached(model) == []
+
+
 # --- DataError: data that breaks its own promises ----------------------------------------------
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from hookscope._shared.stats import RunningStats, Stats, is_measurable, merge_raw, raw_stats, read_stats, tensor_stats
+from hookscope.errors import SpecError
 
 STRATEGIES = [True, False]  # branching (the CPU's shortcuts) and unconditional (the accelerator path)
 
@@ -121,7 +122,7 @@ def test_complex_and_meta_tensors_are_not_measurable() -> None:
     assert not is_measurable(torch.zeros(2, dtype=torch.complex64))
     assert not is_measurable(torch.empty(2, device="meta"))
     assert is_measurable(torch.zeros(2, dtype=torch.int8))
-    with pytest.raises(ValueError, match="cannot summarise"):
+    with pytest.raises(SpecError, match="cannot summarise"):
         raw_stats(torch.empty(2, device="meta"))
 
 
@@ -164,7 +165,7 @@ def test_merging_nan_keeps_the_counts() -> None:
 
 
 def test_running_stats_without_values_says_so() -> None:
-    with pytest.raises(ValueError, match="no values yet"):
+    with pytest.raises(SpecError, match="no values yet"):
         RunningStats().result()
 
 

@@ -205,7 +205,7 @@ class Keeper:
         if previous is not None:
             self._bytes -= tensor_bytes(previous)
         if self._budget is not None and self._bytes + size > self._budget:
-            raise CaptureError(self._over_budget(site, size))
+            raise CaptureError(self._over_budget(site, size), site=str(site))
         self._bytes += size
 
     def _moved(self, value: torch.Tensor) -> torch.Tensor:
@@ -229,7 +229,8 @@ class Keeper:
                 raise CaptureError(
                     f"copy=False cannot tell whether {str(site)!r} is changed later: tensors made under "
                     "torch.inference_mode() have no version counter; run under torch.no_grad(), or use "
-                    "copy='auto' (the default)"
+                    "copy='auto' (the default)",
+                    site=str(site),
                 )
             return value
         size = tensor_bytes(value)

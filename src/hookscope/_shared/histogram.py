@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hookscope._shared.stats import flat_values
+from hookscope.errors import SpecError
 
 __all__ = ["BLOCK", "DEFAULT_BINS", "SAMPLE", "Histogram", "RawHistogram", "raw_histogram", "read_histograms"]
 
@@ -91,7 +92,7 @@ def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int
     by kernels on the tensor's device, so calling this inside a hook never syncs.
     """
     if bins < 1:
-        raise ValueError(f"bins={bins}; expected at least 1")
+        raise SpecError(f"bins={bins}; expected a whole number of at least 1")
     values = flat_values(tensor.detach())
     total = values.numel()
     if total > sample:

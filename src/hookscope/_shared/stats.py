@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope.errors import SpecError
 
 __all__ = [
     "RAW_FIELDS",
@@ -161,10 +162,13 @@ def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: S
     ``branching`` picks the strategy (see the module doc); the default takes shortcuts on the
     CPU only. ``scratch`` lends a reusable work buffer (for |x|), so that measuring every
     activation of a model does not allocate, and page-fault, a fresh one each time. Raises
-    ``ValueError`` for a tensor :func:`is_measurable` refuses.
+    ``SpecError`` for a tensor :func:`is_measurable` refuses.
     """
     if not is_measurable(tensor):
-        raise ValueError(f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout})")
+        raise SpecError(
+            f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout}); expected a strided "
+            "tensor of numbers (floating, integer or bool)"
+        )
     values = _as_vector(full_value(tensor.detach()))
     count = values.numel()
     if count == 0:  # filled on the device: a host-made tensor would be a copy, i.e. a sync
@@ -306,7 +310,7 @@ class RunningStats:
     def result(self) -> Stats:
         """Read the combined statistics (one transfer)."""
         if self._raw is None:
-            raise ValueError("no values yet: call update(tensor) first")
+            raise SpecError("no values yet: call update(tensor) first")
         return read_stats([self._raw])[0]
 
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hookscope.errors import SpecError
+
 __all__ = ["Column", "Row", "Table"]
 
 _GAP = "   "  # between columns: as rich's SIMPLE_HEAD box with one space of padding draws it
@@ -72,7 +74,9 @@ class Table:
     def add(self, *cells: str, bad: bool = False) -> None:
         """Append a row of one string per column; ``bad`` marks it (red on a console, tinted in HTML)."""
         if len(cells) != len(self.columns):
-            raise ValueError(f"a row of {len(cells)} cells for a table of {len(self.columns)} columns")
+            raise SpecError(
+                f"a row of {len(cells)} cells for a table of {len(self.columns)} columns; give one per column"
+            )
         self.rows.append(Row(tuple(_one_line(cell) for cell in cells), bad))
 
     # -- the three ways to show it ------------------------------------------------------------------

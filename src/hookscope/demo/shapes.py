@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from hookscope.errors import SpecError
+
 __all__ = ["CLASSES", "make_shapes"]
 
 CLASSES = ("circle", "square", "triangle", "stripes")
@@ -42,9 +44,9 @@ def make_shapes(count: int, *, seed: int, size: int = 32) -> tuple[torch.Tensor,
     True
     """
     if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+        raise SpecError(f"count={count}: the number of images must be >= 0")
     if size < 4:
-        raise ValueError(f"size must be >= 4, got {size}")
+        raise SpecError(f"size={size}: images must be at least 4 pixels wide, to hold a shape")
     gen = torch.Generator().manual_seed(seed)
 
     def uniform(low: float, high: float, *shape: int) -> torch.Tensor:
