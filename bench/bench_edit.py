@@ -109,7 +109,7 @@ def run_edit(model: nn.Module, x: Any) -> common.Timed:
 
 def run_with_edits(model: nn.Module, x: Any) -> common.Timed:
     """``hs.run_with_edits``: attach, forward and remove, all inside the timer."""
-    return common.timed_call(lambda: hs.run_with_edits(model, x, edits=EDITS))
+    return common.timed_call(lambda: hs.run_with_edits(model, x, edits=EDITS)[0])
 
 
 def run_hand_hooks(model: nn.Module, x: Any) -> common.Timed:

@@ -160,6 +160,18 @@ def test_no_graph_breaks_from_hookscope_hooks(feature: str, x: torch.Tensor) -> 
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_an_editor_counts_the_calls_it_edited_in_compiled_code(x: torch.Tensor) -> None:
+    from torch._dynamo.utils import counters
+
+    compiled_model = torch.compile(mlp(), backend="eager")
+    counters.clear()
+    with hs.edit(compiled_model, {"0": hs.edits.scale(2.0), "2": hs.edits.zero()}) as editor:
+        for _ in range(3):
+            compiled_model(x)
+    assert editor.applied == {"0": 3, "2": 3}
+    assert counters["stats"]["unique_graphs"] == 1  # the counts do not make it recompile
+
+
 def test_a_pass_opening_inside_compiled_code_runs_eagerly(x: torch.Tensor) -> None:
     """Hooking the eager module whose wrapper is called: the pass opens in compiled code, where
     the thread and autograd's state cannot be read, so its opening and end run eagerly."""

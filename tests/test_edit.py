@@ -31,7 +31,7 @@ def test_patching_every_block_reproduces_the_clean_run_bit_for_bit() -> None:
         blocks = r"re:h\.\d+"  # the blocks themselves ("h.*" would also reach inside them)
         clean, cache = hs.run_with_capture(model, input_ids=clean_ids, layers=blocks)
         corrupted = model(input_ids=corrupted_ids).last_hidden_state
-        patched = hs.run_with_edits(model, input_ids=corrupted_ids, edits={blocks: hs.edits.patch(cache)})
+        patched, _ = hs.run_with_edits(model, input_ids=corrupted_ids, edits={blocks: hs.edits.patch(cache)})
     assert not torch.equal(corrupted, clean.last_hidden_state)
     assert torch.equal(patched.last_hidden_state, clean.last_hidden_state)
 
@@ -42,7 +42,7 @@ def test_mean_ablation_equals_the_hand_computation() -> None:
     reference_batch, x = torch.randn(10, 4), torch.randn(3, 4)
     with torch.no_grad():
         _, cache = hs.run_with_capture(model, reference_batch, layers="0")
-        out = hs.run_with_edits(model, x, edits={"0": hs.edits.mean(cache, neurons=[1, 4])})
+        out, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.mean(cache, neurons=[1, 4])})
         hidden = model[0](x)
         average = model[0](reference_batch).mean(0)
         hidden[:, [1, 4]] = average[[1, 4]]
@@ -55,7 +55,7 @@ def test_zeroing_a_conv_channel_equals_zeroing_the_next_input_by_hand() -> None:
     model = SmallCNN().eval()
     x = SmallCNN.example()
     with torch.no_grad():
-        out = hs.run_with_edits(model, x, edits={"conv1": hs.edits.zero(channels=[2, 7])})
+        out, _ = hs.run_with_edits(model, x, edits={"conv1": hs.edits.zero(channels=[2, 7])})
         features = model.conv1(x)
         features[:, [2, 7]] = 0
         want = model.fc(torch.flatten(model.pool(model.relu(features)), 1))
@@ -70,7 +70,7 @@ def test_steering_one_position_leaves_earlier_positions_alone() -> None:
         plain = model(input_ids=ids).last_hidden_state
         steered = hs.run_with_edits(
             model, input_ids=ids, edits={"h.0": hs.edits.add(vector, scale=4.0, positions=[3])}
-        ).last_hidden_state
+        )[0].last_hidden_state
     assert torch.equal(steered[:, :3], plain[:, :3])  # the causal mask: earlier positions see nothing
     assert not torch.allclose(steered[:, 3:], plain[:, 3:])
 
@@ -89,9 +89,9 @@ def test_scale_clamp_replace_noise_and_heads() -> None:
         "mask": (hs.edits.zero(mask=x > 5), x.masked_fill(x > 5, 0)),
     }
     for name, (edit, want) in cases.items():
-        assert torch.equal(hs.run_with_edits(model, x, edits={"0": edit}), want), name
-    first = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
-    second = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
+        assert torch.equal(hs.run_with_edits(model, x, edits={"0": edit})[0], want), name
+    first, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
+    second, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.noise(0.5, seed=3)})
     assert torch.equal(first, second)
     assert not torch.equal(first, x)
 
@@ -99,9 +99,9 @@ def test_scale_clamp_replace_noise_and_heads() -> None:
 def test_several_edits_on_one_site_apply_in_order() -> None:
     model = track(nn.Sequential(nn.Identity()))
     x = torch.ones(1, 3)
-    out = hs.run_with_edits(model, x, edits={"0": [hs.edits.scale(3.0), hs.edits.clamp(max=2.0)]})
+    out, _ = hs.run_with_edits(model, x, edits={"0": [hs.edits.scale(3.0), hs.edits.clamp(max=2.0)]})
     assert torch.equal(out, torch.full((1, 3), 2.0))
-    out = hs.run_with_edits(model, x, edits={"0": [hs.edits.clamp(max=2.0), hs.edits.scale(3.0)]})
+    out, _ = hs.run_with_edits(model, x, edits={"0": [hs.edits.clamp(max=2.0), hs.edits.scale(3.0)]})
     assert torch.equal(out, torch.full((1, 3), 3.0))
 
 
@@ -137,13 +137,26 @@ def test_calls_choose_which_call_of_a_shared_module() -> None:
     model = SharedTwice()
     x = torch.randn(2, 4)
     with torch.no_grad():
-        out = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=1)
+        out, editor = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=1)
         want = model.head(torch.zeros(2, 4))
     assert torch.equal(out, want)
+    assert editor.applied == {"shared": 1}  # of its two calls, the second alone was edited
     with torch.no_grad():
-        first_only = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=[0])
+        first_only, editor = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero()}, calls=[0])
         want = model.head(model.shared(torch.relu(torch.zeros(2, 4))))
     assert torch.equal(first_only, want)
+    assert editor.applied == {"shared": 1}
+    assert not editor.live  # the one-shot form removes its hooks before returning
+    _, every = hs.run_with_edits(model, x, edits={"shared": hs.edits.zero(), "head": hs.edits.scale(1.0)})
+    assert every.applied == {"shared": 2, "head": 1}
+
+
+def test_applied_shows_an_edit_whose_module_never_ran() -> None:
+    model = nn.ModuleDict({"used": nn.Linear(2, 2), "unused": nn.Linear(2, 2)})
+    with hs.edit(model, {"used": hs.edits.scale(2.0), "unused": hs.edits.zero()}) as editor:
+        model["used"](torch.ones(1, 2))
+        model["used"](torch.ones(1, 2))
+    assert editor.applied == {"used": 2, "unused": 0}
 
 
 def test_input_edits_reach_keyword_inputs() -> None:
@@ -151,7 +164,7 @@ def test_input_edits_reach_keyword_inputs() -> None:
     model = KeywordOnly()
     x = torch.randn(2, 4)
     with torch.no_grad():
-        out = hs.run_with_edits(
+        out, _ = hs.run_with_edits(
             model, x, edits={"block": hs.edits.replace(torch.tensor([5.0]), path="['scale']")}, on="input"
         )
         want = model.block.fc(x) * 5.0
@@ -212,7 +225,7 @@ def test_in_place_ops_after_an_edit_write_neither_the_cache_nor_the_users_tensor
     _, cache = hs.run_with_capture(model, x, layers="0")
     kept = cache["0"].clone()
     for _ in range(2):  # the second run reads the cache again
-        out = hs.run_with_edits(model, x, edits={"0": hs.edits.patch(cache)})
+        out, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.patch(cache)})
         assert torch.equal(out, kept.relu())
     assert torch.equal(cache["0"], kept)
     replacement = torch.full((3,), -1.0)
@@ -236,7 +249,7 @@ def test_positions_need_a_sequence_and_masks_must_fit() -> None:
         hs.run_with_edits(
             model, torch.ones(2, 4), edits={"0": hs.edits.zero(mask=torch.ones(3, 2, 4, dtype=torch.bool))}
         )
-    out = hs.run_with_edits(model, torch.ones(1, 4), edits={"0": hs.edits.zero(heads=[-1], num_heads=2)})
+    out, _ = hs.run_with_edits(model, torch.ones(1, 4), edits={"0": hs.edits.zero(heads=[-1], num_heads=2)})
     assert torch.equal(out, torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
 
 
@@ -244,10 +257,10 @@ def test_noise_is_the_same_in_every_run_and_differs_between_sites() -> None:
     model = track(nn.Sequential(nn.Identity(), nn.Identity()))
     x = torch.zeros(1, 6)
     edit = hs.edits.noise(1.0, seed=5)
-    first = hs.run_with_edits(model, x, edits={"0": edit})
-    again = hs.run_with_edits(model, x, edits={"0": edit})
+    first, _ = hs.run_with_edits(model, x, edits={"0": edit})
+    again, _ = hs.run_with_edits(model, x, edits={"0": edit})
     assert torch.equal(first, again)
-    both = hs.run_with_edits(model, x, edits={"0": edit, "1": hs.edits.noise(1.0, seed=5)})
+    both, _ = hs.run_with_edits(model, x, edits={"0": edit, "1": hs.edits.noise(1.0, seed=5)})
     assert not torch.equal(both - first, first)  # the second site drew other numbers
 
 
@@ -256,7 +269,7 @@ def test_input_paths_may_be_written_as_errors_show_them() -> None:
     model = KeywordOnly()
     x = torch.randn(2, 4)
     with torch.no_grad():
-        out = hs.run_with_edits(
+        out, _ = hs.run_with_edits(
             model, x, edits={"block": hs.edits.replace(torch.tensor([5.0]), path="input['scale']")}, on="input"
         )
         assert torch.equal(out, model.block.fc(x) * 5.0)
@@ -274,12 +287,12 @@ def test_a_misspelt_keyword_is_a_spec_error_with_a_hint() -> None:
 def test_zero_along_one_dim_matches_a_mask(part: dict[str, list[int]], shape: tuple[int, ...]) -> None:
     model = track(nn.Sequential(nn.Identity()))
     x = torch.arange(float(torch.Size(shape).numel())).view(shape) + 1
-    fast = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(**part)})
+    fast, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(**part)})
     dim = {"positions": 1, "channels": 1, "neurons": x.dim() - 1}[next(iter(part))]
     want = x.clone()
     want.index_fill_(dim, torch.tensor(next(iter(part.values()))), 0)
     assert torch.equal(fast, want)
-    masked = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(mask=want == 0)})
+    masked, _ = hs.run_with_edits(model, x, edits={"0": hs.edits.zero(mask=want == 0)})
     assert torch.equal(masked, want)
 
 
@@ -315,6 +328,6 @@ def test_a_tensor_factor_scales_per_channel() -> None:
     x = SmallCNN.example()
     factor = torch.arange(16.0).reshape(1, 16, 1, 1)
     with torch.no_grad():
-        edited = hs.run_with_edits(model, x, edits={"conv1": hs.edits.scale(factor)})
+        edited, _ = hs.run_with_edits(model, x, edits={"conv1": hs.edits.scale(factor)})
         by_hand = model.fc(torch.flatten(model.pool(model.relu(model.conv1(x) * factor)), 1))
     assert torch.allclose(edited, by_hand, atol=1e-6)

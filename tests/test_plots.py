@@ -158,7 +158,7 @@ class TestFeatureMaps:
 class TestHistograms:
     def test_from_a_trace_one_panel_per_site(self, tmp_path: Path) -> None:
         t = hs.trace(SmallCNN(), torch.randn(2, 3, 32, 32), histograms=True)
-        fig = hs.plots.histograms(t, sites=["conv1", "relu"])
+        fig = hs.plots.histograms(t, layers=["conv1", "relu"])
         assert [ax.get_title() for ax in fig.axes] == ["conv1#0", "relu#0"]
         assert_not_blank(fig, tmp_path / "h.png")
         log = hs.plots.histograms(t, log=True)
@@ -173,7 +173,7 @@ class TestHistograms:
         heights = list(fig.axes[0].patches)
         assert heights, "bars were drawn"
         assert_not_blank(fig, tmp_path / "c.png")
-        assert len(hs.plots.histograms(cache, sites="fc").axes) == 1
+        assert len(hs.plots.histograms(cache, layers="fc").axes) == 1
 
     def test_many_layers_are_thinned_to_max_sites(self) -> None:
         model = track(nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)]))
@@ -185,7 +185,7 @@ class TestHistograms:
 
     def test_gpt2_from_transformers(self, tmp_path: Path) -> None:
         t = hs.trace(tiny_gpt2(), gpt2_input(), histograms=True)
-        fig = hs.plots.histograms(t, sites="h.*.mlp")
+        fig = hs.plots.histograms(t, layers="h.*.mlp")
         assert [ax.get_title() for ax in fig.axes] == ["h.0.mlp#0", "h.1.mlp#0"]
         assert_not_blank(fig, tmp_path / "gpt2.png")
 
@@ -228,7 +228,7 @@ class TestLayerStats:
 
     def test_gpt2_blocks(self, tmp_path: Path) -> None:
         t = hs.trace(tiny_gpt2(), gpt2_input())
-        fig = hs.plots.layer_stats(t, sites=r"re:h\.\d+$")
+        fig = hs.plots.layer_stats(t, layers=r"re:h\.\d+$")
         labels = [tick.get_text() for tick in fig.axes[1].get_xticklabels()]
         assert labels == ["h.0#0", "h.1#0"]
         assert_not_blank(fig, tmp_path / "gpt2.png")

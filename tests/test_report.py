@@ -110,7 +110,7 @@ def test_a_monitor_of_several_steps(tmp_path: Path) -> None:
 
 
 def test_sites_choose_what_is_drawn(tmp_path: Path) -> None:
-    page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", sites="conv1").read_text()
+    page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", layers="conv1").read_text()
     assert page.count("data:image/png") == 3  # depth, histograms, conv1's feature maps
     assert "feature maps of conv1#0" in page
     assert "feature maps of relu#0" not in page
@@ -151,7 +151,7 @@ def test_a_model_with_no_finite_value_still_gets_its_report(tmp_path: Path) -> N
 
 
 def test_the_root_alone(tmp_path: Path) -> None:
-    page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", sites="").read_text()
+    page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", layers="").read_text()
     assert "value histograms of 1 layers" in page
 
 
@@ -232,7 +232,7 @@ def test_the_file_follows_the_umask(tmp_path: Path) -> None:
         ({"out": "report.txt"}, "ending in .html"),
         ({"loss_fn": 3}, "loss_fn must be a function"),
         ({"max_sites": -1}, "max_sites=-1"),
-        ({"sites": "nope"}, "matched 0 of 5 modules"),
+        ({"layers": "nope"}, "matched 0 of 5 modules"),
         ({"loss_fn": lambda y: y}, r"scalar tensor; it returned \(1, 10\)"),
     ],
 )
@@ -282,7 +282,7 @@ class TestReportCommand:
     def test_gpt2_from_a_config(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         out = tmp_path / "gpt2.html"
         spec = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&bos_token_id=0&eos_token_id=0"
-        code, text, err = run_cli(capsys, "report", spec, "--sites", "h.*.mlp", "--loss", "mean", "-o", str(out))
+        code, text, err = run_cli(capsys, "report", spec, "--layers", "h.*.mlp", "--loss", "mean", "-o", str(out))
         assert code == 0, err
         assert "input: input_ids (1, 16) int64" in text
         assert "GPT2MLP" in out.read_text()

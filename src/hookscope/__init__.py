@@ -13,15 +13,15 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 from __future__ import annotations
 
 from hookscope import edits, plots
-from hookscope._capture import Cache, Capture, capture, load, run_with_capture
+from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
-from hookscope._edit import EditContext, Editor, edit, run_with_edits
-from hookscope._extract import Store, StoreArray, extract, open_store
+from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
+from hookscope._extract import ExtractConfig, Store, StoreArray, extract, open_store
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import hooks
 from hookscope._layers import Layer, LayerTable, layers
@@ -29,7 +29,7 @@ from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
-from hookscope._trace import TensorInfo, Trace, Tracer, TraceRow, trace, tracing
+from hookscope._trace import TensorInfo, Trace, TraceOptions, Tracer, TraceRow, run_with_trace, trace, tracing
 from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
 from hookscope.errors import (
@@ -55,6 +55,7 @@ __all__ = [
     "Cache",
     "Capture",
     "CaptureError",
+    "CaptureOptions",
     "ConcurrentPassError",
     "DataError",
     "Diff",
@@ -62,7 +63,9 @@ __all__ = [
     "Divergence",
     "EditContext",
     "EditError",
+    "EditOptions",
     "Editor",
+    "ExtractConfig",
     "FileFormatError",
     "GradFlag",
     "GradMonitor",
@@ -92,6 +95,7 @@ __all__ = [
     "StoreWriteError",
     "TensorInfo",
     "Trace",
+    "TraceOptions",
     "TraceRow",
     "Tracer",
     "UnsupportedModelError",
@@ -117,6 +121,7 @@ __all__ = [
     "report",
     "run_with_capture",
     "run_with_edits",
+    "run_with_trace",
     "save_tensors",
     "select",
     "tensor_file_format",

@@ -1,11 +1,13 @@
 """Capture: keep the inputs and outputs of chosen layers, correctly and cheaply, and save them.
 
-``capture()`` / ``run_with_capture()`` (in ``recorder``) attach the hooks, ``Cache`` (in
+``capture()`` / ``run_with_capture()`` (in ``recorder``) attach the hooks with a
+``CaptureOptions`` (``options``), ``Cache`` (in
 ``cache``) holds the values by site, ``guard`` keeps them right under in-place ops, ``reduce``
 holds the named on-device reductions and ``files`` the file formats.
 """
 
 from hookscope._capture.cache import Cache, load
+from hookscope._capture.options import CaptureOptions
 from hookscope._capture.recorder import Capture, capture, run_with_capture
 
-__all__ = ["Cache", "Capture", "capture", "load", "run_with_capture"]
+__all__ = ["Cache", "Capture", "CaptureOptions", "capture", "load", "run_with_capture"]

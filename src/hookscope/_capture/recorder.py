@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,23 +28,17 @@ from torch import nn
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
+from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
-from hookscope._core.names import raw_and_named_modules
-from hookscope._core.select import Selector, describe_selector, ensure_module, select
-from hookscope._core.sites import CallTracker, Site, call_filter
+from hookscope._core.names import call_label, raw_and_named_modules
+from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
+from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors
-from hookscope._shared.dtypes import dtype_name, floating_dtype
-from hookscope._shared.reduce import Reduction, parse_reduction
-from hookscope._shared.units import parse_bytes
+from hookscope._shared.options import with_options
 from hookscope._version import __version__
 from hookscope.errors import CaptureError, SpecError
 
 __all__ = ["Capture", "capture", "run_with_capture"]
-
-Keep = Literal["output", "input", "both"]
-Calls = Literal["all", "first", "last"] | int
-CopyMode = Literal["auto"] | bool
-_KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
 
 
 class _StopForward(Exception):  # noqa: N818 (a signal, not an error)
@@ -67,44 +61,21 @@ class Capture(Scoped):
     capture edited values, the capture first to capture the originals.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        selectors: tuple[Selector, ...],
-        *,
-        keep: Keep | tuple[str, ...],
-        detach: bool,
-        device: str | torch.device | None,
-        dtype: torch.dtype | str | None,
-        reduce: str | Reduction | None,
-        calls: Calls,
-        stop: bool,
-        max_bytes: int | str | None,
-        copy: CopyMode,
-        passes: Literal["latest", "all"] = "latest",
-    ) -> None:
+    def __init__(self, model: nn.Module, selectors: tuple[Selector, ...], options: CaptureOptions) -> None:
         ensure_module(model)
-        if passes not in ("latest", "all"):
-            raise SpecError(f"passes={passes!r} is not 'latest' (each forward replaces the cache) or 'all'")
-        self._keep_passes = passes == "all"
-        self._passes: list[Cache] = []
-        self._handled: BaseException | None = None
         if not selectors:
             raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
-        if copy not in ("auto", True, False):
-            raise SpecError(f"copy={copy!r} is not one of 'auto' (default), True, False")
-        if stop and calls == "last":
-            raise SpecError(
-                "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
-                "use calls='first', a call index, or stop=False"
-            )
-        self._whats = _check_keep(keep)
-        self._want = call_filter(calls, also=("last",))
-        self._stop = stop
+        self.options = options
+        self._keep_passes = options.passes == "all"
+        self._passes: list[Cache] = []
+        self._handled: BaseException | None = None
+        self._whats = options.sides
+        self._want = options.wants
+        self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
         self._selected = select(model, list(selectors))  # a union, each module once, in model order
-        meta = _describe(model, selectors, keep, detach, device, dtype, reduce, calls, max_bytes, copy)
+        meta = _describe(model, selectors, options)
         chosen = {id(module) for _, module in self._selected}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
@@ -112,14 +83,14 @@ class Capture(Scoped):
         if aliases:  # names below a DDP or torch.compile wrapper, as spelled by named_modules()
             meta["aliases"] = aliases
         self._keeper_options: dict[str, Any] = {
-            "detach": detach,
-            "reduce": parse_reduction(reduce),
-            "reduce_spec": reduce,
-            "dtype": _check_dtype(dtype),
-            "device": torch.device(device) if device is not None else None,
-            "copy": copy,
-            "budget": parse_bytes(max_bytes) if max_bytes is not None else None,
-            "last_call_only": calls == "last",
+            "detach": options.detach,
+            "reduce": options.reduction,
+            "reduce_spec": options.reduce,
+            "dtype": options.torch_dtype,
+            "device": options.torch_device,
+            "copy": options.copy,
+            "budget": options.budget,
+            "last_call_only": options.calls == "last",
             "meta": meta,
         }
         self._keeper = Keeper(**self._keeper_options)
@@ -198,7 +169,8 @@ class Capture(Scoped):
             if self._keep_passes:
                 raise CaptureError(
                     "passes='all' keeps the model's passes, and DataParallel replicas run beside them in threads; "
-                    "capture the replicas with the default passes='latest' (capture.replicas), one pass at a time"
+                    "capture the replicas with the default passes='latest' (capture.replicas), one pass at a time",
+                    site=call_label(name, call),
                 )
             floating = [tensor for _, tensor in leaves if tensor.is_floating_point()]  # not lengths or counters
             device = str((floating or [tensor for _, tensor in leaves])[0].device) if leaves else "cpu"
@@ -206,7 +178,8 @@ class Capture(Scoped):
                 if any(other == device for other, _ in self._replica_keepers.values()):
                     raise CaptureError(
                         f"two DataParallel replicas ran on {device} in one pass; captures keep one cache per "
-                        "device (capture.replicas): give each replica its own device"
+                        "device (capture.replicas): give each replica its own device",
+                        site=call_label(name, call),
                     )
                 keeper = Keeper(**{**self._keeper_options, "copy": True})
                 keeper.start()
@@ -331,51 +304,31 @@ class Capture(Scoped):
         return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
 
 
-def _describe(model: nn.Module, selectors: tuple[Selector, ...], *options: Any) -> dict[str, Any]:
-    keep, detach, device, dtype, reduce, calls, max_bytes, copy = options
+def _describe(model: nn.Module, selectors: tuple[Selector, ...], options: CaptureOptions) -> dict[str, Any]:
+    recorded = options.to_dict()
+    recorded["options_version"] = recorded.pop("version")
     return {
         "hookscope": __version__,
         "torch": torch.__version__,
         "model": type(model).__name__,
         "selectors": [describe_selector(s) for s in selectors],
-        "keep": keep if isinstance(keep, str) else list(keep),
-        "detach": detach,
-        "device": None if device is None else str(device),
-        "dtype": None if dtype is None else dtype_name(dtype),
-        "reduce": reduce if isinstance(reduce, str) or reduce is None else getattr(reduce, "__qualname__", "fn"),
-        "calls": calls,
-        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
-        "copy": copy,
+        **recorded,
     }
 
 
-def _check_keep(keep: Keep | tuple[str, ...]) -> tuple[str, ...]:
-    if isinstance(keep, str) and keep in _KEEP_CHOICES:
-        return _KEEP_CHOICES[keep]
-    if isinstance(keep, (tuple, list)) and keep and set(keep) <= {"input", "output"}:
-        return tuple(w for w in ("input", "output") if w in keep)
-    raise SpecError(f"keep={keep!r} is not one of 'output' (default), 'input', 'both', ('input', 'output')")
-
-
-def _check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    return floating_dtype(dtype)
-
-
+@with_options(CaptureOptions)
 def capture(
     model: nn.Module,
     *selectors: Selector,
-    keep: Keep | tuple[str, ...] = "output",
-    detach: bool = True,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | str | None = None,
-    reduce: str | Reduction | None = None,
-    calls: Calls = "all",
-    stop: bool = False,
-    max_bytes: int | str | None = None,
-    copy: CopyMode = "auto",
-    passes: Literal["latest", "all"] = "latest",
+    layers: Selector | Sequence[Selector] | None = None,
+    options: CaptureOptions | None = None,
+    **opts: Any,
 ) -> Capture:
     """Keep the outputs (or inputs) of the modules the selectors pick, for each forward pass.
+
+    The modules are chosen by selectors, given positionally or as ``layers=`` (one selector or
+    a list). The options are those of :class:`CaptureOptions`, as keywords or whole
+    (``options=hs.CaptureOptions(...)``, which a type checker reads field by field).
 
     Values are detached (``detach=False`` keeps the graph), stay on the device they were made on
     (``device="cpu"`` moves them; from CUDA through pinned memory, one sync per forward), and may
@@ -400,43 +353,24 @@ def capture(
         cap.calls("layer1.0.conv2")    # every call, in order
         cap.numpy(); cap.save("feats.safetensors")
     """
-    return Capture(
-        model,
-        selectors,
-        keep=keep,
-        detach=detach,
-        device=device,
-        dtype=dtype,
-        reduce=reduce,
-        calls=calls,
-        stop=stop,
-        max_bytes=max_bytes,
-        copy=copy,
-        passes=passes,
-    )
+    return Capture(model, given_selectors(selectors, layers, feature="capture"), CaptureOptions.build(options, opts))
 
 
+@with_options(CaptureOptions, keep=("model_kwargs",))
 def run_with_capture(
     model: nn.Module,
     *args: Any,
     layers: Selector | Sequence[Selector],
-    keep: Keep | tuple[str, ...] = "output",
-    detach: bool = True,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | str | None = None,
-    reduce: str | Reduction | None = None,
-    calls: Calls = "all",
-    stop: bool = False,
-    max_bytes: int | str | None = None,
-    copy: CopyMode = "auto",
+    options: CaptureOptions | None = None,
     model_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Cache]:
     """Run ``model(*args, **kwargs)`` once with a capture; return ``(output, cache)``.
 
-    ``layers`` is one selector or a list of them; the other options are :func:`capture`'s.
-    Keyword arguments that are not options go to the model (``model_kwargs`` passes ones whose
-    names clash with an option). With ``stop=True`` the output is ``None``.
+    ``layers`` is one selector or a list of them; the options are :class:`CaptureOptions`'
+    (:func:`capture`'s). Keyword arguments that are not options go to the model
+    (``model_kwargs`` passes ones whose names clash with an option). With ``stop=True`` the
+    output is ``None``.
 
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     >>> out, cache = run_with_capture(model, torch.randn(3, 4), layers=["0", "2"])
@@ -445,23 +379,11 @@ def run_with_capture(
     >>> bool((cache["0"] < 0).any())  # the in-place ReLU did not touch the kept value
     True
     """
-    selectors = tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)
-    recorder = capture(
-        model,
-        *selectors,
-        keep=keep,
-        detach=detach,
-        device=device,
-        dtype=dtype,
-        reduce=reduce,
-        calls=calls,
-        stop=stop,
-        max_bytes=max_bytes,
-        copy=copy,
-    )
+    chosen, model_kw = CaptureOptions.split(kwargs)
+    recorder = Capture(model, given_selectors((), layers, feature="capture"), CaptureOptions.build(options, chosen))
     with recorder:
         try:
-            output = model(*args, **{**kwargs, **(model_kwargs or {})})
+            output = model(*args, **{**model_kw, **(model_kwargs or {})})
         except _StopForward as stopped:
             if stopped.owner is not recorder:
                 raise

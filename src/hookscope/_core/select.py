@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias, cast
 
 import torch
@@ -38,7 +38,15 @@ from torch import nn
 from hookscope._core.names import raw_and_named_modules, short_spelling
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
-__all__ = ["Selector", "compile_selector", "describe_selector", "ensure_module", "select", "select_names"]
+__all__ = [
+    "Selector",
+    "compile_selector",
+    "describe_selector",
+    "ensure_module",
+    "given_selectors",
+    "select",
+    "select_names",
+]
 
 Predicate = Callable[[str, nn.Module], bool]
 Selector: TypeAlias = (
@@ -276,3 +284,20 @@ def _listing(items: Iterable[str], limit: int = 12) -> str:
     shown = list(items)
     more = f", ... ({len(shown) - limit} more)" if len(shown) > limit else ""
     return ", ".join(shown[:limit]) + more if shown else "(none)"
+
+
+def given_selectors(
+    positional: tuple[Selector, ...], layers: Selector | Sequence[Selector] | None, *, feature: str
+) -> tuple[Selector, ...]:
+    """The selectors a feature was given, positionally (the short form) or as ``layers=``, never both.
+
+    >>> given_selectors((), ["fc", "conv1"], feature="capture"), given_selectors(("fc",), None, feature="capture")
+    (('fc', 'conv1'), ('fc',))
+    """
+    if layers is None:
+        return positional
+    if positional:
+        raise SpecError(f"{feature} got selectors both positionally and as layers=; give them one way")
+    if isinstance(layers, torch.Tensor):
+        raise SpecError(f"layers= is {feature}'s own option (which modules); use model_kwargs={{'layers': ...}}")
+    return tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)  # type: ignore[return-value]

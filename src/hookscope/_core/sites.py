@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, Protocol, get_args
@@ -32,12 +32,15 @@ _GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lam
 __all__ = [
     "REPLICAS_HINT",
     "CallTracker",
+    "Calls",
+    "Keep",
     "PassListener",
     "Site",
     "SiteKind",
     "call_filter",
     "in_backward",
     "is_reentered",
+    "parse_keep",
 ]
 
 #: Ends the refusal of another thread: the one case where threads are expected.
@@ -45,6 +48,12 @@ REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps the
 
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]
+#: Which calls of a module a feature acts on: every one, the first, the last (where the
+#: feature can know it: capture, extract), one index, or a list of indices.
+Calls = Literal["all", "first", "last"] | int | Sequence[int]
+#: What a capture keeps of a call: what it returns, what it takes, or both.
+Keep = Literal["output", "input", "both"] | tuple[str, ...]
+_KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
 _SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<what>[a-z_]+)(?P<path>.*)$")
 
@@ -290,7 +299,9 @@ class CallTracker:
         if not stack and self._replicas:  # a DataParallel replica, on its own thread
             stack = self._replica_stack(module)
         if not stack:
-            raise RuntimeError("no call of this module is open; current() is only valid inside its hooks")
+            raise SpecError(
+                "no call of this module is open; current() is valid only inside its hooks, while the call runs"
+            )
         return stack[-1]
 
     def in_replica(self) -> bool:
@@ -350,6 +361,19 @@ class CallTracker:
             feature=self._feature,
             module=name,
         )
+
+
+def parse_keep(keep: object) -> tuple[str, ...]:
+    """The sides ``keep=`` asks for, inputs before outputs.
+
+    >>> parse_keep("both"), parse_keep(["output"])
+    (('input', 'output'), ('output',))
+    """
+    if isinstance(keep, str) and keep in _KEEP_CHOICES:
+        return _KEEP_CHOICES[keep]
+    if isinstance(keep, (tuple, list)) and keep and set(keep) <= {"input", "output"}:
+        return tuple(w for w in ("input", "output") if w in keep)
+    raise SpecError(f"keep={keep!r} is not one of 'output' (default), 'input', 'both', ('input', 'output')")
 
 
 def call_filter(calls: object, *, also: tuple[str, ...] = ()) -> Callable[[int], bool]:

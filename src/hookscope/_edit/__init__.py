@@ -7,5 +7,6 @@ function is told. The built-in edits are in :mod:`hookscope.edits`.
 
 from hookscope._edit.context import EditContext
 from hookscope._edit.editor import Editor, edit, run_with_edits
+from hookscope._edit.options import EditOptions
 
-__all__ = ["EditContext", "Editor", "edit", "run_with_edits"]
+__all__ = ["EditContext", "EditOptions", "Editor", "edit", "run_with_edits"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,45 +21,45 @@ from torch import nn
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.names import module_label
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
-from hookscope._core.sites import CallTracker, call_filter
+from hookscope._core.sites import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._edit.context import EditContext, EditSide
+from hookscope._edit.options import EditOptions
 from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.options import with_options
 from hookscope.errors import EditError, SpecError
 
 __all__ = ["EditFn", "Editor", "edit", "run_with_edits"]
 
 EditFn = Callable[[torch.Tensor, EditContext], torch.Tensor]
-Calls = Literal["all"] | int | Sequence[int]
 
 
 class Editor(Scoped):
     """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        edits: Mapping[Selector, EditFn | Sequence[EditFn]],
-        *,
-        on: EditSide,
-        calls: Calls,
+        self, model: nn.Module, edits: Mapping[Selector, EditFn | Sequence[EditFn]], options: EditOptions
     ) -> None:
         ensure_module(model)
-        if on not in ("output", "input"):
-            raise SpecError(f"on={on!r} is not 'output' (default) or 'input'")
         if not isinstance(edits, Mapping) or not edits:
             raise SpecError(
                 "edits: expected a non-empty mapping {selector: edit or [edits]}, e.g. {'fc': hs.edits.zero()}"
             )
-        self._want = call_filter(calls)
+        self.options = options
+        on = options.on
+        self._want = options.wants
         self._side: EditSide = on
-        self._tracker = CallTracker()
+        self._tracker = CallTracker(self, feature="edit")
         plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
         for selector, chosen in edits.items():
             functions = _functions(selector, chosen)
             for name, module in select(model, selector):
                 plan.setdefault(id(module), (name, module, []))[2].extend(functions)
         self._plan = list(plan.values())
+        # Counted per pass, from 0 each time (so compiled code sees the same values on every
+        # pass and is not recompiled), and added to the earlier passes' when the next one starts.
+        self._applied = dict.fromkeys((name for name, _, _ in self._plan), 0)
+        self._earlier = dict.fromkeys(self._applied, 0)
         specs = [
             HookSpec(name, module, "forward", self._output_hook(name, fns), with_kwargs=True, fitted=True)
             if on == "output"
@@ -70,24 +70,28 @@ class Editor(Scoped):
 
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
+        applied = self._applied
 
         def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             call = current(module)
             if not want(call):
                 return None
             leaves = _apply(targets, flatten_tensors(output), name, call, module, "output", args, kwargs)
+            applied[name] += 1
             return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output)
 
         return edit_output
 
     def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
+        applied = self._applied
 
         def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             call = current(module)
             if not want(call):
                 return None
             leaves = _apply(targets, call_leaves(args, kwargs), name, call, module, "input", args, kwargs)
+            applied[name] += 1
             return map_call_tensors(lambda path, tensor: leaves.get(path, tensor), args, kwargs)
 
         return edit_input
@@ -96,6 +100,31 @@ class Editor(Scoped):
     def sites(self) -> list[str]:
         """The modules edited, in model order, with how many edits each."""
         return [f"{module_label(name)} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
+
+    @property
+    def applied(self) -> dict[str, int]:
+        """How many calls of each edited module were edited since attaching, in model order.
+
+        A module at 0 was selected but never ran (or ran only in calls ``calls=`` left out):
+        the edit changed nothing there.
+        """
+        return {module_label(name): self._earlier[name] + count for name, count in self._applied.items()}
+
+    # -- told by the call tracker -------------------------------------------------------------------
+
+    #: Edits apply inside ``nn.DataParallel`` replicas too, as plain hooks would.
+    accepts_replicas = True
+
+    def pass_started(self, module: nn.Module) -> None:
+        for name, count in self._applied.items():
+            self._earlier[name] += count
+            self._applied[name] = 0
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        pass
+
+    def pass_abandoned(self) -> None:
+        pass
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
@@ -183,45 +212,54 @@ def _check_arity(selector: Selector, fn: Callable[..., Any]) -> None:
         ) from None
 
 
+@with_options(EditOptions)
 def edit(
     model: nn.Module,
     edits: Mapping[Selector, EditFn | Sequence[EditFn]],
     *,
-    on: EditSide = "output",
-    calls: Calls = "all",
+    options: EditOptions | None = None,
+    **opts: Any,
 ) -> Editor:
     """Change what the chosen modules return (``on="input"``: what they take) while the block runs.
 
-    ``edits`` maps a selector to an edit or a list of edits, applied in the order given; an
-    edit is a built-in from :mod:`hookscope.edits` or any ``fn(value, ctx) -> value`` (``ctx``
-    is an :class:`EditContext`: site name, call index, module, inputs). ``calls`` picks which
-    calls of a module called several times are edited. An edit must return a tensor of the
-    same shape, dtype and device, else :class:`~hookscope.errors.EditError` names the site.
+    ``edits`` maps a selector (the modules to edit) to an edit or a list of edits, applied in
+    the order given; an edit is a built-in from :mod:`hookscope.edits` or any
+    ``fn(value, ctx) -> value`` (``ctx`` is an :class:`EditContext`: site name, call index,
+    module, inputs). The options are :class:`EditOptions`': ``on`` and ``calls`` (which calls of
+    a module called several times are edited). An edit must return a tensor of the same shape,
+    dtype and device, else :class:`~hookscope.errors.EditError` names the site.
+    ``editor.applied`` counts the calls edited per module, so an edit that never ran shows.
 
     Example::
 
-        with hs.edit(model, {"layer3": hs.edits.zero(channels=[1, 2]), "fc": my_fn}):
+        with hs.edit(model, {"layer3": hs.edits.zero(channels=[1, 2]), "fc": my_fn}) as editor:
             model(x)
+        editor.applied                  # {'layer3': 1, 'fc': 1}
     """
-    return Editor(model, edits, on=on, calls=calls)
+    return Editor(model, edits, EditOptions.build(options, opts))
 
 
+@with_options(EditOptions, keep=("model_kwargs",))
 def run_with_edits(
     model: nn.Module,
     *args: Any,
     edits: Mapping[Selector, EditFn | Sequence[EditFn]],
-    on: EditSide = "output",
-    calls: Calls = "all",
+    options: EditOptions | None = None,
     model_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> Any:
-    """Run ``model(*args, **kwargs)`` once with ``edits`` (see :func:`edit`) and return its output.
+) -> tuple[Any, Editor]:
+    """Run ``model(*args, **kwargs)`` once with ``edits`` (see :func:`edit`); return ``(output, editor)``.
+
+    The editor is removed when this returns; ``editor.applied`` says how many calls of each
+    module were edited. Keyword arguments that are not options go to the model.
 
     >>> import torch, hookscope as hs
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Identity())
-    >>> out = hs.run_with_edits(model, torch.ones(1, 2), edits={"1": hs.edits.scale(0.0)})
-    >>> out.abs().sum().item()
-    0.0
+    >>> out, editor = hs.run_with_edits(model, torch.ones(1, 2), edits={"1": hs.edits.scale(0.0)})
+    >>> out.abs().sum().item(), editor.applied
+    (0.0, {'1': 1})
     """
-    with edit(model, edits, on=on, calls=calls):
-        return model(*args, **{**kwargs, **(model_kwargs or {})})
+    chosen, model_kw = EditOptions.split(kwargs)
+    with Editor(model, edits, EditOptions.build(options, chosen)) as editor:
+        output = model(*args, **{**model_kw, **(model_kwargs or {})})
+    return output, editor

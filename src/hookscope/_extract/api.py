@@ -20,7 +20,7 @@ import math
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,8 +33,9 @@ from hookscope._core.attach import HookGroup
 from hookscope._core.select import Selector, describe_selector, ensure_module
 from hookscope._core.sites import Site
 from hookscope._extract.config import data_identity, differences, model_identity
-from hookscope._extract.data import Batch, IndexedSource, Inputs, Source, make_source
+from hookscope._extract.data import Batch, IndexedSource, Source, make_source
 from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.ranks import Ranks, resolve_ranks
@@ -54,8 +55,8 @@ from hookscope._extract.zarr_io import (
     write_meta,
     zarr_module,
 )
-from hookscope._shared.dtypes import dtype_name, floating_dtype
-from hookscope._shared.reduce import Reduction
+from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.options import with_options
 from hookscope._version import __version__
 from hookscope.errors import DataError, SpecError, StoreError, StoreWriteError
 
@@ -64,32 +65,15 @@ __all__ = ["extract"]
 T = TypeVar("T")
 
 
+@with_options(ExtractConfig)
 def extract(
     model: nn.Module,
     data: Any,
     layers: Selector | Sequence[Selector],
     out: str | Path | Any,
     *,
-    reduce: str | Reduction | Mapping[Any, str | Reduction | None] | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device | None = None,
-    batch_size: int | None = None,
-    num_workers: int | None = None,
-    chunk_rows: int | None = None,
-    keep: str = "output",
-    calls: Any = "all",
-    mask: str | None = "auto",
-    inputs: Inputs | None = None,
-    indices: Sequence[int] | None = None,
-    progress: bool | None = None,
-    resume: bool = True,
-    overwrite: bool = False,
-    eval_mode: bool = True,
-    compression_level: int | None = 3,
-    model_spec: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    command: str | None = None,
+    options: ExtractConfig | None = None,
+    **opts: Any,
 ) -> Store:
     """Run ``model`` over ``data`` and store the values of ``layers`` for every row in a zarr store.
 
@@ -103,15 +87,14 @@ def extract(
     tensor, a dict of keyword inputs, or a tuple whose first element is the input (labels
     after it are ignored); ``inputs=lambda batch: (args, kwargs)`` says otherwise.
 
-    Options: ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a
-    function, or a dict ``{selector: reduction}``, first match wins; ``"mean:1"``, ``"last"``
-    and the others over dim 1 use only real tokens when the batch has an ``attention_mask``,
-    see ``mask``), ``dtype`` to store floats in (``torch.float16``, ``"bfloat16"``), ``device``
-    to put the inputs on (default: the model's), ``keep`` and ``calls`` as in
-    :func:`hookscope.capture`, ``chunk_rows`` (a multiple of the batch; default up to 1,024
-    rows or 8 MiB per chunk), ``compression_level`` (zstd; None for none), ``progress``
-    (default: when standard error is a terminal). The model runs under ``torch.no_grad()``, in
-    eval mode unless ``eval_mode=False``; its mode is restored after.
+    The options are :class:`ExtractConfig`'s, as keywords or ``options=``: among them
+    ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a function, or a
+    dict ``{selector: reduction}``, first match wins; ``"mean:1"``, ``"last"`` and the others
+    over dim 1 use only real tokens when the batch has an ``attention_mask``, see ``mask``),
+    ``dtype`` to store floats in (``torch.float16``, ``"bfloat16"``), ``device`` to put the
+    inputs on (default: the model's), ``keep`` and ``calls`` as in :func:`hookscope.capture`,
+    ``chunk_rows``, ``compression_level``, ``progress``. The model runs under
+    ``torch.no_grad()``, in eval mode unless ``eval_mode=False``; its mode is restored after.
 
     Resuming: a store left by a run that stopped is continued by the same call (``resume=True``,
     the default): done chunks are skipped and the result is bit-identical to an uninterrupted
@@ -130,21 +113,25 @@ def extract(
         store["h.5"][:10]                       # numpy rows 0..9
     """
     ensure_module(model)
+    config = ExtractConfig.build(options, opts)
     zarr_module()
     target = target_of(out)
-    ranks = resolve_ranks(rank, world_size)
-    source = make_source(data, batch_size=batch_size, num_workers=num_workers, indices=indices, inputs=inputs)
+    ranks = resolve_ranks(config.rank, config.world_size)
+    source = make_source(
+        data,
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        indices=config.indices,
+        inputs=config.inputs,
+    )
     if not isinstance(source, IndexedSource) and ranks.world_size > 1:
         raise SpecError(
             f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
             "one, or tensors); this data is a stream that only one process can read in order"
         )
-    storage = floating_dtype(dtype)
-    mask_key, mask_required = _mask_option(mask)
-    run_on = _device(device) if device is not None else _model_device(model)
-    _check_compression(compression_level)
+    run_on = config.torch_device or _model_device(model)
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
-    captures = SiteCaptures(model, selectors, reduce=reduce, keep=keep, calls=calls, dtype=storage, mask=TokenMask())
+    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options, mask=TokenMask())
     job = _Job(
         model=model,
         source=source,
@@ -152,28 +139,25 @@ def extract(
         ranks=ranks,
         captures=captures,
         device=run_on,
-        mask_key=mask_key,
-        mask_required=mask_required,
-        progress=progress,
-        compression_level=compression_level,
+        mask_key=config.mask_key,
+        mask_required=config.mask_required,
+        progress=config.progress,
+        compression_level=config.compression_level,
     )
-    config = {
-        "model": model_identity(model, model_spec),
+    recorded = {
+        "model": model_identity(model, config.model_spec),
         "layers": [_layer_text(s) for s in selectors],
-        "keep": keep,
-        "calls": calls,
-        "dtype": None if storage is None else dtype_name(storage),
+        **config.recorded(),
         "reduce": captures.reductions,
-        "mask": mask_key,
         "rows": source.rows,
-        "eval_mode": eval_mode,
-        "compression_level": compression_level,
         "device": run_on.type,  # CPU and GPU kernels round differently: rows of one would not match the other's
     }
     with HookGroup(model, [], owner="extract"), captures:  # the group restores every module's train/eval mode
-        if eval_mode:
+        if config.eval_mode:
             model.eval()
-        return job.run(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
+        return job.run(
+            recorded, config.chunk_rows, resume=config.resume, overwrite=config.overwrite, command=config.command
+        )
 
 
 @dataclass(frozen=True)
@@ -440,29 +424,6 @@ def _site_text(site: dict[str, Any]) -> str:
 def _layer_text(selector: object) -> str:
     """A selector as the store records it: names, globs and regexes as written, others described."""
     return selector if isinstance(selector, str) else describe_selector(selector)
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise SpecError(f"device={device!r} is not a torch device; expected e.g. 'cpu', 'cuda' or 'cuda:1'") from error
-
-
-def _check_compression(level: int | None) -> None:
-    if level is None or (isinstance(level, int) and not isinstance(level, bool) and -7 <= level <= 22):
-        return
-    raise SpecError(f"compression_level={level!r} is not a zstd level; expected an int from -7 to 22, or None")
-
-
-def _mask_option(mask: str | None) -> tuple[str | None, bool]:
-    if mask is None:
-        return None, False
-    if mask == "auto":
-        return "attention_mask", False
-    if isinstance(mask, str) and mask:
-        return mask, True
-    raise SpecError(f"mask={mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -10,6 +10,7 @@ batch.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._capture import Capture, capture
+from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import named_modules
 from hookscope._core.select import Selector, describe_selector, select
 from hookscope._core.sites import Site
@@ -44,9 +45,7 @@ class SiteCaptures:
         layers: list[Selector],
         *,
         reduce: ReduceOption,
-        keep: str,
-        calls: Any,
-        dtype: torch.dtype | None,
+        options: CaptureOptions,
         mask: TokenMask,
     ) -> None:
         self.model = model
@@ -58,13 +57,14 @@ class SiteCaptures:
         self._groups = [
             (extraction_reduction(spec, mask), [module for _, module in members]) for spec, members in groups
         ]
-        self._options = {"keep": keep, "calls": calls, "dtype": dtype}
+        self._options = options
         self._captures: list[Capture] = []
 
     def __enter__(self) -> SiteCaptures:
         try:
             for reduction, modules in self._groups:
-                self._captures.append(capture(self.model, *modules, reduce=reduction, **self._options))
+                chosen = dataclasses.replace(self._options, reduce=reduction)
+                self._captures.append(capture(self.model, *modules, options=chosen))
         except BaseException:
             self.__exit__()
             raise

@@ -21,6 +21,7 @@ gradients to the step's statistics.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope._core.names import call_label, named_modules, named_parameters
-from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.select import Selector, ensure_module, given_selectors, select
 from hookscope._core.sites import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._grads.records import GradRecord, GradStep, GradWhat
@@ -420,12 +421,15 @@ def _parameters(
 def watch_grads(
     model: nn.Module,
     *selectors: Selector,
+    layers: Selector | Sequence[Selector] | None = None,
     params: bool = True,
     activations: bool = True,
     every: int = 1,
     dead_window: int = 5,
 ) -> GradMonitor:
     """Watch gradients of ``model`` (or of the modules the selectors pick) across training steps.
+
+    The modules are chosen by selectors, positionally or as ``layers=``; by default every one.
 
     Per module call, statistics of the gradient with respect to each output (``grad_output``)
     and input (``grad_input``): norm, mean |g|, max |g|, NaN/Inf counts; per parameter, its
@@ -441,4 +445,5 @@ def watch_grads(
         print(monitor.summary())
         monitor.history              # steps x layers, pandas
     """
-    return GradMonitor(model, selectors, params=params, activations=activations, every=every, dead_window=dead_window)
+    chosen = given_selectors(selectors, layers, feature="watch_grads")
+    return GradMonitor(model, chosen, params=params, activations=activations, every=every, dead_window=dead_window)

@@ -23,6 +23,7 @@ from hookscope._report.render import render, script_json
 from hookscope._shared.files import atomic_path
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
+from hookscope._shared.options import renamed
 from hookscope._shared.thinning import DEFAULT_MAX_SITES, spread
 from hookscope._trace import Trace, TraceRow, trace
 from hookscope._version import __version__
@@ -40,11 +41,12 @@ def report(
     out: str | os.PathLike[str] = "report.html",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     grads: GradMonitor | None = None,
-    sites: Selector | Sequence[Selector] | None = None,
+    layers: Selector | Sequence[Selector] | None = None,
     max_sites: int = DEFAULT_MAX_SITES,
     feature_maps: int = DEFAULT_FEATURE_MAPS,
     title: str | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    sites: Selector | Sequence[Selector] | None = None,
     **kwargs: Any,
 ) -> Path:
     """Run ``model(*args, **kwargs)`` and write a self-contained HTML report of it to ``out``.
@@ -61,7 +63,7 @@ def report(
       are set back as they were. Or pass ``grads=`` a monitor that recorded steps already.
 
     Images are drawn for a subset, so a model of thousands of modules gives a page that loads
-    at once: ``sites`` (a selector) picks the layers drawn, by default up to ``max_sites``
+    at once: ``layers`` (a selector; formerly ``sites``) picks the layers drawn, by default up to ``max_sites``
     leaf modules spread from first to last. Every name and ``title`` are HTML-escaped. The
     forward runs twice under ``torch.no_grad()`` (trace, then feature maps), plus once with
     autograd for ``loss_fn``; train/eval mode is left as it is, so in training mode dropout
@@ -74,6 +76,7 @@ def report(
         hs.report(model, images, out="report.html", loss_fn=lambda logits: F.cross_entropy(logits, labels))
     """
     model = ensure_module(model)
+    layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
     path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")
@@ -85,10 +88,10 @@ def report(
     _need_plotting()
     call_kwargs = {**kwargs, **(model_kwargs or {})}
     traced = trace(model, *args, histograms=True, model_kwargs=call_kwargs)
-    chosen = traced.measured_leaves(sites)  # a mistyped selector fails here, before anything is drawn
+    chosen = traced.measured_leaves(layers)  # a mistyped selector fails here, before anything is drawn
     figures: dict[str, Image | None] = {"layer_stats": None, "histograms": None}
     if chosen:
-        figures["layer_stats"] = _layer_stats(traced, sites)
+        figures["layer_stats"] = _layer_stats(traced, layers)
         counted = [(row.site, histogram) for row in chosen if (histogram := _counted_histogram(row)) is not None]
         if counted and max_sites:
             figures["histograms"] = _histograms(spread(counted, max_sites))
@@ -149,10 +152,10 @@ def _notes(traced: Trace) -> list[dict[str, str]]:
     return notes
 
 
-def _layer_stats(traced: Trace, sites: Selector | Sequence[Selector] | None) -> Image:
+def _layer_stats(traced: Trace, layers: Selector | Sequence[Selector] | None) -> Image:
     from hookscope.plots import layer_stats
 
-    fig = layer_stats(traced, sites)
+    fig = layer_stats(traced, layers)
     return embed(
         fig,
         "layer statistics along depth",

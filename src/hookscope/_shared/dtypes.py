@@ -1,4 +1,4 @@
-"""Floating dtypes by the names people write: ``"bf16"``, ``"fp16"``, ``"float32"``, ``torch.float16``.
+"""Dtypes and devices by the names people write: ``"bf16"``, ``"fp16"``, ``torch.float16``, ``"cuda:1"``.
 
 Shared by the command line (``--dtype``) and the features that take a dtype option, so that
 ``dtype="bf16"`` means the same in ``hs.extract`` as ``--dtype bf16`` does on a shell line.
@@ -10,7 +10,7 @@ import torch
 
 from hookscope.errors import SpecError
 
-__all__ = ["dtype_name", "floating_dtype", "parse_dtype"]
+__all__ = ["dtype_name", "floating_dtype", "parse_device", "parse_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     **dict.fromkeys(("float32", "fp32", "f32", "float"), torch.float32),
@@ -60,3 +60,19 @@ def floating_dtype(dtype: torch.dtype | str | None, option: str = "dtype") -> to
     if isinstance(dtype, str):
         return parse_dtype(dtype)
     raise SpecError(f"{option}={dtype!r} is not a dtype; expected e.g. torch.float16 or 'bf16'")
+
+
+def parse_device(device: str | torch.device | None, option: str = "device") -> torch.device | None:
+    """``None``, or the ``torch.device`` that ``device`` names; else ``SpecError``.
+
+    >>> parse_device("cpu"), parse_device(None)
+    (device(type='cpu'), None)
+    """
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise SpecError(
+            f"{option}={device!r} is not a torch device; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
+        ) from error

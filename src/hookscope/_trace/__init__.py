@@ -6,8 +6,9 @@ measured once; ``timing`` holds the per-call clock and peak-memory counter; ``no
 the lighter detector that raises at the first module making a NaN/Inf.
 """
 
-from hookscope._trace.recorder import Tracer, trace, tracing
+from hookscope._trace.options import TraceOptions
+from hookscope._trace.recorder import Tracer, run_with_trace, trace, tracing
 from hookscope._trace.result import Trace
 from hookscope._trace.rows import TensorInfo, TraceRow
 
-__all__ = ["TensorInfo", "Trace", "TraceRow", "Tracer", "trace", "tracing"]
+__all__ = ["TensorInfo", "Trace", "TraceOptions", "TraceRow", "Tracer", "run_with_trace", "trace", "tracing"]

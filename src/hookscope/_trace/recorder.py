@@ -18,7 +18,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,17 +28,19 @@ from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.histogram import DEFAULT_BINS, RawHistogram, raw_histogram, read_histograms
+from hookscope._shared.histogram import RawHistogram, raw_histogram, read_histograms
 from hookscope._shared.identity import SeenTensors
+from hookscope._shared.options import with_options
 from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
+from hookscope._trace.options import TraceOptions, check_flag
 from hookscope._trace.result import Trace
 from hookscope._trace.rows import CallStatus, TensorInfo, TraceRow
 from hookscope._trace.timing import CallClock, PeakMemory
 from hookscope._version import __version__
 from hookscope.errors import SpecError
 
-__all__ = ["Tracer", "trace", "tracing"]
+__all__ = ["Tracer", "run_with_trace", "trace", "tracing"]
 
 
 @dataclass
@@ -117,23 +118,16 @@ class Tracer(CallRecorder[_Module, _Draft]):
     feature = "trace"
 
     def __init__(
-        self,
-        model: nn.Module,
-        *,
-        layers: Selector | Sequence[Selector] | None,
-        stats: bool,
-        input_stats: bool,
-        timing: bool,
-        memory: bool,
-        histograms: bool | int = False,
+        self, model: nn.Module, *, layers: Selector | Sequence[Selector] | None, options: TraceOptions
     ) -> None:
         ensure_module(model)
+        self.options = options
         self._model = weakref.ref(model)
-        self._stats = stats
-        self._bins = _bins(histograms, stats)
-        self._input_stats = stats and input_stats
-        self._timing = timing
-        self._memory = memory
+        self._stats = options.stats
+        self._bins = options.bins
+        self._input_stats = options.stats and options.input_stats
+        self._timing = options.timing
+        self._memory = options.memory
         self._pass = _Pass()
         self._peaks: dict[int, PeakMemory] = {}
         self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
@@ -333,21 +327,19 @@ class Tracer(CallRecorder[_Module, _Draft]):
         return f"<Tracer of {len(self._selected)} modules, {state}>"
 
 
+@with_options(TraceOptions)
 def tracing(
     model: nn.Module,
     *,
     layers: Selector | Sequence[Selector] | None = None,
-    stats: bool = True,
-    input_stats: bool = True,
-    timing: bool = False,
-    memory: bool = False,
-    histograms: bool | int = False,
+    options: TraceOptions | None = None,
+    **opts: Any,
 ) -> Tracer:
     """Trace every forward pass of ``model`` while the block runs; ``tracer.trace`` is the latest.
 
-    Use it where :func:`trace` cannot call the model for you (a generation loop, your own
-    training step); the options are :func:`trace`'s. The model runs as you call it: grad mode
-    and train/eval mode are yours.
+    Use it where :func:`run_with_trace` cannot call the model for you (a generation loop, your
+    own training step); the options are :class:`TraceOptions`'. The model runs as you call it:
+    grad mode and train/eval mode are yours.
 
     Example::
 
@@ -355,49 +347,30 @@ def tracing(
             model.generate(ids, max_new_tokens=5)
         print(tracer.trace)          # the last forward pass
     """
-    return Tracer(
-        model,
-        layers=layers,
-        stats=stats,
-        input_stats=input_stats,
-        timing=timing,
-        memory=memory,
-        histograms=histograms,
-    )
+    return Tracer(model, layers=_layers(layers), options=TraceOptions.build(options, opts))
 
 
-def trace(
+@with_options(TraceOptions, keep=("grad", "model_kwargs"))
+def run_with_trace(
     model: nn.Module,
     *args: Any,
     layers: Selector | Sequence[Selector] | None = None,
-    stats: bool = True,
-    input_stats: bool = True,
-    timing: bool = False,
-    memory: bool = False,
-    histograms: bool | int = False,
+    options: TraceOptions | None = None,
     grad: bool = False,
     model_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> Trace:
-    """Run ``model(*args, **kwargs)`` once and return a :class:`Trace`: one row per module call.
+) -> tuple[Any, Trace]:
+    """Run ``model(*args, **kwargs)`` once, tracing it; return ``(output, trace)``.
 
-    Each row holds the call's order, depth, name, class and call index, the shapes, dtypes and
-    devices of its inputs (keyword inputs too) and outputs (every tensor of a structured
-    output), its own parameter count, and statistics of every output tensor: min, max, mean,
-    std, mean |x|, fraction of zeros, NaN and +/-Inf counts. They are computed on the device
+    Each row of the :class:`Trace` holds a call's order, depth, name, class and call index, the
+    shapes, dtypes and devices of its inputs (keyword inputs too) and outputs (every tensor of a
+    structured output), its own parameter count, and statistics of every output tensor: min,
+    max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts, computed on the device
     and read once after the forward (see :mod:`hookscope._shared.stats`).
 
     - ``layers``: trace only these modules (default: all, the model itself included);
-    - ``stats=False``: shapes only; ``input_stats=False``: skip inputs no traced module
-      returned (the model's input, results of functional ops), which ``first_nonfinite``
-      then takes as finite;
-    - ``timing=True``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring
-      is taken out); ``memory=True``: the rise of peak CUDA memory per call (this resets
-      PyTorch's peak counter, ``torch.cuda.max_memory_allocated``, as it goes);
-    - ``histograms=True`` (or a bin count; default 64): a histogram of every measured tensor's
-      finite values, counted on the device from a sample of at most 32,768 values
-      (``TensorInfo.histogram``; see :mod:`hookscope._shared.histogram`), for
-      :func:`hookscope.plots.histograms`;
+    - the options are :class:`TraceOptions`' (``stats``, ``input_stats``, ``timing``,
+      ``memory``, ``histograms``), as keywords or ``options=``;
     - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
       mode is left as it is;
     - ``model_kwargs``: keyword arguments for the model whose names clash with these options
@@ -408,43 +381,55 @@ def trace(
 
     >>> import torch, hookscope as hs
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    >>> t = hs.trace(model, torch.randn(3, 4))
-    >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
-    (4, '0', (3, 8), True)
+    >>> out, t = hs.run_with_trace(model, torch.randn(3, 4))
+    >>> out.shape, len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
+    (torch.Size([3, 2]), 4, '0', (3, 8), True)
     """
-    flags = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory, "grad": grad}
-    for option, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise SpecError(
-                f"{option}= is trace's own option and takes True or False, not a {type(value).__name__}; "
-                f"to pass {option}= to the model, use model_kwargs={{{option!r}: ...}}"
-            )
-    if isinstance(layers, torch.Tensor):
-        raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
-    options = {"stats": stats, "input_stats": input_stats, "timing": timing, "memory": memory}
-    with tracing(model, layers=layers, histograms=histograms, **options) as tracer:
+    check_flag("grad", grad)
+    chosen, model_kw = TraceOptions.split(kwargs)
+    with tracing(model, layers=layers, options=TraceOptions.build(options, chosen)) as tracer:
         try:
             with nullcontext() if grad else torch.no_grad():
-                model(*args, **{**kwargs, **(model_kwargs or {})})
+                output = model(*args, **{**model_kw, **(model_kwargs or {})})
         except Exception as error:
             failure = tracer.latest.failure if tracer.latest is not None else None
             if failure is not None and hasattr(error, "add_note"):
                 error.add_note(f"hookscope.trace: the error went through {failure.describe()}")
             raise
-    return tracer.trace
+    return output, tracer.trace
 
 
-def _bins(histograms: bool | int, stats: bool) -> int | None:
-    """The bin count ``histograms=`` asks for (None: off), or a clear error."""
-    if isinstance(histograms, (bool, np.bool_)):
-        bins = DEFAULT_BINS if histograms else None
-    elif isinstance(histograms, int) and histograms > 0:
-        bins = histograms
-    else:
-        raise SpecError(f"histograms={histograms!r}; expected True, False or a positive number of bins such as 64")
-    if bins and not stats:
-        raise SpecError("histograms= needs statistics: leave stats=True (stats=False records shapes only)")
-    return bins
+@with_options(TraceOptions, keep=("grad", "model_kwargs"))
+def trace(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | Sequence[Selector] | None = None,
+    options: TraceOptions | None = None,
+    grad: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and return its :class:`Trace`: one row per module call.
+
+    The short form of :func:`run_with_trace`, for when the output is not needed; the same
+    arguments.
+
+    >>> import torch, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> t = hs.trace(model, torch.randn(3, 4))
+    >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
+    (4, '0', (3, 8), True)
+    """
+    _, result = run_with_trace(
+        model, *args, layers=layers, options=options, grad=grad, model_kwargs=model_kwargs, **kwargs
+    )
+    return result
+
+
+def _layers(layers: Selector | Sequence[Selector] | None) -> Selector | Sequence[Selector] | None:
+    if isinstance(layers, torch.Tensor):
+        raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
+    return layers
 
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:

@@ -182,17 +182,16 @@ def capture_command(
     selectors = _selectors(layers)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
+    options = hs.CaptureOptions(
+        keep=keep,  # type: ignore[arg-type]  # a word the options check
+        calls=_calls(calls),
+        reduce=reduce,
+        stop=stop,
+        max_bytes=max_bytes,
+    )
     _, cache = sample.run(
         lambda net, args, kwargs: hs.run_with_capture(
-            net,
-            *args,
-            layers=selectors,
-            keep=keep,  # type: ignore[arg-type]
-            calls=_calls(calls),  # type: ignore[arg-type]
-            reduce=reduce,
-            stop=stop,
-            max_bytes=max_bytes,
-            model_kwargs=kwargs,
+            net, *args, layers=selectors, options=options, model_kwargs=kwargs
         )
     )
     typer.echo(repr(cache))
@@ -237,7 +236,7 @@ def trace_command(
     net = sample.model.eval()
     if selectors:
         hs.select(net, selectors)  # a mistyped --filter fails now, not after the forward
-    with hs.tracing(net, timing=timing) as tracer:
+    with hs.tracing(net, options=hs.TraceOptions(timing=timing)) as tracer:
         try:
             with torch.no_grad():
                 net(*sample.args, **sample.kwargs)
@@ -329,14 +328,13 @@ def edit_command(
     for text in edit:
         selector, built = parse_edit(text)
         parsed.setdefault(selector, []).append(built)
-    if on not in ("output", "input"):
-        raise SpecError(f"--on {on!r} is not 'output' or 'input'")
+    options = hs.EditOptions(on=on)  # type: ignore[arg-type]  # a word the options check
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     net = sample.model.eval()
     with torch.no_grad():
         plain = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-        with hs.edit(net, parsed, on=on) as editor:  # type: ignore[arg-type]
+        with hs.edit(net, parsed, options=options) as editor:
             typer.echo(f"edits on {', '.join(editor.sites)}")
             edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
     before = [(p, t) for p, t in hs.flatten_tensors(plain) if t.is_floating_point()]
@@ -359,9 +357,10 @@ def report_command(
     input_shape: InputShape = None,
     dtype: Dtype = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write.")] = Path("report.html"),
-    sites: Annotated[
+    layers: Annotated[
         list[str] | None,
         typer.Option(
+            "--layers",
             "--sites",
             "-l",
             help="Layers to draw: names, globs or 're:' regexes (default: a spread).",
@@ -393,7 +392,7 @@ def report_command(
             *sample.args,
             out=out,
             loss_fn=loss_fn,
-            sites=_selectors(sites or []) or None,
+            layers=_selectors(layers or []) or None,
             model_kwargs=sample.kwargs,
             **options,
         )
@@ -510,18 +509,14 @@ def extract_command(
         net = build_model(model, model_dtype).to(run_on)
         dataset = load_data(data, net, seed=seed)
         started = time.perf_counter()
-        store = hs.extract(
-            net,
-            dataset,
-            _selectors(layers),
-            out,
+        options = hs.ExtractConfig(
             reduce=reductions,
             dtype=dtype,
             device=run_on,
             batch_size=batch_size,
             num_workers=num_workers,
             chunk_rows=chunk_rows,
-            keep=keep,
+            keep=keep,  # type: ignore[arg-type]  # a word the options check
             calls=_calls(calls),
             mask=None if mask.strip().lower() == "none" else mask,
             progress=progress,
@@ -531,6 +526,7 @@ def extract_command(
             model_spec=model,
             command=command,
         )
+        store = hs.extract(net, dataset, _selectors(layers), out, options=options)
         elapsed = time.perf_counter() - started
         if rank == 0:
             typer.echo(repr(store))
@@ -547,8 +543,8 @@ def _int_option(name: str, text: str) -> int:
     return int(text)
 
 
-def _calls(text: str) -> int | str:
-    """``--calls``: a call index, or a word the feature checks (all, first, last)."""
+def _calls(text: str) -> Any:
+    """``--calls``: a call index, or a word the options check (all, first, last)."""
     return int(text) if text.isdigit() else text
 
 

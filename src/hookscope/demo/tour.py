@@ -260,7 +260,7 @@ def _ablate_circle_channels(write: Write) -> None:
         circle = CLASSES.index("circle")
         selectivity = activity[labels == circle].mean(0) - activity[labels != circle].mean(0)
         channels = selectivity.argsort(descending=True)[:3].tolist()
-        ablated = run_with_edits(model, images, edits={"conv3": edits.zero(channels=channels)})
+        ablated, _ = run_with_edits(model, images, edits={"conv3": edits.zero(channels=channels)})
     write(f"   ShapesCNN, trained ({sum(p.numel() for p in model.parameters()):,} parameters), on 400 new images")
     write(f"   conv3 channels most active on circles, more than on other shapes: {channels}")
     for label, logits in (("accuracy per class", plain), ("with those zeroed", ablated)):
@@ -312,7 +312,9 @@ def _patch_gpt2(write: Write) -> None:
         broken = gap(model(input_ids=corrupted))
         write(f"   token 2 corrupted: the last position's output moves by {broken:.3f}")
         for name, positions in (("h.0", [2]), ("h.1", [2]), ("h.1", None)):
-            patched = run_with_edits(model, input_ids=corrupted, edits={name: edits.patch(cache, positions=positions)})
+            patched, _ = run_with_edits(
+                model, input_ids=corrupted, edits={name: edits.patch(cache, positions=positions)}
+            )
             where = "at position 2" if positions else "at every position"
             write(f"   clean {name} output patched in {where:<18} restores {1 - gap(patched) / broken:6.1%} of it")
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hookscope._shared.histogram import DEFAULT_BINS, Histogram
+from hookscope._shared.options import renamed
 from hookscope._shared.thinning import DEFAULT_MAX_SITES, spread
 from hookscope.errors import SpecError
 from hookscope.plots.figure import grid, literal, new_figure, short_label
@@ -72,32 +73,34 @@ def feature_maps(
 
 def histograms(
     source: Trace | Mapping[str, torch.Tensor] | Sequence[tuple[str, Histogram]],
-    sites: Selector | Sequence[str] | None = None,
+    layers: Selector | Sequence[str] | None = None,
     *,
     bins: int = DEFAULT_BINS,
     log: bool = False,
     max_sites: int = DEFAULT_MAX_SITES,
+    sites: Selector | Sequence[str] | None = None,
 ) -> Any:
     """The distribution of values per layer: one panel per site, in the model's order.
 
     ``source`` is a trace taken with ``histograms=True`` (its histograms were counted on the
     device) or a capture (``Cache``, or any mapping of names to tensors: the values are
-    counted here), or ``(label, Histogram)`` pairs already counted, drawn as given. ``sites``
-    picks what to draw: a selector for a trace, keys for a capture;
+    counted here), or ``(label, Histogram)`` pairs already counted, drawn as given. ``layers``
+    (formerly ``sites``) picks what to draw: a selector for a trace, keys for a capture;
     by default every layer with values, thinned to ``max_sites`` spread from first to last.
     ``log=True`` puts the counts on a log axis, where a few outliers stay visible.
 
     Example::
 
         t = hs.trace(model, x, histograms=True)
-        hs.plots.histograms(t, sites="layer*", log=True).savefig("histograms.png")
+        hs.plots.histograms(t, layers="layer*", log=True).savefig("histograms.png")
     """
+    layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.plots.histograms")
     if isinstance(source, (list, tuple)):
-        if sites is not None:
-            raise SpecError("sites= picks from a trace or a capture; (label, Histogram) pairs are drawn as given")
+        if layers is not None:
+            raise SpecError("layers= picks from a trace or a capture; (label, Histogram) pairs are drawn as given")
         return histogram_grid(source, log=log)
     traced = _is_trace(source)
-    named = _trace_histograms(source, sites) if traced else _cache_histograms(source, sites, bins)  # type: ignore[arg-type]
+    named = _trace_histograms(source, layers) if traced else _cache_histograms(source, layers, bins)  # type: ignore[arg-type]
     if not named:
         raise SpecError("no values to draw: the chosen sites hold no tensor with a finite value")
     return histogram_grid(spread(named, max_sites) if sites is None else named, log=log)

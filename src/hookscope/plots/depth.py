@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hookscope._shared.options import renamed
 from hookscope.errors import SpecError
 from hookscope.plots.figure import depth_figure, label_layers
 
@@ -17,13 +18,18 @@ if TYPE_CHECKING:
 __all__ = ["layer_stats"]
 
 
-def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None) -> Any:
+def layer_stats(
+    trace: Trace,
+    layers: Selector | Sequence[Selector] | None = None,
+    *,
+    sites: Selector | Sequence[Selector] | None = None,
+) -> Any:
     """Mean, std, min and max of each layer's output along depth, in two panels.
 
     The top panel shows the range (min to max, light), mean ± std (dark) and the mean; the
     bottom one the std and mean |x| on a log axis, where growth or decay by orders of magnitude
     reads as a slope. A layer whose output held a NaN or Inf is marked with a red cross.
-    ``sites`` picks the layers (a selector; default: every leaf module's call).
+    ``layers`` picks them (a selector, formerly ``sites``; default: every leaf module's call).
 
     Example::
 
@@ -31,7 +37,8 @@ def layer_stats(trace: Trace, sites: Selector | Sequence[Selector] | None = None
     """
     if trace.meta.get("stats") is False:
         raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
-    rows = trace.measured_leaves(sites)
+    layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.plots.layer_stats")
+    rows = trace.measured_leaves(layers)
     if not rows:
         raise SpecError("no layer of this trace has measured outputs to draw")
     stats = [row.stats for row in rows]

@@ -1,0 +1,112 @@
+"""``CaptureOptions``: what a capture keeps and how, declared and checked in one place.
+
+``hs.capture``, ``hs.run_with_capture``, ``hookscope capture`` and ``hs.extract`` (which keeps
+its layers through captures) all build one of these, so an option means the same everywhere
+and a bad value is refused before any hook is attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from hookscope._core.sites import Calls, Keep, call_filter, parse_keep
+from hookscope._shared.dtypes import dtype_name, floating_dtype, parse_device
+from hookscope._shared.options import Options
+from hookscope._shared.reduce import Reduction, parse_reduction
+from hookscope._shared.units import parse_bytes
+from hookscope.errors import SpecError
+
+__all__ = ["CaptureOptions", "CopyMode", "Passes"]
+
+CopyMode = Literal["auto"] | bool
+Passes = Literal["latest", "all"]
+
+
+@dataclass(frozen=True)
+class CaptureOptions(Options):
+    """What a capture keeps of each selected module, and how.
+
+    - ``keep``: ``"output"`` (default), ``"input"`` (keyword inputs included, paths ``[0]``,
+      ``['scale']``) or ``"both"``;
+    - ``detach``: ``True`` keeps values off the graph; ``False`` keeps the graph;
+    - ``device``: where kept values go (``"cpu"``: from CUDA through pinned memory, one sync
+      per forward); default: where they were made;
+    - ``dtype``: cast floating values (``torch.float16``, ``"bf16"``);
+    - ``reduce``: reduce on the device first (``"mean:1"``, ``"last:1"``, or a function);
+    - ``calls``: which calls of a reused module: ``"all"``, ``"first"``, ``"last"``, an index
+      or a list of indices;
+    - ``stop``: end the forward once every selected module has been captured;
+    - ``max_bytes``: a budget (``1 << 30`` or ``"1GiB"``); outgrowing it is an error naming
+      the largest sites;
+    - ``copy``: ``"auto"`` copies a kept value only before an in-place op would change it,
+      ``True`` copies every value at once, ``False`` never copies and refuses to read a value
+      changed after capture;
+    - ``passes``: ``"latest"`` (each forward replaces the cache) or ``"all"`` (every pass's
+      cache is kept, ``capture.passes``).
+
+    >>> opts = CaptureOptions(keep="both", dtype="bf16", calls="first")
+    >>> opts.sides, opts.torch_dtype
+    (('input', 'output'), torch.bfloat16)
+    >>> CaptureOptions(calls="last", stop=True)
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: stop=True cannot keep calls='last': ...
+    """
+
+    feature = "capture"
+
+    keep: Keep = "output"
+    detach: bool = True
+    device: str | torch.device | None = None
+    dtype: torch.dtype | str | None = None
+    reduce: str | Reduction | None = None
+    calls: Calls = "all"
+    stop: bool = False
+    max_bytes: int | str | None = None
+    copy: CopyMode = "auto"
+    passes: Passes = "latest"
+
+    def __post_init__(self) -> None:
+        for flag in ("detach", "stop"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SpecError(f"{flag}={getattr(self, flag)!r} is a capture option and takes True or False")
+        if self.copy not in ("auto", True, False) or (isinstance(self.copy, int) and not isinstance(self.copy, bool)):
+            raise SpecError(f"copy={self.copy!r} is not one of 'auto' (default), True, False")
+        if self.passes not in ("latest", "all"):
+            raise SpecError(f"passes={self.passes!r} is not 'latest' (each forward replaces the cache) or 'all'")
+        if self.stop and self.calls == "last":
+            raise SpecError(
+                "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
+                "use calls='first', a call index, or stop=False"
+            )
+        derived: dict[str, Any] = {
+            "sides": parse_keep(self.keep),
+            "wants": call_filter(self.calls, also=("last",)),
+            "torch_dtype": floating_dtype(self.dtype),
+            "torch_device": parse_device(self.device),
+            "reduction": parse_reduction(self.reduce),
+            "budget": None if self.max_bytes is None else parse_bytes(self.max_bytes),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a file records them: dtype, device and budget in their one spelling."""
+        return {
+            **super().to_dict(),
+            "dtype": None if self.torch_dtype is None else dtype_name(self.torch_dtype),
+            "device": None if self.torch_device is None else str(self.torch_device),
+            "max_bytes": self.budget,
+        }
+
+    # Read from the fields above in __post_init__, once, for the hooks.
+    sides: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    wants: Callable[[int], bool] = field(init=False, repr=False, compare=False)
+    torch_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
+    torch_device: torch.device | None = field(init=False, repr=False, compare=False)
+    reduction: Reduction | None = field(init=False, repr=False, compare=False)
+    budget: int | None = field(init=False, repr=False, compare=False)

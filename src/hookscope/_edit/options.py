@@ -1,0 +1,48 @@
+"""``EditOptions``: which side of a module and which of its calls an edit changes, checked once.
+
+``hs.edit``, ``hs.run_with_edits`` and ``hookscope edit`` build one, so a bad value is refused
+before any hook is attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hookscope._core.sites import Calls, call_filter
+from hookscope._edit.context import EditSide
+from hookscope._shared.options import Options
+from hookscope.errors import SpecError
+
+__all__ = ["EditOptions"]
+
+
+@dataclass(frozen=True)
+class EditOptions(Options):
+    """Where an edit acts.
+
+    - ``on``: ``"output"`` (default) edits what the module returns, ``"input"`` what it takes
+      (a forward pre-hook);
+    - ``calls``: which calls of a module called several times: ``"all"``, ``"first"``, an index
+      or a list of indices (``"last"`` is known only when the forward ends, too late to edit).
+
+    >>> EditOptions(calls=[0, 2]).wants(2), EditOptions(calls="first").wants(1)
+    (True, False)
+    >>> EditOptions(on="grad")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: on='grad' is not 'output' (default) or 'input'
+    """
+
+    feature = "edit"
+
+    on: EditSide = "output"
+    calls: Calls = "all"
+
+    def __post_init__(self) -> None:
+        if self.on not in ("output", "input"):
+            raise SpecError(f"on={self.on!r} is not 'output' (default) or 'input'")
+        object.__setattr__(self, "wants", call_filter(self.calls))
+
+    #: The call filter ``calls`` asks for.
+    wants: Callable[[int], bool] = field(init=False, repr=False, compare=False)

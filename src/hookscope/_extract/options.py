@@ -1,0 +1,121 @@
+"""``ExtractConfig``: how an extraction runs and what its store records, declared and checked once.
+
+``hs.extract`` and ``hookscope extract`` build one. Its :meth:`ExtractConfig.recorded` part is
+what the store keeps and what a resumed run is compared against; what a capture keeps
+(``keep``, ``calls``, ``dtype``) is checked by :class:`~hookscope.CaptureOptions` itself, so
+an extraction accepts exactly what a capture does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hookscope._capture import CaptureOptions
+from hookscope._core.sites import Calls, Keep
+from hookscope._extract.data import Inputs
+from hookscope._extract.pipeline import ReduceOption
+from hookscope._shared.dtypes import parse_device
+from hookscope._shared.options import Options
+from hookscope.errors import SpecError
+
+__all__ = ["ExtractConfig"]
+
+
+@dataclass(frozen=True)
+class ExtractConfig(Options):
+    """How :func:`hookscope.extract` runs.
+
+    What is stored: ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a
+    function, or a dict ``{selector: reduction}``, first match wins), ``dtype`` to store floats
+    in, ``keep`` and ``calls`` as in :class:`~hookscope.CaptureOptions`, ``mask`` (``"auto"``:
+    reductions over dim 1 use only real tokens when a batch has an ``attention_mask``; None:
+    never; a key: that batch key, required), ``chunk_rows`` (a multiple of the batch; default
+    up to 1,024 rows or 8 MiB per chunk), ``compression_level`` (zstd, -7..22; None for none),
+    ``eval_mode`` (run in eval mode, restored after).
+
+    How it runs: ``device`` to put the inputs on (default: the model's), ``batch_size``
+    (default 32) and ``num_workers`` for a data set, ``indices`` (rows of a map-style data set),
+    ``inputs=lambda batch: (args, kwargs)``, ``progress`` (default: when standard error is a
+    terminal), ``resume`` (continue a store a stopped run left), ``overwrite`` (replace one),
+    ``model_spec`` (how the store names the model), ``rank`` / ``world_size`` (default: from
+    ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded).
+
+    >>> ExtractConfig(dtype="bf16", reduce="mean:1").recorded()["dtype"]
+    'bfloat16'
+    >>> ExtractConfig(compression_level=40)
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: compression_level=40 is not a zstd level; expected an int from -7 to 22, or None
+    """
+
+    feature = "extract"
+
+    reduce: ReduceOption = None
+    dtype: torch.dtype | str | None = None
+    device: str | torch.device | None = None
+    batch_size: int | None = None
+    num_workers: int | None = None
+    chunk_rows: int | None = None
+    keep: Keep = "output"
+    calls: Calls = "all"
+    mask: str | None = "auto"
+    inputs: Inputs | None = None
+    indices: Sequence[int] | None = None
+    progress: bool | None = None
+    resume: bool = True
+    overwrite: bool = False
+    eval_mode: bool = True
+    compression_level: int | None = 3
+    model_spec: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        for flag in ("resume", "overwrite", "eval_mode"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SpecError(f"{flag}={getattr(self, flag)!r} is an extract option and takes True or False")
+        for count in ("batch_size", "chunk_rows"):
+            value = getattr(self, count)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SpecError(f"{count}={value!r} must be a positive int")
+        level = self.compression_level
+        if not (level is None or (isinstance(level, int) and not isinstance(level, bool) and -7 <= level <= 22)):
+            raise SpecError(f"compression_level={level!r} is not a zstd level; expected an int from -7 to 22, or None")
+        if not (self.mask is None or (isinstance(self.mask, str) and self.mask)):
+            raise SpecError(f"mask={self.mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
+        kept = CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype)
+        object.__setattr__(self, "capture_options", kept)
+        object.__setattr__(self, "torch_device", parse_device(self.device))
+
+    def recorded(self) -> dict[str, Any]:
+        """What the store records of these options and a resumed run must match (reductions apart,
+        which the store records per layer as resolved)."""
+        kept = self.capture_options
+        return {
+            "keep": self.keep,
+            "calls": self.calls,
+            "dtype": kept.to_dict()["dtype"],
+            "mask": self.mask_key,
+            "eval_mode": self.eval_mode,
+            "compression_level": self.compression_level,
+        }
+
+    @property
+    def mask_key(self) -> str | None:
+        """The batch key of the token mask, or None for no masking."""
+        return "attention_mask" if self.mask == "auto" else self.mask
+
+    @property
+    def mask_required(self) -> bool:
+        """True when ``mask`` named a key, which every batch must then have."""
+        return self.mask not in (None, "auto")
+
+    #: keep, calls and dtype as a capture checks and reads them.
+    capture_options: CaptureOptions = field(init=False, repr=False, compare=False)
+    #: ``device`` as a torch device, or None for the model's.
+    torch_device: torch.device | None = field(init=False, repr=False, compare=False)

@@ -1,0 +1,177 @@
+"""One options object per feature: declared once, validated once, shared by every way in.
+
+A feature's options (``CaptureOptions``, ``TraceOptions``, ``EditOptions``, ``ExtractConfig``)
+are a frozen dataclass deriving from :class:`Options`. Its fields are the one declaration of
+the option names, defaults and types; its ``__post_init__`` is the one validation. The scoped
+form (``hs.capture(model, ...)``), the one-shot form (``hs.run_with_capture(model, x, ...)``),
+the CLI and a stored configuration all build the same object, so an option added to the
+dataclass reaches all of them and none can drift.
+
+The functions take the options as keywords (``detach=False``) or whole (``options=``), and
+:func:`with_options` writes the fields into their signatures, so ``help()``, ``inspect`` and
+notebooks show every option. A one-shot form also passes keywords through to the model: its
+keywords are split by name (:meth:`Options.split`), ``model_kwargs`` holding a model's keyword
+whose name an option has.
+
+>>> from dataclasses import dataclass
+>>> @dataclass(frozen=True)
+... class Demo(Options):
+...     feature = "demo"
+...     size: int = 1
+>>> Demo.build(None, {"size": 3})
+Demo(size=3)
+>>> Demo.from_dict(Demo(size=2).to_dict())
+Demo(size=2)
+>>> Demo.build(None, {"sise": 3})
+Traceback (most recent call last):
+...
+hookscope.errors.SpecError: demo has no option 'sise'; did you mean 'size'? Its options: size
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from hookscope._shared.dtypes import dtype_name
+from hookscope.errors import SpecError
+
+__all__ = ["Options", "renamed", "with_options"]
+
+OptionsT = TypeVar("OptionsT", bound="Options")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Options:
+    """Base of a feature's frozen options dataclass (see the module doc)."""
+
+    #: Who the options belong to, as errors name it: ``"capture"``, ``"trace"``, ...
+    feature: ClassVar[str] = "options"
+    #: Bumped when a field changes meaning, so a stored dict of another version is refused.
+    VERSION: ClassVar[int] = 1
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in declaration order."""
+        return tuple(field.name for field in dataclasses.fields(cls) if field.init)  # type: ignore[arg-type]
+
+    @classmethod
+    def build(cls: type[OptionsT], options: OptionsT | None, given: Mapping[str, Any]) -> OptionsT:
+        """``options`` (default: all defaults) with the keywords in ``given`` changed, validated once."""
+        if options is not None and not isinstance(options, cls):
+            raise SpecError(
+                f"options={type(options).__name__} given to {cls.feature}; expected a {cls.__name__}, "
+                f"e.g. hs.{cls.__name__}()"
+            )
+        cls._refuse_unknown(given)
+        if options is None:
+            return cls(**given)
+        return dataclasses.replace(options, **given) if given else options  # type: ignore[type-var]
+
+    @classmethod
+    def split(cls, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(options, rest)``: the keywords that name an option, and the others (the model's).
+
+        A tensor given to an option's name was meant for the model: refused with the way to pass it.
+        """
+        names = set(cls.names())
+        chosen = {key: value for key, value in kwargs.items() if key in names}
+        for key, value in chosen.items():
+            if isinstance(value, torch.Tensor):
+                raise SpecError(
+                    f"{key}= is {cls.feature}'s own option, not a tensor for the model; to pass {key}= to the "
+                    f"model, use model_kwargs={{{key!r}: ...}}"
+                )
+        return chosen, {key: value for key, value in kwargs.items() if key not in names}
+
+    @classmethod
+    def _refuse_unknown(cls, given: Mapping[str, Any]) -> None:
+        names = cls.names()
+        for key in given:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ";"
+                raise SpecError(f"{cls.feature} has no option {key!r}{hint} Its options: {', '.join(names)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every option as JSON-ready values, with ``"version"``: what a file or store records."""
+        values = {name: _jsonable(getattr(self, name)) for name in self.names()}
+        return {"version": self.VERSION, **values}
+
+    @classmethod
+    def from_dict(cls: type[OptionsT], data: Mapping[str, Any]) -> OptionsT:
+        """The options a :meth:`to_dict` wrote; another version, or an unknown key, is refused."""
+        values = dict(data)
+        version = values.pop("version", None)
+        if version != cls.VERSION:
+            raise SpecError(
+                f"{cls.__name__} of version {version!r} cannot be read by this hookscope (version {cls.VERSION}); "
+                "write the options again with this version"
+            )
+        cls._refuse_unknown(values)
+        return cls(**values)
+
+    def changes(self) -> dict[str, Any]:
+        """The options that differ from their defaults (for a repr or a command line)."""
+        defaults = type(self)()
+        return {name: getattr(self, name) for name in self.names() if getattr(self, name) != getattr(defaults, name)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"<{name}>"  # a function (a custom reduction): named, not restorable
+
+
+def with_options(options: type[Options], *, keep: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Write ``options``' fields into the decorated function's signature.
+
+    The fields replace a ``**opts`` parameter (the scoped forms), or go before the parameters
+    named in ``keep`` (``model_kwargs``) and a ``**kwargs`` (a one-shot form's model keywords).
+    """
+
+    def decorate(func: F) -> F:
+        signature = inspect.signature(func)
+        before: list[inspect.Parameter] = []
+        after: list[inspect.Parameter] = []
+        for parameter in signature.parameters.values():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD and parameter.name == "opts":
+                continue
+            trailing = parameter.name in keep or parameter.kind is inspect.Parameter.VAR_KEYWORD
+            (after if trailing else before).append(parameter)
+        fields = [
+            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type)
+            for field in dataclasses.fields(options)  # type: ignore[arg-type]
+            if field.init
+        ]
+        func.__signature__ = signature.replace(parameters=[*before, *fields, *after])  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
+def renamed(new: Any, old: Any, *, new_name: str, old_name: str, where: str) -> Any:
+    """The value of an option given by its new name, or by its old one with a ``FutureWarning``.
+
+    >>> renamed(["fc"], None, new_name="layers", old_name="sites", where="hs.report")
+    ['fc']
+    """
+    if old is None:
+        return new
+    if new is not None:
+        raise SpecError(f"{where} got both {new_name}= and {old_name}= (its old name); give {new_name}= alone")
+    warnings.warn(f"{where}: {old_name}= is now {new_name}=; the old name will be removed", FutureWarning, stacklevel=3)
+    return old

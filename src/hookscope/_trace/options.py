@@ -1,0 +1,79 @@
+"""``TraceOptions``: what a trace records of each call, declared and checked in one place.
+
+``hs.trace``, ``hs.run_with_trace``, ``hs.tracing`` and ``hookscope trace`` build one, so a
+bad value is refused before any hook is attached and an option means the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hookscope._shared.histogram import DEFAULT_BINS
+from hookscope._shared.options import Options
+from hookscope.errors import SpecError
+
+__all__ = ["TraceOptions"]
+
+
+@dataclass(frozen=True)
+class TraceOptions(Options):
+    """What a trace records of every traced call.
+
+    - ``stats``: min, max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts of
+      every output tensor, computed on the device and read once per pass; ``False``: shapes only;
+    - ``input_stats``: also measure inputs no traced module returned (the model's input,
+      results of functional ops); ``False`` skips them and ``first_nonfinite`` takes them as finite;
+    - ``timing``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring is
+      taken out);
+    - ``memory``: the rise of peak CUDA memory per call (this resets PyTorch's peak counter,
+      ``torch.cuda.max_memory_allocated``, as it goes);
+    - ``histograms``: ``True`` (64 bins) or a bin count: a histogram of every measured
+      tensor's finite values, counted on the device from a sample of at most 32,768 values.
+
+    >>> TraceOptions(histograms=True).bins
+    64
+    >>> TraceOptions(stats=False, histograms=8)
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: histograms= needs statistics: leave stats=True (stats=False records shapes only)
+    """
+
+    feature = "trace"
+
+    stats: bool = True
+    input_stats: bool = True
+    timing: bool = False
+    memory: bool = False
+    histograms: bool | int = False
+
+    def __post_init__(self) -> None:
+        for option in ("stats", "input_stats", "timing", "memory"):
+            check_flag(option, getattr(self, option))
+        object.__setattr__(self, "bins", _bins(self.histograms, self.stats))
+
+    #: The histogram bin count ``histograms`` asks for; None when off.
+    bins: int | None = field(init=False, repr=False, compare=False)
+
+
+def check_flag(option: str, value: object) -> None:
+    """A trace option that takes True or False; anything else was likely meant for the model."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise SpecError(
+            f"{option}= is trace's own option and takes True or False, not a {type(value).__name__}; "
+            f"to pass {option}= to the model, use model_kwargs={{{option!r}: ...}}"
+        )
+
+
+def _bins(histograms: object, stats: bool) -> int | None:
+    """The bin count ``histograms=`` asks for (None: off), or a clear error."""
+    if isinstance(histograms, (bool, np.bool_)):
+        bins = DEFAULT_BINS if histograms else None
+    elif isinstance(histograms, int) and histograms > 0:
+        bins = histograms
+    else:
+        raise SpecError(f"histograms={histograms!r}; expected True, False or a positive number of bins such as 64")
+    if bins and not stats:
+        raise SpecError("histograms= needs statistics: leave stats=True (stats=False records shapes only)")
+    return bins
