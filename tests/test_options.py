@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
 from hookscope.errors import SpecError
@@ -46,12 +49,32 @@ def test_every_form_shows_every_option_with_its_default(options: type[Any], form
 def test_the_one_shot_capture_takes_every_capture_option_including_passes() -> None:
     model = SharedTwice()
     x = torch.randn(2, 4)
-    # passes= was missing from run_with_capture before the options had one declaration.
+    # passes= was missing from run_with_capture before the options had one declaration: it went
+    # to the model's forward, which has no such argument.
     _, cache = hs.run_with_capture(model, x, layers="shared", passes="all", calls="first")
     with torch.no_grad():
         want = model.shared(x)  # the first of its two calls
     assert cache.sites() == [hs.Site("shared", 0, "output", "")]
     assert torch.equal(cache["shared"], want)
+    with pytest.raises(SpecError, match="passes='every' is not 'latest'"):
+        hs.run_with_capture(model, x, layers="shared", passes="every")
+
+
+def test_a_model_keyword_named_options_is_pointed_to_model_kwargs() -> None:
+    class TakesOptions(nn.Module):
+        def forward(self, x: torch.Tensor, options: str = "") -> torch.Tensor:
+            return x * 2 if options == "double" else x
+
+    model = TakesOptions()
+    for run in (
+        lambda **kw: hs.run_with_capture(model, torch.ones(1), layers="", **kw),
+        lambda **kw: hs.run_with_trace(model, torch.ones(1), **kw),
+        lambda **kw: hs.run_with_edits(model, torch.ones(1), edits={"": hs.edits.scale(1.0)}, **kw),
+    ):
+        with pytest.raises(SpecError, match=r"to pass options= to the model, use model_kwargs=\{'options': \.\.\.\}"):
+            run(options="double")
+        out, _ = run(model_kwargs={"options": "double"})
+        assert torch.equal(out, torch.full((1,), 2.0))
 
 
 def test_an_options_object_and_keywords_capture_the_same_values_on_gpt2() -> None:
@@ -83,9 +106,12 @@ def test_an_options_object_and_keywords_capture_the_same_values_on_gpt2() -> Non
 
 def test_keywords_change_an_options_object_without_touching_it() -> None:
     base = hs.CaptureOptions(keep="both")
-    with hs.capture(SmallCNN(), "fc", options=base, detach=False) as made:
-        pass
+    model = SmallCNN()
+    with hs.capture(model, "fc", options=base, detach=False) as made:
+        model(torch.randn(1, 3, 32, 32))
     assert made.options == dataclasses.replace(base, detach=False)
+    assert made["fc"].requires_grad  # keep="both" and detach=False, together
+    assert made["fc:input"].requires_grad
     assert base.detach is True  # frozen: the caller's object is never changed
 
 
@@ -97,7 +123,7 @@ def test_a_bad_option_is_refused_before_any_hook_is_attached() -> None:
         assert hs.attached(model) == []
     with pytest.raises(SpecError, match=r"capture has no option 'detatch'; did you mean 'detach'\?"):
         hs.capture(model, "fc", detatch=False)
-    with pytest.raises(SpecError, match="expected a CaptureOptions"):
+    with pytest.raises(SpecError, match="options= takes capture's options, a CaptureOptions"):
         hs.capture(model, "fc", options=hs.TraceOptions())  # type: ignore[arg-type]
     assert hs.attached(model) == []
 
@@ -125,9 +151,10 @@ def test_the_store_records_what_the_config_says_it_records(tmp_path: Path) -> No
     config = hs.ExtractConfig(dtype="fp16", calls="first", batch_size=2, progress=False, compression_level=None)
     store = hs.extract(model, torch.randn(4, 3, 32, 32), ["fc"], tmp_path / "f.zarr", options=config)
     stored = store.meta["config"]
-    for key, value in config.recorded().items():
-        assert stored[key] == value, key
-    assert stored["dtype"] == "float16"
+    # Spelled as stores made before the options object spelled them, so those still resume.
+    expected = {"keep": "output", "calls": "first", "dtype": "float16", "mask": "attention_mask"}
+    assert {key: stored[key] for key in expected} == expected
+    assert (stored["eval_mode"], stored["compression_level"]) == (True, None)
     assert store["fc"].dtype == "float16"
 
 
@@ -218,22 +245,52 @@ def test_run_with_edits_returns_the_output_and_the_editor() -> None:
     assert hs.attached(model) == []
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
-    keep=st.sampled_from(["output", "input", "both"]),
+    keep=st.sampled_from(["output", "input", "both", ("input", "output"), ["output"]]),
     detach=st.booleans(),
+    device=st.sampled_from([None, "cpu", torch.device("cpu"), "meta"]),
     dtype=st.sampled_from([None, "bf16", "float16", torch.float64]),
-    calls=st.one_of(st.sampled_from(["all", "first", "last"]), st.integers(0, 5)),
+    reduce=st.sampled_from([None, "mean:1", "last:1", "norm:-1"]),
+    calls=st.one_of(
+        st.sampled_from(["all", "first", "last"]), st.integers(0, 5), st.lists(st.integers(0, 5), min_size=1)
+    ),
     max_bytes=st.one_of(st.none(), st.integers(1, 1 << 40), st.sampled_from(["1GiB", "512MiB"])),
     copy=st.sampled_from(["auto", True, False]),
+    passes=st.sampled_from(["latest", "all"]),
 )
-def test_capture_options_survive_a_round_trip_through_a_dict(
-    keep: str, detach: bool, dtype: Any, calls: Any, max_bytes: Any, copy: Any
-) -> None:
-    options = hs.CaptureOptions(keep=keep, detach=detach, dtype=dtype, calls=calls, max_bytes=max_bytes, copy=copy)  # type: ignore[arg-type]
-    again = hs.CaptureOptions.from_dict(options.to_dict())
-    assert again.to_dict() == options.to_dict()
+def test_capture_options_survive_a_round_trip_through_a_dict(**values: Any) -> None:
+    options = hs.CaptureOptions(**values)
+    again = hs.CaptureOptions.from_dict(json.loads(json.dumps(options.to_dict())))  # as a file would hold it
+    assert again == options
+    assert hash(again) == hash(options)
     assert (again.sides, again.torch_dtype, again.budget) == (options.sides, options.torch_dtype, options.budget)
+    assert pickle.loads(pickle.dumps(options)) == options
+
+
+def test_equal_choices_spelled_differently_are_equal_options() -> None:
+    assert hs.CaptureOptions(keep=("input", "output"), dtype="bf16", calls=[2, 0], max_bytes="1KiB") == (
+        hs.CaptureOptions(keep="both", dtype=torch.bfloat16, calls=(0, 2), max_bytes=1024)
+    )
+    assert hs.CaptureOptions(keep=["output"], dtype="float32").changes() == {"dtype": torch.float32}
+    assert hs.EditOptions(calls=[1, 0]) == hs.EditOptions(calls=(0, 1))
+
+
+def test_a_function_reduction_is_named_in_a_dict_and_refused_back() -> None:
+    def my_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.sum(0)
+
+    stored = hs.CaptureOptions(reduce=my_reduce).to_dict()
+    assert stored["reduce"] == "<test_a_function_reduction_is_named_in_a_dict_and_refused_back.<locals>.my_reduce>"
+    with pytest.raises(
+        SpecError, match=r"reduce=<.*my_reduce> in the stored CaptureOptions stands for a Python object"
+    ):
+        hs.CaptureOptions.from_dict(stored)
+    with_keys = hs.ExtractConfig(reduce={nn.Linear: "mean:1", "fc": my_reduce}, inputs=lambda b: ((b,), {}))
+    text = json.dumps(with_keys.to_dict())  # class keys and functions are named, so a store's JSON can hold them
+    assert '"<Linear>": "mean:1"' in text
+    with pytest.raises(SpecError, match="stands for a Python object"):
+        hs.ExtractConfig.from_dict(json.loads(text))
 
 
 def test_a_stored_dict_of_another_version_is_refused() -> None:
@@ -241,6 +298,45 @@ def test_a_stored_dict_of_another_version_is_refused() -> None:
     with pytest.raises(SpecError, match="TraceOptions of version 99"):
         hs.TraceOptions.from_dict(stored)
     assert hs.TraceOptions.from_dict(hs.TraceOptions(timing=True).to_dict()) == hs.TraceOptions(timing=True)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_applied_does_not_count_a_checkpointed_block_recomputing(reentrant: bool, on: str) -> None:
+    model = Checkpointed(reentrant)
+    x = torch.randn(3, 4, requires_grad=True)
+    with hs.edit(model, {"block.0": hs.edits.scale(2.0)}, on=on) as editor:  # type: ignore[arg-type]
+        model(x).sum().backward()  # block.0 runs again in backward, edited again
+    assert editor.applied == {"block.0": 1}
+    got = x.grad
+    x.grad = None
+    lin, head = model.block[0], model.head
+    reference = head(torch.tanh(2 * lin(x) if on == "output" else lin(2 * x)))  # the edit by hand
+    (want,) = torch.autograd.grad(reference.sum(), x)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_classes_still_take_their_options_as_keywords() -> None:
+    model = SmallCNN()
+    with hs.Tracer(model, layers="fc", stats=False) as tracer:
+        model(torch.randn(1, 3, 32, 32))
+    assert [row.name for row in tracer.trace] == ["fc"]
+    assert tracer.options == hs.TraceOptions(stats=False)
+    with hs.Editor(model, {"fc": hs.edits.zero()}, on="output", calls="all") as editor:
+        assert not model(torch.randn(1, 3, 32, 32)).any()
+    assert editor.options == hs.EditOptions()
 
 
 def test_edit_options_refuse_what_cannot_be_edited() -> None:

@@ -8,13 +8,13 @@ and a bad value is refused before any hook is attached.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from hookscope._core.sites import Calls, Keep, call_filter, parse_keep
-from hookscope._shared.dtypes import dtype_name, floating_dtype, parse_device
+from hookscope._core.sites import Calls, Keep, call_filter, canonical_calls, keep_word, parse_keep
+from hookscope._shared.dtypes import floating_dtype, parse_device
 from hookscope._shared.options import Options
 from hookscope._shared.reduce import Reduction, parse_reduction
 from hookscope._shared.units import parse_bytes
@@ -83,30 +83,45 @@ class CaptureOptions(Options):
                 "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
                 "use calls='first', a call index, or stop=False"
             )
-        derived: dict[str, Any] = {
-            "sides": parse_keep(self.keep),
-            "wants": call_filter(self.calls, also=("last",)),
-            "torch_dtype": floating_dtype(self.dtype),
-            "torch_device": parse_device(self.device),
-            "reduction": parse_reduction(self.reduce),
-            "budget": None if self.max_bytes is None else parse_bytes(self.max_bytes),
+        parse_reduction(self.reduce)  # refused now, not in the first hook
+        canonical: dict[str, Any] = {  # one spelling each, so equal options compare, hash and store alike
+            "keep": keep_word(self.keep),
+            "calls": canonical_calls(self.calls, also=("last",)),
+            "dtype": floating_dtype(self.dtype),
+            "device": parse_device(self.device),
+            "max_bytes": None if self.max_bytes is None else parse_bytes(self.max_bytes),
         }
-        for name, value in derived.items():
+        for name, value in canonical.items():
             object.__setattr__(self, name, value)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The options as a file records them: dtype, device and budget in their one spelling."""
-        return {
-            **super().to_dict(),
-            "dtype": None if self.torch_dtype is None else dtype_name(self.torch_dtype),
-            "device": None if self.torch_device is None else str(self.torch_device),
-            "max_bytes": self.budget,
-        }
+    # Read once, when a capture attaches, for its hooks.
 
-    # Read from the fields above in __post_init__, once, for the hooks.
-    sides: tuple[str, ...] = field(init=False, repr=False, compare=False)
-    wants: Callable[[int], bool] = field(init=False, repr=False, compare=False)
-    torch_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
-    torch_device: torch.device | None = field(init=False, repr=False, compare=False)
-    reduction: Reduction | None = field(init=False, repr=False, compare=False)
-    budget: int | None = field(init=False, repr=False, compare=False)
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """``("output",)``, ``("input",)`` or ``("input", "output")``."""
+        return parse_keep(self.keep)
+
+    @property
+    def wants(self) -> Callable[[int], bool]:
+        """Which call indices to keep (``"last"`` keeps every one until the pass ends)."""
+        return call_filter(self.calls, also=("last",))
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The dtype to cast floating values to, or None."""
+        return self.dtype if isinstance(self.dtype, torch.dtype) else None
+
+    @property
+    def torch_device(self) -> torch.device | None:
+        """The device to move values to, or None."""
+        return self.device if isinstance(self.device, torch.device) else None
+
+    @property
+    def budget(self) -> int | None:
+        """``max_bytes`` in bytes, or None for no budget."""
+        return self.max_bytes if isinstance(self.max_bytes, int) else None
+
+    @property
+    def reduction(self) -> Reduction | None:
+        """The reduction as a function, or None."""
+        return parse_reduction(self.reduce)

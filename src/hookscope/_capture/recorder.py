@@ -61,8 +61,11 @@ class Capture(Scoped):
     capture edited values, the capture first to capture the originals.
     """
 
-    def __init__(self, model: nn.Module, selectors: tuple[Selector, ...], options: CaptureOptions) -> None:
+    def __init__(
+        self, model: nn.Module, selectors: tuple[Selector, ...], options: CaptureOptions | None = None, **opts: Any
+    ) -> None:
         ensure_module(model)
+        options = CaptureOptions.build(options, opts)
         if not selectors:
             raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
         self.options = options

@@ -38,8 +38,10 @@ __all__ = [
     "Site",
     "SiteKind",
     "call_filter",
+    "canonical_calls",
     "in_backward",
     "is_reentered",
+    "keep_word",
     "parse_keep",
 ]
 
@@ -52,8 +54,9 @@ SiteKind = Literal["input", "output", "grad_input", "grad_output"]
 #: feature can know it: capture, extract), one index, or a list of indices.
 Calls = Literal["all", "first", "last"] | int | Sequence[int]
 #: What a capture keeps of a call: what it returns, what it takes, or both.
-Keep = Literal["output", "input", "both"] | tuple[str, ...]
+Keep = Literal["output", "input", "both"] | tuple[str, ...] | list[str]
 _KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
+_KEEP_WORDS = {sides: word for word, sides in _KEEP_CHOICES.items()}
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
 _SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<what>[a-z_]+)(?P<path>.*)$")
 
@@ -374,6 +377,26 @@ def parse_keep(keep: object) -> tuple[str, ...]:
     if isinstance(keep, (tuple, list)) and keep and set(keep) <= {"input", "output"}:
         return tuple(w for w in ("input", "output") if w in keep)
     raise SpecError(f"keep={keep!r} is not one of 'output' (default), 'input', 'both', ('input', 'output')")
+
+
+def keep_word(keep: object) -> str:
+    """The one spelling of ``keep=``: ``"output"``, ``"input"`` or ``"both"``.
+
+    >>> keep_word(("input", "output")), keep_word(["output"])
+    ('both', 'output')
+    """
+    return _KEEP_WORDS[parse_keep(keep)]
+
+
+def canonical_calls(calls: Any, *, also: tuple[str, ...] = ()) -> Any:
+    """``calls=`` checked (see :func:`call_filter`) and in one spelling: a list or set of
+    indices becomes a sorted tuple, so that equal choices compare, hash and store alike.
+
+    >>> canonical_calls([2, 0]), canonical_calls("first")
+    ((0, 2), 'first')
+    """
+    call_filter(calls, also=also)
+    return tuple(sorted(set(calls))) if isinstance(calls, (list, tuple, set)) else calls
 
 
 def call_filter(calls: object, *, also: tuple[str, ...] = ()) -> Callable[[int], bool]:

@@ -38,9 +38,14 @@ class Editor(Scoped):
     """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``."""
 
     def __init__(
-        self, model: nn.Module, edits: Mapping[Selector, EditFn | Sequence[EditFn]], options: EditOptions
+        self,
+        model: nn.Module,
+        edits: Mapping[Selector, EditFn | Sequence[EditFn]],
+        options: EditOptions | None = None,
+        **opts: Any,
     ) -> None:
         ensure_module(model)
+        options = EditOptions.build(options, opts)
         if not isinstance(edits, Mapping) or not edits:
             raise SpecError(
                 "edits: expected a non-empty mapping {selector: edit or [edits]}, e.g. {'fc': hs.edits.zero()}"
@@ -70,28 +75,30 @@ class Editor(Scoped):
 
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
-        applied = self._applied
+        applied, tracker = self._applied, self._tracker
 
         def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             call = current(module)
             if not want(call):
                 return None
             leaves = _apply(targets, flatten_tensors(output), name, call, module, "output", args, kwargs)
-            applied[name] += 1
+            if not tracker.replaying:  # a checkpointed block recomputing in backward: edited again, not counted
+                applied[name] += 1
             return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output)
 
         return edit_output
 
     def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
-        applied = self._applied
+        applied, tracker = self._applied, self._tracker
 
         def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             call = current(module)
             if not want(call):
                 return None
             leaves = _apply(targets, call_leaves(args, kwargs), name, call, module, "input", args, kwargs)
-            applied[name] += 1
+            if not tracker.replaying:
+                applied[name] += 1
             return map_call_tensors(lambda path, tensor: leaves.get(path, tensor), args, kwargs)
 
         return edit_input

@@ -7,9 +7,9 @@ before any hook is attached.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hookscope._core.sites import Calls, call_filter
+from hookscope._core.sites import Calls, call_filter, canonical_calls
 from hookscope._edit.context import EditSide
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
@@ -42,7 +42,9 @@ class EditOptions(Options):
     def __post_init__(self) -> None:
         if self.on not in ("output", "input"):
             raise SpecError(f"on={self.on!r} is not 'output' (default) or 'input'")
-        object.__setattr__(self, "wants", call_filter(self.calls))
+        object.__setattr__(self, "calls", canonical_calls(self.calls))
 
-    #: The call filter ``calls`` asks for.
-    wants: Callable[[int], bool] = field(init=False, repr=False, compare=False)
+    @property
+    def wants(self) -> Callable[[int], bool]:
+        """The call filter ``calls`` asks for."""
+        return call_filter(self.calls)

@@ -9,7 +9,7 @@ an extraction accepts exactly what a capture does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,9 +88,8 @@ class ExtractConfig(Options):
             raise SpecError(f"compression_level={level!r} is not a zstd level; expected an int from -7 to 22, or None")
         if not (self.mask is None or (isinstance(self.mask, str) and self.mask)):
             raise SpecError(f"mask={self.mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
-        kept = CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype)
-        object.__setattr__(self, "capture_options", kept)
-        object.__setattr__(self, "torch_device", parse_device(self.device))
+        self.capture_options  # noqa: B018 (keep, calls and dtype refused now, as a capture refuses them)
+        parse_device(self.device)
 
     def recorded(self) -> dict[str, Any]:
         """What the store records of these options and a resumed run must match (reductions apart,
@@ -115,7 +114,12 @@ class ExtractConfig(Options):
         """True when ``mask`` named a key, which every batch must then have."""
         return self.mask not in (None, "auto")
 
-    #: keep, calls and dtype as a capture checks and reads them.
-    capture_options: CaptureOptions = field(init=False, repr=False, compare=False)
-    #: ``device`` as a torch device, or None for the model's.
-    torch_device: torch.device | None = field(init=False, repr=False, compare=False)
+    @property
+    def capture_options(self) -> CaptureOptions:
+        """``keep``, ``calls`` and ``dtype`` as a capture checks and reads them."""
+        return CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device | None:
+        """``device`` as a torch device, or None for the model's."""
+        return parse_device(self.device)

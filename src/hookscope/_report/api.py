@@ -77,6 +77,8 @@ def report(
     """
     model = ensure_module(model)
     layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
+    if isinstance(layers, torch.Tensor):
+        raise SpecError("layers= is the report's own option (which layers to draw); use model_kwargs={'layers': ...}")
     path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")

@@ -66,8 +66,8 @@ class Options:
         """``options`` (default: all defaults) with the keywords in ``given`` changed, validated once."""
         if options is not None and not isinstance(options, cls):
             raise SpecError(
-                f"options={type(options).__name__} given to {cls.feature}; expected a {cls.__name__}, "
-                f"e.g. hs.{cls.__name__}()"
+                f"options= takes {cls.feature}'s options, a {cls.__name__} such as hs.{cls.__name__}(), not a "
+                f"{type(options).__name__}; to pass options= to the model, use model_kwargs={{'options': ...}}"
             )
         cls._refuse_unknown(given)
         if options is None:
@@ -115,6 +115,12 @@ class Options:
                 "write the options again with this version"
             )
         cls._refuse_unknown(values)
+        for key, value in values.items():
+            if isinstance(value, str) and value.startswith("<") and value.endswith(">"):
+                raise SpecError(
+                    f"{key}={value} in the stored {cls.__name__} stands for a Python object (a function) that a dict "
+                    f"cannot hold; give {key}= again"
+                )
         return cls(**values)
 
     def changes(self) -> dict[str, Any]:
@@ -128,9 +134,11 @@ def _jsonable(value: Any) -> Any:
         return dtype_name(value)
     if isinstance(value, torch.device):
         return str(value)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else _jsonable(key): _jsonable(v) for key, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
         return value
     name = getattr(value, "__qualname__", None) or type(value).__qualname__
     return f"<{name}>"  # a function (a custom reduction): named, not restorable

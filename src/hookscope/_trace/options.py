@@ -6,7 +6,7 @@ bad value is refused before any hook is attached and an option means the same ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,10 +51,12 @@ class TraceOptions(Options):
     def __post_init__(self) -> None:
         for option in ("stats", "input_stats", "timing", "memory"):
             check_flag(option, getattr(self, option))
-        object.__setattr__(self, "bins", _bins(self.histograms, self.stats))
+        _bins(self.histograms, self.stats)  # refused now, not when the tracer attaches
 
-    #: The histogram bin count ``histograms`` asks for; None when off.
-    bins: int | None = field(init=False, repr=False, compare=False)
+    @property
+    def bins(self) -> int | None:
+        """The histogram bin count ``histograms`` asks for; None when off."""
+        return _bins(self.histograms, self.stats)
 
 
 def check_flag(option: str, value: object) -> None:

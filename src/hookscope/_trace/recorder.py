@@ -118,9 +118,15 @@ class Tracer(CallRecorder[_Module, _Draft]):
     feature = "trace"
 
     def __init__(
-        self, model: nn.Module, *, layers: Selector | Sequence[Selector] | None, options: TraceOptions
+        self,
+        model: nn.Module,
+        *,
+        layers: Selector | Sequence[Selector] | None = None,
+        options: TraceOptions | None = None,
+        **opts: Any,
     ) -> None:
         ensure_module(model)
+        options = TraceOptions.build(options, opts)
         self.options = options
         self._model = weakref.ref(model)
         self._stats = options.stats

@@ -328,7 +328,9 @@ def edit_command(
     for text in edit:
         selector, built = parse_edit(text)
         parsed.setdefault(selector, []).append(built)
-    options = hs.EditOptions(on=on)  # type: ignore[arg-type]  # a word the options check
+    if on not in ("output", "input"):
+        raise SpecError(f"--on {on!r} is not 'output' or 'input'")
+    options = hs.EditOptions(on=on)  # type: ignore[arg-type]  # checked just above
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     net = sample.model.eval()
