@@ -78,7 +78,7 @@ def test_a_model_that_raises_prints_where_and_exits_1(
     code, out, err = run_cli(capsys, "trace", "raising.py:build", "-s", "3x4", "--csv", "partial.csv")
     assert code == 1
     assert "error: ValueError: this layer is broken" in err
-    assert "the forward raised in '1.1' (Fails, call 0) with inputs [0] [3, 6] float32" in err
+    assert "the forward raised in '1.1' (Fails, call 0) with input[0] [3, 6] float32" in err
     assert "Traceback" not in err
     table = out.splitlines()[3:8]  # input line, header, rule, then one line per call
     assert [line.split()[1:3] for line in table] == [
@@ -101,7 +101,7 @@ def test_a_model_that_raises_prints_where_and_exits_1(
 def test_a_shape_the_model_refuses_names_the_layer(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "trace", "demo:cnn", "-s", "1x4x8x8")
     assert code == 1
-    assert "'conv1' (Conv2d, call 0) with inputs [0] [1, 4, 8, 8] float32" in err
+    assert "'conv1' (Conv2d, call 0) with input[0] [1, 4, 8, 8] float32" in err
 
 
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

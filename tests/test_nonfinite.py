@@ -88,7 +88,7 @@ def test_detect_nonfinite_raises_at_layer_k(k: int) -> None:
     with hs.detect_nonfinite(model, allow=["mask"]), pytest.raises(NonFiniteError) as raised:
         model(example())
     error = raised.value
-    assert (error.module, error.call, error.path) == (f"inject.{k}", 0, "output")
+    assert (error.module, error.call, error.what, error.path) == (f"inject.{k}", 0, "output", "")
     assert f"'inject.{k}' (Injector, call 0)" in str(error)
 
 
@@ -116,8 +116,11 @@ def test_nan_in_the_model_input_is_not_blamed_on_a_layer() -> None:
     x = example()
     x[0, 0, 0] = math.nan
     assert hs.trace(model, x).first_nonfinite(allow="mask") is None
-    with hs.detect_nonfinite(model, allow="mask"), pytest.raises(NonFiniteError, match="came in with the input"):
+    detector = hs.detect_nonfinite(model, allow="mask")
+    with detector, pytest.raises(NonFiniteError, match="came in with the input") as raised:
         model(x)
+    assert "input: input[0] of '(root)'" in str(raised.value)
+    assert (raised.value.module, raised.value.what, raised.value.path) == ("", "input", "[0]")
 
 
 def test_raise_immediately_stops_at_the_culprit() -> None:

@@ -92,5 +92,5 @@ class TestCallTracker:
         tracker = CallTracker()
         tracker.exit(module)
         assert tracker.enter(module) == 0
-        with pytest.raises(RuntimeError, match="only valid inside its hooks"):
+        with pytest.raises(SpecError, match="valid only inside its hooks"):
             CallTracker().current(module)

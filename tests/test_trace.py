@@ -136,7 +136,8 @@ def test_in_place_relu_does_not_change_the_linear_rows_statistics() -> None:
 def test_input_rows_show_shapes_dtypes_devices_and_keywords() -> None:
     trace = hs.trace(KeywordOnly(), torch.randn(2, 4))
     block = trace["block"]
-    assert [info.path for info in block.inputs] == ["[0]", "['scale']"]
+    assert [(info.what, info.path) for info in block.inputs] == [("input", "[0]"), ("input", "['scale']")]
+    assert [info.label for info in block.inputs] == ["input[0]", "input['scale']"]
     assert block.inputs[1].shape == (1,)
     assert {info.dtype for info in block.inputs} == {"float32"}
     assert {info.device for info in block.inputs} == {"cpu"}
@@ -145,12 +146,14 @@ def test_input_rows_show_shapes_dtypes_devices_and_keywords() -> None:
 
 def test_structured_outputs_list_every_tensor_leaf() -> None:
     trace = hs.trace(MixedOutputs(), torch.randn(2, 3))
-    assert [info.path for info in trace["dict_out"].outputs] == ["output['a']", "output['b'][0]"]
-    assert [info.path for info in trace["dataclass_out"].outputs] == ["output.value"]
+    assert [info.path for info in trace["dict_out"].outputs] == ["['a']", "['b'][0]"]
+    assert [info.label for info in trace["dict_out"].outputs] == ["output['a']", "output['b'][0]"]
+    assert {info.what for info in trace["dict_out"].outputs} == {"output"}
+    assert [info.path for info in trace["dataclass_out"].outputs] == [".value"]
     assert trace["none_out"].outputs == ()
     assert trace["none_out"].stats is None
     root = trace[0]
-    assert [info.path for info in root.outputs] == ["output['out']", "output['pair'].value"]
+    assert [info.path for info in root.outputs] == ["['out']", "['pair'].value"]
 
 
 def test_inputs_name_the_call_that_returned_them() -> None:
@@ -179,7 +182,8 @@ def test_gpt2_rows_match_calls_and_show_structured_outputs() -> None:
     assert root.inputs[0].path == "['input_ids']"
     assert root.inputs[0].dtype == "int64"
     assert root.output is not None
-    assert root.output.path == "output.last_hidden_state"
+    assert (root.output.what, root.output.path) == ("output", ".last_hidden_state")
+    assert root.output.label == "output.last_hidden_state"
     assert root.output.shape == (2, 8, 32)
     assert all(row.output_finite is not False for row in trace)
     assert trace.first_nonfinite() is None
@@ -244,7 +248,7 @@ def test_a_failed_forward_names_where_it_raised_and_cleans_up() -> None:
     with pytest.raises(RuntimeError, match="boom") as raised:
         hs.trace(model, torch.randn(2, 4))
     notes = getattr(raised.value, "__notes__", [])
-    assert any("'boom' (Boom, call 0) with inputs [0] [2, 4] float32" in note for note in notes)
+    assert any("'boom' (Boom, call 0) with input[0] [2, 4] float32" in note for note in notes)
     with hs.tracing(model) as tracer, pytest.raises(RuntimeError):
         model(torch.randn(2, 4))
     trace = tracer.trace

@@ -3,8 +3,9 @@
 Each returns an edit, a callable ``edit(value, ctx) -> value``, and takes the same optional
 keywords: the part to touch (``channels=``, ``neurons=``, ``positions=``, ``heads=`` with
 ``num_heads=``, ``mask=``; see :mod:`hookscope._edit.part`) and ``path=``, which tensor of a
-structured value to edit (``"output[0]"`` of a transformers block, ``"[0]"`` or ``"['mask']"``
-for inputs; by default the first tensor).
+structured value to edit: written in full (``"output[0]"`` of a transformers block,
+``"input['mask']"``) or relative to the value edited (``"[0]"``, ``"['mask']"``); by default the
+first tensor. A path on the other side than the edit's ``on=`` is refused when the edit is attached.
 Every edit is out of place: the module's own tensor is never written, so autograd stays intact
 and an edit in a training step gets gradients.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
 from hookscope._edit.context import EditContext
 from hookscope._edit.part import Part
@@ -39,6 +41,8 @@ class Edit:
     def __init__(self, *, path: str | None = None, part: Part) -> None:
         if path is not None and not isinstance(path, str):
             raise SpecError(f"path={path!r}: expected a tree path such as 'output[0]' or 'output.logits'")
+        if path is not None:
+            split_leaf(path, shown=f"path={path!r}")  # the form now; which side, when attached
         self.path = path
         self.part = part
 
@@ -142,7 +146,7 @@ class Noise(Edit):
         # One generator per site and call, seeded from (seed, site): the same edit gives the same
         # noise in every run, and two sites with the same seed get different noise.
         generator = torch.Generator(device=value.device)
-        generator.manual_seed(zlib.crc32(f"{self.seed}:{ctx.name}:{ctx.call}:{ctx.path}".encode()))
+        generator.manual_seed(zlib.crc32(f"{self.seed}:{ctx.name}:{ctx.call}:{ctx.label}".encode()))
         drawn = torch.randn(value.shape, generator=generator, device=value.device, dtype=value.dtype)
         return value + (drawn * self.std if mask is None else drawn * self.std * mask)
 
@@ -172,8 +176,7 @@ class FromCache(Edit):
         self.cache = cache
 
     def source(self, ctx: EditContext) -> torch.Tensor:
-        path = ctx.path.removeprefix("output") if ctx.side == "output" else ctx.path
-        site = Site(ctx.name, ctx.call, ctx.side, path)
+        site = Site(ctx.name, ctx.call, ctx.side, ctx.path)
         try:
             cached: torch.Tensor = self.cache[site]
         except SiteNotFoundError as error:
@@ -191,7 +194,7 @@ class Mean(FromCache):
         self._averages: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def apply(self, value: torch.Tensor, mask: torch.Tensor | None, ctx: EditContext) -> torch.Tensor:
-        key = (ctx.name, ctx.call, ctx.path, tuple(value.shape[1:]), value.device, value.dtype)
+        key = (ctx.name, ctx.call, ctx.side, ctx.path, tuple(value.shape[1:]), value.device, value.dtype)
         average = self._averages.get(key)
         if average is None:  # looked up, checked and averaged once per site and shape, not at every call
             cached = self.source(ctx)

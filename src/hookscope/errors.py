@@ -23,6 +23,7 @@ does::
     ├── ConcurrentPassError (RuntimeError)  a second thread entered the model while a feature was
     │                                      recording a forward pass on another thread (.feature, .module)
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
+    │                                      (.module, .call, .what, .path)
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
     └── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
@@ -189,14 +190,17 @@ class ConcurrentPassError(HookscopeError, RuntimeError):
 class NonFiniteError(HookscopeError, FloatingPointError):
     """A module returned a NaN or Inf although its inputs were finite (``detect_nonfinite``).
 
-    ``module``, ``call`` and ``path`` name the culprit: module name, call index in the pass,
-    and the output leaf (``output``, ``output[0]``).
+    ``module``, ``call``, ``what`` and ``path`` name the culprit: module name, call index in the
+    pass, which value (``"output"``; ``"input"`` when the NaN/Inf came in with the model's input)
+    and the leaf's path in it, as a :class:`~hookscope.Site` has them (``""`` for the value
+    itself, ``"[0]"`` for the first item of a tuple).
     """
 
-    def __init__(self, message: str, *, module: str = "", call: int = 0, path: str = "") -> None:
+    def __init__(self, message: str, *, module: str = "", call: int = 0, what: str = "output", path: str = "") -> None:
         super().__init__(message)
         self.module = module
         self.call = call
+        self.what = what
         self.path = path
 
 

@@ -3,9 +3,10 @@
 A key names a module and, optionally, which call, which value and which leaf of a structured
 value: ``"fc"`` is the output of ``fc``'s last call; ``"block#1"`` its second call;
 ``"fc:input"`` its input; ``"h.0:output[0]"`` the first element of a tuple output;
-``"model#0:output.last_hidden_state"`` a ``ModelOutput`` field. Left out, the call is the last
-one, the value is the output (the input if only inputs were kept), and the leaf is the value
-itself when it is a tensor, or its only tensor. A key that names nothing raises
+``"model#0:output.last_hidden_state"`` a ``ModelOutput`` field; a leaf may also be written
+relative to the value left out (``"h.0:[0]"``). Left out, the call is the last one, the value is
+the output (the input if only inputs were kept), and the leaf is the value itself when it is a
+tensor, or its only tensor. A key that names nothing raises
 ``SiteNotFoundError`` with the closest names, or the leaf paths to choose from, in its message
 and as keys that do name something (``.candidates``).
 """
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
@@ -32,7 +34,7 @@ from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, S
 
 __all__ = ["Cache", "load", "tensor_bytes"]
 
-_KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<what>[a-z_]+)(?P<path>.*))?$")
+_KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
 _Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
 
 
@@ -176,7 +178,11 @@ class Cache(Mapping[str, torch.Tensor]):
             raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
         spelled = match["module"] or ""
         module = str(aliases.get(spelled, spelled))
-        return self._resolve_parts(key, module, match["call"], match["what"], match["path"])
+        try:
+            what, path = split_leaf(match["leaf"] or "", shown=repr(key))
+        except SpecError as error:
+            raise SiteNotFoundError(str(error), key=key) from None
+        return self._resolve_parts(key, module, match["call"], what, path)
 
     def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
         index = self._built_index()
@@ -236,7 +242,7 @@ class Cache(Mapping[str, torch.Tensor]):
     @staticmethod
     def _leaf_hint(leaves: Mapping[str, Site]) -> tuple[str, tuple[str, ...]]:
         """The hint for a value of several tensors, and their full site names."""
-        names = [f"'{site.module}:{site.what}{site.path}'" for site in leaves.values()]
+        names = [f"'{site.module}:{site.label}'" for site in leaves.values()]
         hint = f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
         return hint, tuple(str(site) for site in leaves.values())
 

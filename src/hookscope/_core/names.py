@@ -17,24 +17,39 @@ Wrappers are recognised by class, looked up lazily, so that a process that never
 >>> ddp_like = torch.nn.DataParallel(nn.Sequential(nn.Linear(2, 2)))
 >>> [name for name, _ in named_modules(ddp_like)]
 ['', 'module', '0']
+
+Leaves are named here too. A tensor inside what a module takes or returns is addressed by which
+value it sits in (``what``: ``input``, ``output``, ``grad_input``, ``grad_output``) and a path
+relative to that value, reading like the Python that fetches it: ``""`` (the value is the
+tensor), ``"[0]"``, ``"['mask']"``, ``".logits"``. Records keep the two apart, as
+:class:`~hookscope._core.sites.Site` does; a person is shown them joined by :func:`leaf_label`
+(``output[0]``, ``input['mask']``, ``output``), and what a person writes is read back by
+:func:`split_leaf` and :func:`parse_leaf`, which take that full form or the relative path alone.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 
 from torch import nn
 
+from hookscope.errors import SpecError
+
 __all__ = [
+    "LEAF_KINDS",
     "ROOT_LABEL",
     "WRAPPER_CLASS_NAMES",
     "NamedModule",
     "call_label",
+    "leaf_label",
     "module_label",
     "named_modules",
     "named_parameters",
+    "parse_leaf",
     "short_spelling",
+    "split_leaf",
     "unwrapped_modules",
 ]
 
@@ -62,6 +77,67 @@ def call_label(name: str, call: int) -> str:
     ('h.0.mlp#1', '(root)#0')
     """
     return f"{name or ROOT_LABEL}#{call}"
+
+
+#: The values of a module call a leaf can sit in (a :class:`~hookscope._core.sites.Site`'s ``what``).
+LEAF_KINDS = ("input", "output", "grad_input", "grad_output")
+
+# An optional value name, then the relative path: empty, or from the first "[" or "." on.
+_LEAF_TEXT = re.compile(r"(?P<what>[A-Za-z_][A-Za-z0-9_]*)?(?P<path>[\[.].*)?", re.DOTALL)
+_LEAF_EXAMPLES = "e.g. 'output[0]', \"input['mask']\", 'output' or the relative '[0]', '.logits'"
+
+
+def leaf_label(what: str, path: str) -> str:
+    """A leaf as a person is shown it: the value it sits in, then its relative path.
+
+    The one spelling of a leaf in tables, messages and plots; :func:`split_leaf` reads it back.
+
+    >>> leaf_label("output", "[0]"), leaf_label("input", "['mask']"), leaf_label("output", "")
+    ('output[0]', "input['mask']", 'output')
+    """
+    return f"{what}{path}"
+
+
+def split_leaf(text: str, *, shown: str | None = None) -> tuple[str | None, str]:
+    """``(what, relative path)`` of a leaf as written: ``what`` is None when only the path is.
+
+    Takes the full form (``"output[0]"``, ``"input['mask']"``, ``"output"``) and the relative
+    one (``"[0]"``, ``".logits"``, ``""``); anything else is a :class:`~hookscope.errors.SpecError`
+    naming ``shown`` (by default the text itself).
+
+    >>> split_leaf("output[0]"), split_leaf("[0]"), split_leaf("input"), split_leaf("")
+    (('output', '[0]'), (None, '[0]'), ('input', ''), (None, ''))
+    """
+    if not isinstance(text, str):
+        raise SpecError(f"leaf path {text!r} is not text; {_LEAF_EXAMPLES}")
+    where = shown or repr(text)
+    match = _LEAF_TEXT.fullmatch(text)
+    if match is None:
+        raise SpecError(f"{where} is not a leaf path; {_LEAF_EXAMPLES}")
+    what, path = match["what"], match["path"] or ""
+    if what is not None and what not in LEAF_KINDS:
+        kinds = ", ".join(LEAF_KINDS)
+        raise SpecError(f"{where} names {what!r}; expected one of {kinds}, or a relative path; {_LEAF_EXAMPLES}")
+    return what, path
+
+
+def parse_leaf(text: str, side: str, *, shown: str | None = None, hint: str = "") -> str:
+    """The path relative to ``side`` of a leaf written in full (``"output[0]"``) or relative (``"[0]"``).
+
+    A leaf of another value (``"input[0]"`` where ``side`` is ``"output"``) is refused with a
+    :class:`~hookscope.errors.SpecError` naming ``shown`` (by default the text itself), saying
+    what was expected, and ``hint`` after it.
+
+    >>> parse_leaf("output[0]", "output"), parse_leaf("[0]", "output"), parse_leaf("input['mask']", "input")
+    ('[0]', '[0]', "['mask']")
+    """
+    what, path = split_leaf(text, shown=shown)
+    if what is not None and what != side:
+        raise SpecError(
+            f"{shown or repr(text)} is a leaf of the {what}, but a leaf of the {side} was expected: {side!r} itself, "
+            f"{leaf_label(side, '[0]')!r} and so on, or a path relative to it such as '[0]'{hint}"
+        )
+    return path
 
 
 NamedModule = tuple[str, nn.Module]

@@ -6,7 +6,8 @@ calls start; the numbering starts again at every top-level forward pass.
 
 A :class:`Site` is written ``name#call:what`` followed by the tree path of the leaf, e.g.
 ``transformer.h.0.attn#0:output[0]``. ``what`` is one of ``input``, ``output``, ``grad_input``
-and ``grad_output``.
+and ``grad_output``; the path is relative to that value (``""``, ``"[0]"``, ``"['mask']"``), and
+``what`` and path are joined and split by :mod:`~hookscope._core.names`' leaf functions.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
-from hookscope._core.names import module_label
+from hookscope._core.names import leaf_label, module_label, split_leaf
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
 # The id of the backward pass running on this thread, -1 outside one.
@@ -49,7 +50,7 @@ __all__ = [
 REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
 
 
-SiteKind = Literal["input", "output", "grad_input", "grad_output"]
+SiteKind = Literal["input", "output", "grad_input", "grad_output"]  # names.LEAF_KINDS, for the type checker
 #: Which calls of a module a feature acts on: every one, the first, the last (where the
 #: feature can know it: capture, extract), one index, or a list of indices.
 Calls = Literal["all", "first", "last"] | int | Sequence[int]
@@ -58,7 +59,7 @@ Keep = Literal["output", "input", "both"] | tuple[str, ...] | list[str]
 _KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
 _KEEP_WORDS = {sides: word for word, sides in _KEEP_CHOICES.items()}
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
-_SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<what>[a-z_]+)(?P<path>.*)$")
+_SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<leaf>.*)$", re.DOTALL)
 
 
 @dataclass(frozen=True, order=True)
@@ -84,18 +85,24 @@ class Site:
             raise SpecError(f"call index {self.call} is negative; calls are numbered from 0 in each pass")
 
     def __str__(self) -> str:
-        return f"{self.module}#{self.call}:{self.what}{self.path}"
+        return f"{self.module}#{self.call}:{self.label}"
+
+    @property
+    def label(self) -> str:
+        """The leaf as shown: ``what`` and path joined (``output[0]``, ``input['mask']``)."""
+        return leaf_label(self.what, self.path)
 
     @classmethod
     def parse(cls, text: str) -> Site:
         """Read a site written as ``name[#call]:what[path]``; the call defaults to 0."""
+        form = f"site {text!r} is not of the form 'name#call:what[path]', e.g. 'layer1.conv2#0:output[0]'"
         match = _SITE_TEXT.match(text)
         if match is None:
-            raise SpecError(f"site {text!r} is not of the form 'name#call:what[path]', e.g. 'layer1.conv2#0:output[0]'")
-        what = match["what"]
-        if what not in _SITE_KINDS:
-            raise SpecError(f"site {text!r} names {what!r}; expected one of {', '.join(_SITE_KINDS)}")
-        return cls(match["module"], int(match["call"] or 0), what, match["path"])  # type: ignore[arg-type]
+            raise SpecError(form)
+        what, path = split_leaf(match["leaf"], shown=f"site {text!r}")
+        if what is None:
+            raise SpecError(form)
+        return cls(match["module"], int(match["call"] or 0), what, path)  # type: ignore[arg-type]
 
 
 def is_reentered(module: nn.Module) -> bool:

@@ -15,6 +15,11 @@ Paths read like the Python that would fetch the value:
 ``output.last_hidden_state``             field of a dataclass, namedtuple or ``ModelOutput``
 =======================================  ===========================================
 
+Each path starts at ``root``: ``"output"`` by default, as above, the full form a person reads.
+hookscope's own records pass ``root=""`` and keep the path relative to the value (``""``,
+``"[0]"``, ``".logits"``) beside which value it is (see :func:`~hookscope._core.names.leaf_label`);
+:func:`call_leaves` names a call's inputs the same way (``"[0]"``, ``"['mask']"``).
+
 Containers: tuple, list, dict (and subclasses such as ``OrderedDict``), namedtuple, dataclass
 instances and transformers ``ModelOutput`` (a dict that is also a dataclass; only its set fields
 are visited). Anything else -- ``None``, ints, strings, custom objects -- is a leaf that passes

@@ -109,7 +109,7 @@ def _calls_of(cache: Cache) -> list[Kept]:
         kept = calls.setdefault(key, Kept(site.module, site.call, ""))
         tensor = cache[site]
         (kept.inputs if site.what == "input" else kept.outputs)[site.path] = tensor
-        kept.shapes[site.what + site.path] = (tuple(tensor.shape), dtype_name(tensor.dtype))
+        kept.shapes[(site.what, site.path)] = (tuple(tensor.shape), dtype_name(tensor.dtype))
         first_seen.setdefault(key, position)
         if site.what == "output":
             first_output.setdefault(key, position)

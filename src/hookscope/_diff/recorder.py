@@ -31,6 +31,8 @@ from hookscope.errors import HookscopeError
 __all__ = ["Comparer", "Kept", "LeafDraft", "Reference"]
 
 Leaves = list[tuple[str, torch.Tensor]]
+#: (what, relative path) of each leaf of a call -> its shape and dtype
+Shapes = dict[tuple[str, str], tuple[tuple[int, ...], str]]
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Kept:
     leaf: bool = True
     inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # "what path" -> shape, dtype
+    shapes: Shapes = field(default_factory=dict)
 
 
 @dataclass
@@ -118,13 +120,13 @@ class Reference(_Run[Kept]):
     def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Open[Kept]:
         kept = Kept(site.name, call, site.class_name, site.leaf)
         for path, tensor in call_leaves(args, kwargs):
-            kept.shapes["input" + path] = (shape_of(tensor), _dtype(tensor))
+            kept.shapes[("input", path)] = (shape_of(tensor), _dtype(tensor))
         self.calls.append(kept)
         return _Open(site, call, handled, kept)
 
     def close_call(self, draft: _Open[Kept], output: Any) -> None:
         for path, tensor in flatten_tensors(output, ""):
-            draft.record.shapes["output" + path] = (shape_of(tensor), _dtype(tensor))
+            draft.record.shapes[("output", path)] = (shape_of(tensor), _dtype(tensor))
 
     def fill(self, cache: Cache) -> None:
         """Take the values of every recorded call from ``cache`` (a capture of the same forward)."""
@@ -190,7 +192,7 @@ Measured = dict[tuple[int, int], tuple["weakref.ref[torch.Tensor]", int, tuple[i
 def compare_leaves(
     what: str,
     kept: dict[str, torch.Tensor | None],
-    shapes: dict[str, tuple[tuple[int, ...], str]],
+    shapes: Shapes,
     leaves: Leaves,
     measured: Measured | None = None,
 ) -> list[LeafDraft]:
@@ -202,7 +204,7 @@ def compare_leaves(
     for path, tensor in leaves:
         seen.add(path)
         shape_b, dtype_b = shape_of(tensor), _dtype(tensor)
-        known = shapes.get(what + path)
+        known = shapes.get((what, path))
         if known is None:
             compared.append(LeafDraft(what, path, None, shape_b, None, dtype_b, note="only in b"))
             continue
@@ -216,9 +218,9 @@ def compare_leaves(
         else:
             leaf.raw = _measure(reference, tensor, measured)
         compared.append(leaf)
-    for key, (shape_a, dtype_a) in shapes.items():
-        if key.startswith(what) and key[len(what) :] not in seen:
-            compared.append(LeafDraft(what, key[len(what) :], shape_a, None, dtype_a, None, note="only in a"))
+    for (side, path), (shape_a, dtype_a) in shapes.items():
+        if side == what and path not in seen:
+            compared.append(LeafDraft(what, path, shape_a, None, dtype_a, None, note="only in a"))
     return compared
 
 

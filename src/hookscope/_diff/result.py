@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-from hookscope._core.names import call_label
+from hookscope._core.names import call_label, leaf_label
 from hookscope._diff.metrics import Metrics
 from hookscope._shared.blame import findings
 from hookscope._shared.optional import require
@@ -20,13 +20,23 @@ __all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]
 
 @dataclass(frozen=True)
 class LeafDiff:
-    """One input tensor of a compared call: its metrics, or a note saying why there are none."""
+    """One input tensor of a compared call: its metrics, or a note saying why there are none.
+
+    ``path`` is its place relative to the call's input (``"[0]"``, ``"['mask']"``); ``what`` is
+    always ``"input"``, and :attr:`label` shows both (``input[0]``).
+    """
 
     path: str
     shape_a: tuple[int, ...] | None
     shape_b: tuple[int, ...] | None
     metrics: Metrics | None
     note: str | None = None
+    what: str = "input"
+
+    @property
+    def label(self) -> str:
+        """The leaf as shown: ``input[0]``, ``input['mask']``."""
+        return leaf_label(self.what, self.path)
 
     def within(self, *, rtol: float, atol: float) -> bool:
         """Compared and within tolerance (a leaf with a note, such as differing shapes, is not)."""
@@ -38,7 +48,8 @@ class DiffRow:
     """One output tensor of one call, a against b, in the order b's outputs were made.
 
     ``name`` is the module in a, ``name_b`` in b (they differ when matched by a mapping or
-    by order); ``path`` is the leaf inside a structured output (``""`` for a tensor).
+    by order); ``path`` is the leaf's place relative to the output (``""`` for a tensor,
+    ``"[0]"``, ``".logits"``), ``what`` is always ``"output"``, and :attr:`label` shows both.
     ``metrics`` is None when the values could not be compared; ``note`` says why (``shapes
     differ``, ``only in a``, ``only in b``). ``inputs`` holds the call's input tensors, to tell
     a layer that made a difference from one that was handed it.
@@ -58,12 +69,18 @@ class DiffRow:
     metrics: Metrics | None
     note: str | None
     inputs: tuple[LeafDiff, ...]
+    what: str = "output"
+
+    @property
+    def label(self) -> str:
+        """The leaf as shown: ``output``, ``output[0]``, ``output.logits``."""
+        return leaf_label(self.what, self.path)
 
     @property
     def site(self) -> str:
-        """``name#call``, with ``:output<path>`` for a leaf of a structured output."""
+        """``name#call``, with ``:`` and the :attr:`label` for a leaf of a structured output."""
         base = f"{call_label(self.name, self.call)}"
-        return base + (f":output{self.path}" if self.path else "")
+        return base + (f":{self.label}" if self.path else "")
 
     def within(self, *, rtol: float, atol: float) -> bool:
         """Compared and within tolerance; a row with a note (differing shapes) is a divergence."""
@@ -90,6 +107,7 @@ class DiffRow:
             "name_b": self.name_b,
             "call": self.call,
             "class": self.class_name,
+            "what": self.what,
             "path": self.path,
             "shape": None if self.shape is None else format_shape(self.shape),
             "shape_b": None if self.shape_b is None else format_shape(self.shape_b),

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from hookscope._core.names import call_label
+from hookscope._core.names import call_label, leaf_label
 
 __all__ = ["EditContext", "EditSide"]
 
@@ -18,8 +18,10 @@ EditSide = Literal["output", "input"]
 class EditContext:
     """The site an edit runs at: module name, call index, which value, and the call's inputs.
 
-    ``path`` is the edited tensor's place (``output``, ``output[0]``, ``[0]``, ``['mask']``);
-    ``site`` reads ``name#call:path`` (the form error messages and caches use).
+    ``path`` is the edited tensor's place relative to the value on ``side``, as in a
+    :class:`~hookscope.Site`: ``""`` for the value itself, ``"[0]"``, ``"['mask']"``,
+    ``".logits"``; :attr:`label` joins the two (``output[0]``, ``input['mask']``), and ``site``
+    reads ``name#call:label`` (the form error messages and caches use).
     """
 
     name: str
@@ -31,7 +33,11 @@ class EditContext:
     kwargs: dict[str, Any]
 
     @property
+    def label(self) -> str:
+        """The edited leaf as shown: ``output``, ``output[0]``, ``input['mask']``."""
+        return leaf_label(self.side, self.path)
+
+    @property
     def site(self) -> str:
-        """``name#call:path``, e.g. ``h.0#0:output[0]``."""
-        where = self.path if self.side == "output" else f"input{self.path}"
-        return f"{call_label(self.name, self.call)}:{where}"
+        """``name#call:label``, e.g. ``h.0#0:output[0]``."""
+        return f"{call_label(self.name, self.call)}:{self.label}"

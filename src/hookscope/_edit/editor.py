@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
-from hookscope._core.names import module_label
+from hookscope._core.names import leaf_label, module_label, parse_leaf
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.sites import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
@@ -81,10 +81,10 @@ class Editor(Scoped):
             call = current(module)
             if not want(call):
                 return None
-            leaves = _apply(targets, flatten_tensors(output), name, call, module, "output", args, kwargs)
+            leaves = _apply(targets, flatten_tensors(output, ""), name, call, module, "output", args, kwargs)
             if not tracker.replaying:  # a checkpointed block recomputing in backward: edited again, not counted
                 applied[name] += 1
-            return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output)
+            return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output, "")
 
         return edit_output
 
@@ -139,15 +139,16 @@ class Editor(Scoped):
 
 
 def _targets(fns: list[EditFn], side: EditSide) -> list[tuple[EditFn, str | None]]:
-    """Each edit with the path it asks for, read once at attach time (None: the first tensor).
-
-    Input paths may be written as errors show them (``input[0]``) or as they are (``[0]``).
+    """Each edit with the path it asks for relative to ``side``, read once at attach time (None:
+    the first tensor). A path may be written in full, as errors show it (``output[0]``,
+    ``input['mask']``), or relative to the side edited (``[0]``); one of the other side is refused.
     """
+    other = "what the module takes, pass on='input'" if side == "output" else "what it returns, leave on='output'"
     targets = []
     for fn in fns:
         wanted = getattr(fn, "path", None)
-        if side == "input" and wanted is not None:
-            wanted = wanted.removeprefix("input")
+        if wanted is not None:
+            wanted = parse_leaf(wanted, side, shown=f"path={wanted!r}", hint=f"; to edit {other}")
         targets.append((fn, wanted))
     return targets
 
@@ -173,7 +174,8 @@ def _apply(
         ctx = EditContext(name, call, module, side, path, args, kwargs)
         old = leaves.get(path)
         if old is None:
-            raise EditError(f"{ctx.site}: no tensor at {path!r}; the tensors are at {', '.join(leaves)}")
+            shown = ", ".join(leaf_label(side, found_path) for found_path in leaves)
+            raise EditError(f"{ctx.site}: no tensor at {ctx.label!r}; the tensors are at {shown}")
         new = fn(old, ctx)
         if not isinstance(new, torch.Tensor):
             raise EditError(

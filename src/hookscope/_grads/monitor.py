@@ -174,7 +174,7 @@ class GradMonitor(CallRecorder[_Module, _Open]):
         if draft is site.unhooked:
             return
         step = self._current
-        outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output) if t.requires_grad]
+        outputs = [(path, self._watch(step, t)) for path, t in flatten_tensors(output, "") if t.requires_grad]
         if outputs or draft.inputs:
             step.calls.append(_Call(site.name, site.class_name, draft.call, draft.sequence, outputs, draft.inputs))
         if site.watches_units and isinstance(output, torch.Tensor):

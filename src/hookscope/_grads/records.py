@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hookscope._core.names import call_label
+from hookscope._core.names import call_label, leaf_label
 from hookscope._shared.optional import require
 from hookscope._shared.stats import Stats
 from hookscope.errors import SpecError
@@ -16,6 +16,8 @@ __all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame"]
 
 GradWhat = Literal["grad_output", "grad_input", "param"]
 METRICS = ("norm", "mean_abs", "max_abs", "nan", "inf", "ratio")
+# The value of the call whose gradient a record holds: where its leaf is shown to sit.
+_SIDE = {"grad_output": "output", "grad_input": "input"}
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,10 @@ class GradRecord:
 
     ``norm`` is the L2 norm, ``mean_abs`` and ``max_abs`` of |g|; ``ratio`` is ``norm / |w|``
     for parameters (None for activations). ``order`` ranks activation gradients in the order
-    backward produced them (0 first).
+    backward produced them (0 first). ``path`` is, for an activation, the tensor's place
+    relative to the call's output or input, as in a :class:`~hookscope.Site` (``""`` for the
+    value itself, ``"[0]"``, ``"['mask']"``; :attr:`leaf` shows it whole, ``output[0]``), and
+    for a parameter its name.
     """
 
     step: int
@@ -53,12 +58,18 @@ class GradRecord:
         return self.path if self.what == "param" else f"{call_label(self.module, self.call)}"
 
     @property
+    def leaf(self) -> str:
+        """The activation whose gradient this is, as shown (``output``, ``output[0]``,
+        ``input['mask']``); a parameter's name for parameters."""
+        return self.path if self.what == "param" else leaf_label(_SIDE[self.what], self.path)
+
+    @property
     def column(self) -> str:
-        """:attr:`layer`, with ``:path`` when the tensor is not the call's only output or first input:
-        the name used by history tables, plots and TensorBoard tags."""
-        if self.what == "param" or self.path in ("output", "[0]"):
-            return self.layer
-        return f"{self.layer}:{self.path}"
+        """:attr:`layer`, with ``:`` and the :attr:`leaf` when the tensor is not the call's only
+        output or first input (``h.0#0:output[0]``): the name used by history tables, plots and
+        TensorBoard tags."""
+        whole = self.path == "" or (self.what == "grad_input" and self.path == "[0]")
+        return self.layer if self.what == "param" or whole else f"{self.layer}:{self.leaf}"
 
     @classmethod
     def of(

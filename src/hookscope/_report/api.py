@@ -200,7 +200,7 @@ def _feature_maps(
         model(*args, **kwargs)
     images = []
     for row in rows:
-        path = row.output.path.removeprefix("output") if row.output is not None else ""
+        path = row.output.path if row.output is not None else ""
         value = cache[Site(row.name, row.call, "output", path)]  # the leaf, where the output is a tuple
         fig = feature_maps(value, _FEATURE_CHANNELS, title=row.site)
         shape = "x".join(str(size) for size in value.shape[1:])

@@ -129,7 +129,7 @@ def param_rows(step: GradStep) -> list[dict[str, Any]]:
 
 
 def _tensor_card(info: TensorInfo) -> dict[str, str]:
-    return {"path": info.path, "shape": format_shape(info.shape), "dtype": info.dtype}
+    return {"leaf": info.label, "shape": format_shape(info.shape), "dtype": info.dtype}
 
 
 def _table_row(row: TraceRow) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def _tensor_detail(info: TensorInfo) -> dict[str, Any]:
         }
     )
     return {
-        "path": info.path,
+        "leaf": info.label,
         "shape": format_shape(info.shape),
         "dtype": info.dtype,
         "device": info.device,

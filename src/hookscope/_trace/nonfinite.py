@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.names import module_label, named_modules
+from hookscope._core.names import leaf_label, module_label, named_modules
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.blame import blame, fine_input
@@ -108,7 +108,7 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
     def close_call(self, draft: _Call, output: Any) -> None:
         """Sign the outputs; with ``raise_immediately``, judge the call now."""
         site = f"{draft.site.name}#{draft.call}"
-        draft.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "output")]
+        draft.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "")]
         self._calls.append(draft)
         if self._immediately:
             self._settle([draft])
@@ -168,23 +168,26 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
             what = "NaN or +inf" if math.isnan(float(bad.signature)) else "-inf"
             name = culprit.site.name
             raise NonFiniteError(
-                f"{what} first appears in {bad.path} of {module_label(name)!r} "
+                f"{what} first appears in {leaf_label('output', bad.path)} of {module_label(name)!r} "
                 f"({culprit.site.class_name}, call {culprit.call}): its inputs were finite. "
                 "hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
                 "if these values are intended (a -inf mask), pass allow=[...] naming the module",
                 module=name,
                 call=culprit.call,
+                what="output",
                 path=bad.path,
             )
         if final and calls:
             root = calls[-1]  # the pass's opener returns last
             bad_inputs = [leaf.path for leaf in root.inputs if not self._accepted(leaf)]
             if bad_inputs and any(leaf.signature != 0.0 for leaf in root.outputs):
+                shown = ", ".join(leaf_label("input", path) for path in bad_inputs)
                 raise NonFiniteError(
-                    f"the NaN/Inf came in with the input: {', '.join(bad_inputs)} of "
+                    f"the NaN/Inf came in with the input: {shown} of "
                     f"{module_label(root.site.name)!r} ({root.site.class_name}) is not finite",
                     module=root.site.name,
                     call=root.call,
+                    what="input",
                     path=bad_inputs[0],
                 )
 
@@ -210,7 +213,7 @@ def detect_nonfinite(
 ) -> NonFiniteDetector:
     """Raise :class:`~hookscope.errors.NonFiniteError` naming the module that makes the first NaN/Inf.
 
-    Every module is watched; the error names the module, its call index and the output path of
+    Every module is watched; the error names the module, its call index and the output leaf of
     the first call (in the order calls return) whose output holds a NaN or Inf while its inputs
     did not. By default the check reads the device once, when the forward ends, and the error
     comes from the ``model(x)`` call; ``raise_immediately=True`` stops the forward at the

@@ -35,7 +35,7 @@ from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
 from hookscope._trace.options import TraceOptions, check_flag
 from hookscope._trace.result import Trace
-from hookscope._trace.rows import CallStatus, TensorInfo, TraceRow
+from hookscope._trace.rows import CallStatus, LeafWhat, TensorInfo, TraceRow
 from hookscope._trace.timing import CallClock, PeakMemory
 from hookscope._version import __version__
 from hookscope.errors import SpecError
@@ -183,7 +183,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
         draft.finished = state.finished
         state.finished += 1
         site = f"{draft.site.name}#{draft.call}"
-        draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "output")]
+        draft.outputs = [self._leaf(state, p, t, self._stats, site) for p, t in flatten_tensors(output, "")]
 
     def call_raised(self, draft: _Draft, error: BaseException) -> None:
         """An exception went through the call: closed as one that returned nothing, marked as
@@ -257,10 +257,10 @@ class Tracer(CallRecorder[_Module, _Draft]):
         self._pass = _Pass()
 
     def _freeze(self, draft: _Draft, stats: list[Any], histograms: list[Any], clock: CallClock | None) -> TraceRow:
-        def info(leaf: _Leaf) -> TensorInfo:
+        def info(leaf: _Leaf, what: LeafWhat) -> TensorInfo:
             index = leaf.stats_index
             measured, histogram = (None, None) if index is None else (stats[index], histograms[index])
-            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source, histogram)
+            return TensorInfo(leaf.path, leaf.shape, leaf.dtype, leaf.device, measured, leaf.source, histogram, what)
 
         return TraceRow(
             order=draft.order,
@@ -269,8 +269,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
             class_name=draft.site.class_name,
             call=draft.call,
             params=draft.site.params,
-            inputs=tuple(info(leaf) for leaf in draft.inputs),
-            outputs=tuple(info(leaf) for leaf in draft.outputs),
+            inputs=tuple(info(leaf, "input") for leaf in draft.inputs),
+            outputs=tuple(info(leaf, "output") for leaf in draft.outputs),
             parent=draft.parent,
             finished=draft.finished,
             status=draft.status if draft.finished is not None else "raised",

@@ -179,8 +179,8 @@ def flat_record(row: TraceRow) -> dict[str, Any]:
         "finished": row.finished,
         "status": row.status,
         "params": row.params,
-        "inputs": "; ".join(f"{i.path} {format_shape(i.shape)} {i.dtype}" for i in row.inputs),
-        "outputs": "; ".join(f"{o.path} {format_shape(o.shape)} {o.dtype}" for o in row.outputs),
+        "inputs": "; ".join(info.describe() for info in row.inputs),
+        "outputs": "; ".join(info.describe() for info in row.outputs),
         "dtype": None if main is None else main.dtype,
         "device": None if main is None else main.device,
         **_stats_columns(row.stats),
@@ -191,13 +191,15 @@ def flat_record(row: TraceRow) -> dict[str, Any]:
 
 
 def leaf_records(rows: Sequence[TraceRow]) -> list[dict[str, Any]]:
-    """One dict per output tensor of every call, with its path and statistics."""
+    """One dict per output tensor of every call, with where it sat (``what`` and the relative
+    ``path``) and its statistics."""
     return [
         {
             "order": row.order,
             "name": row.name,
             "class": row.class_name,
             "call": row.call,
+            "what": info.what,
             "path": info.path,
             "shape": format_shape(info.shape),
             "dtype": info.dtype,

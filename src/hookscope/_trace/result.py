@@ -215,7 +215,7 @@ class Trace(Sequence[TraceRow]):
 
     def to_pandas(self, *, per: str = "call") -> Any:
         """A ``pandas.DataFrame``: one row per call (``per="call"``, the main output's statistics)
-        or one per output tensor (``per="leaf"``, with a ``path`` column)."""
+        or one per output tensor (``per="leaf"``, with ``what`` and a relative ``path`` column)."""
         pd = require("pandas", purpose="to_pandas()", extra="pandas")
         if per == "call":
             return pd.DataFrame.from_records(self.records())

@@ -5,26 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hookscope._core.names import call_label, module_label
+from hookscope._core.names import call_label, leaf_label, module_label
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 
-__all__ = ["CallStatus", "TensorInfo", "TraceRow"]
+__all__ = ["CallStatus", "LeafWhat", "TensorInfo", "TraceRow"]
 
 CallStatus = Literal["ok", "raised"]
+LeafWhat = Literal["input", "output"]
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor a call took or returned: where it sat, what it was, and its statistics.
 
-    ``path`` reads like the Python that fetches it (``[0]`` and ``['mask']`` for inputs,
-    ``output[0]`` for outputs). ``stats`` is None when statistics were off or the tensor cannot
-    be summarised (complex, sparse, ``meta``). ``source`` names the call that returned this very
-    tensor earlier in the pass (``"layer1.0.relu#0"``), or is None when it came from outside a
-    traced module (the model's input, a functional op between modules). ``histogram`` is the
-    distribution of its values when the trace was taken with ``histograms=True``.
+    ``what`` says whether the call took it (``"input"``) or returned it (``"output"``), and
+    ``path`` is where it sat in that value, reading like the Python that fetches it: ``""`` for
+    the value itself, ``"[0]"``, ``"['mask']"``, ``".logits"``; :attr:`label` joins the two as
+    tables and messages show them (``output[0]``, ``input['mask']``). ``stats`` is None when
+    statistics were off or the tensor cannot be summarised (complex, sparse, ``meta``).
+    ``source`` names the call that returned this very tensor earlier in the pass
+    (``"layer1.0.relu#0"``), or is None when it came from outside a traced module (the model's
+    input, a functional op between modules). ``histogram`` is the distribution of its values
+    when the trace was taken with ``histograms=True``.
     """
 
     path: str
@@ -34,6 +38,16 @@ class TensorInfo:
     stats: Stats | None = None
     source: str | None = None
     histogram: Histogram | None = None
+    what: LeafWhat = "output"
+
+    @property
+    def label(self) -> str:
+        """The leaf as shown: ``output``, ``output[0]``, ``input['mask']``."""
+        return leaf_label(self.what, self.path)
+
+    def describe(self) -> str:
+        """The leaf, its shape and dtype: ``input[0] [4, 64, 8, 8] float32``."""
+        return f"{self.label} {format_shape(self.shape)} {self.dtype}"
 
     @property
     def finite(self) -> bool | None:
@@ -43,6 +57,7 @@ class TensorInfo:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (statistics nested under ``"stats"``)."""
         described: dict[str, Any] = {
+            "what": self.what,
             "path": self.path,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -91,12 +106,10 @@ class TraceRow:
     def describe(self) -> str:
         """The call in words, for error notes.
 
-        For example ``'layer3.conv' (Conv2d, call 0) with inputs [0] [4, 64, 8, 8] float32``.
+        For example ``'layer3.conv' (Conv2d, call 0) with input[0] [4, 64, 8, 8] float32``.
         """
-        inputs = (
-            ", ".join(f"{info.path} {format_shape(info.shape)} {info.dtype}" for info in self.inputs) or "no tensors"
-        )
-        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call}) with inputs {inputs}"
+        inputs = ", ".join(info.describe() for info in self.inputs) or "no tensor input"
+        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call}) with {inputs}"
 
     @property
     def output(self) -> TensorInfo | None:

@@ -40,7 +40,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
     chosen = steps[-1] if step is None else next((s for s in steps if s.step == step), None)
     if chosen is None:
         raise SpecError(f"step {step} was not recorded; recorded steps: {[s.step for s in steps][:20]}")
-    records = [r for r in chosen.of(what) if r.path in ("output", "[0]", "output[0]") or r.what == "param"]  # type: ignore[arg-type]
+    records = [r for r in chosen.of(what) if r.path in ("", "[0]") or r.what == "param"]  # type: ignore[arg-type]
     if not records:
         raise SpecError(f"step {chosen.step} has no {what} records; try what='param' or 'grad_output'")
     labels = [record.column for record in records]

@@ -70,12 +70,12 @@
     if (!items.length) { box.appendChild(el("p", "no tensors")); return box; }
     var t = el("table");
     var head = el("tr");
-    ["path", "shape", "dtype", "device", "min", "max", "mean", "std", "mean |x|", "zeros", "NaN", "±Inf", "from"].forEach(function (h) { head.appendChild(el("th", h)); });
+    ["leaf", "shape", "dtype", "device", "min", "max", "mean", "std", "mean |x|", "zeros", "NaN", "±Inf", "from"].forEach(function (h) { head.appendChild(el("th", h)); });
     t.appendChild(head);
     items.forEach(function (item) {
       var tr = el("tr");
       var s = item.stats || {};
-      [item.path, item.shape, item.dtype, item.device, s.min, s.max, s.mean, s.std, s.abs_mean, s.zeros, s.nan, s.inf, item.source || ""].forEach(function (v) { tr.appendChild(el("td", v === undefined ? "" : v)); });
+      [item.leaf, item.shape, item.dtype, item.device, s.min, s.max, s.mean, s.std, s.abs_mean, s.zeros, s.nan, s.inf, item.source || ""].forEach(function (v) { tr.appendChild(el("td", v === undefined ? "" : v)); });
       t.appendChild(tr);
     });
     box.appendChild(t);
