@@ -268,9 +268,10 @@ class ThreadedDataParallel(nn.DataParallel):
     """nn.DataParallel's forward -- replicate, one thread per replica, all at once -- on the CPU
     and the meta device, which need no GPU; the outputs are returned per replica."""
 
-    def __init__(self, module: nn.Module, devices: list[str]) -> None:
+    def __init__(self, module: nn.Module, devices: list[str], *, one_by_one: bool = False) -> None:
         super().__init__(module)
         self.replica_devices = devices
+        self.one_by_one = one_by_one  # each thread started after the last ended: Python reuses its ident
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         chunks = x.chunk(len(self.replica_devices))
@@ -285,6 +286,8 @@ class ThreadedDataParallel(nn.DataParallel):
         threads = [threading.Thread(target=run, args=(i, d)) for i, d in enumerate(self.replica_devices)]
         for thread in threads:
             thread.start()
+            if self.one_by_one:
+                thread.join(timeout=60)
         for thread in threads:
             thread.join(timeout=60)
         for value in results.values():
@@ -362,6 +365,22 @@ def test_two_replicas_on_one_device_are_refused() -> None:
     refused = pytest.raises(hs.errors.CaptureError, match="two DataParallel replicas ran on cpu")
     with refused, hs.capture(parallel, "0"):
         parallel(torch.randn(4, 4))
+
+
+def test_replicas_run_one_after_another_are_still_told_apart() -> None:
+    """A thread's ident is reused by the next thread once it has ended; replicas are kept apart
+    by the thread itself, so the second replica neither joins the first's cache nor its count."""
+    torch.manual_seed(0)
+    parallel = ThreadedDataParallel(nn.Sequential(nn.Linear(4, 4)), ["cpu", "meta"], one_by_one=True)
+    x = torch.randn(4, 4)
+    with hs.capture(parallel, "0") as cap:
+        parallel(x)
+    assert sorted(cap.replicas) == ["cpu", "meta"]
+    torch.testing.assert_close(cap.replicas["cpu"]["0"], parallel.module(x[:2]))
+    assert cap.replicas["meta"]["0"].device.type == "meta"
+    same = ThreadedDataParallel(nn.Sequential(nn.Linear(4, 4)), ["cpu", "cpu"], one_by_one=True)
+    with pytest.raises(hs.errors.CaptureError, match="two DataParallel replicas ran on cpu"), hs.capture(same, "0"):
+        same(x)
 
 
 def test_a_wrapped_models_own_module_attribute_keeps_its_own_name() -> None:

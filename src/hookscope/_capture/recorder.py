@@ -97,7 +97,8 @@ class Capture(Scoped):
             "meta": meta,
         }
         self._keeper = Keeper(**self._keeper_options)
-        self._replica_keepers: dict[int, tuple[str, Keeper]] = {}  # thread -> (device, keeper)
+        # Thread (the object, kept alive: a finished thread's ident is reused) -> (device, keeper).
+        self._replica_keepers: dict[threading.Thread, tuple[str, Keeper]] = {}
         self._replica_lock = threading.Lock()
         self._pending: set[int] = set()
         self._stopped = False
@@ -166,7 +167,7 @@ class Capture(Scoped):
         self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any
     ) -> None:
         """Keep a replica's values in its device's cache (copies: no in-place guard on worker threads)."""
-        thread = threading.get_ident()
+        thread = threading.current_thread()
         kept = self._replica_keepers.get(thread)
         if kept is None:
             if self._keep_passes:

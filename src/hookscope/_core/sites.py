@@ -209,7 +209,10 @@ class CallTracker:
         self._thread = 0
         self._lock = threading.RLock()  # re-entrant: a listener may run the model again
         self._originals: dict[int, int] = {}  # id of a watched module's hook dict -> id of the module
-        self._replicas: dict[int, _ReplicaCalls] = {}  # thread -> its replicas' calls, in this pass
+        # Thread -> its replicas' calls, in this pass. Keyed by the thread object, which the
+        # dict keeps alive: a finished thread's ident is reused by the next one Python starts,
+        # so two replicas run one after the other would otherwise share one numbering.
+        self._replicas: dict[threading.Thread, _ReplicaCalls] = {}
         #: True during a pass that autograd runs inside a backward pass: a checkpointed block
         #: (``torch.utils.checkpoint``) recomputing its forward. Features that record the forward
         #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
@@ -316,7 +319,7 @@ class CallTracker:
 
     def in_replica(self) -> bool:
         """True on a thread running ``nn.DataParallel`` replicas of the watched modules in this pass."""
-        return bool(self._replicas) and threading.get_ident() in self._replicas
+        return bool(self._replicas) and threading.current_thread() in self._replicas
 
     def _enter_replica(self, module: nn.Module) -> int:
         """A call on another thread while the pass is open: numbered on its own if it is a replica
@@ -329,14 +332,14 @@ class CallTracker:
         replica = self._replica_calls()
         if replica is None:
             with self._lock:
-                replica = self._replicas.setdefault(threading.get_ident(), _ReplicaCalls())
+                replica = self._replicas.setdefault(threading.current_thread(), _ReplicaCalls())
         index = replica.counts.get(original, 0)
         replica.counts[original] = index + 1
         replica.open.setdefault(original, []).append(index)
         return index
 
     def _replica_calls(self) -> _ReplicaCalls | None:
-        return self._replicas.get(threading.get_ident())
+        return self._replicas.get(threading.current_thread())
 
     def _replica_stack(self, module: nn.Module) -> list[int] | None:
         """This thread's open calls of the original that ``module`` is a replica of."""
