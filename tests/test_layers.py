@@ -90,6 +90,7 @@ def test_sample_run_uses_eval_mode_no_grad_and_restores() -> None:
     assert hs.attached(model) == []
 
 
+@pytest.mark.transformers
 def test_gpt2_calls_and_tied_weights() -> None:
     model = tiny_gpt2()
     table = hs.layers(model, gpt2_input())
