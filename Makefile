@@ -9,18 +9,29 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench browser install install-dev clean
+.PHONY: demo test test-fast coverage lint bench browser install install-dev clean FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-install: $(BIN)/python
+# Each install leaves a stamp in the venv and runs again only when pyproject.toml, this Makefile
+# or TORCH changed since, so `make lint` twice does no pip work the second time.
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# The TORCH last installed; rewritten (and so newer than the stamps) only when it changes.
+$(VENV)/.torch: FORCE | $(BIN)/python
+	@echo "$(TORCH)" | cmp -s - $@ || echo "$(TORCH)" > $@
+
+$(VENV)/.installed: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) -e ".[report]"
+	touch $@
 
-install-dev: $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) -e ".[dev]"
+	touch $@
 
 demo: install
 	$(BIN)/hookscope demo
@@ -37,6 +48,19 @@ browser:
 test: lint browser
 	$(BIN)/python -m pytest
 
+# The edit-test loop: everything but the tests marked slow (compile, distributed, browser, and
+# any test of a second or more); under 90 s on 2 cores. `make test` runs them all.
+test-fast: install-dev
+	$(BIN)/python -m pytest -m "not slow"
+
+# The whole suite under coverage.py; prints the files below 100% and the total line coverage of
+# src/hookscope (code run only in a subprocess the tests start is not counted).
+coverage: install-dev
+	$(BIN)/python -m coverage erase
+	$(BIN)/python -m coverage run -m pytest
+	$(BIN)/python -m coverage report --skip-covered --sort=cover
+	@echo "Line coverage of src/hookscope: $$($(BIN)/python -m coverage report --format=total)%"
+
 bench: install-dev
 	$(BIN)/python bench/bench_hooks.py
 	$(BIN)/python bench/bench_capture.py
@@ -48,4 +72,5 @@ bench: install-dev
 	$(BIN)/python bench/bench_compile.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
+		.coverage .coverage.*

@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 from typing import Any
 
+import pytest
+
 import hookscope
 
 _from_module = doctest.DocTestFinder._from_module
@@ -27,3 +29,16 @@ def _from_defining_module(self: doctest.DocTestFinder, module: Any, candidate: A
 
 
 doctest.DocTestFinder._from_module = _from_defining_module  # type: ignore[method-assign]
+
+
+#: Doctests that need the markers a test function would carry; a doctest cannot be decorated.
+DOCTEST_MARKS = {
+    "hookscope.demo.tour.run_tour": ("slow", "transformers"),  # the whole tour: a GPT-2, a report
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.DoctestItem):
+            for name in DOCTEST_MARKS.get(item.name, ()):
+                item.add_marker(getattr(pytest.mark, name))

@@ -320,6 +320,8 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_an_escaping_recorder_runs_its_hooks_eagerly_inside_compiled_code() -> None:
     """The eager model is hooked and its torch.compile wrapper called: every hook body of an
@@ -412,6 +414,8 @@ def gpt2() -> nn.Module:
     return tiny_gpt2()
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 @pytest.mark.parametrize("culprit", ["h.0.attn.c_attn", "h.1.mlp.c_fc", "ln_f"])
 def test_gpt2_nan_is_blamed_on_the_same_layer_as_plain_hooks_find(gpt2: nn.Module, culprit: str) -> None:
     ids = gpt2_input()
@@ -427,6 +431,7 @@ def test_gpt2_nan_is_blamed_on_the_same_layer_as_plain_hooks_find(gpt2: nn.Modul
     assert (raised.value.module, raised.value.call) == (culprit, 0)
 
 
+@pytest.mark.transformers
 def test_gpt2_nan_that_came_in_with_the_input_is_blamed_on_no_layer(gpt2: nn.Module) -> None:
     embeds = gpt2.wte(gpt2_input()).detach()
     embeds[0, 0, 0] = math.nan
@@ -469,6 +474,7 @@ def reference_divergence(a: nn.Module, b: nn.Module, ids: torch.Tensor, rtol: fl
     raise AssertionError("the two models agree everywhere")
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize(("changed", "introduced"), [("h.0.attn.c_proj", True), ("h.1.ln_2", True)])
 def test_gpt2_first_divergence_is_where_plain_hooks_see_the_models_part(
     gpt2: nn.Module, changed: str, introduced: bool
@@ -484,6 +490,7 @@ def test_gpt2_first_divergence_is_where_plain_hooks_see_the_models_part(
     assert (divergence.row.name, divergence.introduced) == expected
 
 
+@pytest.mark.transformers
 def test_gpt2_a_difference_in_the_input_comes_in_at_the_first_layer(gpt2: nn.Module) -> None:
     """The embeddings differ: the first divergence is the first call, handed the difference."""
     embeds = gpt2.wte(gpt2_input()).detach()

@@ -184,6 +184,7 @@ class TestWhatIsKept:
         with pytest.raises(hs.SiteNotFoundError, match=r"holds 2 tensors; name one of: 'dict_out:output\['a'\]'"):
             cache["dict_out"]
 
+    @pytest.mark.transformers
     def test_model_output_of_gpt2(self) -> None:
         model = tiny_gpt2()
         ids = gpt2_input()
@@ -199,6 +200,7 @@ class TestWhatIsKept:
         assert torch.equal(cache[":output.hidden_states[2]"], reference.hidden_states[2])
         assert torch.equal(out.last_hidden_state, reference.last_hidden_state)
 
+    @pytest.mark.transformers
     def test_resnet_from_transformers_with_plus_equals(self) -> None:
         model = tiny_resnet()
         x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -270,6 +272,7 @@ class TestWhatIsKept:
 
 
 class TestStop:
+    @pytest.mark.transformers
     def test_stop_returns_the_same_values_as_a_full_run(self) -> None:
         model = tiny_gpt2()
         ids = gpt2_input()
@@ -317,6 +320,7 @@ class TestBudget:
 
 
 class TestMemory:
+    @pytest.mark.slow
     def test_repeated_captures_hold_no_graph_and_do_not_grow(self) -> None:
         model = SmallCNN()
 

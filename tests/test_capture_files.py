@@ -302,6 +302,7 @@ def test_the_public_names_are_the_functions_cache_save_and_load_use(tmp_path: Pa
     assert hs.load(tmp_path / "d.pt").meta == {"model": "other"}
 
 
+@pytest.mark.slow
 def test_missing_safetensors_package_is_named(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """

@@ -67,6 +67,7 @@ class TestGuard:
         with pytest.raises(hs.CaptureError, match="changed in place after it was captured"):
             cache["fc"]
 
+    @pytest.mark.transformers
     def test_sites_holding_one_view_share_one_copy(self) -> None:
         from tests.models import tiny_resnet
 

@@ -48,6 +48,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("hookscope 0.")
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_demo_runs_and_saves_conv1_features(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run_cli(capsys, "demo", "--out", str(tmp_path))
     assert code == 0, err
@@ -76,6 +78,8 @@ def test_demo_into_an_unwritable_place_is_a_one_line_error(capsys: pytest.Captur
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_tour_steps_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     run_tour(tmp_path, write=lines.append)
@@ -105,6 +109,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     assert hs.open_store(tmp_path / "features.zarr")["conv1"].shape == (512, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("hookscope", path=os.path.dirname(sys.executable)) is None, reason="not installed")
 def test_console_script_without_arguments() -> None:
     script = shutil.which("hookscope", path=os.path.dirname(sys.executable))
@@ -114,6 +119,8 @@ def test_console_script_without_arguments() -> None:
     assert "Traceback" not in done.stdout + done.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_python_dash_m(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hookscope", "demo", "--out", str(tmp_path)],
@@ -154,6 +161,7 @@ class TestCaptureCommand:
         assert torch.equal(cache["conv1:input"], args[0]), "the sample input is seeded, so runs repeat"
         assert sorted({site.module for site in cache.sites()}) == ["conv1", "fc"]
 
+    @pytest.mark.transformers
     def test_transformers_model_with_reduce_and_stop(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         import hookscope as hs
 

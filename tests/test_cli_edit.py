@@ -24,6 +24,7 @@ def test_an_edit_that_changes_nothing_reports_zero(capsys: pytest.CaptureFixture
     assert "max |delta| 0, mean |delta| 0, cosine similarity 1.000000" in out
 
 
+@pytest.mark.transformers
 def test_several_edits_on_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
     model = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2"
     code, out, err = run_cli(

@@ -31,6 +31,7 @@ def test_random_rows_through_a_demo_cnn(capsys: pytest.CaptureFixture[str], tmp_
     assert store.meta["command"] == f"hookscope extract demo:cnn --data random:40:3x32x32 -l conv1,fc -o {out} -b 16"
 
 
+@pytest.mark.transformers
 def test_gpt2_tokens_with_reductions_per_layer(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "f.zarr"
     argv = ["extract", GPT2, "--data", "random:24:12", "-l", "h.0,h.1,ln_f", "-o", str(out), "-b", "8"]
@@ -73,6 +74,7 @@ def test_tensor_files(capsys: pytest.CaptureFixture[str], tmp_path: Path, suffix
     assert np.allclose(hs.open_store(out)["fc"][:], expected, atol=1e-6)
 
 
+@pytest.mark.transformers
 def test_several_arrays_are_keyword_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     ids = torch.randint(0, 64, (6, 8))
     mask = torch.ones(6, 8, dtype=torch.long)

@@ -47,6 +47,7 @@ def test_grads_flags_a_vanishing_mlp(
     assert "vanishing 0#0: norm below 0.0001 of the largest layer's (steps 0-2)" in out
 
 
+@pytest.mark.transformers
 def test_grads_of_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "grads", "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2", "-s", "2x8", "-n", "2")
     assert code == 0, err

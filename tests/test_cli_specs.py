@@ -90,6 +90,7 @@ def test_a_module_instance_is_used_as_it_is(factories: Path) -> None:
     assert first is not second  # the file is loaded afresh under its own private module name
 
 
+@pytest.mark.transformers
 def test_hf_config_builds_random_weights_with_overrides() -> None:
     gpt2 = load_model(GPT2)
     assert type(gpt2).__name__ == "GPT2Model"
@@ -101,6 +102,7 @@ def test_hf_config_builds_random_weights_with_overrides() -> None:
     assert getattr(bert.config, "num_hidden_layers", None) == 1
 
 
+@pytest.mark.transformers
 def test_hf_config_override_values_are_typed() -> None:
     model = load_model(GPT2 + "&layer_norm_epsilon=0.001&scale_attn_weights=false&activation_function=relu")
     config: Any = model.config
@@ -127,7 +129,11 @@ def test_hf_config_override_values_are_typed() -> None:
         ("hookscope.errors:__doc__", ["'__doc__' is str", "a factory function"]),
         ("hf-config:gtp2", ["transformers knows no model_type 'gtp2'", "did you mean 'gpt2'"]),
         ("hf-config:gpt2?n_layer", ["override 'n_layer' is not key=value"]),
-        ("hf-config:gpt2?n_embd=30&n_head=4", ["building 'gpt2' raised", "check the overrides"]),
+        pytest.param(
+            "hf-config:gpt2?n_embd=30&n_head=4",
+            ["building 'gpt2' raised", "check the overrides"],
+            marks=pytest.mark.transformers,
+        ),
     ],
 )
 def test_bad_specs_say_what_was_given_and_how_to_fix_it(spec: str, hints: list[str]) -> None:
@@ -243,6 +249,7 @@ def test_no_default_input_asks_for_a_shape() -> None:
     assert args[0].shape == (2, 4)
 
 
+@pytest.mark.transformers
 def test_token_model_gets_input_ids_within_the_vocabulary() -> None:
     model = load_model(GPT2)
     args, kwargs = make_input(model, None, dtype="bf16")  # dtype leaves token ids alone
@@ -258,6 +265,7 @@ def test_token_model_gets_input_ids_within_the_vocabulary() -> None:
         make_input(model, "1x3x8")
 
 
+@pytest.mark.transformers
 def test_pixel_model_gets_pixel_values_of_its_configured_size() -> None:
     model = load_model(VIT)
     args, kwargs = make_input(model, None)
@@ -288,6 +296,7 @@ def test_layers_no_run_and_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("input: (2, 3, 8, 8) bfloat16\n")
 
 
+@pytest.mark.transformers
 def test_layers_hf_config_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "layers", GPT2)
     assert code == 0, err

@@ -59,6 +59,7 @@ def test_trace_depth_filter_and_timing(capsys: pytest.CaptureFixture[str]) -> No
     assert "self ms" in out
 
 
+@pytest.mark.transformers
 def test_trace_gpt2_in_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(
         capsys, "trace", "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2", "-s", "2x8", "--dtype", "bf16", "--depth", "2"

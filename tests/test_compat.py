@@ -104,6 +104,7 @@ def test_edits_apply_in_the_recomputation_too(reentrant: bool) -> None:
     torch.testing.assert_close(grads[0], grads[1])  # a recomputation without the edit would differ
 
 
+@pytest.mark.transformers
 def test_transformers_gradient_checkpointing() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2Model
@@ -125,6 +126,7 @@ def test_transformers_gradient_checkpointing() -> None:
     assert sorted(r.layer for r in monitor.records[-1].of("grad_output")) == ["h.0#0", "h.1#0"]  # once each
 
 
+@pytest.mark.transformers
 def test_a_generation_loop_keeps_one_cache_per_forward() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -23,7 +23,11 @@ from tests.models import Handshake
 
 # Dynamo reads .grad of the tensors alive where it breaks a graph; a pass opening or ending inside
 # compiled code is such a break (hookscope runs it eagerly). The warning is Dynamo's own.
-pytestmark = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+    pytest.mark.compile,
+    pytest.mark.slow,
+]
 
 
 def mlp() -> nn.Sequential:
@@ -227,6 +231,7 @@ def test_inductor_capture_and_trace_equal_eager(x: torch.Tensor) -> None:
     assert relu.zero_frac == want.zero_frac
 
 
+@pytest.mark.transformers
 def test_gpt2_compiled_with_graph_breaks_recompiles_with_the_hooks() -> None:
     """GPT-2 compiles as its own frame (``GPT2Model.forward``): stale code found there too."""
     transformers = pytest.importorskip("transformers")

@@ -99,6 +99,7 @@ def test_accuracy_restores_the_training_flag() -> None:
     assert model.training
 
 
+@pytest.mark.slow
 def test_main_writes_a_loadable_file_atomically(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "weights" / "model.safetensors"
     assert main(["--out", str(out), "--epochs", "1", "--seed", "4"]) == 0
@@ -119,6 +120,7 @@ def test_main_refuses_zero_epochs(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_default_training_is_accurate_and_leaves_the_rng_alone() -> None:
     lines: list[str] = []
     torch.manual_seed(11)

@@ -37,6 +37,7 @@ class Renamed(nn.Module):
         return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", range(6))
 def test_a_perturbed_weight_is_found_at_its_layer(k: int) -> None:
     a = mlp()
@@ -87,6 +88,7 @@ def test_metrics_against_float64_references() -> None:
     assert not metrics.within(rtol=0.0, atol=metrics.max_abs * 0.99)
 
 
+@pytest.mark.transformers
 def test_gpt2_float32_against_bfloat16() -> None:
     model = tiny_gpt2()
     d = hs.diff.dtypes(model, input_ids=gpt2_input(), dtype=torch.bfloat16)
@@ -112,6 +114,7 @@ def test_autocast_against_the_same_model() -> None:
     assert d.only_b == []
 
 
+@pytest.mark.slow
 def test_a_renamed_copy_by_order_and_by_mapping() -> None:
     a = mlp()
     b = track(Renamed(a).eval())
@@ -223,6 +226,8 @@ def test_a_forward_that_raises_leaves_no_hook() -> None:
     assert attached(a) == []
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_and_devices() -> None:
     a = mlp()
     x = torch.randn(4, 8)
@@ -234,6 +239,7 @@ def test_compiled_and_devices() -> None:
     assert len(same) == 7
 
 
+@pytest.mark.transformers
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cpu_against_cuda() -> None:
     d = hs.diff.devices(tiny_gpt2(), input_ids=gpt2_input(), device="cuda")
@@ -241,6 +247,7 @@ def test_cpu_against_cuda() -> None:
     assert all((row.metrics is not None and math.isfinite(row.metrics.sqnr_db)) or row.metrics.exact for row in d)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_table_pandas_html_and_profile(tmp_path: Path) -> None:
     a = mlp()
     b = copy.deepcopy(a)
@@ -300,6 +307,7 @@ class TestDiffCommand:
         script.write_text(NETS)
         return script
 
+    @pytest.mark.slow
     def test_exit_0_when_within_and_1_at_a_divergence(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         nets = self.write_models(tmp_path)
         code, out, err = run_cli(capsys, "diff", f"{nets}:reference", f"{nets}:reference", "-s", "2x8")
@@ -313,12 +321,14 @@ class TestDiffCommand:
         assert "this layer introduced the difference" in out
         assert (tmp_path / "d.csv").read_text().startswith("order,name,name_b")
 
+    @pytest.mark.slow
     def test_mapping_and_order(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         nets = self.write_models(tmp_path)
         a, b = f"{nets}:reference", f"{nets}:Renamed"
         assert run_cli(capsys, "diff", a, b, "-s", "2x8", "--map", "*=h.*")[0] == 0
         assert run_cli(capsys, "diff", a, b, "-s", "2x8", "--by-order")[0] == 0
 
+    @pytest.mark.slow
     def test_dtype_and_tolerance(self, capsys: pytest.CaptureFixture[str]) -> None:
         code, out, _ = run_cli(
             capsys, "diff", "demo:cnn", "demo:cnn", "--dtype", "bf16", "--rtol", "0.05", "--atol", "0.01"
@@ -415,6 +425,7 @@ def test_captures_with_containers_blame_the_leaf() -> None:
     assert "inputs were not compared" in str(late)
 
 
+@pytest.mark.slow
 def test_non_finite_values_in_the_same_places_are_equal() -> None:
     torch.manual_seed(0)
     a = track(nn.Sequential(nn.Linear(4, 4), nn.Softplus(), nn.Identity()).eval())
@@ -437,6 +448,7 @@ def test_non_finite_values_in_the_same_places_are_equal() -> None:
     assert exact_ints.max_abs == 1.0
 
 
+@pytest.mark.slow
 def test_inference_mode_and_positional_targets() -> None:
     a = mlp()
     with torch.inference_mode():

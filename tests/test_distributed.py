@@ -13,9 +13,15 @@ import pytest
 from tests.dist_targets import close, every_check
 from tests.distributed import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not __import__("torch").distributed.is_available(), reason="this torch has no torch.distributed"
-)
+# The ranks build a GPT-2 too (one spawn runs every check).
+pytestmark = [
+    pytest.mark.skipif(
+        not __import__("torch").distributed.is_available(), reason="this torch has no torch.distributed"
+    ),
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.transformers,
+]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from hookscope.errors import EditError, SpecError
 from tests.models import KeywordOnly, SharedTwice, SmallCNN, gpt2_input, tiny_gpt2, track
 
 
+@pytest.mark.transformers
 def test_the_identity_edit_changes_nothing_bit_for_bit() -> None:
     model = tiny_gpt2()
     ids = gpt2_input()
@@ -23,6 +24,7 @@ def test_the_identity_edit_changes_nothing_bit_for_bit() -> None:
     assert torch.equal(plain, edited)
 
 
+@pytest.mark.transformers
 def test_patching_every_block_reproduces_the_clean_run_bit_for_bit() -> None:
     model = tiny_gpt2()
     clean_ids = gpt2_input()
@@ -62,6 +64,7 @@ def test_zeroing_a_conv_channel_equals_zeroing_the_next_input_by_hand() -> None:
     assert torch.equal(out, want)
 
 
+@pytest.mark.transformers
 def test_steering_one_position_leaves_earlier_positions_alone() -> None:
     model = tiny_gpt2()
     ids = gpt2_input()
@@ -75,6 +78,7 @@ def test_steering_one_position_leaves_earlier_positions_alone() -> None:
     assert not torch.allclose(steered[:, 3:], plain[:, 3:])
 
 
+@pytest.mark.slow
 def test_scale_clamp_replace_noise_and_heads() -> None:
     model = track(nn.Sequential(nn.Identity()))
     x = torch.arange(8.0).view(1, 2, 4)
@@ -171,6 +175,7 @@ def test_input_edits_reach_keyword_inputs() -> None:
     assert torch.equal(out, want)
 
 
+@pytest.mark.transformers
 def test_a_wrong_shape_is_an_edit_error_naming_the_site_and_no_hook_stays() -> None:
     model = tiny_gpt2()
     with pytest.raises(EditError, match=r"h\.1#0:output: the edit returned shape \(2, 8\)") as raised:

@@ -97,6 +97,7 @@ def test_structured_outputs_store_each_tensor(tmp_path: Path) -> None:
     assert np.allclose(store["dataclass_out"][:], ((x * 2 + 1) * 3).numpy())
 
 
+@pytest.mark.transformers
 def test_gpt2_token_reductions_use_only_real_tokens(tmp_path: Path) -> None:
     model = tiny_gpt2()
     lengths = torch.tensor([10, 7, 3, 10, 1, 5])
@@ -216,6 +217,7 @@ def test_indices_pick_rows_in_their_order(tmp_path: Path) -> None:
     assert np.allclose(store["fc"][:], expected, atol=1e-6)
 
 
+@pytest.mark.transformers
 def test_keyword_columns_and_a_custom_inputs_function(tmp_path: Path) -> None:
     model = tiny_gpt2()
     ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(2))
@@ -257,6 +259,7 @@ def test_a_layer_not_in_the_model_names_the_closest(tmp_path: Path) -> None:
     assert not attached(model)
 
 
+@pytest.mark.transformers
 def test_batches_of_inconsistent_shapes_name_the_site(tmp_path: Path) -> None:
     model = tiny_gpt2()
     batches = [torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 5))]
@@ -335,6 +338,7 @@ def test_a_run_that_failed_part_way_resumes_to_the_same_bits(tmp_path: Path) -> 
     assert whole.meta["chunks"] == 4
 
 
+@pytest.mark.slow
 def test_a_different_configuration_is_refused_with_every_difference(tmp_path: Path) -> None:
     model = SmallCNN().eval()
     images = torch.randn(16, 3, 32, 32)
@@ -460,6 +464,7 @@ def test_disk_full_part_way_keeps_a_truthful_manifest_and_resumes(tmp_path: Path
     assert store_files(tmp_path / "f.zarr") == store_files(tmp_path / "whole.zarr")
 
 
+@pytest.mark.transformers
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rows_through_pinned_copies_equal_the_forward(tmp_path: Path) -> None:
     model = tiny_gpt2().cuda()

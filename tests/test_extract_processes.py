@@ -15,6 +15,8 @@ import pytest
 
 from tests.test_extract import store_files
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 NETS = """
 import os
 import time

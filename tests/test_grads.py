@@ -129,6 +129,7 @@ def test_checkpointed_blocks_are_counted_once(reentrant: bool) -> None:
     assert norms(step, "grad_output")["block.0#0:output"] == pytest.approx(want.norm().item(), rel=1e-6)
 
 
+@pytest.mark.transformers
 def test_gpt2_block_gradients_equal_autograd() -> None:
     model = tiny_gpt2()  # eval mode: no dropout, so the reference forward is the same function
     ids = gpt2_input()
@@ -298,6 +299,7 @@ def test_the_same_mlp_initialised_for_the_sigmoid_is_not_flagged() -> None:
     assert monitor.summary().layers("vanishing") == []
 
 
+@pytest.mark.slow
 def test_plots_draw_the_recorded_steps(tmp_path: Any) -> None:
     from matplotlib.image import imread
 

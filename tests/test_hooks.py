@@ -350,6 +350,7 @@ def track_plain(model: nn.Module) -> nn.Module:
 
 
 class TestRealModels:
+    @pytest.mark.transformers
     def test_gpt2_blocks_tuple_outputs_and_replacement(self) -> None:
         model = tiny_gpt2()
         ids = gpt2_input()

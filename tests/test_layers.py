@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,34 @@ import hookscope as hs
 from tests.models import KeywordOnly, Looped, Nested, SharedTwice, SmallCNN, gpt2_input, tiny_gpt2, track
 
 GOLDEN = Path(__file__).parent / "golden"
+#: Set to 1 to write the golden files from what the code prints now (then review the diff and commit).
+UPDATE_GOLDEN = "HOOKSCOPE_UPDATE_GOLDEN"
 
 
 def check_golden(name: str, text: str) -> None:
-    """Compare with tests/golden/NAME; HOOKSCOPE_UPDATE_GOLDEN=1 rewrites the file instead."""
+    """Compare with tests/golden/NAME; ``HOOKSCOPE_UPDATE_GOLDEN=1`` writes the file instead.
+
+    A missing file fails the test: written silently, it would pass whatever the code printed.
+    """
     path = GOLDEN / name
-    if os.environ.get("HOOKSCOPE_UPDATE_GOLDEN"):
+    hint = f"{UPDATE_GOLDEN}=1 pytest {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}"
+    if os.environ.get(UPDATE_GOLDEN) == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
-    assert text + "\n" == path.read_text()
+    if not path.is_file():
+        pytest.fail(f"golden file {path} is missing; write it with `{hint}`, review it and commit it")
+    assert text + "\n" == path.read_text(), f"{path} differs; if the change is intended: `{hint}`"
+
+
+def test_a_missing_golden_fails_and_says_how_to_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "GOLDEN", tmp_path)
+    monkeypatch.delenv(UPDATE_GOLDEN, raising=False)
+    with pytest.raises(pytest.fail.Exception, match=f"is missing; write it with `{UPDATE_GOLDEN}=1 pytest tests/"):
+        check_golden("new.txt", "a table")
+    assert not (tmp_path / "new.txt").exists()
+    monkeypatch.setenv(UPDATE_GOLDEN, "1")
+    check_golden("new.txt", "a table")
+    assert (tmp_path / "new.txt").read_text() == "a table\n"
 
 
 def test_small_cnn_table_golden() -> None:
@@ -90,6 +111,7 @@ def test_sample_run_uses_eval_mode_no_grad_and_restores() -> None:
     assert hs.attached(model) == []
 
 
+@pytest.mark.transformers
 def test_gpt2_calls_and_tied_weights() -> None:
     model = tiny_gpt2()
     table = hs.layers(model, gpt2_input())

@@ -15,6 +15,8 @@ import hookscope as hs
 from tests.conftest import raw_hook_count
 from tests.models import Tracked
 
+pytestmark = pytest.mark.slow
+
 
 class Flaky(Tracked):
     """Two blocks; raises between them while ``fail`` is set."""

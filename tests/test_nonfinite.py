@@ -160,6 +160,7 @@ def test_a_forward_that_raises_keeps_its_own_error() -> None:
         model(torch.randn(2, 4))
 
 
+@pytest.mark.transformers
 def test_gpt2_runs_clean_and_a_nan_weight_is_found() -> None:
     from tests.models import gpt2_input, tiny_gpt2
 

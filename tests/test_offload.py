@@ -62,6 +62,7 @@ def test_offloaded_weights_are_meta_outside_the_forward(recipe: Offload, tmp_pat
     assert all(parameter.is_meta for parameter in model.parameters())
 
 
+@pytest.mark.slow
 def test_capture_and_trace_equal_the_plain_model(recipe: Offload, tmp_path: Path) -> None:
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     plain = mlp()
@@ -120,6 +121,8 @@ def test_a_meta_weight_nobody_holds_is_named() -> None:
         real_value(layer, "weight", layer.weight)
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_gpt2_offloaded_captures_and_diffs_as_the_plain_model(tmp_path: Path) -> None:
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     plain = gpt2()

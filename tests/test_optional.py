@@ -41,6 +41,7 @@ def test_too_old_a_version_is_refused_with_the_upgrade_line() -> None:
     assert require("numpy", purpose="this test", minimum=(1,)).__name__ == "numpy"
 
 
+@pytest.mark.slow
 def test_plots_without_matplotlib_say_which_extra_to_install() -> None:
     """A real interpreter in which matplotlib cannot be imported (a None entry in sys.modules)."""
     code = (

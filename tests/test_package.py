@@ -22,6 +22,7 @@ def test_all_is_sorted_and_complete() -> None:
         assert hasattr(hs, name), name
 
 
+@pytest.mark.slow
 def test_import_is_light() -> None:
     heavy = ["typer", "rich", "matplotlib", "zarr", "jinja2", "transformers", "pandas", "tensorboard", "safetensors"]
     code = f"import sys, hookscope; print(sorted(set({heavy!r}) & set(sys.modules)))"

@@ -146,6 +146,7 @@ class TestFeatureMaps:
         with pytest.raises(hs.SpecError, match="max_channels=0"):
             hs.plots.feature_maps(torch.zeros(3, 4, 4), max_channels=0)
 
+    @pytest.mark.transformers
     def test_resnet_from_transformers(self, tmp_path: Path) -> None:
         model = tiny_resnet()
         with hs.capture(model, "embedder") as cache, torch.no_grad():
@@ -183,6 +184,7 @@ class TestHistograms:
         assert titles[0] == "0#0"
         assert titles[-1] == "39#0"
 
+    @pytest.mark.transformers
     def test_gpt2_from_transformers(self, tmp_path: Path) -> None:
         t = hs.trace(tiny_gpt2(), gpt2_input(), histograms=True)
         fig = hs.plots.histograms(t, layers="h.*.mlp")
@@ -226,6 +228,7 @@ class TestLayerStats:
         crosses = fig.axes[0].collections[-1]
         assert crosses.get_offsets()[:, 0].tolist() == [1.0]
 
+    @pytest.mark.transformers
     def test_gpt2_blocks(self, tmp_path: Path) -> None:
         t = hs.trace(tiny_gpt2(), gpt2_input())
         fig = hs.plots.layer_stats(t, layers=r"re:h\.\d+$")

@@ -39,6 +39,7 @@ def external_references(page: str) -> list[str]:
     return [target for target in found if not target.startswith(("data:", "#"))]
 
 
+@pytest.mark.slow
 def test_a_report_holds_every_section(tmp_path: Path) -> None:
     model = SmallCNN()
     labels = torch.tensor([1, 2])
@@ -71,6 +72,7 @@ def test_a_report_holds_every_section(tmp_path: Path) -> None:
     assert not list(out.parent.glob("*.partial"))
 
 
+@pytest.mark.slow
 def test_names_and_title_are_escaped(tmp_path: Path) -> None:
     out = hs.report(evil_model(), torch.randn(1, 3, 8, 8), out=tmp_path / "r.html", title=EVIL)
     page = out.read_text(encoding="utf-8")
@@ -82,6 +84,7 @@ def test_names_and_title_are_escaped(tmp_path: Path) -> None:
     assert re.search(r'<tr class="row bad"[^>]*data-name="head linear"', page)
 
 
+@pytest.mark.slow
 def test_gradients_are_measured_and_the_grads_put_back(tmp_path: Path) -> None:
     model = SmallCNN()
     marker = torch.full_like(model.fc.weight, 7.0)
@@ -95,6 +98,7 @@ def test_gradients_are_measured_and_the_grads_put_back(tmp_path: Path) -> None:
     assert "One backward pass of loss_fn(output), loss " in page
 
 
+@pytest.mark.slow
 def test_a_monitor_of_several_steps(tmp_path: Path) -> None:
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,6 +113,7 @@ def test_a_monitor_of_several_steps(tmp_path: Path) -> None:
     assert page.count("data:image/png") == 6  # flow and history on top of the four activation figures
 
 
+@pytest.mark.slow
 def test_sites_choose_what_is_drawn(tmp_path: Path) -> None:
     page = hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", layers="conv1").read_text()
     assert page.count("data:image/png") == 3  # depth, histograms, conv1's feature maps
@@ -118,6 +123,7 @@ def test_sites_choose_what_is_drawn(tmp_path: Path) -> None:
     assert none.read_text().count("data:image/png") == 1  # the depth plot alone
 
 
+@pytest.mark.slow
 def test_a_large_model_draws_a_subset(tmp_path: Path) -> None:
     blocks = [nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU()) for _ in range(300)]
     model = track(nn.Sequential(*blocks).eval())
@@ -128,6 +134,8 @@ def test_a_large_model_draws_a_subset(tmp_path: Path) -> None:
     assert len(page) < 3_000_000
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_transformers_models(tmp_path: Path) -> None:
     gpt2 = tiny_gpt2()
     page = hs.report(
@@ -169,6 +177,7 @@ class Looping(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_reused_module_draws_the_chosen_calls_only(tmp_path: Path) -> None:
     page = hs.report(track(Looping().eval()), torch.randn(2, 4), out=tmp_path / "loop.html").read_text()
     assert page.count('class="row') == 601
@@ -195,6 +204,7 @@ class PairOut(nn.Module):
         return x * 2, x.mean()
 
 
+@pytest.mark.slow
 def test_names_that_look_like_patterns_and_tuple_outputs(tmp_path: Path) -> None:
     page = hs.report(track(Awkward().eval()), torch.randn(1, 3, 12, 12), out=tmp_path / "r.html").read_text()
     for site in ("convs.a[0]#0", "convs.re:q#0", "convs.x*#0", "pair#0"):
@@ -202,6 +212,7 @@ def test_names_that_look_like_patterns_and_tuple_outputs(tmp_path: Path) -> None
     assert page.count('alt="feature maps of ') == 4
 
 
+@pytest.mark.slow
 def test_a_loss_that_reaches_no_parameter_is_refused(tmp_path: Path) -> None:
     model = SmallCNN()
     with pytest.raises(hs.SpecError, match="does not depend on any parameter"):
@@ -209,12 +220,14 @@ def test_a_loss_that_reaches_no_parameter_is_refused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_input_that_requires_grad_keeps_its_grad(tmp_path: Path) -> None:
     x = torch.randn(1, 3, 32, 32, requires_grad=True)
     hs.report(SmallCNN(), x, out=tmp_path / "r.html", loss_fn=lambda y: y.sum())
     assert x.grad is None
 
 
+@pytest.mark.slow
 def test_the_file_follows_the_umask(tmp_path: Path) -> None:
     previous = os.umask(0o077)
     try:
@@ -226,6 +239,7 @@ def test_the_file_follows_the_umask(tmp_path: Path) -> None:
     assert shared.stat().st_mode & 0o777 == 0o666 & ~previous
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -260,6 +274,7 @@ def test_loss_fn_and_grads_together_are_refused(tmp_path: Path) -> None:
 
 
 class TestReportCommand:
+    @pytest.mark.slow
     def test_writes_the_page_and_prints_its_path(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         out = tmp_path / "r.html"
         code, text, err = run_cli(capsys, "report", "demo:cnn", "--input-shape", "2x3x32x32", "-o", str(out))
@@ -268,6 +283,7 @@ class TestReportCommand:
         assert f"wrote {out}" in text
         assert "[2, 3, 32, 32]" in out.read_text()
 
+    @pytest.mark.slow
     def test_loss_words_and_functions(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         script = tmp_path / "losses.py"
         script.write_text("def first_logit(output):\n    return output[:, 0].sum()\n")
@@ -279,6 +295,8 @@ class TestReportCommand:
             assert 'id="gradients"' in page
             assert EVIL not in page
 
+    @pytest.mark.slow
+    @pytest.mark.transformers
     def test_gpt2_from_a_config(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         out = tmp_path / "gpt2.html"
         spec = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&bos_token_id=0&eos_token_id=0"
@@ -287,6 +305,7 @@ class TestReportCommand:
         assert "input: input_ids (1, 16) int64" in text
         assert "GPT2MLP" in out.read_text()
 
+    @pytest.mark.slow
     def test_the_trained_demo_model_sees_generated_shapes(
         self, capsys: pytest.CaptureFixture[str], tmp_path: Path
     ) -> None:
@@ -305,6 +324,7 @@ class TestReportCommand:
         assert code == 2
         assert "ShapesCNN takes square RGB images" in err
 
+    @pytest.mark.slow
     def test_a_failing_loss_is_named_and_a_failed_write_exits_1(
         self, capsys: pytest.CaptureFixture[str], tmp_path: Path
     ) -> None:

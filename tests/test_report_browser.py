@@ -21,7 +21,7 @@ import hookscope as hs
 from tests.models import SmallCNN, tiny_resnet, track
 from tests.test_report import EVIL, evil_model
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 # As root in a closed network: no sandbox, and no background requests that would be refused.
@@ -202,6 +202,7 @@ def test_a_model_of_a_thousand_modules_stays_usable(browser: Any, tmp_path: Path
     page.close(tmp_path / "big.png")
 
 
+@pytest.mark.transformers
 def test_a_transformers_resnet(browser: Any, tmp_path: Path) -> None:
     path = hs.report(
         tiny_resnet(), torch.randn(2, 3, 32, 32), out=tmp_path / "resnet.html", loss_fn=lambda o: o.pooler_output.sum()

@@ -90,6 +90,7 @@ class TestForms:
         assert predicate("fc", nn.Identity())
         assert not predicate("conv", nn.Identity())
 
+    @pytest.mark.transformers
     def test_gpt2_blocks(self) -> None:
         model = tiny_gpt2()
         assert names(model, "h.*.mlp") == ["h.0.mlp", "h.1.mlp"]
@@ -98,6 +99,7 @@ class TestForms:
 
 
 class TestNoMatch:
+    @pytest.mark.transformers
     def test_typo_in_glob_suggests_corrected_pattern(self) -> None:
         model = tiny_gpt2()
         n = len(list(model.named_modules()))
@@ -108,6 +110,7 @@ class TestNoMatch:
         with pytest.raises(hs.SelectionError, match="did you mean 'conv1'"):
             select(SmallCNN(), "conv_1")
 
+    @pytest.mark.transformers
     def test_wrapper_prefix_is_recognised(self) -> None:
         # GPT2LMHeadModel names blocks "transformer.h.0"; the bare GPT2Model calls them "h.0".
         with pytest.raises(hs.SelectionError, match=r"did you mean 'h.0.mlp'"):

@@ -35,6 +35,7 @@ class TestSite:
         with pytest.raises(SpecError, match="site kind 'out' is unknown"):
             Site("fc", 0, "out")  # type: ignore[arg-type]
 
+    @pytest.mark.slow
     @given(
         st.from_regex(r"[a-z_0-9]+(\.[a-z_0-9]+)*", fullmatch=True) | st.just(""),
         st.integers(0, 10_000),

@@ -176,6 +176,7 @@ def scripted() -> nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_a_module_named_script_is_escaped_in_every_html_view() -> None:
     model, x = scripted(), torch.randn(1, 2)
     _, cache = hs.run_with_capture(model, x, layers=[SCRIPT])
@@ -190,6 +191,7 @@ def test_a_module_named_script_is_escaped_in_every_html_view() -> None:
         assert html.escape(SCRIPT) in page, what
 
 
+@pytest.mark.slow
 def test_every_text_view_has_the_trace_layout() -> None:
     model, x = scripted(), torch.randn(1, 2)
     _, cache = hs.run_with_capture(model, x, layers=[SCRIPT])

@@ -171,6 +171,7 @@ def test_own_parameter_counts() -> None:
         assert row.params == sum(p.numel() for p in module.parameters(recurse=False))
 
 
+@pytest.mark.transformers
 def test_gpt2_rows_match_calls_and_show_structured_outputs() -> None:
     model = tiny_gpt2()
     ids = gpt2_input()
@@ -190,6 +191,7 @@ def test_gpt2_rows_match_calls_and_show_structured_outputs() -> None:
     assert "input_ids=[2, 8]" in trace.table(max_depth=0)
 
 
+@pytest.mark.transformers
 def test_bfloat16_model_table() -> None:
     model = tiny_gpt2().to(torch.bfloat16)
     trace = hs.trace(model, gpt2_input())
@@ -203,6 +205,7 @@ def test_bfloat16_model_table() -> None:
     assert "h.1.mlp.c_fc" in text
 
 
+@pytest.mark.transformers
 def test_resnet_trace_of_in_place_residual_blocks() -> None:
     model = tiny_resnet()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -424,6 +427,7 @@ def test_rich_rendering_marks_non_finite_rows() -> None:
     assert "\x1b[31m" in console.export_text(styles=True)
 
 
+@pytest.mark.transformers
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_inside_the_forward_on_cuda() -> None:
     model = tiny_gpt2().cuda()

@@ -41,10 +41,12 @@ class TestFlatten:
     def test_non_string_dict_keys_use_repr(self) -> None:
         assert paths({0: torch.zeros(1), ("a", 1): torch.zeros(1)}) == ["output[0]", "output[('a', 1)]"]
 
+    @pytest.mark.transformers
     def test_model_output_uses_attribute_paths(self) -> None:
         output = tiny_gpt2()(gpt2_input(), use_cache=False)
         assert paths(output) == ["output.last_hidden_state"]
 
+    @pytest.mark.transformers
     def test_model_output_with_cache_and_hidden_states(self) -> None:
         output = tiny_gpt2()(gpt2_input(), output_hidden_states=True, use_cache=False)
         assert paths(output) == [
@@ -100,6 +102,7 @@ class TestMap:
         map_tensors_with_paths(fn, ((torch.ones(1),), {"k": torch.ones(1)}), root="args")
         assert seen == ["args[0][0]", "args[1]['k']"]
 
+    @pytest.mark.transformers
     def test_model_output_rebuilt_as_model_output(self) -> None:
         output = tiny_gpt2()(gpt2_input(), use_cache=False)
         out = map_tensors(torch.zeros_like, output)
