@@ -117,6 +117,7 @@ def test_site_text_and_cache_keys_read_leaves_with_the_same_parser() -> None:
 # -- edits: the full and the relative path name one tensor ------------------------------------------
 
 
+@pytest.mark.transformers
 def test_output_paths_in_full_and_relative_edit_the_same_tensor_of_a_gpt2_block() -> None:
     model = tiny_gpt2_block_model()
     seen: dict[str, tuple[str, str, str]] = {}
@@ -151,6 +152,7 @@ def test_output_paths_in_full_and_relative_edit_the_same_tensor_of_a_gpt2_block(
     assert torch.equal(block_full.last_hidden_state, block_relative.last_hidden_state)
 
 
+@pytest.mark.transformers
 def test_input_paths_in_full_and_relative_edit_the_same_tensor() -> None:
     model = tiny_gpt2_block_model()
     with torch.no_grad():
@@ -195,6 +197,7 @@ def test_input_paths_in_full_and_relative_edit_the_same_tensor() -> None:
         ("output", "input", "a leaf of the input was expected"),
     ],
 )
+@pytest.mark.transformers
 def test_a_path_on_the_wrong_side_is_refused_before_the_forward(path: str, on: str, message: str) -> None:
     model = tiny_gpt2_block_model()
     with pytest.raises(SpecError, match=message):
@@ -202,6 +205,7 @@ def test_a_path_on_the_wrong_side_is_refused_before_the_forward(path: str, on: s
     assert not hs.attached(model)
 
 
+@pytest.mark.transformers
 def test_a_missing_leaf_is_named_in_full() -> None:
     model = tiny_gpt2_block_model()
     with pytest.raises(
@@ -215,6 +219,7 @@ def test_a_missing_leaf_is_named_in_full() -> None:
 # -- every feature records the same leaf the same way ---------------------------------------------
 
 
+@pytest.mark.transformers
 def test_trace_grads_capture_diff_and_edits_agree_on_the_relative_path_of_a_leaf() -> None:
     model = tiny_gpt2_block_model()
     layers = ["h.0", "h.0.attn"]

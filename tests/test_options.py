@@ -77,6 +77,8 @@ def test_a_model_keyword_named_options_is_pointed_to_model_kwargs() -> None:
         assert torch.equal(out, torch.full((1,), 2.0))
 
 
+@pytest.mark.slow
+@pytest.mark.transformers
 def test_an_options_object_and_keywords_capture_the_same_values_on_gpt2() -> None:
     model = tiny_gpt2()
     ids = gpt2_input()
@@ -169,6 +171,7 @@ def test_an_option_name_given_a_tensor_was_meant_for_the_model() -> None:
     assert traced[0].name == ""
 
 
+@pytest.mark.transformers
 def test_run_with_trace_returns_the_output_and_the_trace_of_the_same_forward() -> None:
     model = tiny_gpt2()
     ids = gpt2_input()
@@ -220,6 +223,7 @@ def test_layers_chooses_modules_everywhere() -> None:
     assert {record.module for step in monitor.records for record in step.records} == {"fc"}
 
 
+@pytest.mark.slow
 def test_the_old_sites_name_of_report_and_plots_still_works_with_a_warning(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     model = SmallCNN()
