@@ -82,7 +82,7 @@ def test_metrics_against_float64_references() -> None:
     assert metrics.mean_abs == pytest.approx(float((ya - yb).abs().mean()), rel=1e-6)
     assert metrics.relative == pytest.approx(float((ya - yb).norm() / ya.norm()), rel=1e-6)
     cosine = torch.nn.functional.cosine_similarity(ya.flatten(), yb.flatten(), dim=0)
-    assert metrics.cosine == pytest.approx(float(cosine), rel=1e-7)  # float32 products, float64 sums
+    assert metrics.cosine == pytest.approx(float(cosine), rel=1e-7)
     assert metrics.sqnr_db == pytest.approx(float(10 * torch.log10(ya.pow(2).sum() / (ya - yb).pow(2).sum())), rel=1e-6)
     assert metrics.within(rtol=0.0, atol=metrics.max_abs)
     assert not metrics.within(rtol=0.0, atol=metrics.max_abs * 0.99)
@@ -185,6 +185,36 @@ def test_values_an_inplace_op_rewrites_later_are_compared_as_made() -> None:
     d = hs.diff(a, b, torch.randn(8, 4))
     assert d["0"].metrics is not None
     assert d["0"].metrics.exact  # a's Linear output was copied before the ReLU rewrote it
+
+
+def test_one_minus_cosine_of_a_bfloat16_copy_matches_float64() -> None:
+    """1 - cos of nearly equal values: from float32 dot products it came out 7-35% low."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(512, 2048))
+    b = nn.Sequential(nn.Linear(512, 2048))
+    with torch.no_grad():
+        for source, copy in zip(a.parameters(), b.parameters(), strict=True):
+            copy.copy_(source.to(torch.bfloat16).float())  # the bf16 copy's weights, compared in float32
+    x = torch.randn(64, 512)
+    row = hs.diff(a, b, x)["0"]
+    with torch.no_grad():
+        ya, yb = a(x).double().flatten().numpy(), b(x).double().flatten().numpy()
+    want = 1.0 - float(np.dot(ya, yb) / (np.linalg.norm(ya) * np.linalg.norm(yb)))
+    assert 1e-7 < want < 1e-4  # nearly equal, where the digits matter
+    assert row.metrics is not None
+    assert 1.0 - row.metrics.cosine == pytest.approx(want, rel=1e-2)
+
+
+def test_the_repr_of_a_diff_with_calls_missing_on_one_side_is_not_within() -> None:
+    a, b = mlp(3), mlp(4)
+    with torch.no_grad():
+        b[3].weight.copy_(torch.eye(8))  # type: ignore[index,operator]
+        b[3].bias.zero_()  # type: ignore[index,operator]
+    d = hs.diff(a, b, torch.randn(2, 8))
+    assert d.first_divergence() is None  # every compared site is equal ...
+    assert not d.within()  # ... but b made a call a did not
+    assert "all within tolerance" not in repr(d)
+    assert "NOT within: 0 calls of a and 1 of b have no counterpart" in repr(d)
 
 
 def test_only_in_one_model_and_no_pairs() -> None:

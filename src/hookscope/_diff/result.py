@@ -303,7 +303,12 @@ class Diff(Sequence[DiffRow]):
 
     def __repr__(self) -> str:
         divergence = self.first_divergence()
-        state = "all within tolerance" if divergence is None else f"first divergence at {divergence.row.site}"
+        if divergence is not None:
+            state = f"first divergence at {divergence.row.site}"
+        elif self.only_a or self.only_b:  # within() is False: a call with no counterpart is a difference too
+            state = f"NOT within: {len(self.only_a)} calls of a and {len(self.only_b)} of b have no counterpart"
+        else:
+            state = "all within tolerance"
         return f"<Diff of {self.meta.get('a', 'a')} and {self.meta.get('b', 'b')}: {len(self)} sites, {state}>"
 
     def _repr_html_(self) -> str:
