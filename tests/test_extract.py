@@ -248,6 +248,66 @@ def test_data_of_no_known_form(tmp_path: Path) -> None:
         run(SmallCNN(), ["not a batch"], "fc", tmp_path / "f.zarr")
 
 
+class _CountsAndFeatures(nn.Module):
+    """A float site and an integer one (the argmax), so both kinds of unwritten rows are seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y, y.argmax(-1)
+
+
+def test_rows_a_partial_store_never_wrote_read_as_nan_not_zeros(tmp_path: Path) -> None:
+    model = _CountsAndFeatures()
+    rows = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+
+    def batches() -> Iterator[torch.Tensor]:
+        yield rows[:4]
+        yield rows[4:8]
+        raise RuntimeError("the stream broke")  # rows 8..11 are never written
+
+    with pytest.raises(RuntimeError, match="stream broke"):
+        hs.extract(model, batches(), "", tmp_path / "f.zarr", progress=False, chunk_rows=4)
+    partial = hs.open_store(tmp_path / "f.zarr", partial=True)
+    assert partial.done_chunks() == {0, 1}
+    floats, counts = (partial[name] for name in partial.sites)
+    with torch.no_grad():
+        want = model.fc(rows[:8]).numpy()
+    assert np.allclose(floats[:8], want, atol=1e-6)  # written rows read as written
+    grown = zarr.open_group(str(tmp_path / "f.zarr"), mode="r")[floats.name].shape[0]
+    if grown > 8:  # a stream's arrays grow as chunks come: rows beyond the done chunks, if any, read as NaN
+        assert np.isnan(floats[8:]).all()
+    assert np.array_equal(counts[:8], want.argmax(-1))
+    assert np.allclose(floats.torch(slice(0, 8)).numpy(), want, atol=1e-6)
+
+
+def test_rows_of_an_unfinished_chunk_read_as_nan_or_are_refused(tmp_path: Path) -> None:
+    model = _CountsAndFeatures()
+    data = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    hs.extract(model, data, "", tmp_path / "f.zarr", progress=False, chunk_rows=4, batch_size=4)
+    group = zarr.open_group(str(tmp_path / "f.zarr"), mode="r+")
+    group["_hookscope/done"][1] = 0  # chunk 1 (rows 4..7) not recorded as done, as after a killed run
+    key = next(name for name in group.attrs if "hookscope" in name)
+    group.attrs[key] = {**dict(group.attrs[key]), "state": "writing"}
+    partial = hs.open_store(tmp_path / "f.zarr", partial=True)
+    assert partial.done_chunks() == {0, 2}
+    floats, counts = (partial[name] for name in partial.sites)
+    with torch.no_grad():
+        want = model.fc(data).numpy()
+    read = floats[:]
+    assert np.isnan(read[4:8]).all()  # not the values, and not zeros: never written as far as the store knows
+    assert np.allclose(read[:4], want[:4], atol=1e-6)
+    assert np.allclose(read[8:], want[8:], atol=1e-6)
+    assert np.isnan(floats[5]).all()
+    assert torch.isnan(floats.torch(slice(2, 6))[2:]).all()
+    assert np.array_equal(counts[8:], want[8:].argmax(-1))
+    with pytest.raises(hs.StoreError, match=r"row 4 of .* was never written .* have no NaN"):
+        counts[2:6]
+
+
 # -- bad input: clear errors, no hooks, nothing half-written ----------------------------------------
 
 

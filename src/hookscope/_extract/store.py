@@ -10,8 +10,10 @@ whether it is complete.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,16 +31,27 @@ from hookscope.errors import SiteNotFoundError, StoreError
 __all__ = ["Store", "StoreArray", "open_store"]
 
 
+@dataclass(frozen=True)
+class _Unwritten:
+    """The chunks of a partial store recorded as done, and their rows."""
+
+    done: np.ndarray  # one bool per chunk
+    chunk_rows: int
+
+
 class StoreArray:
     """One site's rows, read lazily: indexing reads only the chunks it touches.
 
     ``array[10:20]`` is a numpy array (bfloat16 and float8 values as float32, exactly);
     ``array.torch(slice(10, 20))`` a tensor in the values' own dtype; ``array.zarr`` the zarr array.
+    In a partial store, rows of chunks not recorded as done read as NaN, never as the zeros
+    the file holds there; integer and boolean rows, which have no NaN, are refused.
     """
 
-    def __init__(self, zarr_array: Any, layout: SiteLayout) -> None:
+    def __init__(self, zarr_array: Any, layout: SiteLayout, unwritten: _Unwritten | None = None) -> None:
         self.zarr = zarr_array
         self.layout = layout
+        self._unwritten = unwritten
 
     @property
     def name(self) -> str:
@@ -70,13 +83,50 @@ class StoreArray:
 
     def __getitem__(self, index: Any) -> np.ndarray:
         raw: np.ndarray = np.asarray(self.zarr[index])
-        if not self.layout.as_bits:
-            return raw
-        return bits_to_tensor(raw, self.layout.torch_dtype).float().numpy()
+        values = bits_to_tensor(raw, self.layout.torch_dtype).float().numpy() if self.layout.as_bits else raw
+        missing = self._missing(index)
+        if missing is None:
+            return values
+        values = np.array(values, copy=True)
+        values[missing] = np.nan
+        return values
 
     def torch(self, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` as a tensor of the dtype the values had (``torch.bfloat16`` included)."""
-        return bits_to_tensor(np.asarray(self.zarr[index]), self.layout.torch_dtype)
+        values = bits_to_tensor(np.asarray(self.zarr[index]), self.layout.torch_dtype)
+        missing = self._missing(index)
+        if missing is None:
+            return values
+        values = values.clone()
+        values[torch.from_numpy(np.asarray(missing))] = torch.nan
+        return values
+
+    def _missing(self, index: Any) -> np.ndarray | None:
+        """Which of the rows ``index`` reads were never written (a mask over them), or None when all were.
+
+        A row index the mask cannot follow (a tuple whose first part is not the rows) is refused
+        rather than guessed.
+        """
+        if self._unwritten is None:
+            return None
+        rows_index = index[0] if isinstance(index, tuple) and index else index
+        if (isinstance(index, tuple) and not index) or rows_index is Ellipsis:
+            rows_index = slice(None)
+        try:
+            rows = np.arange(self.shape[0])[rows_index]
+        except (IndexError, TypeError, ValueError) as error:
+            raise StoreError(f"rows {index!r} of {self.name!r}: {error}") from None
+        missing = ~self._unwritten.done[np.asarray(rows) // self._unwritten.chunk_rows]
+        if not missing.any():
+            return None
+        if not self.torch_dtype.is_floating_point:
+            first = int(np.asarray(rows)[missing].flat[0])
+            raise StoreError(
+                f"row {first} of {self.name!r} was never written (its chunk is not done) and {self.layout.dtype} "
+                "values have no NaN to show it; read rows of done chunks (store.done_chunks()), or run the "
+                "extraction again to finish the store"
+            )
+        return missing
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         values = self[:]
@@ -153,7 +203,19 @@ class Store:
         layout = self._by_key.get(key)
         if layout is None:
             raise self._not_found(key)
-        return StoreArray(self.group[layout.name], layout)
+        return StoreArray(self.group[layout.name], layout, self._unwritten_rows())
+
+    def _unwritten_rows(self) -> _Unwritten | None:
+        """Which chunks a partial store has not written, for its arrays to show as NaN; None when complete."""
+        if self.complete:
+            return None
+        rows = int(self.group[self.sites[0]].shape[0]) if self.sites else 0
+        chunk_rows = self.chunk_rows
+        done = np.zeros(max(math.ceil(rows / chunk_rows), 1), dtype=bool)
+        for chunk in self.done_chunks():
+            if chunk < len(done):
+                done[chunk] = True
+        return _Unwritten(done, chunk_rows)
 
     def torch(self, key: str, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` of site ``key`` as a tensor of the values' own dtype."""
@@ -235,8 +297,8 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> 
     """Open a store made by :func:`hookscope.extract` for reading.
 
     An incomplete store (a run that stopped part-way) raises ``StoreError`` naming how much is
-    done; ``partial=True`` opens it anyway (rows of chunks not done read as 0;
-    ``store.done_chunks()`` says which are).
+    done; ``partial=True`` opens it anyway (rows of chunks not done read as NaN, and integer
+    rows there are refused; ``store.done_chunks()`` says which are done).
 
     >>> import tempfile, torch
     >>> from torch import nn
