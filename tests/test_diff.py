@@ -217,6 +217,26 @@ def test_the_repr_of_a_diff_with_calls_missing_on_one_side_is_not_within() -> No
     assert "NOT within: 0 calls of a and 1 of b have no counterpart" in repr(d)
 
 
+def test_a_bfloat16_copy_gets_the_same_answer_from_every_way_in() -> None:
+    """hs.diff of a model and its bf16 copy, and hs.diff.dtypes, use one table of tolerances."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    copy = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    copy.load_state_dict(model.state_dict())
+    copy = copy.to(torch.bfloat16)
+    by_hand = hs.diff(model, copy, x, inputs_b=((x.to(torch.bfloat16),), {}))
+    built_in = hs.diff.dtypes(model, x, torch.bfloat16)
+    assert (by_hand.rtol, by_hand.atol) == (built_in.rtol, built_in.atol) == (1e-2, 1e-3)
+    assert by_hand.within() == built_in.within()
+    assert [row.metrics.max_abs for row in by_hand if row.metrics] == [
+        row.metrics.max_abs for row in built_in if row.metrics
+    ]
+    same = hs.diff(model, model, x)
+    assert (same.rtol, same.atol) == (1e-5, 1e-8) == hs.diff.tolerances(torch.float32)
+    assert (hs.diff(model, copy, x, rtol=0.5, inputs_b=((x.bfloat16(),), {})).rtol) == 0.5
+
+
 def test_only_in_one_model_and_no_pairs() -> None:
     a = mlp(3)
     b = mlp(4)
@@ -365,7 +385,10 @@ class TestDiffCommand:
         )
         assert code == 0
         assert "within rtol=0.05, atol=0.01" in out
-        assert run_cli(capsys, "diff", "demo:cnn", "demo:cnn", "--dtype", "bf16")[0] == 1
+        _, out, _ = run_cli(capsys, "diff", "demo:cnn", "demo:cnn", "--dtype", "bf16")
+        assert "within rtol=0.01, atol=0.001" in out  # bf16's defaults, as hs.diff.dtypes uses, shown
+        _, out, _ = run_cli(capsys, "diff", "demo:cnn", "demo:cnn")
+        assert "within rtol=1e-05, atol=1e-08" in out
 
     @pytest.mark.parametrize(
         ("argv", "message"),

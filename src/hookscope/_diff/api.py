@@ -20,13 +20,11 @@ from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics
 from hookscope._diff.recorder import CallDraft, Comparer, Kept, LeafDraft, Reference, compare_leaves
 from hookscope._diff.result import Diff, DiffRow, LeafDiff
+from hookscope._diff.tolerances import model_dtypes, tolerances
 from hookscope._shared.dtypes import dtype_name
 from hookscope.errors import SpecError
 
-__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "DiffFunction", "cast_floats", "compare_caches", "compare_models", "diff"]
-
-DEFAULT_RTOL = 1e-5
-DEFAULT_ATOL = 1e-8
+__all__ = ["DiffFunction", "cast_floats", "compare_caches", "compare_models", "diff"]
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
@@ -248,6 +246,12 @@ def _moved(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
 
 
+def _given(rtol: float | None, atol: float | None, dtypes: list[torch.dtype]) -> tuple[float, float]:
+    """The tolerances asked for, each left out one the default for these dtypes."""
+    default_rtol, default_atol = tolerances(*dtypes)
+    return (default_rtol if rtol is None else rtol), (default_atol if atol is None else atol)
+
+
 class DiffFunction:
     """``hs.diff(a, b, *args, **kwargs)``, and the built-in comparisons ``hs.diff.dtypes``,
     ``hs.diff.compiled`` and ``hs.diff.devices``."""
@@ -259,8 +263,8 @@ class DiffFunction:
         *args: Any,
         match: Match = "name",
         layers: Selector | Sequence[Selector] | None = None,
-        rtol: float = DEFAULT_RTOL,
-        atol: float = DEFAULT_ATOL,
+        rtol: float | None = None,
+        atol: float | None = None,
         keep_on: str | torch.device = "cpu",
         model_kwargs: dict[str, Any] | None = None,
         inputs_b: Inputs | None = None,
@@ -310,10 +314,23 @@ class DiffFunction:
                 raise SpecError("pass two models or two captures (Cache) to hs.diff, not one of each")
             if args or kwargs or inputs_b is not None:
                 raise SpecError("two captures are compared as they are: pass no inputs with them")
+            rtol, atol = _given(rtol, atol, [v.dtype for cache in (a, b) for v in cache.values()])
             return compare_caches(a, b, match=match, rtol=rtol, atol=atol)
         inputs = (args, {**kwargs, **(model_kwargs or {})})
         other = inputs if inputs_b is None else _own_inputs(inputs_b)
+        rtol, atol = _given(rtol, atol, model_dtypes(ensure_module(a), ensure_module(b)))
         return compare_models(a, b, inputs, other, match=match, layers=layers, rtol=rtol, atol=atol, keep_on=keep_on)
+
+    def tolerances(self, *dtypes: torch.dtype | None) -> tuple[float, float]:
+        """The default ``(rtol, atol)`` for values of these dtypes: ``(1e-5, 1e-8)`` for float32
+        and float64, ``(1e-2, 1e-3)`` when any is bfloat16, float16 or narrower. ``hs.diff``
+        takes them from the dtypes of the two models' parameters (or the captured values).
+
+        >>> import hookscope as hs
+        >>> hs.diff.tolerances(torch.float32, torch.bfloat16)
+        (0.01, 0.001)
+        """
+        return tolerances(*dtypes)
 
     def dtypes(
         self,
@@ -321,15 +338,16 @@ class DiffFunction:
         *args: Any,
         dtype: torch.dtype | str | None = None,
         autocast: bool = False,
-        rtol: float = 1e-2,
-        atol: float = 1e-3,
+        rtol: float | None = None,
+        atol: float | None = None,
         **kwargs: Any,
     ) -> Diff:
         """``model`` in its own dtype against a copy cast to ``dtype`` (inputs cast too), or, with
         ``autocast=True``, against the same model under ``torch.autocast`` on its device.
 
         The dtype may also come last among the positional arguments, as in the example; it
-        defaults to bfloat16. Tolerances default to ones a bf16 model meets (rtol 1e-2, atol 1e-3).
+        defaults to bfloat16. Tolerances default to :meth:`tolerances` of that dtype (for bf16 and
+        fp16: rtol 1e-2, atol 1e-3), the same as ``hs.diff`` of a model and such a copy.
 
         Example::
 
@@ -345,6 +363,7 @@ class DiffFunction:
         if target is None:
             raise SpecError("dtype: name the floating dtype to compare against, e.g. torch.bfloat16 or 'fp16'")
         inputs = (args, kwargs)
+        rtol, atol = _given(rtol, atol, [target])
         options: dict[str, Any] = {"layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
         if autocast:
             device = next((p.device.type for p in model.parameters() if not p.is_meta), "cpu")  # offloaded: meta

@@ -33,15 +33,24 @@ def diff_command(
         ),
     ] = None,
     by_order: Annotated[bool, typer.Option("--by-order", help="Pair calls by execution order, not by name.")] = False,
-    rtol: Annotated[float, typer.Option("--rtol", min=0.0, help="Relative tolerance (of max|a|).")] = 1e-5,
-    atol: Annotated[float, typer.Option("--atol", min=0.0, help="Absolute tolerance.")] = 1e-8,
+    rtol: Annotated[
+        float | None,
+        typer.Option(
+            "--rtol", min=0.0, help="Relative tolerance (of max|a|); default by dtype: 1e-5, or 1e-2 for bf16/fp16."
+        ),
+    ] = None,
+    atol: Annotated[
+        float | None,
+        typer.Option("--atol", min=0.0, help="Absolute tolerance; default by dtype: 1e-8, or 1e-3 for bf16/fp16."),
+    ] = None,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write one row per site to this CSV file.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample input and of random weights.")] = 0,
 ) -> None:
     """Run MODEL_A and MODEL_B on the same input and compare them layer by layer.
 
     Prints the table and the first divergence. Exit 0 when every site is within tolerance
-    (max|a-b| <= atol + rtol * max|a|), 1 when one is not or a call has no counterpart, 2 for
+    (max|a-b| <= atol + rtol * max|a|; the tolerances default by the models' dtypes, as in
+    hs.diff, and the table's footer shows them), 1 when one is not or a call has no counterpart, 2 for
     bad input, including a model whose forward fails on the sample input (the message names
     it): usable as a check in the CI of a model port.
     """
