@@ -231,6 +231,34 @@ def test_a_huge_weight_is_flagged_exploding() -> None:
     assert "1#0" in summary.layers("exploding")  # the gradient entering the tanh is scaled by 1e6
 
 
+def _scaled_head_run(scales: list[float]) -> hs.GradSummary:
+    """Three linears trained with the last one's weight set to ``scales[step]`` of its start:
+    the gradients reaching the first two follow that scale."""
+    torch.manual_seed(0)
+    model = track(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)))
+    start = model[2].weight.detach().clone()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    with hs.watch_grads(model, params=False) as monitor:
+        for scale in scales:
+            with torch.no_grad():
+                model[2].weight.copy_(start * scale)
+            model(x).pow(2).mean().backward()
+            monitor.step()
+            model.zero_grad()
+    return monitor.summary()
+
+
+def test_growth_that_brings_a_layer_to_the_networks_size_is_exploding() -> None:
+    summary = _scaled_head_run([1.0, 3.0, 9.0, 27.0, 81.0])  # every gradient grows 81x in 5 steps
+    assert {"0#0", "1#0"} <= set(summary.layers("exploding"))
+
+
+def test_a_layer_recovering_from_vanishing_is_not_exploding() -> None:
+    summary = _scaled_head_run([1e-9, 1e-9, 1e-9, 1e-9, 1e-3])  # 1e-9 of the others, then 1e-3
+    assert "1#0" in summary.layers("vanishing")  # it was vanishing ...
+    assert "1#0" not in summary.layers("exploding")  # ... and grew a millionfold, still far below the rest
+
+
 def test_a_relu_fed_negative_bias_is_flagged_dead() -> None:
     torch.manual_seed(0)
     model = track(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1)))

@@ -7,9 +7,14 @@ argument       default     a layer is flagged at a step when ...
 =============  ==========  ==============================================================
 ``vanishing``  ``1e-4``    its gradient norm is below this fraction of the largest layer's
 ``exploding``  ``1e3``     its gradient norm is above this value, or ...
-``growth``     ``10``      ... it grew by this factor or more over ``window`` steps
+``growth``     ``10``      ... it grew by this factor or more over ``window`` steps, from a
+                           norm that was not vanishing (or to one above every other layer's)
 ``window``     ``5``       recorded steps for ``growth``
 =============  ==========  ==============================================================
+
+The floor on growth keeps a layer that recovers from vanishing (1e-9 to 1e-3 while the other
+layers sit near 0.1) from reading as one that explodes: growth from a vanishing gradient is
+recovery, unless it ends above every other layer.
 
 Activation gradients (``grad_output``) are judged when they were recorded, else parameter
 gradients. A non-finite gradient is traced to its origin by the blame rule of
@@ -92,6 +97,7 @@ def summarise(
         found[(kind, layer)] = (steps_seen, detail)
 
     history: dict[str, list[tuple[int, float]]] = {}
+    norms_at: dict[int, dict[str, float]] = {}  # step -> layer -> norm
     for step in steps:
         judged = step.of("grad_output") or step.of("param")
         squares: dict[str, float] = {}
@@ -100,6 +106,7 @@ def summarise(
                 squares[record.layer] = squares.get(record.layer, 0.0) + record.norm**2
         norms = {layer: math.sqrt(value) for layer, value in squares.items()}
         largest = max(norms.values(), default=0.0)
+        norms_at[step.step] = norms
         for layer, norm in norms.items():
             history.setdefault(layer, []).append((step.step, norm))
             if largest == 0:
@@ -114,11 +121,20 @@ def summarise(
         for name, channels in step.dead.items():
             flag("dead", name, f"{len(channels)} channels zero for every sample: {_listing(channels)}", step=step.step)
     for layer, points in history.items():
-        for (_, before), (at, now) in zip(points, points[window - 1 :], strict=False):
-            if before > 0 and now / before >= growth:
+        for (start, before), (at, now) in zip(points, points[window - 1 :], strict=False):
+            if before > 0 and now / before >= growth and not _recovering(norms_at, start, at, layer, vanishing):
                 flag("exploding", layer, f"norm grew {growth:g}x or more within {window} steps", step=at)
     flags = tuple(GradFlag(kind, layer, tuple(sorted(set(s))), detail) for (kind, layer), (s, detail) in found.items())
     return GradSummary(flags, len(steps))
+
+
+def _recovering(norms_at: dict[int, dict[str, float]], start: int, at: int, layer: str, vanishing: float) -> bool:
+    """True when ``layer`` grew out of a vanishing gradient and is still not above every other layer."""
+    before = norms_at[start]
+    if before[layer] >= vanishing * max(before.values()):
+        return False  # it was a normal gradient that grew
+    others = [norm for name, norm in norms_at[at].items() if name != layer]
+    return bool(others) and norms_at[at][layer] <= max(others)
 
 
 def _nonfinite_origin(step: GradStep) -> tuple[str, str] | None:
