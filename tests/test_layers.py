@@ -145,3 +145,13 @@ def test_failed_forward_leaves_nothing_attached() -> None:
 def test_not_a_module() -> None:
     with pytest.raises(hs.UnsupportedModelError):
         hs.layers("resnet50")  # type: ignore[arg-type]
+
+
+def test_a_name_the_table_lacks_is_named_with_the_closest() -> None:
+    table = hs.layers(SmallCNN())
+    with pytest.raises(hs.SiteNotFoundError, match=r"no module 'conv_1' in this table; did you mean 'conv1'\?") as info:
+        table["conv_1"]
+    assert info.value.key == "conv_1"
+    assert info.value.candidates[0] == "conv1"
+    assert isinstance(info.value, KeyError)  # code that caught the KeyError still does
+    assert table["(root)"] is table[""]

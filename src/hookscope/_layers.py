@@ -7,6 +7,7 @@ ran, which shows shared modules (called twice), loops, and modules that never ru
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from typing import Any, NamedTuple, overload
 
@@ -14,11 +15,12 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
-from hookscope._core.names import module_label, named_modules
+from hookscope._core.names import ROOT_LABEL, module_label, named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
 from hookscope._shared.tables import Column, Table
+from hookscope.errors import SiteNotFoundError
 
 __all__ = ["Layer", "LayerTable", "layers"]
 
@@ -70,7 +72,14 @@ class LayerTable:
     def __getitem__(self, key: int | str) -> Layer:
         if isinstance(key, int):
             return self.rows[key]
-        return self._by_name[key]
+        found = self._by_name.get("" if key == ROOT_LABEL else key)
+        if found is None:
+            close = difflib.get_close_matches(key, list(self._by_name), n=3, cutoff=0.6)
+            hint = (
+                f"did you mean {' or '.join(map(repr, close))}?" if close else "the names are the table's first column"
+            )
+            raise SiteNotFoundError(f"no module {key!r} in this table; {hint}", key=key, candidates=tuple(close))
+        return found
 
     def _table(self) -> Table:
         """The rows as a :class:`~hookscope._shared.tables.Table`, the totals as its note."""
