@@ -144,7 +144,7 @@ class TestCaptureCommand:
             )
             assert code == 0, err
             assert "input: (1, 3, 32, 32) float32" in text
-            assert f"saved 1 tensors to {out}" in text
+            assert f"saved 1 tensor to {out}" in text
             loaded = hs.load(out)
             assert loaded["conv1"].shape == (1, 16, 30, 30)
             assert loaded.meta["model"] == "SmallCNN"

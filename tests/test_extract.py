@@ -308,6 +308,15 @@ def test_rows_of_an_unfinished_chunk_read_as_nan_or_are_refused(tmp_path: Path) 
         counts[2:6]
 
 
+def test_a_store_of_one_site_reads_well(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 256))
+    store = hs.extract(model, torch.randn(1000, 4), "0", tmp_path / "f.zarr", progress=False)
+    text = repr(store)
+    assert "1,000 rows, 1 site, complete" in text  # not "1 sites"
+    assert "1000 KiB" in text  # 1000 x 256 float32 rows, not "1e+03 KiB"
+    assert "e+" not in text
+
+
 # -- bad input: clear errors, no hooks, nothing half-written ----------------------------------------
 
 

@@ -29,7 +29,7 @@ from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.tables import Column, Table
-from hookscope._shared.units import format_bytes
+from hookscope._shared.units import counted, format_bytes
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
 __all__ = ["Cache", "load", "tensor_bytes"]
@@ -261,7 +261,7 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def _table(self) -> Table:
         """One row per kept tensor: site, shape, dtype, device and size, under a count."""
-        title = f"Cache: {len(self)} tensors, {format_bytes(self.nbytes)}"
+        title = f"Cache: {counted(len(self), 'tensor')}, {format_bytes(self.nbytes)}"
         table = Table([*map(Column, ("site", "shape", "dtype", "device")), Column("size", "right")], title=title)
         for site, tensor in self._entries.items():
             size = format_bytes(tensor_bytes(tensor))

@@ -13,7 +13,7 @@ from hookscope._shared.blame import findings
 from hookscope._shared.optional import require
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
-from hookscope._shared.units import format_number
+from hookscope._shared.units import counted, format_number
 
 __all__ = ["Diff", "DiffRow", "Divergence", "LeafDiff"]
 
@@ -277,7 +277,7 @@ class Diff(Sequence[DiffRow]):
     def footer(self) -> list[str]:
         """The summary lines under the table."""
         within = sum(row.within(rtol=self.rtol, atol=self.atol) for row in self.rows)
-        lines = [f"{len(self.rows)} sites compared · {within} within rtol={self.rtol:g}, atol={self.atol:g}"]
+        lines = [f"{counted(len(self.rows), 'site')} compared · {within} within rtol={self.rtol:g}, atol={self.atol:g}"]
         divergence = self.first_divergence()
         if divergence is not None:
             lines.append(str(divergence))
@@ -309,7 +309,9 @@ class Diff(Sequence[DiffRow]):
             state = f"NOT within: {len(self.only_a)} calls of a and {len(self.only_b)} of b have no counterpart"
         else:
             state = "all within tolerance"
-        return f"<Diff of {self.meta.get('a', 'a')} and {self.meta.get('b', 'b')}: {len(self)} sites, {state}>"
+        return (
+            f"<Diff of {self.meta.get('a', 'a')} and {self.meta.get('b', 'b')}: {counted(len(self), 'site')}, {state}>"
+        )
 
     def _repr_html_(self) -> str:
         return self._table().html()

@@ -25,7 +25,7 @@ from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, 
 from hookscope._shared.bits import bits_to_tensor
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
-from hookscope._shared.units import format_bytes
+from hookscope._shared.units import counted, format_bytes
 from hookscope.errors import SiteNotFoundError, StoreError
 
 __all__ = ["Store", "StoreArray", "open_store"]
@@ -254,7 +254,10 @@ class Store:
     def _table(self) -> Table:
         """One row per array: its name, the site that fills it, one row's shape, its dtype and its
         size uncompressed, under the store's path, rows and state."""
-        title = f"<Store {self.path}: {self.rows:,} rows, {len(self.sites)} sites, {self.meta.get('state', '?')}>"
+        title = (
+            f"<Store {self.path}: {counted(self.rows, 'row')}, {counted(len(self.sites), 'site')}, "
+            f"{self.meta.get('state', '?')}>"
+        )
         reduced = any(layout.reduce for layout in self._layouts)
         columns = [*map(Column, ("array", "site", "shape", "dtype")), Column("size", "right")]
         table = Table(columns + ([Column("reduce")] if reduced else []), title=title)

@@ -8,7 +8,7 @@ import re
 
 from hookscope.errors import SpecError
 
-__all__ = ["format_bytes", "format_number", "parse_bytes"]
+__all__ = ["counted", "format_bytes", "format_number", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30})
@@ -31,17 +31,26 @@ def format_number(value: float | None, *, digits: int = 4, missing: str = "") ->
 
 
 def format_bytes(count: int) -> str:
-    """Binary units, three significant digits.
+    """Binary units, three significant digits (whole numbers from 100 up, never an exponent).
 
-    >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
-    ('512 B', '1.5 KiB', '3 GiB')
+    >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30), format_bytes(1000 * 1024)
+    ('512 B', '1.5 KiB', '3 GiB', '1000 KiB')
     """
     value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or abs(value) >= 100 else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and the noun, plural unless one: ``1 site``, ``2 sites``, ``1,024 rows``.
+
+    >>> counted(1, "site"), counted(3, "tensor"), counted(1024, "row")
+    ('1 site', '3 tensors', '1,024 rows')
+    """
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 def parse_bytes(size: int | str) -> int:

@@ -196,7 +196,7 @@ def capture_command(
     )
     typer.echo(repr(cache))
     saved = cache.save(out)
-    typer.echo(f"saved {len(cache)} tensors to {saved} ({saved.stat().st_size:,} bytes)")
+    typer.echo(f"saved {_counted(len(cache), 'tensor')} to {saved} ({_counted(saved.stat().st_size, 'byte')})")
 
 
 @app.command("trace")
@@ -534,8 +534,8 @@ def extract_command(
             typer.echo(repr(store))
             size = store_size(out)
             typer.echo(
-                f"wrote {len(store):,} rows of {len(store.sites)} sites to {out} in {elapsed:.1f} s"
-                + (f" ({size:,} bytes on disk)" if size is not None else "")
+                f"wrote {_counted(len(store), 'row')} of {_counted(len(store.sites), 'site')} to {out} "
+                f"in {elapsed:.1f} s" + (f" ({size:,} bytes on disk)" if size is not None else "")
             )
 
 
@@ -543,6 +543,11 @@ def _int_option(name: str, text: str) -> int:
     if not text.strip().lstrip("-").isdecimal():
         raise SpecError(f"{name} {text!r} is not an integer")
     return int(text)
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 site``, ``2 sites``: a count with its noun, plural unless one."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 def _calls(text: str) -> Any:
