@@ -237,6 +237,17 @@ def test_a_bfloat16_copy_gets_the_same_answer_from_every_way_in() -> None:
     assert (hs.diff(model, copy, x, rtol=0.5, inputs_b=((x.bfloat16(),), {})).rtol) == 0.5
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there: nothing to refuse")
+def test_a_device_this_machine_lacks_is_a_spec_error() -> None:
+    model = mlp(1)
+    with pytest.raises(hs.SpecError, match=r"device 'cuda' cannot be used here \(AssertionError") as info:
+        hs.diff.devices(model, torch.randn(2, 8))  # a CPU build of torch: cuda by default
+    assert not isinstance(info.value, AssertionError)
+    with pytest.raises(hs.SpecError, match="is not a torch device"):
+        hs.diff.devices(model, torch.randn(2, 8), device="gpu:0")
+    assert hs.attached(model) == []
+
+
 def test_only_in_one_model_and_no_pairs() -> None:
     a = mlp(3)
     b = mlp(4)

@@ -21,7 +21,7 @@ from hookscope._diff.metrics import read_metrics
 from hookscope._diff.recorder import CallDraft, Comparer, Kept, LeafDraft, Reference, compare_leaves
 from hookscope._diff.result import Diff, DiffRow, LeafDiff
 from hookscope._diff.tolerances import model_dtypes, tolerances
-from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.dtypes import dtype_name, parse_device
 from hookscope.errors import SpecError
 
 __all__ = ["DiffFunction", "cast_floats", "compare_caches", "compare_models", "diff"]
@@ -246,6 +246,20 @@ def _moved(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
 
 
+def _usable_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device this process can put tensors on; else ``SpecError`` saying why."""
+    target = parse_device(device)
+    assert target is not None
+    try:
+        torch.empty(0, device=target)
+    except (RuntimeError, AssertionError) as error:  # a CPU build asked for CUDA raises AssertionError
+        raise SpecError(
+            f"device {str(target)!r} cannot be used here ({type(error).__name__}: {error}); compare against a "
+            f"device this machine has, e.g. 'cpu' or 'meta' (torch {torch.__version__})"
+        ) from None
+    return target
+
+
 def _given(rtol: float | None, atol: float | None, dtypes: list[torch.dtype]) -> tuple[float, float]:
     """The tolerances asked for, each left out one the default for these dtypes."""
     default_rtol, default_atol = tolerances(*dtypes)
@@ -418,7 +432,7 @@ class DiffFunction:
             if device is not None:
                 raise SpecError(f"two devices given: {args[-1]!r} among the inputs and device={device!r}; pass one")
             args, device = args[:-1], args[-1]
-        target = torch.device("cuda" if device is None else device)
+        target = _usable_device("cuda" if device is None else device)
         moved = copy.deepcopy(model).to(target)
         inputs = (args, kwargs)
         options: dict[str, Any] = {"layers": None, "rtol": rtol, "atol": atol, "keep_on": "cpu"}
