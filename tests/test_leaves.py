@@ -3,38 +3,22 @@
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, get_args
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import hookscope as hs
 from hookscope._core.names import LEAF_KINDS, leaf_label, parse_leaf, split_leaf
 from hookscope._core.sites import SiteKind
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope.errors import SpecError
-from tests.models import KeywordOnly, track
+from tests.models import KeywordOnly, gpt2_input, tiny_gpt2
 
 SIDES = ("input", "output")
 RELATIVE = st.from_regex(r"(\[[0-9]+\]|\.[a-z_][a-z_0-9]*|\['[a-z.:\[\] ]*'\]){0,4}", fullmatch=True)
-
-
-def tiny_gpt2_block_model() -> nn.Module:
-    """GPT-2 of two blocks from a small config, random weights, nothing downloaded."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import GPT2Config, GPT2Model
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
-    return track(GPT2Model(config).eval())
-
-
-def ids() -> torch.Tensor:
-    return torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
 # -- the label and the parser ---------------------------------------------------------------------
@@ -119,7 +103,7 @@ def test_site_text_and_cache_keys_read_leaves_with_the_same_parser() -> None:
 
 @pytest.mark.transformers
 def test_output_paths_in_full_and_relative_edit_the_same_tensor_of_a_gpt2_block() -> None:
-    model = tiny_gpt2_block_model()
+    model = tiny_gpt2()
     seen: dict[str, tuple[str, str, str]] = {}
 
     def scaled(label: str) -> Any:
@@ -131,18 +115,22 @@ def test_output_paths_in_full_and_relative_edit_the_same_tensor_of_a_gpt2_block(
         return edit
 
     with torch.no_grad():
-        plain = model(input_ids=ids()).last_hidden_state
+        plain = model(input_ids=gpt2_input()).last_hidden_state
         # The attention inside a block returns a tuple (attn_output, attn_weights).
-        full, _ = hs.run_with_edits(model, input_ids=ids(), edits={"h.0.attn": hs.edits.scale(0.5, path="output[0]")})
-        relative, _ = hs.run_with_edits(model, input_ids=ids(), edits={"h.0.attn": hs.edits.scale(0.5, path="[0]")})
-        default, _ = hs.run_with_edits(model, input_ids=ids(), edits={"h.0.attn": hs.edits.scale(0.5)})
-        hs.run_with_edits(model, input_ids=ids(), edits={"h.0.attn": [scaled("output[0]"), scaled("[0]")]})
+        full, _ = hs.run_with_edits(
+            model, input_ids=gpt2_input(), edits={"h.0.attn": hs.edits.scale(0.5, path="output[0]")}
+        )
+        relative, _ = hs.run_with_edits(
+            model, input_ids=gpt2_input(), edits={"h.0.attn": hs.edits.scale(0.5, path="[0]")}
+        )
+        default, _ = hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.0.attn": hs.edits.scale(0.5)})
+        hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.0.attn": [scaled("output[0]"), scaled("[0]")]})
         # The block itself returns its hidden states: "output" and "" name them.
         block_full, _ = hs.run_with_edits(
-            model, input_ids=ids(), edits={"h.0": hs.edits.zero(neurons=[3], path="output")}
+            model, input_ids=gpt2_input(), edits={"h.0": hs.edits.zero(neurons=[3], path="output")}
         )
         block_relative, _ = hs.run_with_edits(
-            model, input_ids=ids(), edits={"h.0": hs.edits.zero(neurons=[3], path="")}
+            model, input_ids=gpt2_input(), edits={"h.0": hs.edits.zero(neurons=[3], path="")}
         )
     assert not torch.equal(full.last_hidden_state, plain)
     assert torch.equal(full.last_hidden_state, relative.last_hidden_state)
@@ -154,17 +142,19 @@ def test_output_paths_in_full_and_relative_edit_the_same_tensor_of_a_gpt2_block(
 
 @pytest.mark.transformers
 def test_input_paths_in_full_and_relative_edit_the_same_tensor() -> None:
-    model = tiny_gpt2_block_model()
+    model = tiny_gpt2()
     with torch.no_grad():
-        plain = model(input_ids=ids()).last_hidden_state
+        plain = model(input_ids=gpt2_input()).last_hidden_state
         runs = [
-            hs.run_with_edits(model, input_ids=ids(), edits={"h.1": hs.edits.scale(2.0, path=path)}, on="input")[0]
+            hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.1": hs.edits.scale(2.0, path=path)}, on="input")[
+                0
+            ]
             for path in ("input[0]", "[0]")
         ]
         edit = hs.edit(model, {"h.1": hs.edits.scale(2.0, path="input[0]")}, on="input")
         with edit, hs.capture(model, "h.1", keep="input") as cache:  # attached after the edit: sees it
-            model(input_ids=ids())
-        hidden = hs.run_with_capture(model, input_ids=ids(), layers="h.0")[1]["h.0:output"]
+            model(input_ids=gpt2_input())
+        hidden = hs.run_with_capture(model, input_ids=gpt2_input(), layers="h.0")[1]["h.0:output"]
     assert not torch.equal(runs[0].last_hidden_state, plain)
     assert torch.equal(runs[0].last_hidden_state, runs[1].last_hidden_state)
     assert torch.equal(cache["h.1:input[0]"], hidden * 2.0)
@@ -199,7 +189,7 @@ def test_input_paths_in_full_and_relative_edit_the_same_tensor() -> None:
 )
 @pytest.mark.transformers
 def test_a_path_on_the_wrong_side_is_refused_before_the_forward(path: str, on: str, message: str) -> None:
-    model = tiny_gpt2_block_model()
+    model = tiny_gpt2()
     with pytest.raises(SpecError, match=message):
         hs.edit(model, {"h.0": hs.edits.zero(path=path)}, on=on)  # type: ignore[arg-type]
     assert not hs.attached(model)
@@ -207,13 +197,13 @@ def test_a_path_on_the_wrong_side_is_refused_before_the_forward(path: str, on: s
 
 @pytest.mark.transformers
 def test_a_missing_leaf_is_named_in_full() -> None:
-    model = tiny_gpt2_block_model()
+    model = tiny_gpt2()
     with pytest.raises(
         hs.EditError,
         match=r"h\.0\.attn#0:output\[5\]: no tensor at 'output\[5\]'; the tensors are "
         r"at output\[0\]",
     ):
-        hs.run_with_edits(model, input_ids=ids(), edits={"h.0.attn": hs.edits.zero(path="[5]")})
+        hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.0.attn": hs.edits.zero(path="[5]")})
 
 
 # -- every feature records the same leaf the same way ---------------------------------------------
@@ -221,18 +211,18 @@ def test_a_missing_leaf_is_named_in_full() -> None:
 
 @pytest.mark.transformers
 def test_trace_grads_capture_diff_and_edits_agree_on_the_relative_path_of_a_leaf() -> None:
-    model = tiny_gpt2_block_model()
+    model = tiny_gpt2()
     layers = ["h.0", "h.0.attn"]
-    trace = hs.trace(model, input_ids=ids(), layers=layers)
+    trace = hs.trace(model, input_ids=gpt2_input(), layers=layers)
     traced = {(row.name, info.what, info.path) for row in trace for info in (*row.inputs, *row.outputs)}
-    _, cache = hs.run_with_capture(model, input_ids=ids(), layers=layers, keep="both")
+    _, cache = hs.run_with_capture(model, input_ids=gpt2_input(), layers=layers, keep="both")
     captured = {(site.module, site.what, site.path) for site in cache.sites()}
     assert traced == captured
     assert ("h.0.attn", "output", "[0]") in traced
     assert ("h.0", "output", "") in traced
 
     with hs.watch_grads(model, layers, params=False) as monitor:
-        model(input_ids=ids()).last_hidden_state.pow(2).sum().backward()
+        model(input_ids=gpt2_input()).last_hidden_state.pow(2).sum().backward()
         step = monitor.step()
     assert step is not None
     side = {"grad_output": "output", "grad_input": "input"}
@@ -242,7 +232,7 @@ def test_trace_grads_capture_diff_and_edits_agree_on_the_relative_path_of_a_leaf
     attn = next(r for r in step.of("grad_output") if r.module == "h.0.attn")
     assert (attn.leaf, attn.column) == ("output[0]", "h.0.attn#0:output[0]")
 
-    diff = hs.diff(model, copy.deepcopy(model), input_ids=ids(), layers=layers)
+    diff = hs.diff(model, copy.deepcopy(model), input_ids=gpt2_input(), layers=layers)
     assert {(row.name, row.what, row.path) for row in diff} == {k for k in captured if k[1] == "output"}
     assert diff["h.0.attn#0:output[0]"].label == "output[0]"
     assert {(r["name"], r["what"], r["path"]) for r in diff.records()} == {k for k in captured if k[1] == "output"}

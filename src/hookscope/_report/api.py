@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import capture
-from hookscope._core.select import Selector, ensure_module
+from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves
 from hookscope._grads import GradMonitor, watch_grads
@@ -77,8 +77,7 @@ def report(
     """
     model = ensure_module(model)
     layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
-    if isinstance(layers, torch.Tensor):
-        raise SpecError("layers= is the report's own option (which layers to draw); use model_kwargs={'layers': ...}")
+    layers = None if layers is None else given_selectors((), layers, feature="report")
     path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")

@@ -24,7 +24,7 @@ from torch import nn
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.names import named_modules
 from hookscope._core.params import count, own_count
-from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.select import Selector, ensure_module, given_selectors, select
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
@@ -353,7 +353,8 @@ def tracing(
             model.generate(ids, max_new_tokens=5)
         print(tracer.trace)          # the last forward pass
     """
-    return Tracer(model, layers=_layers(layers), options=TraceOptions.build(options, opts))
+    chosen = None if layers is None else given_selectors((), layers, feature="trace")
+    return Tracer(model, layers=chosen, options=TraceOptions.build(options, opts))
 
 
 @with_options(TraceOptions, keep=("grad", "model_kwargs"))
@@ -430,12 +431,6 @@ def trace(
         model, *args, layers=layers, options=options, grad=grad, model_kwargs=model_kwargs, **kwargs
     )
     return result
-
-
-def _layers(layers: Selector | Sequence[Selector] | None) -> Selector | Sequence[Selector] | None:
-    if isinstance(layers, torch.Tensor):
-        raise SpecError("layers= is trace's own option (which modules to trace); use model_kwargs={'layers': ...}")
-    return layers
 
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
