@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import warnings
 import weakref
 from pathlib import Path
 
@@ -528,7 +529,8 @@ def test_order_pairing_notes_a_layer_of_another_kind() -> None:
     torch.manual_seed(0)
     a = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval())
     b = track(nn.Sequential(copy.deepcopy(a[0]), nn.Tanh()).eval())
-    d = hs.diff(a, b, torch.rand(2, 4), match="order")
+    with pytest.warns(hs.PairingWarning, match="ReLU"):
+        d = hs.diff(a, b, torch.rand(2, 4), match="order")
     assert d["1"].note == "classes differ (ReLU vs Tanh)"
     assert not d.within()
 
@@ -537,3 +539,59 @@ def test_only_the_roots_pairing_is_refused_with_the_fix() -> None:
     a = mlp(2)
     with pytest.raises(hs.SpecError, match="match='order'"):
         hs.diff(a, track(Renamed(a)), torch.randn(2, 8))
+
+
+def test_order_pairing_of_a_layer_with_a_container_is_marked_and_warned() -> None:
+    torch.manual_seed(0)
+    a = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval())
+    b = track(nn.Sequential(nn.Sequential(copy.deepcopy(a[0]), nn.ReLU())).eval())
+    x = torch.rand(2, 4)
+    assert torch.equal(a(x), b(x))  # one function, two structures
+    with pytest.warns(hs.PairingWarning, match=r"paired 2 calls with a module of another kind") as caught:
+        d = hs.diff(a, b, x, match="order")
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert d["0"].note == "classes differ (Linear vs Sequential)"
+    divergence = d.first_divergence()
+    assert divergence is not None
+    assert "classes differ" in str(divergence)
+
+
+def test_order_pairing_of_two_implementations_of_one_block_is_quiet() -> None:
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.fc(x))
+
+    class OtherBlock(Block):
+        pass
+
+    a = track(nn.Sequential(Block()).eval())
+    b = track(nn.Sequential(OtherBlock()).eval())
+    b.load_state_dict(a.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hs.diff(a, b, torch.rand(2, 4), match="order").within()
+
+
+class _AddConstant(nn.Module):
+    def __init__(self, constant: int) -> None:
+        super().__init__()
+        self.constant = constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.constant
+
+
+@pytest.mark.parametrize("big", [2**20, 2**60])
+def test_integers_compare_exactly_at_any_magnitude(big: int) -> None:
+    x = torch.tensor([big, 5], dtype=torch.int64)
+    assert not hs.diff(_AddConstant(0), _AddConstant(1), x).within()
+    assert not hs.diff(_AddConstant(0), _AddConstant(1), x).within(rtol=1e-2, atol=0.5)
+    assert hs.diff(_AddConstant(1), _AddConstant(1), x).within(rtol=0, atol=0)
+    same_bools = hs.diff(_AddConstant(0), _AddConstant(0), torch.tensor([True, False]))
+    assert same_bools.within(rtol=0, atol=0)

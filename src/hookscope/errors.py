@@ -50,6 +50,7 @@ __all__ = [
     "HookscopeError",
     "MissingDependencyError",
     "NonFiniteError",
+    "PairingWarning",
     "SelectionError",
     "SiteNotFoundError",
     "SpecError",
@@ -235,3 +236,9 @@ class StaleCompiledCodeWarning(UserWarning):
     """hookscope reset ``torch.compile``'s code (``torch._dynamo.reset()``) so that hooks attached
     after a compiled call are called: the next call recompiles. Attach hooks before the first
     compiled call to avoid it."""
+
+
+class PairingWarning(UserWarning):
+    """``hs.diff(match="order")`` paired calls of modules of different kinds (a layer with a
+    container, or layers of different classes): the two models' call orders differ there, and
+    those rows compare unrelated values. Pair by name or by a mapping of name patterns instead."""

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,7 +23,8 @@ from hookscope._diff.recorder import CallDraft, Comparer, Kept, LeafDraft, Refer
 from hookscope._diff.result import Diff, DiffRow, LeafDiff
 from hookscope._diff.tolerances import model_dtypes, tolerances
 from hookscope._shared.dtypes import dtype_name, parse_device
-from hookscope.errors import SpecError
+from hookscope._shared.units import counted
+from hookscope.errors import PairingWarning, SpecError
 
 __all__ = ["DiffFunction", "cast_floats", "compare_caches", "compare_models", "diff"]
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -138,6 +140,7 @@ def _rows(
     metrics = iter(measured)
     read = {id(leaf): next(metrics) for leaf in leaves if leaf.raw is not None}
     rows: list[DiffRow] = []
+    off_track: list[str] = []
     for draft in drafts:
         kept = draft.reference
         if kept is None:
@@ -147,14 +150,36 @@ def _rows(
             for leaf in draft.leaves
             if leaf.what == "input"
         )
+        unlike = check_classes and _unlike(kept, draft)
+        if unlike:
+            off_track.append(f"a's {call_label(kept.name, kept.call)} ({kept.class_name}) with b's {draft.name_b}")
         for leaf in (leaf for leaf in draft.leaves if leaf.what == "output"):
             note = leaf.note
-            off_track = kept.leaf and draft.leaf and kept.class_name != draft.class_b  # containers may differ
-            if check_classes and note is None and off_track:  # paired by order, a layer against another kind
+            if unlike and note is None:  # paired by order, a layer against another kind
                 note = f"classes differ ({kept.class_name} vs {draft.class_b})"
             rows.append(_row(len(rows), kept, draft, leaf, read.get(id(leaf)), note, inputs))
+    if off_track:
+        warnings.warn(PairingWarning(_off_track_message(off_track)), stacklevel=5)  # the user's hs.diff call
     only_a = [f"{call_label(k.name, k.call)}" for k in reference if (k.name, k.call) not in matched]
     return Diff(rows, rtol=rtol, atol=atol, only_a=only_a, only_b=only_b, meta=meta)
+
+
+def _unlike(kept: Kept, draft: CallDraft) -> bool:
+    """Whether a pair made by call order joins modules of different kinds: a layer with another
+    layer's class, or a layer with a container. Two containers may differ in class (two
+    implementations of one block), and so may the roots."""
+    if kept.leaf != draft.leaf:
+        return kept.name != "" or draft.name_b != ""
+    return kept.leaf and kept.class_name != draft.class_b
+
+
+def _off_track_message(pairs: list[str]) -> str:
+    shown = "; ".join(pairs[:3]) + (f"; and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+    return (
+        f"match='order' paired {counted(len(pairs), 'call')} with a module of another kind ({shown}): "
+        "the models' call orders differ there, so those rows compare unrelated values (marked "
+        "'classes differ'); pair by name or by a mapping (match={'a.pattern.*': 'b.pattern.*'}) instead"
+    )
 
 
 def _row(

@@ -38,7 +38,9 @@ class Metrics:
     ``cosine`` the cosine similarity of the flattened values (NaN when one side is all zeros),
     ``sqnr_db`` the signal-to-quantisation-noise ratio ``10 log10(||a||² / ||a - b||²)``
     (infinite for equal values). All are over the positions finite in both; ``mismatched``
-    counts positions where one side is NaN or ±Inf and the other is not the same value.
+    counts positions where one side is NaN or ±Inf and the other is not the same value, and for
+    integers and booleans every unequal position: those compare exactly, at any tolerance, and
+    beyond 2^53 too, where their float64 sums round.
     """
 
     count: int
@@ -64,10 +66,11 @@ def raw_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Queue the sums of ``a`` against ``b`` (same shape) on ``b``'s device; returns (count, vector).
 
     Floating values are compared in the wider of the two dtypes (float32 at least), integers
-    and booleans in float64 (exact up to 2^53); each chunk's sums come from ``dot`` and are
-    added up in float64. On the CPU the values go a quarter of a million at a time, while they
-    are in the cache: ten times faster than whole-tensor passes on a GPT-2 MLP activation (4.5
-    against 43 ms for 3 million values, 2 cores). A pinned copy of ``a`` (a capture's, from an
+    and booleans in float64 (exact up to 2^53), their unequal places counted as mismatched; each
+    chunk's sums come from ``dot`` and are added up in float64. On the CPU the values go a
+    quarter of a million at a time, while they are in the cache: ten times faster than
+    whole-tensor passes on a GPT-2 MLP activation (4.5 against 43 ms for 3 million values,
+    2 cores). A pinned copy of ``a`` (a capture's, from an
     accelerator) is moved without blocking the host.
     """
     total = accumulator(b.device)
@@ -86,7 +89,11 @@ def raw_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor]:
     ]
     sums = torch.stack(parts).to(total)
     maxima = sums[:, [0, 5]].amax(0)
-    return left.numel(), torch.cat([maxima[:1], sums[:, 1:5].sum(0), maxima[1:], sums[:, 6:].sum(0)])
+    vector = torch.cat([maxima[:1], sums[:, 1:5].sum(0), maxima[1:], sums[:, 6:].sum(0)])
+    if common is total:  # integers are compared exactly: each unequal place counts, whatever the sums round to
+        unequal = flat_values(a.detach()).to(b.device) != flat_values(b.detach())
+        vector[-1] += unequal.sum().to(total)
+    return left.numel(), vector
 
 
 def _chunk(x: torch.Tensor, y: torch.Tensor, may_look: bool) -> torch.Tensor:
