@@ -25,7 +25,7 @@ $(VENV)/.torch: FORCE | $(BIN)/python
 
 $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
-	$(PIP) -e ".[report]"
+	$(PIP) -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python

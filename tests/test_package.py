@@ -71,3 +71,31 @@ def test_doctests_of_exports_are_collected_where_they_are_defined() -> None:
     names = {test.name for test in finder.find(result)}
     assert "hookscope._trace.result.Trace.measured_leaves" in names
     assert not any("Trace" in test.name for test in finder.find(hs))
+
+
+def test_make_demo_installs_every_package_the_tour_imports() -> None:
+    import ast
+    import re
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    tour = root / "src" / "hookscope" / "demo" / "tour.py"
+    imported = {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(ast.parse(tour.read_text()))
+        if isinstance(node, ast.ImportFrom)
+    } | {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse(tour.read_text()))
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    installed = {re.split(r"[<>=\[ ]", spec)[0] for spec in project["dependencies"]}
+    installed |= {re.split(r"[<>=\[ ]", spec)[0] for spec in project["optional-dependencies"]["demo"]}
+    optional = {"transformers", "jinja2", "matplotlib"}  # imported by the steps and the report they write
+    third_party = (imported - set(sys.stdlib_module_names) - {"hookscope", "__future__"}) | optional
+    assert third_party <= installed | {"torch"}, third_party - installed
+    makefile = (root / "Makefile").read_text()
+    assert '-e ".[demo]"' in makefile.split("\n$(VENV)/.installed:")[1].split("\n\n")[0]

@@ -8,7 +8,8 @@ trace every call with its statistics, find the layer that makes the first NaN, a
 gradients of a deep sigmoid MLP vanish with a poor initialisation and flow with a good one;
 and edit what a layer returns: ablate a channel, patch activations from one run into another;
 and stream the features of a whole data set to a zarr store, resuming after a run that failed;
-and last, on a small CNN trained on generated shapes, ablate the channels that see circles and
+and last, on a small CNN trained on generated shapes, ablate the channels most active on circles
+(and see that they answer to squares too) and
 write a self-contained HTML report of it.
 """
 
@@ -100,7 +101,12 @@ def run_tour(out_dir: Path, write: Write = print) -> Path:
     for label, std in (("weights N(0, 0.1^2)", 0.1), ("weights N(0, (8/sqrt(16))^2)", 2.0)):
         _gradient_flow(label, std, write)
 
-    _step(write, 11, "ablate the channels that see circles", 'hs.run_with_edits(shapes, x, edits={"conv3": zero(...)})')
+    _step(
+        write,
+        11,
+        "zero the channels most active on circles",
+        'hs.run_with_edits(shapes, x, edits={"conv3": zero(...)})',
+    )
     _ablate_circle_channels(write)
 
     _step(write, 12, "activation patching on GPT-2", "edits={blocks: hs.edits.patch(clean_cache)}")
@@ -261,8 +267,12 @@ def _ablate_circle_channels(write: Write) -> None:
         selectivity = activity[labels == circle].mean(0) - activity[labels != circle].mean(0)
         channels = selectivity.argsort(descending=True)[:3].tolist()
         ablated, _ = run_with_edits(model, images, edits={"conv3": edits.zero(channels=channels)})
+        per_class = [activity[labels == k][:, channels].mean().item() for k in range(len(CLASSES))]
     write(f"   ShapesCNN, trained ({sum(p.numel() for p in model.parameters()):,} parameters), on 400 new images")
     write(f"   conv3 channels most active on circles, more than on other shapes: {channels}")
+    levels = "  ".join(f"{name} {level:.1f}" for name, level in zip(CLASSES, per_class, strict=True))
+    write(f"   their mean activity per class: {levels}")
+    write("   so they answer to filled, compact shapes (circles most, squares next), not to circles alone:")
     for label, logits in (("accuracy per class", plain), ("with those zeroed", ablated)):
         right = logits.argmax(1) == labels
         rates = "  ".join(f"{name} {right[labels == k].float().mean().item():4.0%}" for k, name in enumerate(CLASSES))
