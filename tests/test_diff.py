@@ -595,3 +595,10 @@ def test_integers_compare_exactly_at_any_magnitude(big: int) -> None:
     assert hs.diff(_AddConstant(1), _AddConstant(1), x).within(rtol=0, atol=0)
     same_bools = hs.diff(_AddConstant(0), _AddConstant(0), torch.tensor([True, False]))
     assert same_bools.within(rtol=0, atol=0)
+
+
+def test_float32_against_float64_is_not_compared_as_integers() -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    b, x = copy.deepcopy(a).double(), torch.randn(2, 4)
+    assert hs.diff(a, b, x, inputs_b=((x.double(),), {})).within(rtol=1e-5, atol=1e-6)

@@ -74,7 +74,8 @@ def raw_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor]:
     accelerator) is moved without blocking the host.
     """
     total = accumulator(b.device)
-    if a.is_floating_point() or b.is_floating_point():
+    integral = not (a.is_floating_point() or b.is_floating_point())
+    if not integral:
         common = torch.promote_types(a.dtype, b.dtype)
         common = common if common in (torch.float32, torch.float64) else torch.float32
     else:
@@ -90,7 +91,7 @@ def raw_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[int, torch.Tensor]:
     sums = torch.stack(parts).to(total)
     maxima = sums[:, [0, 5]].amax(0)
     vector = torch.cat([maxima[:1], sums[:, 1:5].sum(0), maxima[1:], sums[:, 6:].sum(0)])
-    if common is total:  # integers are compared exactly: each unequal place counts, whatever the sums round to
+    if integral:  # integers are compared exactly: each unequal place counts, whatever the sums round to
         unequal = flat_values(a.detach()).to(b.device) != flat_values(b.detach())
         vector[-1] += unequal.sum().to(total)
     return left.numel(), vector
