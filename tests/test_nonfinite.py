@@ -356,3 +356,12 @@ def test_nan_from_the_model_input_is_told_apart_from_all_finite() -> None:
         0,
     )
     assert "came in with its input" in str(found)
+
+
+def test_the_table_says_when_the_nan_came_in_with_the_input() -> None:
+    model = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    x = torch.randn(2, 4)
+    x[1, 2] = math.nan
+    text = hs.trace(model, x).table()
+    assert "first NaN/Inf: no call made it; it came in with input[0] of 0#0" in text
+    assert "made by" not in text
