@@ -436,7 +436,9 @@ def test_gpt2_nan_that_came_in_with_the_input_is_blamed_on_no_layer(gpt2: nn.Mod
     embeds = gpt2.wte(gpt2_input()).detach()
     embeds[0, 0, 0] = math.nan
     assert reference_culprit(gpt2, inputs_embeds=embeds) is None
-    assert hs.trace(gpt2, inputs_embeds=embeds).first_nonfinite() is None
+    found = hs.trace(gpt2, inputs_embeds=embeds).first_nonfinite()
+    assert found is not None
+    assert found.from_input
     with hs.detect_nonfinite(gpt2), pytest.raises(NonFiniteError, match="came in with the input"), torch.no_grad():
         gpt2(inputs_embeds=embeds)
 

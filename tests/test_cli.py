@@ -87,7 +87,7 @@ def test_tour_steps_in_order(tmp_path: Path) -> None:
     assert steps == ["1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"]
     text = "\n".join(lines)
     assert "5 calls · 5 modules · 618 parameters" in text
-    assert "NonFiniteError: NaN or +inf first appears in output of 'fc' (Linear, call 0)" in text
+    assert "NonFiniteError: NaN first appears in output of 'fc' (Linear, call 0)" in text
     assert "first_nonfinite(): fc#0, inputs finite, 1 NaN out" in text
     poor, good = [line for line in lines if "first/last layer gradient norm" in line]
     assert "layers flagged vanishing" in poor

@@ -336,3 +336,26 @@ def test_a_tensor_factor_scales_per_channel() -> None:
         edited, _ = hs.run_with_edits(model, x, edits={"conv1": hs.edits.scale(factor)})
         by_hand = model.fc(torch.flatten(model.pool(model.relu(model.conv1(x) * factor)), 1))
     assert torch.allclose(edited, by_hand, atol=1e-6)
+
+
+@pytest.mark.transformers
+def test_an_edit_context_prints_as_one_short_line() -> None:
+    model = tiny_gpt2()
+    seen: list[hs.EditContext] = []
+
+    def record(value: torch.Tensor, ctx: hs.EditContext) -> torch.Tensor:
+        seen.append(ctx)
+        return value
+
+    with torch.no_grad():
+        hs.run_with_edits(model, input_ids=gpt2_input(), edits={"h.1.mlp": record})
+    ctx = seen[0]
+    hidden = tuple(ctx.args[0].shape)  # what plain PyTorch handed the module
+    for text in (repr(ctx), str(ctx)):
+        assert "\n" not in text, text
+        assert len(text) < 160, text
+        assert "h.1.mlp#0:output" in text
+        assert "GPT2MLP" in text
+        assert f"input[0] [{', '.join(map(str, hidden))}] float32" in text
+        assert "tensor(" not in text
+        assert "Conv1D(" not in text

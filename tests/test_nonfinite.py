@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -115,7 +116,9 @@ def test_nan_in_the_model_input_is_not_blamed_on_a_layer() -> None:
     model = MLP6()
     x = example()
     x[0, 0, 0] = math.nan
-    assert hs.trace(model, x).first_nonfinite(allow="mask") is None
+    found = hs.trace(model, x).first_nonfinite(allow="mask")
+    assert found is not None
+    assert found.from_input
     detector = hs.detect_nonfinite(model, allow="mask")
     with detector, pytest.raises(NonFiniteError, match="came in with the input") as raised:
         model(x)
@@ -211,3 +214,154 @@ def test_float8_outputs_are_checked() -> None:
         model(torch.randn(4, 4))
     with hs.detect_nonfinite(model), pytest.raises(NonFiniteError, match="came in with the input"):
         model(torch.tensor([1.0, math.nan]))
+
+
+class Spoiler(nn.Module):
+    """Writes a chosen number of NaN, +inf and -inf values into a copy of its input."""
+
+    def __init__(self, nan: int = 0, posinf: int = 0, neginf: int = 0) -> None:
+        super().__init__()
+        self.counts = (nan, posinf, neginf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        flat, start = out.view(-1), 0
+        for value, n in zip((math.nan, math.inf, -math.inf), self.counts, strict=True):
+            flat[start : start + n] = value
+            start += n
+        return out
+
+
+def spoiled_model(nan: int, posinf: int, neginf: int) -> nn.Module:
+    return track(nn.Sequential(nn.Linear(8, 8), Spoiler(nan, posinf, neginf), nn.Linear(8, 8)))
+
+
+def raw_counts(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, int, int, int]:
+    """NaN, +inf, -inf and all values of ``name``'s output, counted in numpy from a plain forward hook."""
+    seen: list[np.ndarray] = []
+    handle = model.get_submodule(name).register_forward_hook(lambda m, a, o: seen.append(o.detach().numpy().copy()))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    values = seen[0].astype(np.float64)
+    return int(np.isnan(values).sum()), int((values == np.inf).sum()), int((values == -np.inf).sum()), values.size
+
+
+@pytest.mark.parametrize("immediately", [False, True])
+@pytest.mark.parametrize("counts", [(3, 0, 2), (0, 1, 1), (0, 0, 4), (1, 0, 0)])
+def test_the_error_counts_each_kind_of_non_finite_value(counts: tuple[int, int, int], immediately: bool) -> None:
+    model = spoiled_model(*counts)
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    nan, posinf, neginf, total = raw_counts(model, "1", x)
+    assert (nan, posinf, neginf) == counts  # the reference sees what the spoiler wrote
+    with hs.detect_nonfinite(model, raise_immediately=immediately), pytest.raises(NonFiniteError) as raised:
+        model(x)
+    error = raised.value
+    assert (error.module, error.what, error.nan, error.posinf, error.neginf) == ("1", "output", nan, posinf, neginf)
+    kinds = [f"{n} {word}" for n, word in zip((nan, posinf, neginf), ("NaN", "+inf", "-inf"), strict=True) if n]
+    assert f"made {' and '.join(kinds)} value{'s' if sum(counts) > 1 else ''} (of {total})" in str(error)
+    if nan == 0:
+        assert "NaN" not in str(error).split(":")[0]  # the kinds named first are those seen
+
+
+def test_an_input_that_came_in_non_finite_is_counted_in_the_error() -> None:
+    model = MLP6()
+    x = example()
+    x[0, 0, :3] = math.nan
+    x[1, 0, 0] = -math.inf
+    with hs.detect_nonfinite(model, allow="mask"), pytest.raises(NonFiniteError, match="came in with") as raised:
+        model(x)
+    error = raised.value
+    assert (error.what, error.nan, error.posinf, error.neginf) == ("input", 3, 0, 1)
+    assert f"3 NaN and 1 -inf values (of {x.numel()})" in str(error)
+
+
+def test_first_nonfinite_prints_as_one_line_with_its_counts() -> None:
+    model = spoiled_model(3, 0, 2)
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    nan, posinf, neginf, total = raw_counts(model, "1", x)
+    culprit = hs.trace(model, x).first_nonfinite()
+    assert culprit is not None
+    assert (culprit.what, culprit.path, culprit.nan, culprit.posinf, culprit.neginf) == (
+        "output",
+        "",
+        nan,
+        posinf,
+        neginf,
+    )
+    assert not culprit.from_input
+    for text in (str(culprit), repr(culprit)):
+        assert "\n" not in text, text
+        assert len(text) < 200, text
+        assert "'1' (Spoiler, call 0)" in text
+        assert f"output: {nan} NaN, {posinf} +inf, {neginf} -inf (of {total})" in text
+        assert "inputs finite" in text
+        assert "TensorInfo(" not in text
+        assert "Stats(" not in text
+
+
+def test_a_trace_row_prints_as_one_line() -> None:
+    model = spoiled_model(0, 0, 0)
+    row = hs.trace(model, torch.randn(10, 8))[1]
+    for text in (str(row), repr(row)):
+        assert "\n" not in text, text
+        assert len(text) < 200, text
+        assert "'0' (Linear, call 0)" in text
+        assert "input[0] [10, 8] float32 -> output [10, 8] float32" in text
+        assert "TensorInfo(" not in text
+        assert "Stats(" not in text
+
+
+def reference_first_bad(model: nn.Module, x: torch.Tensor, skip: str) -> tuple[str, bool]:
+    """From plain forward hooks: the first call to return with a non-finite output (``skip`` aside),
+    and whether its inputs were finite."""
+
+    def finite(value: Any) -> bool:
+        return all(bool(torch.isfinite(t).all()) for _, t in hs.flatten_tensors(value) if t.is_floating_point())
+
+    returned: list[tuple[str, bool, bool]] = []
+    handles = [
+        module.register_forward_hook(lambda m, a, o, name=name: returned.append((name, finite(a), finite(o))))
+        for name, module in model.named_modules()
+        if name != skip
+    ]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    name, inputs_ok, _ = next(call for call in returned if not call[2])
+    return name, inputs_ok
+
+
+def test_nan_from_the_model_input_is_told_apart_from_all_finite() -> None:
+    model = MLP6()
+    x = example()
+    assert hs.trace(model, x).first_nonfinite(allow="mask") is None  # all finite: nothing to show
+    x[0, 0, 0] = math.nan
+    expected, inputs_ok = reference_first_bad(model, x, skip="mask")
+    assert not inputs_ok  # the reference agrees: no module made it
+    found = hs.trace(model, x).first_nonfinite(allow="mask")
+    assert found is not None
+    assert found.from_input
+    assert (found.name, found.what, found.path, found.nan, found.posinf, found.neginf) == (
+        expected,
+        "input",
+        "[0]",
+        1,
+        0,
+        0,
+    )
+    assert "came in with its input" in str(found)
+
+
+def test_the_table_says_when_the_nan_came_in_with_the_input() -> None:
+    model = track(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    x = torch.randn(2, 4)
+    x[1, 2] = math.nan
+    text = hs.trace(model, x).table()
+    assert "first NaN/Inf: no call made it; it came in with input[0] of 0#0" in text
+    assert "made by" not in text

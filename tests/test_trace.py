@@ -57,15 +57,22 @@ def observe(
         if leaves:
             kept[(name, call)] = leaves[0][1].detach().clone()
 
-    handles = [m.register_forward_pre_hook(enter) for _, m in modules.values()]
-    handles += [m.register_forward_hook(leave) for _, m in modules.values()]
+    with_plain_hooks([m for _, m in modules.values()], enter, leave, run)
+    return started, kept
+
+
+def with_plain_hooks(
+    modules: list[nn.Module], enter: Callable[..., None], leave: Callable[..., None], run: Callable[[], Any]
+) -> None:
+    """``run()`` under ``no_grad`` with a plain PyTorch pre-hook and hook on each module."""
+    handles = [m.register_forward_pre_hook(enter) for m in modules]
+    handles += [m.register_forward_hook(leave) for m in modules]
     try:
         with torch.no_grad():
             run()
     finally:
         for handle in handles:
             handle.remove()
-    return started, kept
 
 
 def calls_made(model: nn.Module, run: Callable[[], Any]) -> list[tuple[str, int]]:
@@ -285,6 +292,67 @@ def test_tracing_keeps_the_latest_pass() -> None:
     assert tracer.trace["block"].outputs[0].shape == (3, 4)
     assert len(tracer.trace.calls("block")) == 3
     assert not tracer.live
+
+
+def generation_passes(model: nn.Module, run: Callable[[], Any]) -> list[list[tuple[str, int, tuple[int, ...]]]]:
+    """From plain hooks: per call of the model (one pass), each module call in start order, with
+    its output's shape."""
+    names = {id(m): name for name, m in model.named_modules()}
+    passes: list[list[list[Any]]] = []  # per pass, [name, call, output shape] per call
+    counts: dict[str, int] = {}
+    started: list[list[Any]] = []  # the open calls
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        if not started:  # nothing open: the model itself is called, a new pass
+            passes.append([])
+            counts.clear()
+        name = names[id(module)]
+        entry = [name, counts.get(name, 0), ()]
+        counts[name] = counts.get(name, 0) + 1
+        passes[-1].append(entry)
+        started.append(entry)
+
+    def leave(module: nn.Module, _args: Any, output: Any) -> None:
+        entry = started.pop()  # calls nest: the innermost open one returns first
+        leaves = hs.flatten_tensors(output)
+        entry[2] = tuple(leaves[0][1].shape) if leaves else (-1,)
+
+    with_plain_hooks(list(model.modules()), enter, leave, run)
+    return [[(name, call, shape) for name, call, shape in calls] for calls in passes]
+
+
+@pytest.mark.transformers
+def test_tracing_keeps_every_pass_of_a_generation_loop_when_asked() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
+    model = track(GPT2LMHeadModel(config).eval())
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+
+    def generate() -> Any:
+        return model.generate(ids, max_new_tokens=3, do_sample=False)  # type: ignore[operator]
+
+    expected = generation_passes(model, generate)
+    assert len(expected) == 3  # the prefill, then one forward per new token
+    with torch.no_grad(), hs.tracing(model, passes="all") as tracer:
+        generate()
+    traced = [
+        [(row.name, row.call, row.outputs[0].shape if row.outputs else (-1,)) for row in trace]
+        for trace in tracer.passes
+    ]
+    assert traced == expected
+    assert tracer.trace is tracer.passes[-1]
+    blocks = [t["transformer.h.1"].outputs[0].shape for t in tracer.passes]
+    assert blocks == [(1, 6, 32), (1, 1, 32), (1, 1, 32)]  # the prompt, then one token at a time
+    with torch.no_grad(), hs.tracing(model) as latest:
+        generate()
+    assert len(latest.passes) == 1  # by default each call of the model replaces the trace
+    assert [(row.name, row.call) for row in latest.trace] == [(n, c) for n, c, _ in expected[-1]]
+    with pytest.raises(SpecError, match="passes='every'"):
+        hs.tracing(model, passes="every")  # type: ignore[arg-type]
 
 
 def test_timing_gives_each_call_its_time_and_own_share() -> None:

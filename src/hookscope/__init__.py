@@ -29,7 +29,17 @@ from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
-from hookscope._trace import TensorInfo, Trace, TraceOptions, Tracer, TraceRow, run_with_trace, trace, tracing
+from hookscope._trace import (
+    NonFiniteRow,
+    TensorInfo,
+    Trace,
+    TraceOptions,
+    Tracer,
+    TraceRow,
+    run_with_trace,
+    trace,
+    tracing,
+)
 from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
 from hookscope.errors import (
@@ -82,6 +92,7 @@ __all__ = [
     "MissingDependencyError",
     "NonFiniteDetector",
     "NonFiniteError",
+    "NonFiniteRow",
     "PairingWarning",
     "RunningStats",
     "SelectionError",

@@ -23,7 +23,7 @@ does::
     ├── ConcurrentPassError (RuntimeError)  a second thread entered the model while a feature was
     │                                      recording a forward pass on another thread (.feature, .module)
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
-    │                                      (.module, .call, .what, .path)
+    │                                      (.module, .call, .what, .path, .nan, .posinf, .neginf)
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
     └── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
@@ -194,15 +194,36 @@ class NonFiniteError(HookscopeError, FloatingPointError):
     ``module``, ``call``, ``what`` and ``path`` name the culprit: module name, call index in the
     pass, which value (``"output"``; ``"input"`` when the NaN/Inf came in with the model's input)
     and the leaf's path in it, as a :class:`~hookscope.Site` has them (``""`` for the value
-    itself, ``"[0]"`` for the first item of a tuple).
+    itself, ``"[0]"`` for the first item of a tuple). ``nan``, ``posinf`` and ``neginf`` count
+    the values of each kind in that leaf, so that a -inf is not reported as a NaN; they are None
+    where the leaf was gone before its sum was read (an accelerator without
+    ``raise_immediately=True``).
+
+    >>> error = NonFiniteError("...", module="fc", what="output", nan=3, posinf=0, neginf=2)
+    >>> error.nan, error.neginf
+    (3, 2)
     """
 
-    def __init__(self, message: str, *, module: str = "", call: int = 0, what: str = "output", path: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        module: str = "",
+        call: int = 0,
+        what: str = "output",
+        path: str = "",
+        nan: int | None = None,
+        posinf: int | None = None,
+        neginf: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.module = module
         self.call = call
         self.what = what
         self.path = path
+        self.nan = nan
+        self.posinf = posinf
+        self.neginf = neginf
 
 
 class EditError(HookscopeError, ValueError):

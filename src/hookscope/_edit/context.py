@@ -8,20 +8,28 @@ from typing import Any, Literal
 from torch import nn
 
 from hookscope._core.names import call_label, leaf_label
+from hookscope._core.tree import call_leaves
+from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.shapes import format_shape, shape_of
 
 __all__ = ["EditContext", "EditSide"]
 
 EditSide = Literal["output", "input"]
 
 
-@dataclass(frozen=True)
+_SHOWN_INPUTS = 2
+
+
+@dataclass(frozen=True, repr=False)
 class EditContext:
     """The site an edit runs at: module name, call index, which value, and the call's inputs.
 
     ``path`` is the edited tensor's place relative to the value on ``side``, as in a
     :class:`~hookscope.Site`: ``""`` for the value itself, ``"[0]"``, ``"['mask']"``,
     ``".logits"``; :attr:`label` joins the two (``output[0]``, ``input['mask']``), and ``site``
-    reads ``name#call:label`` (the form error messages and caches use).
+    reads ``name#call:label`` (the form error messages and caches use). It prints as one line,
+    the site, the module's class and the inputs' shapes and dtypes, not the module and its
+    input values.
     """
 
     name: str
@@ -41,3 +49,14 @@ class EditContext:
     def site(self) -> str:
         """``name#call:label``, e.g. ``h.0#0:output[0]``."""
         return f"{call_label(self.name, self.call)}:{self.label}"
+
+    def __repr__(self) -> str:
+        """``<EditContext h.1.mlp#0:output (GPT2MLP): input[0] [2, 8, 32] float32>``."""
+        leaves = call_leaves(self.args, self.kwargs)
+        shown = [
+            f"{leaf_label('input', path)} {format_shape(shape_of(t))} {dtype_name(t.dtype)}"
+            for path, t in leaves[:_SHOWN_INPUTS]
+        ]
+        more = len(leaves) - _SHOWN_INPUTS
+        inputs = (", ".join(shown) or "no tensor input") + (f" +{more} more" if more > 0 else "")
+        return f"<EditContext {self.site} ({type(self.module).__name__}): {inputs}>"

@@ -142,7 +142,7 @@ def _need_plotting() -> None:
 def _notes(traced: Trace) -> list[dict[str, str]]:
     notes = []
     origin = traced.first_nonfinite()
-    if origin is not None:
+    if origin is not None and not origin.from_input:
         main = origin.stats
         counts = "" if main is None else f" ({main.nan} NaN, {main.inf} Inf in its output)"
         notes.append({"kind": "bad", "text": f"NaN/Inf first appears in {origin.site} ({origin.class_name}){counts}"})

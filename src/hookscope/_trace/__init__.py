@@ -9,6 +9,16 @@ the lighter detector that raises at the first module making a NaN/Inf.
 from hookscope._trace.options import TraceOptions
 from hookscope._trace.recorder import Tracer, run_with_trace, trace, tracing
 from hookscope._trace.result import Trace
-from hookscope._trace.rows import TensorInfo, TraceRow
+from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
 
-__all__ = ["TensorInfo", "Trace", "TraceOptions", "TraceRow", "Tracer", "run_with_trace", "trace", "tracing"]
+__all__ = [
+    "NonFiniteRow",
+    "TensorInfo",
+    "Trace",
+    "TraceOptions",
+    "TraceRow",
+    "Tracer",
+    "run_with_trace",
+    "trace",
+    "tracing",
+]

@@ -6,6 +6,12 @@ accelerator the sums are queued on the device and read once when the forward end
 check costs about one pass over each activation and a single sync; ``raise_immediately=True``
 reads each module's sums at once (a sync per module) to stop the forward at the culprit.
 
+The error counts the NaN, +inf and -inf values it names, read once per pass for the one tensor
+it names, while that tensor is at hand: where a call's sums are known as it returns (on the
+CPU, or with ``raise_immediately``). On an accelerator the default check reads the sums after
+the forward, when the tensor is gone: the error then names the kinds the sum shows, without
+counts.
+
 The blame rule is :mod:`hookscope._shared.blame`'s, as for :meth:`Trace.first_nonfinite`: the
 first call to return whose output is non-finite and whose inputs are finite, or came from an
 allow-listed module, or are -inf only in an input named like a mask.
@@ -14,7 +20,7 @@ allow-listed module, or are -inf only in an input named like a mask.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +33,7 @@ from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.identity import SeenTensors
-from hookscope._shared.stats import accumulator, flat_values, is_measurable
+from hookscope._shared.stats import Stats, accumulator, flat_values, is_measurable, tensor_stats
 from hookscope.errors import NonFiniteError
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
@@ -42,6 +48,8 @@ class _Leaf:
     path: str
     signature: Signature
     source: str | None = None
+    total: float = 0.0  # the sum once read (NaN, +inf or -inf when not finite), for the message
+    counts: Stats | None = None  # counted only for the leaf an error would name (see the module doc)
 
 
 @dataclass(eq=False)
@@ -96,23 +104,55 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
         self._allowed = {name for name, _ in select(model, chosen)} if allow is not None else set()
         self._immediately = raise_immediately
         self._calls: list[_Call] = []
+        self._counted = False  # the pass's culprit is counted already: later calls are not
         self._seen: SeenTensors[tuple[Signature, str | None]] = SeenTensors()
         super().__init__(model, named_modules(model))
 
     # -- calls (told by the recorder's hooks) -------------------------------------------------------
 
     def open_call(self, site: Watched, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Call:
-        """Sign the call's inputs (a tensor seen before keeps its signature and its source)."""
-        return _Call(site, call, handled, [self._leaf(path, t, None) for path, t in call_leaves(args, kwargs)])
+        """Sign the call's inputs (a tensor seen before keeps its signature and its source); the
+        model's own call counts its non-finite inputs, which the error names if no module is blamed."""
+        leaves = call_leaves(args, kwargs)
+        record = _Call(site, call, handled, [self._leaf(path, t, None) for path, t in leaves])
+        if not self.opened:  # the pass's opener: what came in with the input
+            self._count(record.inputs, [t for _, t in leaves], lambda leaf: not self._accepted(leaf))
+        return record
 
     def close_call(self, draft: _Call, output: Any) -> None:
-        """Sign the outputs; with ``raise_immediately``, judge the call now."""
+        """Sign the outputs, count them if the call is the culprit; with ``raise_immediately``,
+        judge the call now."""
         site = f"{draft.site.name}#{draft.call}"
-        draft.outputs = [self._leaf(path, t, site) for path, t in flatten_tensors(output, "")]
+        tensors = flatten_tensors(output, "")
+        draft.outputs = [self._leaf(path, t, site) for path, t in tensors]
         self._calls.append(draft)
+        if not self._counted and self._culprit(draft):
+            self._counted = True
+            self._count(draft.outputs, [t for _, t in tensors], lambda leaf: float(leaf.signature) != 0.0)
         if self._immediately:
             self._settle([draft])
             self._check([draft], final=False)
+
+    def _culprit(self, draft: _Call) -> bool:
+        """Whether the blame rule names this call, asked as it returns: a call's sums are known
+        then on the CPU (and under ``raise_immediately``), and the first call named is the culprit."""
+        if not self._known(draft.outputs) or self._output_fine(draft):
+            return False
+        return self._known(draft.inputs) and self._inputs_fine(draft)
+
+    def _known(self, leaves: list[_Leaf]) -> bool:
+        """Whether the leaves' sums are on the host; settled now under ``raise_immediately``."""
+        if self._immediately:
+            _settle_leaves(leaves)
+        return not any(isinstance(leaf.signature, torch.Tensor) for leaf in leaves)
+
+    def _count(self, leaves: list[_Leaf], tensors: list[torch.Tensor], bad: Callable[[_Leaf], bool]) -> None:
+        """Count the NaN and Inf values of the ``bad`` leaves, whose tensors are at hand."""
+        if not self._known(leaves):
+            return
+        for leaf, tensor in zip(leaves, tensors, strict=True):
+            if bad(leaf) and is_measurable(tensor):
+                leaf.counts = tensor_stats(tensor)
 
     def _leaf(self, path: str, tensor: torch.Tensor, producer: str | None) -> _Leaf:
         known = self._seen.get(tensor)
@@ -128,6 +168,7 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
         """A new pass: forget the last one."""
         self._calls = []
         self._seen.clear()
+        self._counted = False
 
     def end_pass(self, module: nn.Module, error: BaseException | None) -> None:
         """Read every sum at once and blame the first module that made a NaN/Inf."""
@@ -146,18 +187,7 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
     @staticmethod
     def _settle(calls: list[_Call]) -> None:
         """Replace device sums by their kinds: one stack and transfer per device."""
-        pending: dict[torch.device, list[_Leaf]] = {}
-        for record in calls:
-            for leaf in (*record.inputs, *record.outputs):
-                if isinstance(leaf.signature, torch.Tensor):
-                    pending.setdefault(leaf.signature.device, []).append(leaf)
-        for leaves in pending.values():
-            values = torch.stack([leaf.signature for leaf in leaves]).cpu().tolist()  # type: ignore[misc]
-            for leaf, value in zip(leaves, values, strict=True):
-                leaf.signature = value
-        for record in calls:
-            for leaf in (*record.inputs, *record.outputs):
-                leaf.signature = _kind(float(leaf.signature))
+        _settle_leaves([leaf for record in calls for leaf in (*record.inputs, *record.outputs)])
 
     def _check(self, calls: list[_Call], *, final: bool) -> None:
         """Raise at the call the blame rule names; at the end of a pass, also at a NaN/Inf that
@@ -165,30 +195,33 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
         culprit = blame(calls, output_fine=self._output_fine, inputs_fine=self._inputs_fine)
         if culprit is not None:
             bad = next(leaf for leaf in culprit.outputs if leaf.signature != 0.0)
-            what = "NaN or +inf" if math.isnan(float(bad.signature)) else "-inf"
             name = culprit.site.name
             raise NonFiniteError(
-                f"{what} first appears in {leaf_label('output', bad.path)} of {module_label(name)!r} "
-                f"({culprit.site.class_name}, call {culprit.call}): its inputs were finite. "
-                "hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
+                f"{_kinds(bad)} first {_appear(bad)} in {leaf_label('output', bad.path)} of {module_label(name)!r} "
+                f"({culprit.site.class_name}, call {culprit.call}): its inputs were finite, and it made "
+                f"{_counted(bad)}. hs.trace(model, ...).first_nonfinite() shows its input and output statistics; "
                 "if these values are intended (a -inf mask), pass allow=[...] naming the module",
                 module=name,
                 call=culprit.call,
                 what="output",
                 path=bad.path,
+                **_fields(bad),
             )
         if final and calls:
             root = calls[-1]  # the pass's opener returns last
-            bad_inputs = [leaf.path for leaf in root.inputs if not self._accepted(leaf)]
+            bad_inputs = [leaf for leaf in root.inputs if not self._accepted(leaf)]
             if bad_inputs and any(leaf.signature != 0.0 for leaf in root.outputs):
-                shown = ", ".join(leaf_label("input", path) for path in bad_inputs)
+                first = bad_inputs[0]
+                shown = ", ".join(leaf_label("input", leaf.path) for leaf in bad_inputs)
                 raise NonFiniteError(
                     f"the NaN/Inf came in with the input: {shown} of "
-                    f"{module_label(root.site.name)!r} ({root.site.class_name}) is not finite",
+                    f"{module_label(root.site.name)!r} ({root.site.class_name}) is not finite; "
+                    f"{leaf_label('input', first.path)} holds {_counted(first)}",
                     module=root.site.name,
                     call=root.call,
                     what="input",
-                    path=bad_inputs[0],
+                    path=first.path,
+                    **_fields(first),
                 )
 
     def _output_fine(self, record: _Call) -> bool:
@@ -203,6 +236,53 @@ class NonFiniteDetector(CallRecorder[Watched, _Call]):
         return fine_input(
             leaf.path, leaf.source, finite=value == 0.0, negative_inf_only=value == -math.inf, allowed=self._allowed
         )
+
+
+def _settle_leaves(leaves: list[_Leaf]) -> None:
+    """Replace the device sums among ``leaves`` by their kinds: one stack and transfer per device."""
+    pending: dict[torch.device, list[_Leaf]] = {}
+    for leaf in leaves:
+        if isinstance(leaf.signature, torch.Tensor):
+            pending.setdefault(leaf.signature.device, []).append(leaf)
+        elif leaf.signature != 0.0 and leaf.total == 0.0:
+            leaf.total = float(leaf.signature)  # on the CPU the signature is the kind already
+    for on_device in pending.values():
+        values = torch.stack([leaf.signature for leaf in on_device]).cpu().tolist()  # type: ignore[misc]
+        for leaf, value in zip(on_device, values, strict=True):
+            leaf.total, leaf.signature = value, _kind(value)
+
+
+_KINDS = (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf"))
+
+
+def _kinds(leaf: _Leaf) -> str:
+    """The kinds of non-finite value a leaf holds: counted, or read from its sum."""
+    if leaf.counts is not None:
+        return " and ".join(word for field, word in _KINDS if getattr(leaf.counts, field))
+    if math.isnan(leaf.total):
+        return "NaN or Inf"  # a NaN, or +inf and -inf together
+    return "+inf" if leaf.total > 0 else "-inf"
+
+
+def _appear(leaf: _Leaf) -> str:
+    return "appear" if " and " in _kinds(leaf) else "appears"  # "NaN appears", "NaN and -inf appear"
+
+
+def _counted(leaf: _Leaf) -> str:
+    """``3 NaN and 2 -inf values (of 4096)``; without counts, the kinds and how to count them."""
+    counts = leaf.counts
+    if counts is None:
+        return f"{_kinds(leaf)} values (counted with raise_immediately=True)"
+    shown = " and ".join(f"{getattr(counts, field):,} {word}" for field, word in _KINDS if getattr(counts, field))
+    plural = "value" if counts.nan + counts.inf == 1 else "values"
+    return f"{shown} {plural} (of {counts.count:,})"
+
+
+def _fields(leaf: _Leaf) -> dict[str, int | None]:
+    counts = leaf.counts
+    if counts is None:
+        return {"nan": None, "posinf": None, "neginf": None}
+    return {"nan": counts.nan, "posinf": counts.posinf, "neginf": counts.neginf}
 
 
 def detect_nonfinite(
@@ -235,6 +315,6 @@ def detect_nonfinite(
     ...     model(torch.randn(4, 2))
     Traceback (most recent call last):
     ...
-    hookscope.errors.NonFiniteError: NaN or +inf first appears in output of '0' (Linear, call 0): ...
+    hookscope.errors.NonFiniteError: NaN first appears in output of '0' (Linear, call 0): ...
     """
     return NonFiniteDetector(model, allow=allow, raise_immediately=raise_immediately)

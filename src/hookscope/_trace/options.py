@@ -7,6 +7,7 @@ bad value is refused before any hook is attached and an option means the same ev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -14,7 +15,9 @@ from hookscope._shared.histogram import DEFAULT_BINS
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
 
-__all__ = ["TraceOptions"]
+__all__ = ["Passes", "TraceOptions"]
+
+Passes = Literal["latest", "all"]  # spelled as a capture's passes= is
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,9 @@ class TraceOptions(Options):
     - ``memory``: the rise of peak CUDA memory per call (this resets PyTorch's peak counter,
       ``torch.cuda.max_memory_allocated``, as it goes);
     - ``histograms``: ``True`` (64 bins) or a bin count: a histogram of every measured
-      tensor's finite values, counted on the device from a sample of at most 32,768 values.
+      tensor's finite values, counted on the device from a sample of at most 32,768 values;
+    - ``passes``: ``"latest"`` (each forward replaces the trace) or ``"all"`` (every pass's
+      trace is kept, ``tracer.passes``: a ``generate()`` loop's prefill, then one per token).
 
     >>> TraceOptions(histograms=True).bins
     64
@@ -47,10 +52,13 @@ class TraceOptions(Options):
     timing: bool = False
     memory: bool = False
     histograms: bool | int = False
+    passes: Passes = "latest"
 
     def __post_init__(self) -> None:
         for option in ("stats", "input_stats", "timing", "memory"):
             check_flag(option, getattr(self, option))
+        if self.passes not in ("latest", "all"):
+            raise SpecError(f"passes={self.passes!r} is not 'latest' (each forward replaces the trace) or 'all'")
         _bins(self.histograms, self.stats)  # refused now, not when the tracer attaches
 
     @property

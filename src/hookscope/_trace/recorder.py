@@ -113,6 +113,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
 
     ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
     stop where the exception went through, and ``trace.failure`` is the innermost such call).
+    With ``passes="all"``, ``tracer.passes`` holds every pass's trace, in order.
     """
 
     feature = "trace"
@@ -137,8 +138,9 @@ class Tracer(CallRecorder[_Module, _Draft]):
         self._pass = _Pass()
         self._peaks: dict[int, PeakMemory] = {}
         self._scratch = Scratch()  # one |x| buffer for every tensor measured, not one allocation each
-        self._trace: Trace | None = None
-        self._finished: _FinishedPass | None = None  # the latest pass, statistics not yet read
+        self._keep_passes = options.passes == "all"
+        # The latest pass, or with passes="all" every one: a _FinishedPass until first looked at.
+        self._kept: list[_FinishedPass | Trace] = []
         self._selected = _modules(model, layers)
         self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
         super().__init__(model, self._selected)
@@ -243,14 +245,14 @@ class Tracer(CallRecorder[_Module, _Draft]):
         raised = [draft.order for draft in state.rows if error is not None and draft.error is error]
         for draft in state.rows:
             draft.error = None  # the traceback would keep the forward's activations alive
-        self._finished = _FinishedPass(
+        finished = _FinishedPass(
             state,
             type(module).__name__,
             time.perf_counter() - state.started,
             max(raised) if raised else None,
             _record_done(state.streams),
         )
-        self._trace = None
+        self._kept = [*self._kept, finished] if self._keep_passes else [finished]
 
     def abandon_pass(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt): drop it."""
@@ -291,10 +293,20 @@ class Tracer(CallRecorder[_Module, _Draft]):
     @property
     def latest(self) -> Trace | None:
         """The latest pass's :class:`Trace`, or None before the first forward."""
-        if self._trace is None and self._finished is not None:
-            self._trace = self._build(self._finished)
-            self._finished = None  # the rows hold what is needed; let the device vectors go
-        return self._trace
+        return self._read(len(self._kept) - 1) if self._kept else None
+
+    @property
+    def passes(self) -> list[Trace]:
+        """With ``passes="all"``, the :class:`Trace` of every forward pass, in order (a
+        generation loop: the prefill, then one per new token; a forward that raised too, its
+        ``failure`` set); otherwise the latest one's. Statistics are read on first access."""
+        return [self._read(index) for index in range(len(self._kept))]
+
+    def _read(self, index: int) -> Trace:
+        kept = self._kept[index]
+        if isinstance(kept, _FinishedPass):  # the rows hold what is needed; let the device vectors go
+            kept = self._kept[index] = self._build(kept)
+        return kept
 
     def _build(self, finished: _FinishedPass) -> Trace:
         """Read every statistic of a pass at once (one transfer per device) and make its rows."""
@@ -345,13 +357,22 @@ def tracing(
 
     Use it where :func:`run_with_trace` cannot call the model for you (a generation loop, your
     own training step); the options are :class:`TraceOptions`'. The model runs as you call it:
-    grad mode and train/eval mode are yours.
+    grad mode and train/eval mode are yours. ``passes="all"`` keeps every pass's trace
+    (``tracer.passes``), not only the latest.
 
     Example::
 
-        with hs.tracing(model, timing=True) as tracer:
+        with hs.tracing(model, timing=True, passes="all") as tracer:
             model.generate(ids, max_new_tokens=5)
         print(tracer.trace)          # the last forward pass
+        tracer.passes[0]             # the prefill; one more per generated token
+
+    >>> import torch, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(4, 2))
+    >>> with hs.tracing(model, passes="all") as tracer:
+    ...     _ = model(torch.randn(3, 4)), model(torch.randn(5, 4))
+    >>> [t["0"].outputs[0].shape for t in tracer.passes]
+    [(3, 2), (5, 2)]
     """
     chosen = None if layers is None else given_selectors((), layers, feature="trace")
     return Tracer(model, layers=chosen, options=TraceOptions.build(options, opts))

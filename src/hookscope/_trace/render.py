@@ -13,7 +13,7 @@ from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import format_bytes, format_number
-from hookscope._trace.rows import TensorInfo, TraceRow
+from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
 from hookscope.errors import SpecError
 
 
@@ -30,7 +30,7 @@ class Trace(Protocol):
     @property
     def failure(self) -> TraceRow | None: ...
 
-    def first_nonfinite(self) -> TraceRow | None: ...
+    def first_nonfinite(self) -> NonFiniteRow | None: ...
 
 
 __all__ = ["COLUMNS", "flat_record", "footer", "leaf_records", "table"]
@@ -142,7 +142,9 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows}.values()))
     lines = [f"{shown} · {modules} modules · {params:,} parameters"]
     culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None
-    if culprit is not None:
+    if culprit is not None and culprit.from_input:
+        lines.append(f"first NaN/Inf: no call made it; it came in with {culprit.label} of {culprit.site}")
+    elif culprit is not None:
         lines.append(f"first NaN/Inf: made by {culprit.site} ({culprit.class_name}) from finite inputs")
     failure = trace.failure
     if failure is not None:

@@ -17,12 +17,12 @@ from torch import nn
 
 from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
-from hookscope._shared.blame import blame, fine_input
+from hookscope._shared.blame import findings, fine_input
 from hookscope._shared.files import atomic_path
 from hookscope._shared.json import finite_json
 from hookscope._shared.optional import require
 from hookscope._trace.render import flat_record, leaf_records, table
-from hookscope._trace.rows import TensorInfo, TraceRow
+from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Trace"]
@@ -132,26 +132,45 @@ class Trace(Sequence[TraceRow]):
         through. None when the forward returned, even if a call inside raised and was caught."""
         return None if self._failure is None else self.rows[self._failure]
 
-    def first_nonfinite(self, allow: Selector | Sequence[Selector] | None = None) -> TraceRow | None:
-        """The first call, in the order calls returned, whose inputs were finite and output was not
-        (the blame rule of :mod:`hookscope._shared.blame`).
+    def first_nonfinite(self, allow: Selector | Sequence[Selector] | None = None) -> NonFiniteRow | None:
+        """Where the first NaN/Inf came from, as a :class:`NonFiniteRow`; None when every output is finite.
 
-        That call made the first NaN/Inf: its own computation, not an earlier layer's, produced
-        it. Its row holds the statistics of its inputs and outputs. ``allow`` names modules whose
-        non-finite outputs are intended (a module building a -inf attention mask): they are not
-        blamed, and what they return counts as finite where it goes in. -inf alone in an input
-        named like a mask (``attention_mask``) is accepted too. Returns None when every output
-        is finite, or when the values were already non-finite where they came in.
+        Normally the first call, in the order calls returned, whose inputs were finite and
+        output was not (the blame rule of :mod:`hookscope._shared.blame`): its own computation,
+        not an earlier layer's, made the values, and ``from_input`` is False. When no call made
+        them, they came in with the input (the model's, or a value made outside the traced
+        modules): the answer is then the first call whose input held them, with
+        ``from_input=True``. Either way the row holds the statistics of its inputs and outputs,
+        and ``what``, ``path`` and the ``nan``/``posinf``/``neginf`` counts name the leaf.
+        ``allow`` names modules whose non-finite outputs are intended (a module building a -inf
+        attention mask): they are not blamed, and what they return counts as finite where it
+        goes in. -inf alone in an input named like a mask (``attention_mask``) is accepted too.
+
+        >>> import torch, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.LogSigmoid(), nn.Linear(2, 1))
+        >>> with torch.no_grad():
+        ...     _ = model[0].bias.fill_(float("nan"))
+        >>> print(hs.trace(model, torch.ones(4, 2)).first_nonfinite())
+        <NonFiniteRow '0' (Linear, call 0) output: 8 NaN, 0 +inf, 0 -inf (of 8); inputs finite>
         """
         if self.meta.get("stats") is False:
             raise SpecError("this trace was taken with stats=False: nothing was measured; trace again with stats=True")
         allowed = self._names_of(allow) if allow is not None else set()
         finished = sorted((row for row in self.rows if row.finished is not None), key=lambda row: row.finished or 0)
-        return blame(
+        passed_on: TraceRow | None = None  # the first call whose bad output came with its inputs
+        for found in findings(
             finished,
             output_fine=lambda row: row.name in allowed or row.output_finite is not False,
             inputs_fine=lambda row: all(_accepted_input(info, allowed) for info in row.inputs),
-        )
+        ):
+            if found.introduced:  # the blame rule: the first call that made it, wherever it stands
+                made = next(info for info in found.call.outputs if info.finite is False)
+                return NonFiniteRow.of(found.call, from_input=False, leaf=made)
+            passed_on = passed_on or found.call
+        if passed_on is None:
+            return None
+        came = next(info for info in passed_on.inputs if not _accepted_input(info, allowed))
+        return NonFiniteRow.of(passed_on, from_input=True, leaf=came)
 
     def _names_of(self, selector: Selector | Sequence[Selector]) -> set[str]:
         model = self._model() if self._model is not None else None

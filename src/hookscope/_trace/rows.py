@@ -1,8 +1,9 @@
-"""The rows of a trace: one :class:`TraceRow` per module call, one :class:`TensorInfo` per tensor."""
+"""The rows of a trace: one :class:`TraceRow` per module call, one :class:`TensorInfo` per tensor,
+and :class:`NonFiniteRow`, the row :meth:`Trace.first_nonfinite` answers with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from hookscope._core.names import call_label, leaf_label, module_label
@@ -10,7 +11,7 @@ from hookscope._shared.histogram import Histogram
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 
-__all__ = ["CallStatus", "LeafWhat", "TensorInfo", "TraceRow"]
+__all__ = ["CallStatus", "LeafWhat", "NonFiniteRow", "TensorInfo", "TraceRow"]
 
 CallStatus = Literal["ok", "raised"]
 LeafWhat = Literal["input", "output"]
@@ -98,6 +99,18 @@ class TraceRow:
     self_ms: float | None = None
     peak_bytes: int | None = None
 
+    def __repr__(self) -> str:
+        """One line: the call, what went in and came out (the dataclass's own repr dumps every
+        statistic of every leaf)."""
+        state = " raised" if self.status == "raised" else ", not finite" if self.output_finite is False else ""
+        return f"<{type(self).__name__} {self.order} {self._called()}: {self._flow()}{state}>"
+
+    def _called(self) -> str:
+        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call})"
+
+    def _flow(self) -> str:
+        return f"{_leaves(self.inputs, 'no input')} -> {_leaves(self.outputs, 'no output')}"
+
     @property
     def site(self) -> str:
         """``name#call``, the row's address (``(root)`` for the model itself)."""
@@ -149,6 +162,90 @@ class TraceRow:
             "inputs": [info.to_dict() for info in self.inputs],
             "outputs": [info.to_dict() for info in self.outputs],
         }
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class NonFiniteRow(TraceRow):
+    """The row of the call :meth:`Trace.first_nonfinite` names, with the leaf that holds the NaN/Inf.
+
+    ``from_input`` tells the two answers apart. False: the call made the values from finite
+    inputs (the blame rule), and ``leaf`` is its first non-finite output. True: no traced call
+    made them; they were already in what came in (the model's input, or a value made outside
+    the traced modules), and this is the first call, in the order calls returned, whose input
+    held them; ``leaf`` is that input. ``what``, ``path`` and the ``nan``, ``posinf``,
+    ``neginf`` counts (of ``count`` values) are the leaf's. Every other field is the row's
+    (compare rows by ``order``: a ``NonFiniteRow`` is not equal to its plain row).
+
+    >>> import math, torch, hookscope as hs
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> found = hs.trace(model, torch.tensor([[1.0, math.nan]])).first_nonfinite()
+    >>> found.from_input, found.name, found.label, found.nan
+    (True, '0', 'input[0]', 1)
+    """
+
+    from_input: bool
+    leaf: TensorInfo
+
+    @classmethod
+    def of(cls, row: TraceRow, *, from_input: bool, leaf: TensorInfo) -> NonFiniteRow:
+        """``row`` with the verdict added."""
+        return cls(**{f.name: getattr(row, f.name) for f in fields(TraceRow)}, from_input=from_input, leaf=leaf)
+
+    @property
+    def what(self) -> LeafWhat:
+        """``"output"`` when the call made the values, ``"input"`` when they came in."""
+        return self.leaf.what
+
+    @property
+    def path(self) -> str:
+        """Where the leaf sits in that value (``""``, ``"[0]"``, ``".logits"``)."""
+        return self.leaf.path
+
+    @property
+    def label(self) -> str:
+        """The leaf as shown: ``output``, ``input[0]``."""
+        return self.leaf.label
+
+    @property
+    def nan(self) -> int:
+        """NaN values in the leaf."""
+        return self._leaf_stats().nan
+
+    @property
+    def posinf(self) -> int:
+        """+inf values in the leaf."""
+        return self._leaf_stats().posinf
+
+    @property
+    def neginf(self) -> int:
+        """-inf values in the leaf."""
+        return self._leaf_stats().neginf
+
+    @property
+    def count(self) -> int:
+        """All values of the leaf."""
+        return self._leaf_stats().count
+
+    def _leaf_stats(self) -> Stats:
+        stats = self.leaf.stats
+        if stats is None:  # a leaf is found non-finite only from its statistics
+            raise AssertionError(f"{self.leaf.label} of {self.site} was not measured")
+        return stats
+
+    def __repr__(self) -> str:
+        """One line: the call, the leaf and its counts, and whether the values came in."""
+        state = "came in with its input (from_input=True)" if self.from_input else "inputs finite"
+        counts = f"{self.nan:,} NaN, {self.posinf:,} +inf, {self.neginf:,} -inf (of {self.count:,})"
+        return f"<{type(self).__name__} {self._called()} {self.label}: {counts}; {state}>"
+
+
+_SHOWN_LEAVES = 2
+
+
+def _leaves(infos: tuple[TensorInfo, ...], none: str) -> str:
+    shown = ", ".join(info.describe() for info in infos[:_SHOWN_LEAVES]) or none
+    more = len(infos) - _SHOWN_LEAVES
+    return shown + (f" +{more} more" if more > 0 else "")
 
 
 def _is_float(dtype: str) -> bool:
