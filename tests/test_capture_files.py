@@ -3,6 +3,7 @@ metadata, atomic writes, files from other tools, refusals."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -371,7 +372,9 @@ def test_saved_files_are_readable_without_hookscope(tmp_path: Path) -> None:
         stored = json.loads(str(archive["__hookscope__"]))
     assert stored["version"] == 1
     assert stored["meta"] == {"k": "v"}
-    assert stored["tensors"]["h.0#1:output[0]"] == {"dtype": "bfloat16", "shape": [2, 2]}
+    bf16_bits = bits(tensors["h.0#1:output[0]"]).numpy()
+    checksum = hashlib.blake2b(bf16_bits, digest_size=16).hexdigest()
+    assert stored["tensors"]["h.0#1:output[0]"] == {"dtype": "bfloat16", "shape": [2, 2], "blake2b": checksum}
 
     st = save_tensors(tmp_path / "a.safetensors", tensors, {"k": "v"})
     plain = safetensors.torch.load_file(str(st))
