@@ -463,3 +463,20 @@ def test_metadata_naming_a_missing_tensor_is_refused(tmp_path: Path) -> None:
                 target.writestr(info, source.read(info))
     with pytest.raises(FileFormatError, match="'y'"):
         load_tensors(tmp_path / "cut.npz")
+
+
+@pytest.mark.parametrize("suffix", SUPPORTED_SUFFIXES)
+def test_a_flipped_bit_in_a_tensor_is_named_on_load(tmp_path: Path, suffix: str) -> None:
+    marker = torch.full((64,), 1.2345, dtype=torch.float32)
+    path = hs.Cache({hs.Site("fc", 0): torch.zeros(3), hs.Site("head", 0): marker}).save(tmp_path / f"c{suffix}")
+    data = bytearray(path.read_bytes())
+    start = bytes(data).find(marker.numpy().tobytes())
+    assert start >= 0, "the tensor's bytes are stored as they are"
+    data[start + 100] ^= 0x01  # one bit of one element
+    path.write_bytes(bytes(data))
+    with pytest.raises(FileFormatError) as info:
+        hs.load(path)
+    assert str(path) in str(info.value)
+    if suffix != ".npz":  # the zip's own CRC finds it first there, and names the member
+        assert "'head#0:output'" in str(info.value)
+        assert "checksum" in str(info.value)
