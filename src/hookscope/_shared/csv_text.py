@@ -38,10 +38,8 @@ def safe_cell(value: Any) -> Any:
 def csv_text(records: Sequence[Mapping[str, Any]], *, empty_header: Sequence[str] = ("order",)) -> str:
     """The ``records`` as CSV, one row each under a header of the first record's keys.
 
-    >>> print(csv_text([{"name": "=cmd", "max": -1.5}, {"name": "a\\rb", "max": 2.0}]), end="")
-    name,max
-    '=cmd,-1.5
-    "a\\rb",2.0
+    >>> csv_text([{"name": "=cmd", "max": -1.5}, {"name": "a\\rb", "max": 2.0}]).splitlines(keepends=True)
+    ['name,max\\n', "'=cmd,-1.5\\n", '"a\\r', 'b",2.0\\n']
     """
     fields = list(records[0]) if records else list(empty_header)
     buffer = io.StringIO()

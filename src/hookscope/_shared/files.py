@@ -107,12 +107,12 @@ def atomic_path(target: str | os.PathLike[str], *, what: str = "output") -> Iter
 def write_text(target: str | os.PathLike[str], text: str, *, what: str = "output") -> Path:
     """Write ``text`` to ``target`` as UTF-8 through :func:`atomic_path`; returns the path.
 
-    A lone surrogate (a module named ``"\\udcff"``, from undecodable bytes) is written as its
+    A lone surrogate (a module named ``chr(0xDCFF)``, from undecodable bytes) is written as its
     escape ``\\udcff`` rather than failing the whole write after the work.
 
     >>> import tempfile
-    >>> write_text(Path(tempfile.mkdtemp()) / "a.txt", "x\udcff").read_text()
-    'x\\udcff'
+    >>> write_text(Path(tempfile.mkdtemp()) / "a.txt", "x" + chr(0xDCFF)).read_text()
+    'x\\\\udcff'
     """
     with atomic_path(target, what=what) as temporary:
         temporary.write_text(text, encoding="utf-8", errors="backslashreplace")
