@@ -3,6 +3,7 @@ metadata, atomic writes, files from other tools, refusals."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -371,7 +372,9 @@ def test_saved_files_are_readable_without_hookscope(tmp_path: Path) -> None:
         stored = json.loads(str(archive["__hookscope__"]))
     assert stored["version"] == 1
     assert stored["meta"] == {"k": "v"}
-    assert stored["tensors"]["h.0#1:output[0]"] == {"dtype": "bfloat16", "shape": [2, 2]}
+    bf16_bits = bits(tensors["h.0#1:output[0]"]).numpy()
+    checksum = hashlib.blake2b(bf16_bits, digest_size=16).hexdigest()
+    assert stored["tensors"]["h.0#1:output[0]"] == {"dtype": "bfloat16", "shape": [2, 2], "blake2b": checksum}
 
     st = save_tensors(tmp_path / "a.safetensors", tensors, {"k": "v"})
     plain = safetensors.torch.load_file(str(st))
@@ -460,3 +463,20 @@ def test_metadata_naming_a_missing_tensor_is_refused(tmp_path: Path) -> None:
                 target.writestr(info, source.read(info))
     with pytest.raises(FileFormatError, match="'y'"):
         load_tensors(tmp_path / "cut.npz")
+
+
+@pytest.mark.parametrize("suffix", SUPPORTED_SUFFIXES)
+def test_a_flipped_bit_in_a_tensor_is_named_on_load(tmp_path: Path, suffix: str) -> None:
+    marker = torch.full((64,), 1.2345, dtype=torch.float32)
+    path = hs.Cache({hs.Site("fc", 0): torch.zeros(3), hs.Site("head", 0): marker}).save(tmp_path / f"c{suffix}")
+    data = bytearray(path.read_bytes())
+    start = bytes(data).find(marker.numpy().tobytes())
+    assert start >= 0, "the tensor's bytes are stored as they are"
+    data[start + 100] ^= 0x01  # one bit of one element
+    path.write_bytes(bytes(data))
+    with pytest.raises(FileFormatError) as info:
+        hs.load(path)
+    assert str(path) in str(info.value)
+    if suffix != ".npz":  # the zip's own CRC finds it first there, and names the member
+        assert "'head#0:output'" in str(info.value)
+        assert "checksum" in str(info.value)

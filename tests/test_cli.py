@@ -73,8 +73,9 @@ def test_demo_into_an_unwritable_place_is_a_one_line_error(capsys: pytest.Captur
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     code, _, err = run_cli(capsys, "demo", "--out", str(blocker / "sub"))
-    assert code == 1
+    assert code == 2  # a path that cannot be written is bad input, like an unwritable store
     assert err.startswith("error: ")
+    assert "is a file, not a folder" in err
     assert "Traceback" not in err
 
 

@@ -325,7 +325,7 @@ class TestReportCommand:
         assert "ShapesCNN takes square RGB images" in err
 
     @pytest.mark.slow
-    def test_a_failing_loss_is_named_and_a_failed_write_exits_1(
+    def test_a_failing_loss_is_named_and_an_unwritable_out_exits_2(
         self, capsys: pytest.CaptureFixture[str], tmp_path: Path
     ) -> None:
         script = tmp_path / "losses.py"
@@ -339,9 +339,10 @@ class TestReportCommand:
         assert "input-shape" not in err
         blocker = tmp_path / "file"
         blocker.write_text("not a folder")
-        code, _, err = run_cli(capsys, "report", "demo:cnn", "-o", str(blocker / "r.html"))
-        assert code == 1
-        assert "input-shape" not in err
+        code, out, err = run_cli(capsys, "report", "demo:cnn", "-o", str(blocker / "r.html"))
+        assert code == 2  # refused before the model is loaded
+        assert "is a file, not a folder" in err
+        assert "input:" not in out
 
     @pytest.mark.parametrize(
         ("argv", "message"),

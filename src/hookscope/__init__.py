@@ -27,6 +27,7 @@ from hookscope._hooks import hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
+from hookscope._shared.files import check_output_path
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
 from hookscope._trace import (
@@ -51,6 +52,8 @@ from hookscope.errors import (
     HookscopeError,
     MissingDependencyError,
     NonFiniteError,
+    OutputPathError,
+    OutputWriteError,
     PairingWarning,
     SelectionError,
     SiteNotFoundError,
@@ -93,6 +96,8 @@ __all__ = [
     "NonFiniteDetector",
     "NonFiniteError",
     "NonFiniteRow",
+    "OutputPathError",
+    "OutputWriteError",
     "PairingWarning",
     "RunningStats",
     "SelectionError",
@@ -115,6 +120,7 @@ __all__ = [
     "__version__",
     "attached",
     "capture",
+    "check_output_path",
     "detect_nonfinite",
     "diff",
     "dtype_name",

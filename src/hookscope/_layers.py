@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, module_label, named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import ensure_module
@@ -148,6 +149,7 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
 def _count_calls(
     model: nn.Module, named: list[tuple[str, nn.Module]], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, int]:
+    ensure_loaded(model, (args, kwargs))  # a meta model: one line, not torch's device mismatch
     tracker = CallTracker()
     with HookGroup(model, [], owner="layers", tracker=tracker, count=named), torch.no_grad():
         model.eval()

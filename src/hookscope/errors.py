@@ -26,11 +26,15 @@ does::
     │                                      (.module, .call, .what, .path, .nan, .posinf, .neginf)
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
-    └── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
-        │                                  ``out`` is taken or unwritable, the stored configuration
-        │                                  differs, the store is incomplete
-        └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
-                                           recorded, and the same call resumes after it
+    ├── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
+    │   │                                  ``out`` is taken or unwritable, the stored configuration
+    │   │                                  differs, the store is incomplete
+    │   └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
+    │                                      recorded, and the same call resumes after it
+    └── OutputPathError (OSError)          a file cannot be written where asked: the parent is a
+        │                                  file, the folder is read-only or ``/proc`` (.path, .errno)
+        └── OutputWriteError               writing it failed part-way (disk full, ...); nothing
+                                           was left there, an older file stays as it was
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
 line prints exactly that line. The same facts are attributes (in parentheses above), so a program
@@ -50,6 +54,8 @@ __all__ = [
     "HookscopeError",
     "MissingDependencyError",
     "NonFiniteError",
+    "OutputPathError",
+    "OutputWriteError",
     "PairingWarning",
     "SelectionError",
     "SiteNotFoundError",
@@ -251,6 +257,40 @@ class StoreWriteError(StoreError):
 
     Every chunk recorded as done has landed; running the same extraction again resumes after them.
     """
+
+
+class OutputPathError(HookscopeError, OSError):
+    """A file cannot be written at the path given: ``cache.save``, ``trace.to_csv``, ``hs.report(out=)``.
+
+    Raised before the work when the path can be seen to be unwritable (its parent is a file,
+    the folder refuses new files), so a long run does not end in a failed save. The message
+    names the path asked for, never the temporary file the write goes through.
+
+    Attributes:
+        path: the path that was asked for, as a ``Path``.
+        errno: the operating system's error number (``errno.ENOSPC``, ...), or None.
+
+    >>> import errno
+    >>> error = OutputPathError("cannot write output 'x/a.npz': 'x' is a file", path="x/a.npz", errno=errno.ENOTDIR)
+    >>> error.path, error.errno == errno.ENOTDIR
+    ('x/a.npz', True)
+    """
+
+    def __init__(self, message: str, *, path: object = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:  # errno lives in a slot, not in __dict__
+        return (type(self), self.args, {**vars(self), "errno": self.errno})
+
+
+class OutputWriteError(OutputPathError):
+    """Writing a file failed part-way (disk full, quota, I/O error): nothing was left at the path,
+    and a file that was there before stays as it was."""
 
 
 class StaleCompiledCodeWarning(UserWarning):

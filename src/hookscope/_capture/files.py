@@ -12,13 +12,16 @@ it. A dtype the format lacks is stored as its bits, viewed as the unsigned integ
 width: numpy has no bfloat16 or float8, so ``.npz`` holds ``t.view(torch.uint16)`` for bfloat16
 and ``t.view(torch.uint8)`` for float8, and loading views them back with ``.view(dtype)``. A dtype
 wider than any unsigned integer (complex128 in safetensors) is stored as flat uint8 bytes. Every
-round trip is bit-exact, NaN payloads included. Files written by other tools (no hookscope
-metadata) load with metadata ``{}`` and the dtypes they store.
+round trip is bit-exact, NaN payloads included, and checked: the metadata holds each tensor's
+BLAKE2b checksum, and loading a tensor whose bytes differ raises ``FileFormatError`` naming the
+file and the tensor (safetensors and torch's zip reader check nothing). Files written by other
+tools (no hookscope metadata) load with metadata ``{}`` and the dtypes they store.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -33,7 +36,7 @@ import torch
 
 from hookscope._shared.bits import UINT_OF_WIDTH
 from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.files import atomic_path
+from hookscope._shared.files import atomic_path, check_output_path, os_error_in
 from hookscope._shared.optional import require
 from hookscope.errors import FileFormatError, HookscopeError, SpecError
 
@@ -92,10 +95,19 @@ def save_tensors(
     suffix = _suffix(final, "save")
     if suffix == ".safetensors":
         _require_safetensors("saving")
+    check_output_path(final)  # before the tensors are copied to the CPU and hashed
     prepared = _prepare(tensors)
     header = _header(prepared, {} if meta is None else meta)
     with atomic_path(final) as temporary:
-        _WRITERS[suffix](temporary, prepared, header)
+        try:
+            _WRITERS[suffix](temporary, prepared, header)
+        except (HookscopeError, OSError):
+            raise
+        except Exception as error:  # torch and safetensors report a full disk in their own words
+            cause = os_error_in(error)
+            if cause is None:
+                raise
+            raise cause from error
     return final
 
 
@@ -202,7 +214,9 @@ def _header(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str
         raise SpecError(f"meta is a {type(meta).__name__}; pass a dict of JSON values, e.g. {{'model': 'gpt2'}}")
     meta = dict(meta)
     _check_json(meta, "meta")
-    records = {key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for key, t in tensors.items()}
+    records = {
+        key: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "blake2b": _digest(t)} for key, t in tensors.items()
+    }
     return json.dumps({"format": _FORMAT, "version": _VERSION, "tensors": records, "meta": meta})
 
 
@@ -224,27 +238,44 @@ def _decode(
         return stored, {}
     records, meta = _parse_header(header, path)
     tensors: dict[str, torch.Tensor] = {}
-    for key, (dtype, shape) in records.items():
+    for key, (dtype, shape, digest) in records.items():
         if key not in stored:
             raise FileFormatError(f"{path}: its metadata lists tensor {key!r} but the file holds none; it is damaged")
         tensor = stored[key]
         if tensor.dtype != dtype:
             tensor = tensor.reshape(-1).view(dtype)
         tensors[key] = tensor.reshape(shape)
+        if digest is not None and _digest(tensors[key]) != digest:
+            raise FileFormatError(
+                f"{path}: the bytes of tensor {key!r} differ from those saved (checksum mismatch); "
+                "the file is damaged: save it again or restore a copy"
+            )
     tensors.update((key, tensor) for key, tensor in stored.items() if key not in tensors)
     return tensors, meta
 
 
-def _parse_header(header: str, path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], dict[str, Any]]:
-    """``({key: (dtype, shape)}, meta)`` from the stored JSON text."""
+def _parse_header(
+    header: str, path: Path
+) -> tuple[dict[str, tuple[torch.dtype, list[int], str | None]], dict[str, Any]]:
+    """``({key: (dtype, shape, checksum)}, meta)`` from the stored JSON text (older files have no checksum)."""
     record = json.loads(header)
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise FileFormatError(f"{path}: its {_RESERVED!r} entry is not hookscope metadata; the file is damaged")
     if not isinstance(record.get("version"), int) or record["version"] > _VERSION:
         version = record.get("version")
         raise FileFormatError(f"{path} has format version {version!r}; this hookscope reads <= {_VERSION}: upgrade it")
-    records = {key: (_dtype_named(item["dtype"], path), list(item["shape"])) for key, item in record["tensors"].items()}
+    records = {
+        key: (_dtype_named(item["dtype"], path), list(item["shape"]), item.get("blake2b"))
+        for key, item in record["tensors"].items()
+    }
     return records, dict(record["meta"])
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """The BLAKE2b checksum of a tensor's bytes, as saved: safetensors and torch's zip do not check
+    their data on load (npz's zip CRC does), so a flipped bit would otherwise load as a value."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.data, digest_size=16).hexdigest()
 
 
 def _dtype_named(name: str, path: Path) -> torch.dtype:
@@ -331,7 +362,10 @@ def _from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
 
 
 def _write_pt(path: Path, tensors: Mapping[str, torch.Tensor], header: str) -> None:
-    torch.save({"tensors": dict(tensors), "hookscope": header}, path)
+    # Through a Python file, so that a failed write is an OSError torch's error carries as its
+    # context: given a path, torch writes itself and says only "enforce fail at inline_container.cc".
+    with path.open("wb") as stream:
+        torch.save({"tensors": dict(tensors), "hookscope": header}, stream)
 
 
 def _read_pt(path: Path) -> tuple[dict[str, torch.Tensor], str | None]:

@@ -30,6 +30,7 @@ from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, raw_and_named_modules
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
 from hookscope._core.sites import CallTracker, Site
@@ -384,6 +385,7 @@ def run_with_capture(
     True
     """
     chosen, model_kw = CaptureOptions.split(kwargs)
+    ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's
     recorder = Capture(model, given_selectors((), layers, feature="capture"), CaptureOptions.build(options, chosen))
     with recorder:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -10,6 +11,8 @@ from typing import Any, overload
 from hookscope._core.names import call_label, leaf_label
 from hookscope._diff.metrics import Metrics
 from hookscope._shared.blame import findings
+from hookscope._shared.csv_text import csv_text
+from hookscope._shared.files import write_text
 from hookscope._shared.optional import require
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
@@ -244,6 +247,22 @@ class Diff(Sequence[DiffRow]):
         """The :meth:`records` as a ``pandas.DataFrame``."""
         pd = require("pandas", purpose="to_pandas()", extra="pandas")
         return pd.DataFrame.from_records(self.records())
+
+    def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The :meth:`records` as CSV, one row per site; written to ``path`` (atomically) when given.
+
+        Names are quoted and formula-like text is marked with ``'`` as in ``Trace.to_csv``
+        (:mod:`hookscope._shared.csv_text`). Returns the text.
+
+        >>> import torch, hookscope as hs
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> hs.diff(net, net, torch.ones(1, 2)).to_csv().splitlines()[0][:22]
+        'order,name,name_b,call'
+        """
+        text = csv_text(self.records())
+        if path is not None:
+            write_text(path, text)
+        return text
 
     # -- showing --------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from hookscope._grads import GradMonitor, watch_grads
 from hookscope._report import sections
 from hookscope._report.images import Image, embed
 from hookscope._report.render import render, script_json
-from hookscope._shared.files import atomic_path
+from hookscope._shared.files import check_output_path, write_text
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
 from hookscope._shared.options import renamed
@@ -115,10 +115,7 @@ def report(
         "feature_maps": maps,
         "grads": monitor_section,
     }
-    page = render(context)
-    with atomic_path(path) as temporary:
-        Path(temporary).write_text(page, encoding="utf-8")
-    return path
+    return write_text(path, render(context), what="out")
 
 
 def html_path(out: str | os.PathLike[str]) -> Path:
@@ -130,7 +127,7 @@ def html_path(out: str | os.PathLike[str]) -> Path:
         raise SpecError(
             f"out={os.fspath(out)!r} is a folder; give a file name such as {os.fspath(path / 'report.html')!r}"
         )
-    return path
+    return check_output_path(path, what="out")  # before the model runs, not after
 
 
 def _need_plotting() -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, given_selectors, select
@@ -415,6 +416,7 @@ def run_with_trace(
     """
     check_flag("grad", grad)
     chosen, model_kw = TraceOptions.split(kwargs)
+    ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's
     with tracing(model, layers=layers, options=TraceOptions.build(options, chosen)) as tracer:
         try:
             with nullcontext() if grad else torch.no_grad():

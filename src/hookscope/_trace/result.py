@@ -10,7 +10,6 @@ import json
 import os
 import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 from torch import nn
@@ -18,7 +17,8 @@ from torch import nn
 from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
 from hookscope._shared.blame import findings, fine_input
-from hookscope._shared.files import atomic_path
+from hookscope._shared.csv_text import csv_text
+from hookscope._shared.files import write_text
 from hookscope._shared.json import finite_json
 from hookscope._shared.optional import require
 from hookscope._trace.render import flat_record, leaf_records, table
@@ -243,16 +243,13 @@ class Trace(Sequence[TraceRow]):
         raise SpecError(f"per={per!r} is not 'call' (one row per module call) or 'leaf' (one per output tensor)")
 
     def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The :meth:`records` as CSV; written to ``path`` (atomically) when given. Returns the text."""
-        import csv
-        import io
+        """The :meth:`records` as CSV; written to ``path`` (atomically) when given. Returns the text.
 
-        records = self.records()
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(records[0]) if records else ["order"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(records)
-        return _write(path, buffer.getvalue())
+        A name holding a comma, quote or line break is quoted; one that starts like a
+        spreadsheet formula (``=``, ``+``, ``-``, ``@``) gets a ``'`` before it
+        (:mod:`hookscope._shared.csv_text`).
+        """
+        return _write(path, csv_text(self.records()))
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int | None = 1) -> str:
         """Every row with every input and output tensor, as strict JSON (NaN and Inf are written
@@ -263,6 +260,5 @@ class Trace(Sequence[TraceRow]):
 
 def _write(path: str | os.PathLike[str] | None, text: str) -> str:
     if path is not None:
-        with atomic_path(path) as temporary:
-            Path(temporary).write_text(text, encoding="utf-8")
+        write_text(path, text)
     return text

@@ -20,7 +20,14 @@ from typer.core import TyperGroup
 import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
-from hookscope.errors import ConcurrentPassError, DataError, HookscopeError, SpecError, StoreWriteError
+from hookscope.errors import (
+    ConcurrentPassError,
+    DataError,
+    HookscopeError,
+    OutputWriteError,
+    SpecError,
+    StoreWriteError,
+)
 
 __all__ = ["EXIT_CODES", "app", "exit_code", "main"]
 
@@ -35,6 +42,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     HookscopeError: EXIT_BAD_INPUT,  # a spec, selector, option, file or store the command named
     DataError: EXIT_FAILURE,  # the data broke a promise part-way (fewer rows than its len(), ...)
     StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
+    OutputWriteError: EXIT_FAILURE,  # a file's write failed part-way (disk full); nothing was left
     ConcurrentPassError: EXIT_FAILURE,  # another thread ran the model meanwhile: nothing the command did
     KeyboardInterrupt: EXIT_INTERRUPTED,
     Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
@@ -179,6 +187,7 @@ def capture_command(
     from hookscope.cli.sample import prepare
 
     hs.tensor_file_format(out)  # a mistyped extension fails before the model runs, not after
+    hs.check_output_path(out, what="-o")  # so does a path that cannot be written
     selectors = _selectors(layers)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
@@ -230,6 +239,9 @@ def trace_command(
 
     from hookscope.cli.sample import prepare
 
+    for option, path in (("--csv", csv), ("--json", json)):
+        if path is not None:
+            hs.check_output_path(path, what=option)  # before the model runs, not after
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     selectors = _selectors(only or [])
@@ -279,6 +291,8 @@ def grads_command(
 
     if png is not None and png.suffix.lower() != ".png":
         raise SpecError(f"--png {png}: expected a file name ending in .png")
+    if png is not None:
+        hs.check_output_path(png, what="--png")
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     with hs.watch_grads(sample.model) as monitor:
@@ -385,6 +399,7 @@ def report_command(
     from hookscope.cli.sample import prepare
 
     loss_fn = loss_from_spec(loss) if loss is not None else None
+    hs.check_output_path(out, what="-o")  # before the model is loaded
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}

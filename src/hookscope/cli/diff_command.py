@@ -54,14 +54,14 @@ def diff_command(
     bad input, including a model whose forward fails on the sample input (the message names
     it): usable as a check in the CI of a model port.
     """
-    import csv as csv_module
-
     import torch
 
     from hookscope.cli.specs import load_model, make_input
 
-    if csv is not None and not csv.parent.is_dir():
+    if csv is not None and not csv.parent.exists():
         raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
+    if csv is not None:
+        hs.check_output_path(csv, what="--csv")  # before the models run, not after
     if mapping and by_order:
         raise SpecError("--map and --by-order pair sites in two different ways; pass one")
     pairing: Literal["name", "order"] = "order" if by_order else "name"
@@ -89,11 +89,7 @@ def diff_command(
         ) from error
     typer.echo(result.table())
     if csv is not None:
-        records = result.records()
-        with csv.open("w", newline="", encoding="utf-8") as stream:
-            writer = csv_module.DictWriter(stream, fieldnames=list(records[0]) if records else ["order"])
-            writer.writeheader()
-            writer.writerows(records)
+        result.to_csv(csv)
         typer.echo(f"wrote {csv}")
     if not result.within():
         raise typer.Exit(EXIT_DIFFERENT)

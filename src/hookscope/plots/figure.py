@@ -47,9 +47,12 @@ def short_label(text: str, limit: int = 28) -> str:
 
 
 def literal(text: str) -> str:
-    """``text`` as matplotlib shows it verbatim: a ``$`` in a module name does not start math.
+    """``text`` as matplotlib shows it verbatim: a ``$`` in a module name does not start math,
+    and a lone surrogate (a name made from undecodable bytes), which matplotlib's font code
+    cannot take, is shown as its escape ``\\udcff``.
 
-    >>> literal("cost$")
-    'cost\\\\$'
+    >>> literal("cost$"), literal("x" + chr(0xDCFF))
+    ('cost\\\\$', 'x\\\\udcff')
     """
-    return text.replace("$", "\\$")
+    shown = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return shown.replace("$", "\\$")

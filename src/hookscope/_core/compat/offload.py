@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.tree import flatten_tensors
 from hookscope.errors import UnsupportedModelError
 
-__all__ = ["named_real_tensors", "real_value"]
+__all__ = ["ensure_loaded", "named_real_tensors", "real_value"]
 
 
 def real_value(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,40 @@ def real_value(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tenso
         f"{name!r} is on the meta device and no accelerate offload hook holds its value; load the "
         "weights first (accelerate.load_checkpoint_and_dispatch, or model.to_empty() and a state dict)"
     )
+
+
+def ensure_loaded(model: nn.Module, inputs: Any) -> None:
+    """Refuse, in one line, a model whose weights are on ``meta`` when ``inputs`` are real tensors.
+
+    Without it the forward fails deep inside the first layer with a device-mismatch
+    ``RuntimeError``. A model built on ``meta`` runs on ``meta`` inputs (shapes only), and
+    accelerate's offloaded weights are real where they live: both pass. Costs one look at each
+    parameter and buffer, and at the inputs only when one is on ``meta``.
+
+    >>> ensure_loaded(nn.Linear(2, 2), (torch.ones(1, 2),))
+    >>> ensure_loaded(nn.Linear(2, 2, device="meta"), (torch.ones(1, 2),))
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.UnsupportedModelError: the model's parameters are on the meta device (no values), ...
+    """
+    meta = next(
+        ((n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta),
+        None,
+    )
+    if meta is None:
+        return
+    try:
+        if not real_value(model, *meta).is_meta:
+            return  # offloaded by accelerate: its hooks bring the values in for the forward
+    except UnsupportedModelError:
+        pass
+    real = next(((p, t) for p, t in flatten_tensors(inputs, "input") if not t.is_meta), None)
+    if real is not None:
+        raise UnsupportedModelError(
+            f"the model's parameters are on the meta device (no values), e.g. {meta[0]!r}, but "
+            f"{real[0]} is on {real[1].device}; materialise the model first "
+            "(model.to_empty(device=...) and load_state_dict, or load it from a checkpoint)"
+        )
 
 
 def named_real_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
