@@ -36,7 +36,7 @@ import torch
 
 from hookscope._shared.bits import UINT_OF_WIDTH
 from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.files import atomic_path, check_output_path, os_error_in
+from hookscope._shared.files import atomic_path
 from hookscope._shared.optional import require
 from hookscope.errors import FileFormatError, HookscopeError, SpecError
 
@@ -95,19 +95,9 @@ def save_tensors(
     suffix = _suffix(final, "save")
     if suffix == ".safetensors":
         _require_safetensors("saving")
-    check_output_path(final)  # before the tensors are copied to the CPU and hashed
-    prepared = _prepare(tensors)
-    header = _header(prepared, {} if meta is None else meta)
-    with atomic_path(final) as temporary:
-        try:
-            _WRITERS[suffix](temporary, prepared, header)
-        except (HookscopeError, OSError):
-            raise
-        except Exception as error:  # torch and safetensors report a full disk in their own words
-            cause = os_error_in(error)
-            if cause is None:
-                raise
-            raise cause from error
+    with atomic_path(final) as temporary:  # the path is checked before the tensors are copied and hashed
+        prepared = _prepare(tensors)
+        _WRITERS[suffix](temporary, prepared, _header(prepared, {} if meta is None else meta))
     return final
 
 

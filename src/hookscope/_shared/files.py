@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hookscope.errors import OutputPathError, OutputWriteError
+from hookscope.errors import HookscopeError, OutputPathError, OutputWriteError
 
 __all__ = ["atomic_path", "check_output_path", "os_error_in", "write_text"]
 
@@ -79,8 +79,8 @@ def atomic_path(target: str | os.PathLike[str], *, what: str = "output") -> Iter
 
     The path is checked first (:func:`check_output_path`); an ``OSError`` while writing (disk
     full, quota) becomes :class:`~hookscope.errors.OutputWriteError` naming ``target``, not the
-    temporary file. A library that reports its I/O failure otherwise can be translated with
-    :func:`os_error_in`.
+    temporary file, and so does a library's error that carries one (:func:`os_error_in`: torch's
+    zip writer, safetensors).
 
     >>> import tempfile
     >>> with atomic_path(Path(tempfile.mkdtemp()) / "x.txt") as tmp:
@@ -98,8 +98,13 @@ def atomic_path(target: str | os.PathLike[str], *, what: str = "output") -> Iter
         _sync(temporary)
         os.replace(temporary, final)
         _sync(final.parent)
-    except OSError as error:
-        raise _write_error(final, what, error) from error
+    except HookscopeError:
+        raise
+    except Exception as error:  # torch and safetensors report a full disk in their own words
+        cause = os_error_in(error)
+        if cause is None:
+            raise
+        raise _write_error(final, what, cause) from error
     finally:
         temporary.unlink(missing_ok=True)
 

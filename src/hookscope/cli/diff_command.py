@@ -58,10 +58,10 @@ def diff_command(
 
     from hookscope.cli.specs import load_model, make_input
 
-    if csv is not None and not csv.parent.exists():
-        raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
     if csv is not None:
-        hs.check_output_path(csv, what="--csv")  # before the models run, not after
+        if not csv.parent.exists():
+            raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
+        hs.check_output_path(csv, what="--csv")  # below a file or read-only: before the models run
     if mapping and by_order:
         raise SpecError("--map and --by-order pair sites in two different ways; pass one")
     pairing: Literal["name", "order"] = "order" if by_order else "name"

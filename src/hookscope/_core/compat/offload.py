@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import sys
+from itertools import chain
 from typing import Any
 
 import torch
@@ -64,10 +65,7 @@ def ensure_loaded(model: nn.Module, inputs: Any) -> None:
     ...
     hookscope.errors.UnsupportedModelError: the model's parameters are on the meta device (no values), ...
     """
-    meta = next(
-        ((n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta),
-        None,
-    )
+    meta = next(((n, t) for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
     if meta is None:
         return
     try:
