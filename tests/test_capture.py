@@ -256,6 +256,49 @@ class TestWhatIsKept:
         assert detached["fc"].grad_fn is None
         assert not detached["fc"].requires_grad
 
+    @pytest.mark.parametrize("batch", [1, 80])
+    def test_detach_false_keeps_the_models_own_tensor_at_every_size(self, batch: int) -> None:
+        """The gradient of a logit with respect to a kept block output equals the one taken from
+        a raw hook's reference, for a value far under the eager-copy size and one over it."""
+        model = tiny_gpt2()
+        ids = torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1))
+        with hs.capture(model, "h.0", detach=False) as cap:
+            out = model(ids)
+        assert (cap["h.0"].numel() * 4 <= keeper.EAGER_COPY_BYTES) == (batch == 1)
+        grad = torch.autograd.grad(out.last_hidden_state[0, -1, 3], cap["h.0"])[0]
+        seen: dict[str, torch.Tensor] = {}
+        handle = model.h[0].register_forward_hook(
+            lambda _m, _a, o: seen.update(v=o if isinstance(o, torch.Tensor) else o[0])
+        )
+        try:
+            reference_out = model(ids)
+        finally:
+            handle.remove()
+        reference = torch.autograd.grad(reference_out.last_hidden_state[0, -1, 3], seen["v"])[0]
+        torch.testing.assert_close(grad, reference, rtol=0, atol=0)
+        torch.testing.assert_close(out.last_hidden_state, reference_out.last_hidden_state, rtol=0, atol=0)
+
+    def test_detach_false_value_survives_an_inplace_write_and_stays_in_the_graph(self) -> None:
+        """Linear -> ReLU(inplace): the kept output is the pre-ReLU value, and its gradient is
+        the one autograd gives for the unfused reference computation."""
+        model = LinearInplaceReLU()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+        with hs.capture(model, "fc", detach=False) as cap:
+            out = model(x)
+        pre = model.fc(x)
+        reference = torch.autograd.grad((model.act.__class__()(pre) * 2).sum(), pre)[0]
+        torch.testing.assert_close(cap["fc"].detach(), pre.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad((out * 2).sum(), cap["fc"])[0], reference, rtol=0, atol=0)
+
+    def test_detach_false_input_is_in_the_graph(self) -> None:
+        model = LinearInplaceReLU()
+        x = torch.randn(3, 4, requires_grad=True, generator=torch.Generator().manual_seed(3))
+        with hs.capture(model, "act", keep="input", detach=False) as cap:
+            out = model(x)
+        pre = model.fc(x)
+        reference = torch.autograd.grad(torch.relu(pre).sum(), pre)[0]
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), cap["act"])[0], reference, rtol=0, atol=0)
+
     def test_device_cpu_keeps_cpu_values(self) -> None:
         _, cache = hs.run_with_capture(SmallCNN(), SmallCNN.example(), layers="fc", device="cpu")
         assert cache["fc"].device.type == "cpu"

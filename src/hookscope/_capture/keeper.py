@@ -9,7 +9,10 @@ then decide whether the value must be copied now or may be watched (see ``guard`
 - small views of large storages are copied, so a kept slice does not keep the whole storage
   alive behind the budget's back;
 - values without storage (meta, sparse) are copied, since their memory cannot be watched;
-- everything else that shares memory is watched, and copied only if something writes into it.
+- everything else that shares memory is watched, and copied only if something writes into it;
+- with ``detach=False``, a value in autograd's graph is kept itself (a copy would be a new node
+  that no loss depends on) and the hook hands the *model* a copy to go on with instead
+  (:meth:`Keeper.take_handover`): in-place writes later in the forward land on that copy.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Keeper:
         self._module_sites: dict[str, list[Site]] = {}
         self._sync_streams: list[torch.cuda.Stream] = []
         self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor]], str]] = []
+        self._handover: set[int] = set()  # ids of graph tensors kept as they are: the model gets copies
 
     # -- a pass -----------------------------------------------------------------------------------
 
@@ -224,6 +228,9 @@ class Keeper:
         key = storage_key(value)
         if key != 0 and key != storage_key(original):
             return value  # made here (reduced, cast, moved): nobody else holds it
+        if not self._detach and original.requires_grad and self._copy is not False:
+            self._handover.add(id(original))  # kept in the graph; the model goes on with a copy
+            return value
         if self._copy is False:
             if value.is_inference():
                 raise CaptureError(
@@ -238,6 +245,14 @@ class Keeper:
             return value.clone()
         self._watch(key, site)
         return value
+
+    def take_handover(self) -> set[int]:
+        """The ids of the tensors just kept in autograd's graph (``detach=False``), which the
+        hook must replace by copies in what the model goes on with; empty almost always."""
+        if not self._handover:
+            return self._handover
+        taken, self._handover = self._handover, set()
+        return taken
 
     def _watch(self, key: int, site: Site) -> None:
         self._watched.setdefault(key, []).append(site)

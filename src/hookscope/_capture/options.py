@@ -32,7 +32,9 @@ class CaptureOptions(Options):
 
     - ``keep``: ``"output"`` (default), ``"input"`` (keyword inputs included, paths ``[0]``,
       ``['scale']``) or ``"both"``;
-    - ``detach``: ``True`` keeps values off the graph; ``False`` keeps the graph;
+    - ``detach``: ``True`` keeps values off the graph; ``False`` keeps the tensor the model
+      made, in its graph (``torch.autograd.grad(loss, cache["fc"])`` works at every size), and
+      the model goes on with a copy of it, so a later in-place write cannot change the kept one;
     - ``device``: where kept values go (``"cpu"``: from CUDA through pinned memory, one sync
       per forward); default: where they were made;
     - ``dtype``: cast floating values (``torch.float16``, ``"bf16"``);

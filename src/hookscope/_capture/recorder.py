@@ -34,7 +34,7 @@ from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, raw_and_named_modules
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
 from hookscope._core.sites import CallTracker, Site
-from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared.options import with_options
 from hookscope._version import __version__
 from hookscope.errors import CaptureError, SpecError
@@ -119,42 +119,52 @@ class Capture(Scoped):
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
         return specs
 
-    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
         current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
-        tracker = self._tracker
+        tracker, handover = self._tracker, self._keeper.take_handover
 
-        def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if tracker.replaying:
-                return  # a checkpointed block recomputing in backward: its values were kept already
+                return None  # a checkpointed block recomputing in backward: its values were kept already
             if self._stopped:
                 raise _StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
-            if want(call):
-                if tracker.in_replica():
-                    self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
-                    return
-                keep(name, call, "input", call_leaves(args, kwargs), args)
-                if last_what == "input":
-                    self._done(module)
+            if not want(call):
+                return None
+            if tracker.in_replica():
+                self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
+                return None
+            keep(name, call, "input", call_leaves(args, kwargs), args)
+            kept_in_graph = handover()
+            if last_what == "input":
+                self._done(module)
+            if kept_in_graph:  # detach=False: the module goes on with copies of what was kept
+                return map_call_tensors(_copier(kept_in_graph), args, kwargs)
+            return None
 
         return capture_input
 
-    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+    def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]:
         current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
-        tracker = self._tracker
+        tracker, handover = self._tracker, self._keeper.take_handover
 
-        def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if tracker.replaying:
-                return
+                return None
             if self._stopped:
                 raise _StopForward(self)
             call = current(module)
-            if want(call):
-                if tracker.in_replica():
-                    self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
-                    return
-                keep(name, call, "output", flatten_tensors(output, ""), output)
-                self._done(module)
+            if not want(call):
+                return None
+            if tracker.in_replica():
+                self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
+                return None
+            keep(name, call, "output", flatten_tensors(output, ""), output)
+            kept_in_graph = handover()
+            self._done(module)
+            if kept_in_graph:  # detach=False: the model goes on with copies of what was kept
+                return map_tensors_with_paths(_copier(kept_in_graph), output)
+            return None
 
         return capture_output
 
@@ -307,6 +317,21 @@ class Capture(Scoped):
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
         return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
+
+
+def _copier(ids: set[int]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """Replace the tensors named by ``ids`` with copies (one copy per tensor, so two places
+    holding one tensor still hold one tensor), and leave the others."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(_path: str, tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in ids:
+            return tensor
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.clone()
+        return copies[id(tensor)]
+
+    return copy
 
 
 def _describe(model: nn.Module, selectors: tuple[Selector, ...], options: CaptureOptions) -> dict[str, Any]:
