@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,62 @@ class TestPasses:
             model(torch.randn(4, 3, 64, 64))
         assert seen == [1]
         assert mode_stack() == []
+
+    @pytest.mark.parametrize("inner", ["run_with_capture", "diff", "extract", "edit", "capture"])
+    def test_two_watching_features_at_once_leave_no_mode_behind(
+        self, inner: str, watch_everything: None, tmp_path: Path
+    ) -> None:
+        """A capture watching large values while another feature watches too (nested in the same
+        forward): one mode serves both, and it is gone once both are done, the values with it."""
+        model = LinearInplaceReLU()
+        x = torch.randn(64, 4)
+        seen: list[int] = []
+        with torch.no_grad(), hs.capture(model, "fc") as outer:
+            if inner == "run_with_capture":
+                hs.run_with_capture(model, x, layers="fc")
+            elif inner == "diff":
+                hs.diff(model, model, x)
+            elif inner == "extract":
+                hs.extract(model, x, "fc", tmp_path / "store", batch_size=64, progress=False)
+            elif inner == "edit":
+                with hs.edit(model, {"act": hs.edits.scale(1.0)}), hs.capture(model, "act"):
+                    model(x)
+            else:
+                with (
+                    hs.capture(model, "act", keep="input"),
+                    hs.hooks(model, {"act": lambda m, a, o: seen.append(len(mode_stack()))}),
+                ):
+                    model(x)
+            kept = outer["fc"]
+        assert seen in ([], [1])  # one shared mode while both watch, never two
+        assert mode_stack() == []
+        torch.testing.assert_close(kept, model.fc(x).detach(), rtol=0, atol=0)
+
+    def test_a_mode_pushed_above_the_guard_stays_when_the_guard_goes(self, watch_everything: None) -> None:
+        """The forward leaves a user's mode on the stack above the guard: the guard still goes
+        at the pass's end, and the user's mode stays where it was."""
+
+        class Mine(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                return func(*args, **(kwargs or {}))
+
+        mine = Mine()
+
+        class LeavesAMode(LinearInplaceReLU):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h = self.fc(x)
+                mine.__enter__()
+                return self.act(h)
+
+        model = LeavesAMode()
+        try:
+            with torch.no_grad(), hs.capture(model, "fc") as cap:
+                model(torch.randn(64, 4))
+                assert mode_stack() == [mine]
+                assert (cap["fc"] < 0).any()  # the pre-ReLU value, copied before the write
+        finally:
+            while mode_stack():
+                torch.overrides._pop_mode()
 
     def test_a_selected_module_called_on_its_own_is_a_pass_of_its_own(self) -> None:
         model = SmallCNN()

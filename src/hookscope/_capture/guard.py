@@ -20,13 +20,14 @@ tensors carry no version counter.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CopyOnWrite", "storage_key"]
+__all__ = ["CopyOnWrite", "storage_key", "unwatch_writes", "watch_writes"]
 
 _INPLACE_OPERATORS = frozenset(
     {
@@ -93,18 +94,21 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 class CopyOnWrite(TorchFunctionMode):
-    """Calls ``before_write(storage key)`` before any operation writes into a watched storage.
+    """Calls a watcher's ``before_write(storage key)`` before any operation writes into a storage
+    it watches.
 
-    ``watched`` is the recorder's own mapping of storage keys to the sites kept there; it is
-    read, never changed, here. While the mode is on, every torch call pays a Python dispatch and
-    a dict lookup, which is why the recorder turns it on only once a value is watched and copies
-    small values outright instead of watching them.
+    One mode per thread serves every keeper watching at once (:func:`watch_writes`): two
+    captures, a capture inside ``hs.diff`` or ``hs.extract``, never stack two modes, so the last
+    one to finish can always take the mode off again. Each watcher's ``watched`` is that
+    keeper's own mapping of storage keys to the sites kept there; it is read, never changed,
+    here. While the mode is on, every torch call pays a Python dispatch and a dict lookup,
+    which is why a keeper turns it on only once a value is watched and copies small values
+    outright instead of watching them.
     """
 
-    def __init__(self, watched: Mapping[int, object], before_write: Callable[[int], None]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._watched = watched
-        self._before_write = before_write
+        self.watchers: list[tuple[Mapping[int, object], Callable[[int], None]]] = []
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
 
     def __torch_function__(
@@ -115,7 +119,7 @@ class CopyOnWrite(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self._watched:
+        if any(watched for watched, _ in self.watchers):
             self._protect_targets(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -137,5 +141,56 @@ class CopyOnWrite(TorchFunctionMode):
 
     def _protect(self, tensor: torch.Tensor) -> None:
         key = storage_key(tensor)
-        if key and key in self._watched:
-            self._before_write(key)
+        if not key:
+            return
+        for watched, before_write in list(self.watchers):  # a callback may end its own watch
+            if key in watched:
+                before_write(key)
+
+
+class _ThreadGuard(threading.local):
+    """This thread's one :class:`CopyOnWrite` (torch's mode stack is per thread, too)."""
+
+    def __init__(self) -> None:
+        self.mode = CopyOnWrite()
+
+
+_GUARD = _ThreadGuard()
+
+
+def watch_writes(watched: Mapping[int, object], before_write: Callable[[int], None]) -> None:
+    """Start calling ``before_write`` for writes into the storages in ``watched`` (on this
+    thread), pushing the shared mode if it is not on torch's mode stack already."""
+    mode = _GUARD.mode
+    mode.watchers.append((watched, before_write))
+    if mode not in _mode_stack():
+        mode.__enter__()  # type: ignore[no-untyped-call]
+
+
+def unwatch_writes(watched: Mapping[int, object]) -> None:
+    """Stop watching ``watched``; the last watcher to stop takes the mode off torch's stack,
+    wherever it stands there (modes pushed above it since stay, in their order), so no mode
+    outlives the captures that needed it."""
+    mode = _GUARD.mode
+    mode.watchers[:] = [entry for entry in mode.watchers if entry[0] is not watched]
+    if mode.watchers:
+        return
+    stack = _mode_stack()
+    if mode not in stack:
+        return
+    if stack[-1] is mode:
+        mode.__exit__(None, None, None)
+        return
+    above: list[Any] = []  # pushed after it and not popped yet: lift them off, drop it, put them back
+    while (
+        torch._C._len_torch_function_stack()
+        and torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode
+    ):
+        above.append(torch._C._pop_torch_function_stack())
+    torch._C._pop_torch_function_stack()
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def _mode_stack() -> list[Any]:
+    return list(torch.overrides._get_current_function_mode_stack())  # type: ignore[no-untyped-call]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hookscope._capture.cache import Cache, tensor_bytes
-from hookscope._capture.guard import CopyOnWrite, storage_key
+from hookscope._capture.guard import storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
 from hookscope._shared.dtypes import dtype_name
@@ -68,7 +68,7 @@ class Keeper:
         self.cache = Cache(meta=meta)
         self._bytes = 0
         self._watched: dict[int, list[Site]] = {}
-        self._guard = CopyOnWrite(self._watched, self.copy_before_write) if copy == "auto" else None
+        self._guards = copy == "auto"  # watch values and copy them before a write (else: copy now, or never)
         self._guard_on = False
         self._latest_call: dict[str, int] = {}
         self._module_sites: dict[str, list[Site]] = {}
@@ -115,13 +115,11 @@ class Keeper:
             stream.synchronize()
 
     def leave_guard(self) -> None:
-        """Turn the copy-on-write mode off if this keeper turned it on (and it is on top)."""
-        if self._guard is None or not self._guard_on:
+        """Stop watching writes if this keeper watched; the last keeper to stop takes the mode off."""
+        if not self._guard_on:
             return
         self._guard_on = False
-        stack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
-        if stack and stack[-1] is self._guard:  # never pop a mode someone else pushed on top
-            self._guard.__exit__(None, None, None)
+        unwatch_writes(self._watched)
 
     # -- values -----------------------------------------------------------------------------------
 
@@ -256,8 +254,8 @@ class Keeper:
 
     def _watch(self, key: int, site: Site) -> None:
         self._watched.setdefault(key, []).append(site)
-        if self._guard is not None and not self._guard_on:
-            self._guard.__enter__()  # type: ignore[no-untyped-call]
+        if self._guards and not self._guard_on:
+            watch_writes(self._watched, self.copy_before_write)
             self._guard_on = True
 
     def copy_before_write(self, key: int) -> None:
