@@ -43,6 +43,14 @@ class Writer(Tracked):
             torch._foreach_mul_([h], 0.0)
         elif self.write == "view":
             h.view(-1)[::2] = 0.0
+        elif self.write == "storage_fill":
+            h.untyped_storage().fill_(0)
+        elif self.write == "storage_copy":
+            h.untyped_storage().copy_(torch.zeros_like(h).untyped_storage())
+        elif self.write == "data":
+            h.data.mul_(0.0)
+        elif self.write == "numpy":
+            h.numpy()[:] = 0.0
         elif self.write == "hidden":
             with torch._C.DisableTorchFunction():  # a write no torch function mode can see
                 h.relu_()
@@ -52,14 +60,27 @@ class Writer(Tracked):
 
 @pytest.mark.usefixtures("watch_everything")
 class TestGuard:
-    @pytest.mark.parametrize("write", ["aten", "packet", "foreach", "view"])
+    @pytest.mark.parametrize(
+        "write", ["aten", "packet", "foreach", "view", "storage_fill", "storage_copy", "data", "numpy"]
+    )
     def test_writes_through_ops_lists_and_views_are_seen(self, write: str) -> None:
+        """In-place ops, lists, views, ``.data``, and memory handed out through the storage or
+        numpy: the kept value is the one the layer returned."""
         model = Writer(write)
         x = torch.randn(4, 8)
         with torch.no_grad():
             reference = model.fc(x)
             _, cache = hs.run_with_capture(model, x, layers="fc")
         assert torch.equal(cache["fc"], reference)
+
+    def test_copy_false_says_which_writes_it_cannot_see(self) -> None:
+        """copy=False has no guard: a ``.data`` write does not bump the version counter, so it
+        is not seen, as the option's documentation says; an in-place op is refused at read."""
+        assert ".data" in (hs.CaptureOptions.__doc__ or "")
+        with torch.no_grad():
+            _, cache = hs.run_with_capture(Writer("aten"), torch.randn(4, 8), layers="fc", copy=False)
+        with pytest.raises(hs.CaptureError, match="changed in place"):
+            cache["fc"]
 
     def test_a_write_nobody_saw_is_reported_not_laundered(self) -> None:
         model = Writer("hidden")

@@ -12,10 +12,17 @@ What counts as a write: the arguments an op overload's schema marks as written
 (``torch.ops.aten.relu_.default``, custom ops); functions whose name ends in a single ``_``
 (``add_``, ``relu_``, ``copy_``, ``_foreach_mul_``), in-place operators and ``__setitem__``
 (first argument, or each tensor of a list); ``inplace=True`` (first argument); and ``out=``.
-Writes made inside a function the mode passes through whole are not seen, nor writes from
-outside torch (numpy views, DLPack, ``.data``); those are caught afterwards by each kept value's
-version counter, compared when it is read -- except under ``torch.inference_mode()``, where
-tensors carry no version counter.
+Writes through ``.data`` are seen too, as the op on the ``.data`` tensor writes into the
+watched storage. Handing the memory itself out -- ``untyped_storage()``, ``storage()``,
+``numpy()``, ``__array__``, ``__dlpack__`` -- counts as a write, since what is done with it
+afterwards (``storage.fill_()``, a numpy assignment) is out of sight: the value is copied first.
+
+What stays outside: writes inside a function the mode passes through whole, writes through a
+raw ``data_ptr()``, and memory handed out before the value was captured (a numpy array or
+DLPack capsule made earlier). Those are caught afterwards by each kept value's version counter,
+compared when it is read, when they bump it (the in-place ops do; ``.data``, storage, numpy
+and DLPack writes do not), except under ``torch.inference_mode()``, where tensors carry no
+version counter. With ``copy=False`` there is no mode: only the version counter is checked.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CopyOnWrite", "storage_key", "unwatch_writes", "watch_writes"]
+__all__ = ["CopyOnWrite", "storage_bytes", "storage_key", "unwatch_writes", "watch_writes"]
 
 _INPLACE_OPERATORS = frozenset(
     {
@@ -49,12 +56,26 @@ _INPLACE_OPERATORS = frozenset(
 )
 
 
+# Functions that hand out a tensor's memory: whatever is written through it later goes unseen.
+_HANDS_OUT_MEMORY = frozenset({"untyped_storage", "storage", "_typed_storage", "numpy", "__array__", "__dlpack__"})
+
+
 def storage_key(tensor: torch.Tensor) -> int:
-    """The address of the memory behind ``tensor`` (0 when it has none, e.g. sparse or meta)."""
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return 0
+    """The address of the memory behind ``tensor`` (0 when it has none, e.g. sparse or meta).
+
+    Asked with torch functions off: hookscope reading a storage's address is no write.
+    """
+    with torch._C.DisableTorchFunction():
+        try:
+            return int(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return 0
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """The size of the whole storage behind ``tensor``, asked with torch functions off."""
+    with torch._C.DisableTorchFunction():
+        return int(tensor.untyped_storage().nbytes())
 
 
 def _written_arguments(func: Callable[..., Any]) -> tuple[tuple[int, str], ...]:
@@ -70,7 +91,7 @@ def _written_arguments(func: Callable[..., Any]) -> tuple[tuple[int, str], ...]:
         overloads = func.overloads()  # type: ignore[no-untyped-call]
         return _schema_writes([getattr(func, overload)._schema for overload in overloads])
     name = getattr(func, "__name__", "")
-    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS:
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or name in _HANDS_OUT_MEMORY:
         return ((0, "self"),)
     return ()
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hookscope._capture.cache import Cache, tensor_bytes
-from hookscope._capture.guard import storage_key, unwatch_writes, watch_writes
+from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
 from hookscope._shared.dtypes import dtype_name
@@ -239,7 +239,7 @@ class Keeper:
                 )
             return value
         size = tensor_bytes(value)
-        if self._copy is True or key == 0 or size <= EAGER_COPY_BYTES or value.untyped_storage().nbytes() > 2 * size:
+        if self._copy is True or key == 0 or size <= EAGER_COPY_BYTES or storage_bytes(value) > 2 * size:
             return value.clone()
         self._watch(key, site)
         return value

@@ -46,7 +46,9 @@ class CaptureOptions(Options):
       the largest sites;
     - ``copy``: ``"auto"`` copies a kept value only before an in-place op would change it,
       ``True`` copies every value at once, ``False`` never copies and refuses to read a value
-      changed after capture;
+      changed after capture by an in-place op (its version counter tells; a write through
+      ``.data``, ``untyped_storage()``, numpy or DLPack does not, and goes unseen: use
+      ``"auto"`` for models that write that way);
     - ``passes``: ``"latest"`` (each forward replaces the cache) or ``"all"`` (every pass's
       cache is kept, ``capture.passes``).
 
