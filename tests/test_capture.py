@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from pathlib import Path
 
@@ -510,3 +511,54 @@ def test_cuda_values_copied_to_pinned_cpu_memory() -> None:
     assert cache["conv1"].device.type == "cpu"
     assert cache["conv1"].is_pinned()
     assert torch.equal(cache["conv1"], reference)
+
+
+class TestCastOverflow:
+    """dtype=float16 turns values past 65504 into inf: said (count and site), refused, or kept."""
+
+    @staticmethod
+    def loud_gpt2() -> tuple[nn.Module, torch.Tensor, int]:
+        """A GPT-2 whose embeddings are large enough that block outputs pass float16's range, and
+        how many values of block 0's output numpy's own float16 cast turns into inf."""
+        model = tiny_gpt2()
+        with torch.no_grad():
+            model.wte.weight.mul_(1e7)
+        ids = gpt2_input()
+        seen: dict[str, torch.Tensor] = {}
+        handle = model.h[0].register_forward_hook(
+            lambda _m, _a, o: seen.update(v=(o if isinstance(o, torch.Tensor) else o[0]).detach().clone())
+        )
+        try:
+            with torch.no_grad():
+                model(ids)
+        finally:
+            handle.remove()
+        values = seen["v"].numpy()
+        with np.errstate(over="ignore"):
+            expected = int((np.isinf(values.astype(np.float16)) & np.isfinite(values)).sum())
+        return model, ids, expected
+
+    def test_a_warning_names_the_site_and_the_count(self) -> None:
+        model, ids, expected = self.loud_gpt2()
+        assert expected > 0
+        with pytest.warns(hs.CastOverflowWarning, match=rf"h\.0#0:output \({expected:,}\)") as caught:
+            _, cache = hs.run_with_capture(model, ids, layers="h.0", dtype="fp16")
+        assert len(caught) == 1
+        assert cache.overflowed == {"h.0#0:output": expected}
+        assert int(torch.isinf(cache["h.0"]).sum()) == expected
+
+    def test_error_refuses_and_ignore_keeps_quiet(self) -> None:
+        model, ids, expected = self.loud_gpt2()
+        with pytest.raises(hs.CaptureError, match="dtype=float16 turned"):
+            hs.run_with_capture(model, ids, layers="h.0", dtype="fp16", overflow="error")
+        assert raw_hook_count(model) == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, cache = hs.run_with_capture(model, ids, layers="h.0", dtype="fp16", overflow="ignore")
+            _, wide = hs.run_with_capture(model, ids, layers="h.0", dtype="bf16")  # bf16 holds float32's range
+        assert cache.overflowed == {"h.0#0:output": expected}
+        assert wide.overflowed == {}
+
+    def test_overflow_takes_three_words(self) -> None:
+        with pytest.raises(hs.SpecError, match="overflow='loud' is not one of 'warn'"):
+            hs.CaptureOptions(overflow="loud")  # type: ignore[arg-type]

@@ -140,6 +140,26 @@ def test_float16_storage_and_inputs(tmp_path: Path) -> None:
     assert store["fc#0:output"].dtype == np.float16
 
 
+def test_float16_overflow_is_said_once_per_run_with_the_count(tmp_path: Path) -> None:
+    """Rows whose values pass float16's 65504: one warning for the whole run, naming the site
+    and the count numpy's own cast gives; overflow='error' refuses them and leaves no hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    rows = torch.randn(64, 4) * 4e4
+    with torch.no_grad():
+        values = model(rows).numpy()
+    with np.errstate(over="ignore"):
+        expected = int((np.isinf(values.astype(np.float16)) & np.isfinite(values)).sum())
+    assert expected > 0
+    with pytest.warns(hs.CastOverflowWarning, match=rf"extract: .* at 0#0:output \({expected:,}\)") as caught:
+        store = run(model, rows, "0", tmp_path / "warn.zarr", batch_size=8, dtype="fp16")
+    assert len([w for w in caught if issubclass(w.category, hs.CastOverflowWarning)]) == 1
+    assert int(np.isinf(store["0#0:output"][:]).sum()) == expected
+    with pytest.raises(hs.CaptureError, match="dtype=float16 turned"):
+        run(model, rows, "0", tmp_path / "error.zarr", batch_size=8, dtype="fp16", overflow="error")
+    assert not attached(model)
+
+
 # -- every form of data ----------------------------------------------------------------------------
 
 

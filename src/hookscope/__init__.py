@@ -45,6 +45,7 @@ from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._version import __version__
 from hookscope.errors import (
     CaptureError,
+    CastOverflowWarning,
     ConcurrentPassError,
     DataError,
     EditError,
@@ -70,6 +71,7 @@ __all__ = [
     "Capture",
     "CaptureError",
     "CaptureOptions",
+    "CastOverflowWarning",
     "ConcurrentPassError",
     "DataError",
     "Diff",

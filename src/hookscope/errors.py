@@ -47,6 +47,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "CastOverflowWarning",
     "ConcurrentPassError",
     "DataError",
     "EditError",
@@ -297,6 +298,12 @@ class StaleCompiledCodeWarning(UserWarning):
     """hookscope reset ``torch.compile``'s code (``torch._dynamo.reset()``) so that hooks attached
     after a compiled call are called: the next call recompiles. Attach hooks before the first
     compiled call to avoid it."""
+
+
+class CastOverflowWarning(UserWarning):
+    """A ``dtype=`` cast (``capture(dtype=torch.float16)``, ``extract(dtype="fp16")``) turned
+    finite values past the dtype's range into +-inf; the message names the sites and counts.
+    Keep such values in bfloat16 or float32, or pass ``overflow="error"`` to refuse them."""
 
 
 class PairingWarning(UserWarning):

@@ -68,6 +68,7 @@ class Cache(Mapping[str, torch.Tensor]):
         self.meta: dict[str, Any] = dict(meta or {})
         self._index: _Index | None = None
         self._empty: dict[str, str] = {}
+        self._overflowed: dict[str, int] = {}
 
     # -- filled by the recorder while a forward runs ------------------------------------------
 
@@ -94,6 +95,12 @@ class Cache(Mapping[str, torch.Tensor]):
         return iter(list(self._entries.items()))
 
     # -- reading ----------------------------------------------------------------------------------
+
+    @property
+    def overflowed(self) -> dict[str, int]:
+        """How many finite values the ``dtype=`` cast turned into +-inf, by site; empty when none
+        did (float16 stops at 65504). The capture's ``overflow`` option says what else happens."""
+        return dict(self._overflowed)
 
     def __getitem__(self, key: str | Site) -> torch.Tensor:
         return self._checked(self.resolve(key))

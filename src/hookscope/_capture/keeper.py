@@ -26,7 +26,7 @@ from hookscope._capture.cache import Cache, tensor_bytes
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
-from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.dtypes import cast_checked, dtype_name
 from hookscope._shared.reduce import Reduction
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, SpecError
@@ -74,6 +74,7 @@ class Keeper:
         self._module_sites: dict[str, list[Site]] = {}
         self._sync_streams: list[torch.cuda.Stream] = []
         self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor]], str]] = []
+        self._overflows: list[tuple[Site, torch.Tensor]] = []  # a cast's count of values turned +-inf
         self._handover: set[int] = set()  # ids of graph tensors kept as they are: the model gets copies
 
     # -- a pass -----------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ class Keeper:
         self._watched.clear()
         self._latest_call.clear()
         self._module_sites.clear()
+        self._overflows.clear()
 
     def finish(self, outliving: Callable[[], set[int]]) -> None:
         """End the pass: copy watched values that share memory with anything that outlives it.
@@ -101,6 +103,19 @@ class Keeper:
                 self.copy_before_write(key)
             self._watched.clear()
         self.wait_for_copies()
+        self._count_overflows()
+
+    def _count_overflows(self) -> None:
+        """Read the pass's overflow counts at once (one wait for the device, only when a
+        narrowing cast ran) into ``cache.overflowed``."""
+        if not self._overflows:
+            return
+        device = self._overflows[0][1].device
+        counts = torch.stack([count.to(device) for _, count in self._overflows]).tolist()
+        for (site, _), count in zip(self._overflows, counts, strict=True):
+            if count:
+                self.cache._overflowed[str(site)] = int(count)
+        self._overflows.clear()
 
     def abandon(self) -> None:
         """Drop the pass's bookkeeping after it was cut short without its closing hooks."""
@@ -172,7 +187,9 @@ class Keeper:
         cast = self._dtype if self._dtype is not None and value.is_floating_point() else None
         self._charge(site, tensor_bytes(value) if cast is None else value.numel() * cast.itemsize)
         if cast is not None:
-            value = value.to(cast)
+            value, overflowed = cast_checked(value, cast)
+            if overflowed is not None:
+                self._overflows.append((site, overflowed))
         if self._device is not None and value.device != self._device:
             value = self._moved(value)
         value = self._owned(site, value, tensor)

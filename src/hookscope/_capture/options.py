@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from hookscope._core.sites import Calls, Keep, call_filter, canonical_calls, keep_word, parse_keep
-from hookscope._shared.dtypes import floating_dtype, parse_device
+from hookscope._shared.dtypes import Overflow, floating_dtype, overflow_choice, parse_device
 from hookscope._shared.options import Options
 from hookscope._shared.reduce import Reduction, parse_reduction
 from hookscope._shared.units import parse_bytes
@@ -38,6 +38,9 @@ class CaptureOptions(Options):
     - ``device``: where kept values go (``"cpu"``: from CUDA through pinned memory, one sync
       per forward); default: where they were made;
     - ``dtype``: cast floating values (``torch.float16``, ``"bf16"``);
+    - ``overflow``: what a cast that turns finite values into +-inf does (float16 stops at
+      65504): ``"warn"`` (default, a :class:`~hookscope.CastOverflowWarning` per pass naming
+      the sites and counts), ``"error"`` (a ``CaptureError`` at the pass's end) or ``"ignore"``;
     - ``reduce``: reduce on the device first (``"mean:1"``, ``"last:1"``, or a function);
     - ``calls``: which calls of a reused module: ``"all"``, ``"first"``, ``"last"``, an index
       or a list of indices;
@@ -73,6 +76,7 @@ class CaptureOptions(Options):
     max_bytes: int | str | None = None
     copy: CopyMode = "auto"
     passes: Passes = "latest"
+    overflow: Overflow = "warn"
 
     def __post_init__(self) -> None:
         for flag in ("detach", "stop"):
@@ -87,6 +91,7 @@ class CaptureOptions(Options):
                 "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
                 "use calls='first', a call index, or stop=False"
             )
+        overflow_choice(self.overflow)
         parse_reduction(self.reduce)  # refused now, not in the first hook
         canonical: dict[str, Any] = {  # one spelling each, so equal options compare, hash and store alike
             "keep": keep_word(self.keep),

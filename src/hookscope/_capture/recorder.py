@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ from hookscope._core.names import call_label, raw_and_named_modules
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
+from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.options import with_options
 from hookscope._version import __version__
-from hookscope.errors import CaptureError, SpecError
+from hookscope.errors import CaptureError, CastOverflowWarning, SpecError
 
 __all__ = ["Capture", "capture", "run_with_capture"]
 
@@ -225,6 +227,8 @@ class Capture(Scoped):
         if self._tracker.replaying:
             return
         self._keeper.finish(lambda: self._outliving_storages(args, kwargs, output))
+        if self._keeper.cache._overflowed and sys.exc_info()[1] is self._handled:
+            self._report_overflow(self._keeper.cache.overflowed)
         for _, keeper in self._replica_keepers.values():
             keeper.finish(set)  # copies already: only the device-to-host copies to wait for
         if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
@@ -235,6 +239,14 @@ class Capture(Scoped):
                 f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
                 "the model?) and ran on; the values are captured, but use stop=False for this model"
             )
+
+    def _report_overflow(self, counts: dict[str, int]) -> None:
+        if self.options.overflow == "ignore" or self.options.torch_dtype is None:
+            return
+        message = overflow_message(counts, self.options.torch_dtype, "capture")
+        if self.options.overflow == "error":
+            raise CaptureError(message, site=next(iter(counts)))
+        warnings.warn(message, CastOverflowWarning, stacklevel=2)
 
     def pass_abandoned(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt skips closing hooks)."""

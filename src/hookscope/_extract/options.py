@@ -18,7 +18,7 @@ from hookscope._capture import CaptureOptions
 from hookscope._core.sites import Calls, Keep
 from hookscope._extract.data import Inputs
 from hookscope._extract.pipeline import ReduceOption
-from hookscope._shared.dtypes import parse_device
+from hookscope._shared.dtypes import Overflow, overflow_choice, parse_device
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
 
@@ -31,7 +31,9 @@ class ExtractConfig(Options):
 
     What is stored: ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a
     function, or a dict ``{selector: reduction}``, first match wins), ``dtype`` to store floats
-    in, ``keep`` and ``calls`` as in :class:`~hookscope.CaptureOptions`, ``mask`` (``"auto"``:
+    in (``overflow``: what values it cannot hold do -- ``"warn"``, the default, once at the end
+    with the count per site; ``"error"``: refused at the first batch that has them; ``"ignore"``:
+    stored as +-inf), ``keep`` and ``calls`` as in :class:`~hookscope.CaptureOptions`, ``mask`` (``"auto"``:
     reductions over dim 1 use only real tokens when a batch has an ``attention_mask``; None:
     never; a key: that batch key, required), ``chunk_rows`` (a multiple of the batch; default
     up to 1,024 rows or 8 MiB per chunk), ``compression_level`` (zstd, -7..22; None for none),
@@ -74,6 +76,7 @@ class ExtractConfig(Options):
     rank: int | None = None
     world_size: int | None = None
     command: str | None = None
+    overflow: Overflow = "warn"
 
     def __post_init__(self) -> None:
         for flag in ("resume", "overwrite", "eval_mode"):
@@ -90,6 +93,7 @@ class ExtractConfig(Options):
             raise SpecError(f"mask={self.mask!r} is not 'auto' (default), None, or the name of the batch's mask key")
         self.capture_options  # noqa: B018 (keep, calls and dtype refused now, as a capture refuses them)
         parse_device(self.device)
+        overflow_choice(self.overflow)
 
     def recorded(self) -> dict[str, Any]:
         """What the store records of these options and a resumed run must match (reductions apart,
@@ -116,8 +120,8 @@ class ExtractConfig(Options):
 
     @property
     def capture_options(self) -> CaptureOptions:
-        """``keep``, ``calls`` and ``dtype`` as a capture checks and reads them."""
-        return CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype)
+        """``keep``, ``calls``, ``dtype`` and ``overflow`` as a capture checks and reads them."""
+        return CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype, overflow=self.overflow)
 
     @property
     def torch_device(self) -> torch.device | None:

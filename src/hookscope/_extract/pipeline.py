@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,8 +28,9 @@ from hookscope._extract.data import Batch
 from hookscope._extract.layout import Layout
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._extract.writer import Work, WriterThread
+from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.reduce import Reduction
-from hookscope.errors import DataError, SpecError
+from hookscope.errors import CastOverflowWarning, DataError, SpecError
 
 __all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]
 
@@ -59,11 +61,15 @@ class SiteCaptures:
         ]
         self._options = options
         self._captures: list[Capture] = []
+        #: Values the dtype cast turned into +-inf, by site, over every batch so far.
+        self.overflowed: dict[str, int] = {}
 
     def __enter__(self) -> SiteCaptures:
         try:
             for reduction, modules in self._groups:
-                chosen = dataclasses.replace(self._options, reduce=reduction)
+                # a warning per batch would bury the run's output: one for the run, at its end
+                overflow = "ignore" if self._options.overflow == "warn" else self._options.overflow
+                chosen = dataclasses.replace(self._options, reduce=reduction, overflow=overflow)
                 self._captures.append(capture(self.model, *modules, options=chosen))
         except BaseException:
             self.__exit__()
@@ -74,9 +80,15 @@ class SiteCaptures:
         captures, self._captures = self._captures, []
         for made in captures:
             made.remove()
+        dtype = self._options.torch_dtype
+        if exc and exc[0] is None and self.overflowed and self._options.overflow == "warn" and dtype is not None:
+            warnings.warn(overflow_message(self.overflowed, dtype, "extract"), CastOverflowWarning, stacklevel=2)
 
     def collect(self) -> dict[Site, torch.Tensor]:
         """Every site of the latest forward, in model order, then call, then input before output."""
+        for made in self._captures:
+            for site, count in made.cache.overflowed.items():
+                self.overflowed[site] = self.overflowed.get(site, 0) + count
         found = {site: made.cache[site] for made in self._captures for site in made.cache.sites()}
         return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
 

@@ -6,11 +6,27 @@ Shared by the command line (``--dtype``) and the features that take a dtype opti
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from hookscope.errors import SpecError
 
-__all__ = ["dtype_name", "floating_dtype", "parse_device", "parse_dtype"]
+__all__ = [
+    "OVERFLOW_CHOICES",
+    "Overflow",
+    "cast_checked",
+    "dtype_name",
+    "floating_dtype",
+    "overflow_choice",
+    "overflow_message",
+    "parse_device",
+    "parse_dtype",
+]
+
+#: What a cast that turns finite values into +-inf does: tell once per pass, refuse, or say nothing.
+Overflow = Literal["warn", "error", "ignore"]
+OVERFLOW_CHOICES: tuple[Overflow, ...] = ("warn", "error", "ignore")
 
 _DTYPES: dict[str, torch.dtype] = {
     **dict.fromkeys(("float32", "fp32", "f32", "float"), torch.float32),
@@ -76,3 +92,45 @@ def parse_device(device: str | torch.device | None, option: str = "device") -> t
         raise SpecError(
             f"{option}={device!r} is not a torch device; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
         ) from error
+
+
+def cast_checked(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``value`` cast to ``dtype``, and how many finite values the cast turned into +-inf.
+
+    The count is a 0-dim tensor on ``value``'s device (read it when convenient: reading it at
+    once would wait for the device), or None when ``dtype`` holds every value of
+    ``value``'s dtype (a widening cast, bfloat16 from float32, or not floating at all).
+    float16 stops at 65504: a float32 activation of 1e5 becomes inf there.
+
+    >>> cast, overflowed = cast_checked(torch.tensor([1.0, 7e4, float("inf")]), torch.float16)
+    >>> cast.tolist(), int(overflowed)
+    ([1.0, inf, inf], 1)
+    """
+    cast = value.to(dtype)
+    if not (value.is_floating_point() and dtype.is_floating_point):
+        return cast, None
+    if torch.finfo(dtype).max >= torch.finfo(value.dtype).max:
+        return cast, None
+    return cast, (torch.isinf(cast) & torch.isfinite(value)).sum()
+
+
+def overflow_choice(value: object) -> str:
+    """``overflow=`` checked: one of :data:`OVERFLOW_CHOICES`; else ``SpecError``."""
+    if value not in OVERFLOW_CHOICES:
+        raise SpecError(
+            f"overflow={value!r} is not one of 'warn' (default: say which sites a dtype cast turned finite "
+            "values into +-inf at), 'error' (refuse them), 'ignore'"
+        )
+    return str(value)
+
+
+def overflow_message(counts: dict[str, int], dtype: torch.dtype, feature: str) -> str:
+    """The one sentence a warning or an error says about values a cast turned into +-inf."""
+    total = sum(counts.values())
+    named = ", ".join(f"{site} ({count:,})" for site, count in list(counts.items())[:5])
+    more = f" and {len(counts) - 5} more sites" if len(counts) > 5 else ""
+    return (
+        f"{feature}: dtype={dtype_name(dtype)} turned {total:,} finite values past its largest "
+        f"({torch.finfo(dtype).max:g}) into +-inf, at {named}{more}; keep them in bfloat16 or float32 "
+        "(dtype='bf16'), or pass overflow='error' to refuse such values, 'ignore' to keep them as inf"
+    )
