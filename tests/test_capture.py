@@ -562,3 +562,58 @@ class TestCastOverflow:
     def test_overflow_takes_three_words(self) -> None:
         with pytest.raises(hs.SpecError, match="overflow='loud' is not one of 'warn'"):
             hs.CaptureOptions(overflow="loud")  # type: ignore[arg-type]
+
+
+class TestNamesHoldingSiteSyntax:
+    """PyTorch allows '#' and ':' in module names; the site grammar escapes them."""
+
+    @staticmethod
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("fc", nn.Linear(2, 2))
+        model.add_module("fc#1", nn.Linear(2, 2))
+        model.add_module("a:b", nn.Linear(2, 2))
+        return model
+
+    def test_keys_name_the_module_they_spell(self) -> None:
+        model, x = self.model(), torch.randn(3, 2)
+        _, cache = hs.run_with_capture(model, x, layers=["fc", "fc#1", "a:b"])
+        with torch.no_grad():
+            first = model.get_submodule("fc")(x)
+            second = model.get_submodule("fc#1")(first)
+            third = model.get_submodule("a:b")(second)
+        assert list(cache) == ["fc#0:output", "fc\\#1#0:output", "a\\:b#0:output"]
+        assert torch.equal(cache["fc#1"], second)  # fc has no call 1: the module so named
+        assert torch.equal(cache["fc\\#1"], second)
+        assert torch.equal(cache["fc\\#1#0:output"], second)
+        assert torch.equal(cache["a:b"], third)
+        assert torch.equal(cache["fc"], first)
+
+    def test_a_key_the_grammar_reads_two_ways_is_refused(self) -> None:
+        model = nn.Sequential()
+        model.add_module("fc", nn.Linear(2, 2))
+        model.add_module("fc#1", nn.Identity())
+
+        class Twice(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return model.get_submodule("fc#1")(model.fc(model.fc(x)))
+
+        _, cache = hs.run_with_capture(Twice(), torch.randn(1, 2), layers=["inner.fc", "inner.fc#1"])
+        with pytest.raises(hs.SiteNotFoundError, match="names two things") as refused:
+            cache["inner.fc#1"]
+        assert refused.value.candidates == ("inner.fc\\#1", "inner.fc#1:output")
+        assert cache["inner.fc\\#1"].shape == (1, 2)
+
+    @pytest.mark.parametrize("suffix", [".npz", ".pt", ".safetensors"])
+    def test_saved_files_load_under_the_same_names(self, tmp_path: Path, suffix: str) -> None:
+        model, x = self.model(), torch.randn(3, 2)
+        _, cache = hs.run_with_capture(model, x, layers=["fc", "fc#1", "a:b"])
+        loaded = hs.load(cache.save(tmp_path / f"c{suffix}"))
+        assert list(loaded) == list(cache)
+        for key in cache:
+            assert torch.equal(loaded[key], cache[key])

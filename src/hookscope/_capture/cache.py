@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._core.names import split_leaf
+from hookscope._core.names import MODULE_TEXT, escape_name, split_leaf, unescape_name
 from hookscope._core.sites import Site
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
@@ -34,7 +34,7 @@ from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, S
 
 __all__ = ["Cache", "load", "tensor_bytes"]
 
-_KEY = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
+_KEY = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
 _Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
 
 
@@ -129,8 +129,10 @@ class Cache(Mapping[str, torch.Tensor]):
 
         ``key`` is read as in ``cache[key]``; a call index in it is ignored.
         """
-        if isinstance(key, str):
-            key = re.sub(r"#\d+", "", key, count=1)
+        if isinstance(key, str) and not self._names_a_module(key):
+            match = _KEY.match(key)
+            if match is not None and match["call"] is not None:  # the call index, not a '#' in a name
+                key = match["module"] + (f":{match['leaf']}" if match["leaf"] is not None else "")
         site = self.resolve(key)
         by_call = self._built_index()[(site.module, site.what)]
         return [self._checked(by_call[call][site.path]) for call in sorted(by_call) if site.path in by_call[call]]
@@ -180,16 +182,43 @@ class Cache(Mapping[str, torch.Tensor]):
             return key
         if not isinstance(key, str):
             raise SpecError(f"a cache key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
+        if self._names_a_module(key):  # a module whose name holds '#' or ':', named as it is
+            return self._literal_module(key)
         match = _KEY.match(key)
         if match is None:
             raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
-        spelled = match["module"] or ""
+        spelled = unescape_name(match["module"] or "")
         module = str(aliases.get(spelled, spelled))
         try:
             what, path = split_leaf(match["leaf"] or "", shown=repr(key))
         except SpecError as error:
             raise SiteNotFoundError(str(error), key=key) from None
         return self._resolve_parts(key, module, match["call"], what, path)
+
+    def _names_a_module(self, key: str) -> bool:
+        """True when ``key`` is, letter for letter, the name of a captured module holding ``#``
+        or ``:``, which the site grammar would read otherwise (``fc#1``: call 1 of ``fc``)."""
+        return ("#" in key or ":" in key) and any(module == key for module, _ in self._built_index())
+
+    def _literal_module(self, key: str) -> Site:
+        """``key`` names a module as it is; refused when the grammar reads it as another site too."""
+        match = _KEY.match(key)
+        if match is not None:
+            try:
+                other = self._resolve_parts(
+                    key, unescape_name(match["module"] or ""), match["call"], *split_leaf(match["leaf"] or "")
+                )
+            except (SiteNotFoundError, SpecError):
+                other = None
+            if other is not None:
+                raise SiteNotFoundError(
+                    f"{key!r} names two things: the module {key!r} and {str(other)!r}; write "
+                    f"{escape_name(key)!r} for the module (a '#' or ':' in a name is escaped with a backslash), "
+                    f"{str(other)!r} for the other",
+                    key=key,
+                    candidates=(escape_name(key), str(other)),
+                )
+        return self._resolve_parts(key, key, None, None, None)
 
     def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
         index = self._built_index()

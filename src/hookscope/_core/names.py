@@ -39,10 +39,12 @@ from hookscope.errors import SpecError
 
 __all__ = [
     "LEAF_KINDS",
+    "MODULE_TEXT",
     "ROOT_LABEL",
     "WRAPPER_CLASS_NAMES",
     "NamedModule",
     "call_label",
+    "escape_name",
     "leaf_label",
     "module_label",
     "named_modules",
@@ -50,12 +52,39 @@ __all__ = [
     "parse_leaf",
     "short_spelling",
     "split_leaf",
+    "unescape_name",
     "unwrapped_modules",
 ]
 
 #: How the model itself is shown wherever a module is named: its own name is the empty string,
 #: which would print as nothing (``'#0'``). Lookups accept it as well as ``""``.
 ROOT_LABEL = "(root)"
+
+
+#: A module name inside a site's text: any character but ``#`` and ``:``, which a name that
+#: holds them (legal in PyTorch: ``add_module("fc#1", ...)``) writes as ``\\#`` and ``\\:``.
+MODULE_TEXT = r"(?:[^#:\\]|\\.)*"
+
+
+def escape_name(name: str) -> str:
+    """A module name as a site's text writes it: ``#``, ``:`` and ``\\`` escaped by a backslash,
+    so ``fc#1`` (a module so named) cannot read as call 1 of ``fc``.
+
+    >>> escape_name("fc#1"), escape_name("h.0.mlp")
+    ('fc\\\\#1', 'h.0.mlp')
+    """
+    if "#" not in name and ":" not in name and "\\" not in name:
+        return name
+    return name.replace("\\", "\\\\").replace("#", "\\#").replace(":", "\\:")
+
+
+def unescape_name(text: str) -> str:
+    """The module name that :func:`escape_name` wrote as ``text``.
+
+    >>> unescape_name(escape_name("a:b#2")) == "a:b#2"
+    True
+    """
+    return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL) if "\\" in text else text
 
 
 def module_label(name: str) -> str:

@@ -5,8 +5,10 @@ applied in a loop). Each of those calls is its own site, numbered 0, 1, 2, ... i
 calls start; the numbering starts again at every top-level forward pass.
 
 A :class:`Site` is written ``name#call:what`` followed by the tree path of the leaf, e.g.
-``transformer.h.0.attn#0:output[0]``. ``what`` is one of ``input``, ``output``, ``grad_input``
-and ``grad_output``; the path is relative to that value (``""``, ``"[0]"``, ``"['mask']"``), and
+``transformer.h.0.attn#0:output[0]``; a ``#`` or ``:`` in a module's name is written ``\\#``,
+``\\:`` there (:func:`~hookscope._core.names.escape_name`), so every site's text reads back as
+it. ``what`` is one of ``input``, ``output``, ``grad_input`` and ``grad_output``; the path is
+relative to that value (``""``, ``"[0]"``, ``"['mask']"``), and
 ``what`` and path are joined and split by :mod:`~hookscope._core.names`' leaf functions.
 """
 
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
-from hookscope._core.names import leaf_label, module_label, split_leaf
+from hookscope._core.names import MODULE_TEXT, escape_name, leaf_label, module_label, split_leaf, unescape_name
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
 # The id of the backward pass running on this thread, -1 outside one.
@@ -59,7 +61,7 @@ Keep = Literal["output", "input", "both"] | tuple[str, ...] | list[str]
 _KEEP_CHOICES = {"output": ("output",), "input": ("input",), "both": ("input", "output")}
 _KEEP_WORDS = {sides: word for word, sides in _KEEP_CHOICES.items()}
 _SITE_KINDS: tuple[str, ...] = get_args(SiteKind)
-_SITE_TEXT = re.compile(r"^(?P<module>[^#:]*)(?:#(?P<call>\d+))?:(?P<leaf>.*)$", re.DOTALL)
+_SITE_TEXT = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?:(?P<leaf>.*)$", re.DOTALL)
 
 
 @dataclass(frozen=True, order=True)
@@ -85,7 +87,7 @@ class Site:
             raise SpecError(f"call index {self.call} is negative; calls are numbered from 0 in each pass")
 
     def __str__(self) -> str:
-        return f"{self.module}#{self.call}:{self.label}"
+        return f"{escape_name(self.module)}#{self.call}:{self.label}"
 
     @property
     def label(self) -> str:
@@ -102,7 +104,7 @@ class Site:
         what, path = split_leaf(match["leaf"], shown=f"site {text!r}")
         if what is None:
             raise SpecError(form)
-        return cls(match["module"], int(match["call"] or 0), what, path)  # type: ignore[arg-type]
+        return cls(unescape_name(match["module"]), int(match["call"] or 0), what, path)  # type: ignore[arg-type]
 
 
 def is_reentered(module: nn.Module) -> bool:
