@@ -6,6 +6,7 @@ import gc
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -617,3 +618,83 @@ class TestNamesHoldingSiteSyntax:
         assert list(loaded) == list(cache)
         for key in cache:
             assert torch.equal(loaded[key], cache[key])
+
+
+class TestLeafSelectors:
+    """'block.0:output[0]' and 'layers.1:input[0]' pick one tensor of a structured value."""
+
+    @staticmethod
+    def t5() -> nn.Module:
+        from transformers import T5Config, T5Model
+
+        torch.manual_seed(0)
+        config = T5Config(d_model=16, num_layers=2, num_heads=2, d_ff=32, d_kv=8, vocab_size=64)
+        return T5Model(config).eval()
+
+    @staticmethod
+    def llama() -> nn.Module:
+        from transformers import LlamaConfig, LlamaModel
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+        return LlamaModel(config).eval()
+
+    @staticmethod
+    def raw(module: nn.Module, model: nn.Module, side: str, **inputs: Any) -> Any:
+        seen: dict[str, Any] = {}
+        if side == "output":
+            handle = module.register_forward_hook(lambda _m, _a, o: seen.update(v=o))
+        else:
+            handle = module.register_forward_pre_hook(lambda _m, a, k: seen.update(v=(a, k)), with_kwargs=True)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            handle.remove()
+        return seen["v"]
+
+    def test_one_tensor_of_a_t5_blocks_output(self) -> None:
+        model, ids = self.t5(), gpt2_input()
+        with torch.no_grad():  # as the raw reference runs: grad mode picks other kernels
+            _, cache = hs.run_with_capture(
+                model, input_ids=ids, decoder_input_ids=ids, layers="encoder.block.0:output[0]"
+            )
+        reference = self.raw(model.encoder.block[0], model, "output", input_ids=ids, decoder_input_ids=ids)
+        assert list(cache) == ["encoder.block.0#0:output[0]"]  # not the position bias beside it
+        assert torch.equal(cache["encoder.block.0"], reference[0])
+
+    def test_one_input_of_a_llama_layer(self) -> None:
+        model, ids = self.llama(), gpt2_input()
+        with torch.no_grad():
+            _, cache = hs.run_with_capture(model, ids, layers="layers.1:input[0]")
+        args, kwargs = self.raw(model.layers[1], model, "input", input_ids=ids)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        assert list(cache) == ["layers.1#0:input[0]"]  # no position_embeddings
+        assert torch.equal(cache["layers.1"], hidden)
+
+    def test_a_leaf_that_is_not_there_names_the_ones_that_are(self) -> None:
+        model = self.llama()
+        with pytest.raises(hs.CaptureError, match=r"'layers.1' input has no tensor at 'input\[3\]'.*position_ids"):
+            hs.run_with_capture(model, gpt2_input(), layers="layers.1:input[3]")
+        assert raw_hook_count(model) == 0
+
+    def test_extract_stores_one_leaf(self, tmp_path: Path) -> None:
+        model, ids = self.t5(), gpt2_input()
+        store = hs.extract(
+            model,
+            {"input_ids": ids, "decoder_input_ids": ids},
+            ["encoder.block.0:output[0]", "encoder.block.1:output[0]", "encoder.final_layer_norm"],
+            tmp_path / "t5.zarr",
+            batch_size=2,
+            progress=False,
+        )
+        reference = self.raw(model.encoder.block[0], model, "output", input_ids=ids, decoder_input_ids=ids)
+        assert store.sites == ["encoder.block.0", "encoder.block.1", "encoder.final_layer_norm"]  # one array each
+        np.testing.assert_array_equal(store["encoder.block.0"][:], reference[0].numpy())

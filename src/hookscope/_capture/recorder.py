@@ -32,7 +32,7 @@ from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.names import call_label, raw_and_named_modules
+from hookscope._core.names import call_label, leaf_label, raw_and_named_modules, split_leaf_selector
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
@@ -80,7 +80,7 @@ class Capture(Scoped):
         self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
-        self._selected = select(model, list(selectors))  # a union, each module once, in model order
+        self._selected, self._leaves = _selected_leaves(model, selectors)
         meta = _describe(model, selectors, options)
         chosen = {id(module) for _, module in self._selected}
         aliases = {
@@ -109,21 +109,35 @@ class Capture(Scoped):
 
     # -- attaching --------------------------------------------------------------------------------
 
+    def _whats_of(self, name: str) -> tuple[str, ...]:
+        """What is kept of module ``name``: the ``keep`` option's sides, or those its leaf selectors name."""
+        leaves = self._leaves.get(name)
+        if leaves is None:
+            return self._whats
+        return tuple(what for what in ("input", "output") if what in leaves)
+
     def _specs(self) -> list[HookSpec]:
         """The capture hooks; passes are told by the call tracker, which wraps every hook of the group."""
         specs = []
         for name, module in self._selected:
-            if "input" in self._whats:
+            whats = self._whats_of(name)
+            if "input" in whats:
                 specs.append(
                     HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True, fitted=True)
                 )
-            if "output" in self._whats:
+            if "output" in whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
         return specs
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
-        current, want, keep, last_what = self._tracker.current, self._want, self._keeper.keep_leaves, self._whats[-1]
+        current, want, keep, last_what = (
+            self._tracker.current,
+            self._want,
+            self._keeper.keep_leaves,
+            self._whats_of(name)[-1],
+        )
         tracker, handover = self._tracker, self._keeper.take_handover
+        chosen = _leaf_filter(name, "input", self._leaves.get(name, {}).get("input"))
 
         def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if tracker.replaying:
@@ -136,7 +150,7 @@ class Capture(Scoped):
             if tracker.in_replica():
                 self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
                 return None
-            keep(name, call, "input", call_leaves(args, kwargs), args)
+            keep(name, call, "input", chosen(call_leaves(args, kwargs)), args)
             kept_in_graph = handover()
             if last_what == "input":
                 self._done(module)
@@ -149,6 +163,7 @@ class Capture(Scoped):
     def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]:
         current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
         tracker, handover = self._tracker, self._keeper.take_handover
+        chosen = _leaf_filter(name, "output", self._leaves.get(name, {}).get("output"))
 
         def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if tracker.replaying:
@@ -161,7 +176,7 @@ class Capture(Scoped):
             if tracker.in_replica():
                 self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
                 return None
-            keep(name, call, "output", flatten_tensors(output, ""), output)
+            keep(name, call, "output", chosen(flatten_tensors(output, "")), output)
             kept_in_graph = handover()
             self._done(module)
             if kept_in_graph:  # detach=False: the model goes on with copies of what was kept
@@ -329,6 +344,62 @@ class Capture(Scoped):
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
         return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
+
+
+def _selected_leaves(
+    model: nn.Module, selectors: tuple[Selector, ...]
+) -> tuple[list[tuple[str, nn.Module]], dict[str, dict[str, list[str]]]]:
+    """The modules the selectors pick, and for those picked only by leaf selectors
+    (``"block.0:output[0]"``), the paths to keep of each side (``{"output": ["[0]"]}``)."""
+    whole: list[Selector] = []
+    leaves: dict[str, dict[str, list[str]]] = {}
+    for selector in selectors:
+        split = split_leaf_selector(selector)
+        if split is None:
+            whole.append(selector)
+            continue
+        module_selector, what, path = split
+        for name, _ in select(model, module_selector):
+            leaves.setdefault(name, {}).setdefault(what, []).append(path)
+    selected = select(model, whole + list(leaves))  # a union, each module once, in model order
+    if whole:
+        for name, _ in select(model, whole):
+            leaves.pop(name, None)  # picked whole too: every leaf
+    return selected, leaves
+
+
+def _leaf_filter(
+    name: str, what: str, paths: list[str] | None
+) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
+    """Keep the leaves at ``paths`` (and below them); with no paths, every leaf."""
+    if paths is None:
+        return _every_leaf
+    if "" in paths:
+        return _every_leaf
+    wanted = tuple(paths)
+
+    def chosen(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        kept = [leaf for leaf in leaves if any(_at_or_below(leaf[0], path) for path in wanted)]
+        missing = [path for path in wanted if not any(_at_or_below(p, path) for p, _ in kept)]
+        if missing:
+            there = ", ".join(repr(f"{name}:{leaf_label(what, p)}") for p, _ in leaves[:8]) or "no tensor"
+            raise CaptureError(
+                f"{name!r} {what} has no tensor at {', '.join(repr(leaf_label(what, p)) for p in missing)}; "
+                f"its tensors: {there}",
+                site=f"{name}:{leaf_label(what, missing[0])}",
+            )
+        return kept
+
+    return chosen
+
+
+def _every_leaf(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return leaves
+
+
+def _at_or_below(path: str, wanted: str) -> bool:
+    """``"[0][1]"`` is at or below ``"[0]"``; ``"[10]"`` is not."""
+    return path == wanted or (path.startswith(wanted) and path[len(wanted)] in "[.")
 
 
 def _copier(ids: set[int]) -> Callable[[str, torch.Tensor], torch.Tensor]:

@@ -52,6 +52,7 @@ __all__ = [
     "parse_leaf",
     "short_spelling",
     "split_leaf",
+    "split_leaf_selector",
     "unescape_name",
     "unwrapped_modules",
 ]
@@ -85,6 +86,26 @@ def unescape_name(text: str) -> str:
     True
     """
     return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL) if "\\" in text else text
+
+
+_LEAF_SELECTOR = re.compile(rf"^(?P<module>{MODULE_TEXT}):(?P<leaf>(?:input|output)(?:[\[.].*)?)$", re.DOTALL)
+
+
+def split_leaf_selector(selector: object) -> tuple[str, str, str] | None:
+    """``(module selector, what, path)`` of a selector that names one value of a module, such
+    as ``"block.0:output[0]"`` or ``"layers.*:input['hidden_states']"``; None for any other
+    selector (a name, a glob, ``"re:..."``, a class, ...), which names whole modules.
+
+    >>> split_leaf_selector("block.0:output[0]"), split_leaf_selector("h.*"), split_leaf_selector(r"fc\\#1:input")
+    (('block.0', 'output', '[0]'), None, ('fc#1', 'input', ''))
+    """
+    if not isinstance(selector, str) or selector.startswith("re:"):
+        return None
+    match = _LEAF_SELECTOR.match(selector)
+    if match is None:
+        return None
+    what, path = split_leaf(match["leaf"], shown=repr(selector))
+    return unescape_name(match["module"]), str(what), path
 
 
 def module_label(name: str) -> str:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import Capture, CaptureOptions, capture
-from hookscope._core.names import named_modules
+from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
 from hookscope._core.select import Selector, describe_selector, select
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
@@ -52,17 +52,35 @@ class SiteCaptures:
     ) -> None:
         self.model = model
         self.mask = mask
-        chosen = select(model, layers)  # SelectionError with the closest names, before anything runs
+        self._leaf_selectors: dict[str, list[str]] = {}  # module name -> its "name:output[0]" selectors
+        whole: list[Selector] = []
+        for layer in layers:
+            split = split_leaf_selector(layer)
+            if split is None:
+                whole.append(layer)
+                continue
+            for name, _ in select(model, split[0]):
+                self._leaf_selectors.setdefault(name, []).append(f"{escape_name(name)}:{leaf_label(*split[1:])}")
+        for name, _ in select(model, whole) if whole else ():
+            self._leaf_selectors.pop(name, None)  # picked whole too: every value
+        # SelectionError with the closest names, before anything runs
+        chosen = select(model, whole + list(self._leaf_selectors))
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
-        self._groups = [
-            (extraction_reduction(spec, mask), [module for _, module in members]) for spec, members in groups
+        self._groups: list[tuple[Reduction | None, list[Selector]]] = [
+            (extraction_reduction(spec, mask), [s for name, module in members for s in self._selector_of(name, module)])
+            for spec, members in groups
         ]
         self._options = options
         self._captures: list[Capture] = []
         #: Values the dtype cast turned into +-inf, by site, over every batch so far.
         self.overflowed: dict[str, int] = {}
+
+    def _selector_of(self, name: str, module: nn.Module) -> list[Selector]:
+        """What the capture of ``module`` is given: the module, or the leaves chosen of it."""
+        leaves = self._leaf_selectors.get(name)
+        return [module] if leaves is None else list(leaves)
 
     def __enter__(self) -> SiteCaptures:
         try:
