@@ -296,9 +296,10 @@ def test_the_format_a_name_picks_is_the_one_written(tmp_path: Path, name: str, f
 def test_the_public_names_are_the_functions_cache_save_and_load_use(tmp_path: Path) -> None:
     cache = hs.Cache({hs.Site("fc", 0): torch.ones(2, dtype=torch.bfloat16)}, meta={"model": "mlp"})
     tensors, meta = load_tensors(cache.save(tmp_path / "c.npz"))
-    assert list(tensors) == ["fc#0:output"]
-    assert tensors["fc#0:output"].dtype == torch.bfloat16
-    assert meta == {"model": "mlp"}
+    assert list(tensors) == ["fc"]  # the short name; the full site is in the metadata
+    assert tensors["fc"].dtype == torch.bfloat16
+    assert meta == {"model": "mlp", "hookscope_sites": {"fc": "fc#0:output"}}
+    assert hs.load(tmp_path / "c.npz").meta == {"model": "mlp"}
     save_tensors(tmp_path / "d.pt", {"fc#0:output": torch.zeros(3)}, {"model": "other"})
     assert hs.load(tmp_path / "d.pt").meta == {"model": "other"}
 
@@ -478,5 +479,28 @@ def test_a_flipped_bit_in_a_tensor_is_named_on_load(tmp_path: Path, suffix: str)
         hs.load(path)
     assert str(path) in str(info.value)
     if suffix != ".npz":  # the zip's own CRC finds it first there, and names the member
-        assert "'head#0:output'" in str(info.value)
+        assert "'head'" in str(info.value)
         assert "checksum" in str(info.value)
+
+
+def test_saved_names_are_short_where_they_say_one_site(tmp_path: Path) -> None:
+    """numpy alone reads a saved .npz by module name; a module of several calls keeps full
+    names; hs.load gives every site back exactly."""
+    from tests.models import SharedTwice
+
+    model = SharedTwice()
+    x = torch.randn(2, 4)
+    _, cache = hs.run_with_capture(model, x, layers=["shared", "head"])
+    with torch.no_grad():
+        first = model.shared(x)
+    path = cache.save(tmp_path / "c.npz")
+    with np.load(path, allow_pickle=False) as arrays:
+        names = set(arrays.files) - {"__hookscope__"}
+        assert names == set(cache.short_names().values())
+        assert names == {"shared#0:output", "shared#1:output", "head"}  # two calls: full names
+        np.testing.assert_array_equal(arrays["shared#0:output"], first.numpy())
+    assert hs.load(path).sites() == cache.sites()
+    single = hs.Cache({hs.Site("fc", 0): torch.arange(3.0)})
+    with np.load(single.save(tmp_path / "one.npz"), allow_pickle=False) as arrays:
+        np.testing.assert_array_equal(arrays["fc"], np.arange(3.0, dtype=np.float32))
+    assert list(hs.load(tmp_path / "one.npz")) == ["fc#0:output"]

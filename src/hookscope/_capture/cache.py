@@ -36,6 +36,7 @@ __all__ = ["Cache", "load", "tensor_bytes"]
 
 _KEY = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
 _Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
+_SITES_KEY = "hookscope_sites"  # in a saved file's metadata: each stored name's full site
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -142,14 +143,35 @@ class Cache(Mapping[str, torch.Tensor]):
         """Bytes held by the values (each tensor's elements; views of one storage count each)."""
         return sum(tensor_bytes(t) for t in self._entries.values())
 
-    def numpy(self) -> dict[str, np.ndarray]:
-        """``{site name: numpy array}``; dtypes numpy lacks (bfloat16, float8) become float32."""
-        arrays = {}
+    def short_names(self) -> dict[Site, str]:
+        """The shortest name that says each site: the module's name where the site is the only
+        one of its module (``"fc"``), else the full site (``"h.0#1:output"``), as in stores.
+
+        >>> Cache({Site("fc"): torch.zeros(1), Site("h", 0): torch.zeros(1), Site("h", 1): torch.zeros(1)}).short_names()
+        {Site(module='fc', call=0, what='output', path=''): 'fc', Site(module='h', call=0, what='output', path=''): \
+'h#0:output', Site(module='h', call=1, what='output', path=''): 'h#1:output'}
+        """
+        per_module: dict[str, int] = {}
         for site in self._entries:
+            per_module[site.module] = per_module.get(site.module, 0) + 1
+        return {
+            site: escape_name(site.module) if per_module[site.module] == 1 and site.module else str(site)
+            for site in self._entries
+        }
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """``{name: numpy array}`` under :meth:`short_names` (``"fc"``, or ``"h.0#1:output"``
+        where a module has several sites); dtypes numpy lacks (bfloat16, float8) become float32.
+
+        >>> list(Cache({Site("fc"): torch.zeros(1)}).numpy())
+        ['fc']
+        """
+        arrays = {}
+        for site, name in self.short_names().items():
             tensor = self._checked(site).detach().cpu()
             if tensor.dtype in NUMPY_LACKS:
                 tensor = tensor.float()
-            arrays[str(site)] = tensor.resolve_conj().numpy()
+            arrays[name] = tensor.resolve_conj().numpy()
         return arrays
 
     def to(self, device: str | torch.device) -> Cache:
@@ -162,11 +184,15 @@ class Cache(Mapping[str, torch.Tensor]):
 
         ``.safetensors`` (needs the safetensors package), ``.npz`` or ``.pt``; the write is
         atomic, and site names, call indices, dtypes and versions come back with :func:`load`.
+        Tensors are stored under :meth:`short_names` (``np.load(path)["fc"]``); the full site
+        of each is in the file's metadata.
         """
         from hookscope._capture.files import save_tensors
 
-        tensors = {str(site): self._checked(site) for site in self._entries}
-        return save_tensors(path, tensors, self.meta)  # names, dtypes and shapes are in the file itself
+        names = self.short_names()
+        tensors = {names[site]: self._checked(site) for site in self._entries}
+        meta = {**self.meta, _SITES_KEY: {name: str(site) for site, name in names.items()}}
+        return save_tensors(path, tensors, meta)  # names, dtypes and shapes are in the file itself
 
     # -- names ------------------------------------------------------------------------------------
 
@@ -322,10 +348,12 @@ def load(path: str | os.PathLike[str]) -> Cache:
     from hookscope._capture.files import load_tensors
 
     tensors, meta = load_tensors(path)
+    sites = meta.pop(_SITES_KEY, None)
+    sites = sites if isinstance(sites, dict) else {}
     entries = {}
     for key, tensor in tensors.items():
         try:
-            entries[Site.parse(key)] = tensor
+            entries[Site.parse(str(sites.get(key, key)))] = tensor
         except SpecError:
             raise FileFormatError(
                 f"{os.fspath(path)!r} holds a tensor named {key!r}, not a hookscope site such as 'fc#0:output'; "
