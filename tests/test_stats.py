@@ -235,3 +235,49 @@ def test_a_constant_has_exactly_zero_spread(branching: bool) -> None:
     assert stats.std == 0.0
     assert stats.mean == pytest.approx(0.1)
     assert stats.abs_mean == pytest.approx(0.1)
+
+
+def _exact_mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std in exact rational arithmetic: no sum can overflow."""
+    from fractions import Fraction
+
+    exact = [Fraction(v) for v in values]
+    mean = sum(exact) / len(exact)
+    variance = sum((v - mean) ** 2 for v in exact) / (len(exact) - 1)
+    return float(mean), math.sqrt(float(variance / Fraction(1e300) ** 2)) * 1e300
+
+
+@pytest.mark.parametrize("branching", [True, False])
+@pytest.mark.parametrize(
+    "values", [[1e308, 1e308, 1e308], [1e308, 1.5e308, 1.7e308], [-1e308, 1e308, 1.7e308], [-1.7e308, 3.0, 1e-300]]
+)
+def test_float64_values_near_the_largest_give_their_mean_and_std(values: list[float], branching: bool) -> None:
+    raw = raw_stats(torch.tensor(values, dtype=torch.float64), branching=branching)
+    result = read_stats([raw])[0]
+    mean, std = _exact_mean_std(values)
+    assert result.mean == pytest.approx(mean, rel=1e-12)
+    assert result.std == pytest.approx(std, rel=1e-12)
+    assert result.abs_mean == pytest.approx(float(sum(abs(v) / 3 for v in values)), rel=1e-12)
+
+
+def test_merging_batches_of_huge_values_stays_finite() -> None:
+    values = [1.7e308, 1.6e308, -1.7e308, 1.0e308, 1.2e308, -0.5e308]
+    running = RunningStats()
+    for batch in torch.tensor(values, dtype=torch.float64).split(2):
+        running.update(batch)
+    mean, std = _exact_mean_std(values)
+    assert running.result().mean == pytest.approx(mean, rel=1e-12)
+    assert running.result().std == pytest.approx(std, rel=1e-12)
+
+
+@pytest.mark.parametrize("branching", [True, False])
+def test_int64_min_and_max_are_exact_past_2_to_the_53(branching: bool) -> None:
+    values = [2**62 + 1, 2**62 + 3, -(2**63)]
+    raw = raw_stats(torch.tensor(values, dtype=torch.int64), branching=branching)
+    result = read_stats([raw])[0]
+    assert (result.min, result.max) == (-(2**63), 2**62 + 3)
+    assert isinstance(result.max, int)
+    running = RunningStats()
+    running.update(torch.tensor(values[:2]))
+    running.update(torch.tensor([2**62 + 5]))
+    assert running.result().max == 2**62 + 5

@@ -14,13 +14,19 @@ every module of the model. The raw vector is built from the cheap ones:
 field       how
 ==========  ===============================================================================
 min, max    one ``aminmax``
-sum, sumsq  ``sum`` and ``dot`` of the values minus a shift; the shift makes the variance
-            exact even when the mean dwarfs the spread (fp16 values around 300)
-abs_sum     free when all values have one sign (post-ReLU), else the sum of ``|x|``
+mean,       ``sum`` and ``dot`` of the values minus a shift, which makes the variance exact
+spread      even when the mean dwarfs the spread (fp16 values around 300); kept as the mean
+            and the root mean square deviation, never as sums, so values near float64's
+            largest (three of 1e308) give their mean, not inf
+abs_mean    free when all values have one sign (post-ReLU), else the mean of ``|x|``
 zeros       free when 0 lies outside [min, max]; else ``min |x|`` says whether any is there,
             and only then are they counted (``sum(sign(x))`` of the others)
 nan, inf    free when min and max are finite (NaN and Inf propagate into them), else counted
 ==========  ===============================================================================
+
+Integer tensors keep their exact min and max beside the vector (int64 past 2**53 would round
+in float64). Float64 values past 2**500, whose squares would overflow, are scaled by a power
+of two (exactly) while they are summed.
 
 The shortcuts need to *look* at min and max, which on an accelerator would be a host sync per
 tensor. So there are two strategies: on the CPU the tensor already lives on the host, reading a
@@ -74,9 +80,11 @@ __all__ = [
     "tensor_stats",
 ]
 
-RAW_FIELDS = ("min", "max", "shift", "sum", "sumsq", "abs_sum", "zeros", "nan", "posinf", "neginf")
+RAW_FIELDS = ("min", "max", "mean", "spread", "abs_mean", "zeros", "nan", "posinf", "neginf")
 STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
-_MIN, _MAX, _SHIFT, _SUM, _SUMSQ, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
+_MIN, _MAX, _MEAN, _SPREAD, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
+# float64 values beyond this are summed scaled down by a power of two: their squares would overflow
+_SCALE_ABOVE = 2.0**500
 # Variance from sum and sum of squares loses digits when E[x^2] dwarfs Var[x]; beyond this ratio
 # the values are summed again around their mean (CPU), which costs one more pass, rarely.
 _CANCELLATION_RATIO = 16.0
@@ -86,11 +94,13 @@ _CHUNK_BYTES = 4 << 20  # reduce a few MiB at a time, while they are in the cach
 
 @dataclass(frozen=True)
 class RawStats:
-    """The statistics of one tensor before they are read: a count (known on the host) and a
-    vector of :data:`RAW_FIELDS` on the tensor's device."""
+    """The statistics of one tensor before they are read: a count (known on the host), a
+    vector of :data:`RAW_FIELDS` on the tensor's device (``spread`` is the root mean square
+    deviation from the mean), and for integer tensors their exact ``[min, max]`` as int64."""
 
     count: int
     vector: torch.Tensor
+    extremes: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -98,14 +108,15 @@ class Stats:
     """Summary statistics of a tensor, on the host.
 
     ``min``, ``max``, ``mean`` and ``std`` are over all values, so a NaN makes them NaN; the
-    ``nan``, ``posinf`` and ``neginf`` counts say what is there. ``std`` is the sample standard
+    ``nan``, ``posinf`` and ``neginf`` counts say what is there. ``min`` and ``max`` of an
+    integer tensor are ints, exact at any size. ``std`` is the sample standard
     deviation (``n - 1``), like ``torch.std``. An empty tensor has ``count == 0`` and NaN
     statistics.
     """
 
     count: int
-    min: float
-    max: float
+    min: float | int
+    max: float | int
     mean: float
     std: float
     abs_mean: float
@@ -178,17 +189,26 @@ def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: S
     if branching is None:  # torch.compile traces kernels only: the CPU shortcuts read values back
         branching = values.device.type == "cpu" and not is_compiling()
     vector = _branching(values, scratch) if branching else _unconditional(values)
-    return RawStats(count, vector)
+    return RawStats(count, vector, _exact_extremes(tensor))
+
+
+def _exact_extremes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[min, max]`` of an integer tensor as int64, on its device; None for other dtypes."""
+    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+        return None
+    values = flat_values(full_value(tensor.detach()))
+    low, high = torch.aminmax(values)
+    return torch.stack([low, high]).to(torch.int64)
 
 
 def tensor_stats(tensor: torch.Tensor) -> Stats:
     """The :class:`Stats` of one tensor, read at once (a convenience outside hooks)."""
-    raw = raw_stats(tensor)
-    return finalize([raw.count], raw.vector.unsqueeze(0).cpu().numpy())[0]
+    return read_stats([raw_stats(tensor)])[0]
 
 
 def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
-    """Read many raw vectors with one device-to-host transfer per device; keeps the order."""
+    """Read many raw vectors with one device-to-host transfer per device (and one more for the
+    exact extremes of integer tensors, when there are any); keeps the order."""
     if not raws:
         return []
     by_device: dict[torch.device, list[int]] = {}
@@ -198,28 +218,34 @@ def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
     for indices in by_device.values():  # one device, one accumulator dtype: stack, then widen on the host
         stacked = torch.stack([raws[i].vector for i in indices]) if len(indices) > 1 else raws[indices[0]].vector[None]
         table[indices] = stacked.cpu().to(torch.float64).numpy()
-    return finalize([raw.count for raw in raws], table)
+    extremes: dict[int, tuple[int, int]] = {}
+    with_extremes = [i for i, raw in enumerate(raws) if raw.extremes is not None and raw.count]
+    for device in {raws[i].vector.device for i in with_extremes}:
+        mine = [i for i in with_extremes if raws[i].vector.device == device]
+        pairs = torch.stack([raws[i].extremes for i in mine]).cpu().tolist()  # type: ignore[misc]
+        extremes.update({i: (int(low), int(high)) for i, (low, high) in zip(mine, pairs, strict=True)})
+    return finalize([raw.count for raw in raws], table, extremes)
 
 
-def finalize(counts: Sequence[int], table: np.ndarray[Any, Any]) -> list[Stats]:
-    """Turn rows of :data:`RAW_FIELDS` (one per tensor, on the host) into :class:`Stats`."""
+def finalize(
+    counts: Sequence[int], table: np.ndarray[Any, Any], extremes: dict[int, tuple[int, int]] | None = None
+) -> list[Stats]:
+    """Turn rows of :data:`RAW_FIELDS` (one per tensor, on the host) into :class:`Stats`;
+    ``extremes`` gives the exact integer min and max of some rows."""
     n = np.asarray(counts, dtype=np.float64)
+    exact = extremes or {}
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        centred_sum = table[:, _SUM]
-        mean = table[:, _SHIFT] + centred_sum / n
-        m2 = np.maximum(table[:, _SUMSQ] - centred_sum * centred_sum / n, 0.0)
-        std = np.where(n > 1, np.sqrt(m2 / (n - 1)), np.where(n == 1, 0.0, np.nan))
-        std = np.where(np.isfinite(table[:, _SUMSQ]), std, np.nan)
-        abs_mean = table[:, _ABS] / n
+        spread = table[:, _SPREAD]
+        std = np.where(n > 1, spread * np.sqrt(n / (n - 1)), np.where(n == 1, 0.0, np.nan))
         zero_frac = table[:, _ZEROS] / n
     return [
         Stats(
             count=int(counts[i]),
-            min=float(table[i, _MIN]),
-            max=float(table[i, _MAX]),
-            mean=float(mean[i]),
+            min=exact[i][0] if i in exact else float(table[i, _MIN]),
+            max=exact[i][1] if i in exact else float(table[i, _MAX]),
+            mean=float(table[i, _MEAN]),
             std=float(std[i]),
-            abs_mean=float(abs_mean[i]),
+            abs_mean=float(table[i, _ABS]),
             zero_frac=float(zero_frac[i]),
             nan=int(table[i, _NAN]),
             posinf=int(table[i, _POSINF]),
@@ -232,7 +258,8 @@ def finalize(counts: Sequence[int], table: np.ndarray[Any, Any]) -> list[Stats]:
 def merge_raw(a: RawStats, b: RawStats) -> RawStats:
     """The raw statistics of two tensors taken together (Chan's parallel formula), on the device.
 
-    The result is centred on the combined mean, so merging many batches stays exact in float64.
+    Means are weighted and spreads combined with ``hypot``, so nothing is squared that could
+    overflow: merging many batches stays exact in float64, also for values near its largest.
     """
     if a.count == 0:
         return b
@@ -241,18 +268,19 @@ def merge_raw(a: RawStats, b: RawStats) -> RawStats:
     x, y = a.vector, b.vector.to(device=a.vector.device, dtype=a.vector.dtype)
     na, nb = float(a.count), float(b.count)
     n = na + nb
-    mean_a = x[_SHIFT] + x[_SUM] / na
-    mean_b = y[_SHIFT] + y[_SUM] / nb
-    m2_a = x[_SUMSQ] - x[_SUM] * x[_SUM] / na
-    m2_b = y[_SUMSQ] - y[_SUM] * y[_SUM] / nb
-    delta = mean_b - mean_a
-    merged = x + y  # abs_sum and the counts add up
+    half_delta = y[_MEAN] / 2 - x[_MEAN] / 2  # halves: the difference of two huge means stays finite
+    merged = x + y  # the counts add up
     merged[_MIN] = torch.minimum(x[_MIN], y[_MIN])
     merged[_MAX] = torch.maximum(x[_MAX], y[_MAX])
-    merged[_SHIFT] = mean_a + delta * (nb / n)
-    merged[_SUM] = 0.0
-    merged[_SUMSQ] = m2_a + m2_b + delta * delta * (na * nb / n)
-    return RawStats(a.count + b.count, merged)
+    merged[_MEAN] = x[_MEAN] * (na / n) + y[_MEAN] * (nb / n)
+    merged[_ABS] = x[_ABS] * (na / n) + y[_ABS] * (nb / n)
+    between = half_delta * (2 * math.sqrt(na * nb) / n)  # the factor is at most 1
+    merged[_SPREAD] = torch.hypot(torch.hypot(x[_SPREAD] * math.sqrt(na / n), y[_SPREAD] * math.sqrt(nb / n)), between)
+    extremes = None
+    if a.extremes is not None and b.extremes is not None:
+        other = b.extremes.to(a.extremes.device)
+        extremes = torch.stack([torch.minimum(a.extremes[0], other[0]), torch.maximum(a.extremes[1], other[1])])
+    return RawStats(a.count + b.count, merged, extremes)
 
 
 class Scratch:
@@ -351,38 +379,61 @@ def _branching(values: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
 
     The values are taken in chunks of a few MiB, each reduced by every statistic while it is
     still in the cache (about 40% faster than whole-tensor passes on a ResNet-50's activations),
-    and the chunks are merged in float64 (Chan), which also keeps long float32 sums accurate.
+    and the chunks are merged in float64 (Chan, with weights and ``hypot`` as in
+    :func:`merge_raw`), which also keeps long float32 sums accurate.
     """
     step = max(_CHUNK_BYTES // values.element_size(), 1)
-    low, high, count, mean, m2, abs_sum, zeros = math.inf, -math.inf, 0, 0.0, 0.0, 0.0, 0.0
+    low, high, count, mean, spread, abs_mean, zeros = math.inf, -math.inf, 0, 0.0, 0.0, 0.0, 0.0
     # Last chunk first: the end of a tensor just written is the part still in the cache.
     chunks = reversed(torch.split(values, step)) if values.numel() > step else (values,)
     for chunk in chunks:
         part = _chunk_stats(chunk, scratch)
         if part is None:
             return _unconditional(values)  # NaN or Inf: count them exactly, the slow way
-        lo, hi, n, chunk_mean, chunk_m2, chunk_abs, chunk_zeros = part
+        lo, hi, n, chunk_mean, chunk_spread, chunk_abs, chunk_zeros = part
         low, high = min(low, lo), max(high, hi)
-        merged = count + n
-        delta = chunk_mean - mean
-        mean += delta * n / merged
-        m2 += chunk_m2 + delta * delta * count * n / merged
-        count = merged
-        abs_sum += chunk_abs
+        if count == 0:
+            mean, spread, abs_mean = chunk_mean, chunk_spread, chunk_abs
+        else:
+            total = count + n
+            weight_old, weight_new = count / total, n / total
+            between = (chunk_mean / 2 - mean / 2) * (2 * math.sqrt(count * n) / total)
+            spread = math.hypot(spread * math.sqrt(weight_old), chunk_spread * math.sqrt(weight_new), between)
+            mean = mean * weight_old + chunk_mean * weight_new
+            abs_mean = abs_mean * weight_old + chunk_abs * weight_new
+        count += n
         zeros += chunk_zeros
-    return torch.tensor([low, high, mean, 0.0, m2, abs_sum, zeros, 0.0, 0.0, 0.0], dtype=torch.float64)
+    return torch.tensor([low, high, mean, spread, abs_mean, zeros, 0.0, 0.0, 0.0], dtype=torch.float64)
 
 
 def _chunk_stats(
     values: torch.Tensor, scratch: Scratch | None
 ) -> tuple[float, float, int, float, float, float, float] | None:
-    """``(min, max, n, mean, M2, sum |x|, zeros)`` of one chunk, or None if it holds a NaN or Inf."""
+    """``(min, max, n, mean, spread, mean |x|, zeros)`` of one chunk, or None if it holds a NaN or Inf.
+
+    float64 values past 2**500 are reduced scaled down by a power of two, exactly, so that
+    their squares do not overflow; the results are scaled back.
+    """
     low, high = (float(v) for v in torch.aminmax(values))
     if not (math.isfinite(low) and math.isfinite(high)):
         return None
     n = values.numel()
+    scale = 1.0
+    largest = max(-low, high)
+    if values.dtype == torch.float64 and largest > _SCALE_ABOVE:
+        scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
+        values = values / scale
+    mean, m2, abs_sum, zeros = _moments(values, low / scale, high / scale, scratch)
+    return low, high, n, mean * scale, math.sqrt(m2 / n) * scale, abs_sum / n * scale, zeros
+
+
+def _moments(
+    values: torch.Tensor, low: float, high: float, scratch: Scratch | None
+) -> tuple[float, float, float, float]:
+    """``(mean, M2, sum |x|, zeros)`` of finite values whose min and max are known."""
+    n = values.numel()
     if low == high:  # a constant: exact, no sums needed
-        return low, high, n, low, 0.0, abs(low) * n, float(n) if low == 0.0 else 0.0
+        return low, 0.0, abs(low) * n, float(n) if low == 0.0 else 0.0
     total = float(values.sum())
     squares = float(torch.dot(values, values))
     if not (math.isfinite(total) and math.isfinite(squares)):  # finite values whose sums overflowed float32
@@ -401,35 +452,50 @@ def _chunk_stats(
         m2 = spread - offset * offset / n
     m2 = max(m2, 0.0)
     if low > 0.0 or high < 0.0:  # no zeros, one sign: |x| sums to |sum|
-        return low, high, n, mean, m2, abs(mean * n), 0.0
+        return mean, m2, abs(mean * n), 0.0
     if low == 0.0:  # non-negative with zeros (after a ReLU): sum(sign(x)) counts the others
-        return low, high, n, mean, m2, mean * n, n - float(torch.sign(values, out=_work(values, scratch)).sum())
+        return mean, m2, mean * n, n - float(torch.sign(values, out=_work(values, scratch)).sum())
     if high == 0.0:
-        return low, high, n, mean, m2, -mean * n, n + float(torch.sign(values, out=_work(values, scratch)).sum())
+        return mean, m2, -mean * n, n + float(torch.sign(values, out=_work(values, scratch)).sum())
     magnitude = torch.abs(values, out=_work(values, scratch))  # both signs: |x| once
     abs_sum = float(magnitude.sum())
     if not math.isfinite(abs_sum):  # finite values whose |x| sum overflowed float32
         abs_sum = float(magnitude.sum(dtype=torch.float64))
     zeros = 0.0 if float(magnitude.amin()) > 0.0 else n - float(torch.sign(magnitude, out=magnitude).sum())
-    return low, high, n, mean, m2, abs_sum, zeros
+    return mean, m2, abs_sum, zeros
 
 
 def _unconditional(values: torch.Tensor) -> torch.Tensor:
     """Device strategy: every field from kernels queued on the stream; nothing is read back."""
     accumulate = accumulator(values.device)
+    n = values.numel()
     low, high = torch.aminmax(values)
+    scale = None
+    if values.dtype == torch.float64:  # values past 2**500 summed scaled by a power of two (exact)
+        largest = torch.maximum(-low, high)
+        power = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
+        scale = torch.where(largest > _SCALE_ABOVE, power, torch.ones_like(largest))
+        values = values / scale
     first = values[0]
     # Centre on the first value, unless it is not finite or so large that x - shift could overflow.
     usable = torch.isfinite(first) & (first.abs() < torch.finfo(values.dtype).max / 2**20)
-    shift = torch.where(usable, first, torch.zeros_like(first))
-    centred = values - shift
+    shift = torch.where(usable, first, torch.zeros_like(first)).to(accumulate)
+    centred = values - shift.to(values.dtype)
+    centred_sum = centred.sum(dtype=accumulate)  # wide sums: finite values cannot overflow them
+    squares = torch.linalg.vector_norm(centred, 2, dtype=accumulate).square()  # no dot: it stops at 2**31 values
+    mean = shift + centred_sum / n
+    spread = torch.sqrt(torch.clamp(squares - centred_sum * centred_sum / n, min=0.0) / n)
+    spread = torch.where(torch.isfinite(squares), spread, torch.full_like(spread, math.nan))
+    abs_mean = torch.linalg.vector_norm(values, 1, dtype=accumulate) / n
+    if scale is not None:
+        wide = scale.to(accumulate)
+        mean, spread, abs_mean = mean * wide, spread * wide, abs_mean * wide
     fields = [
         low,
         high,
-        shift,
-        centred.sum(dtype=accumulate),  # wide sums: finite values cannot overflow them
-        torch.linalg.vector_norm(centred, 2, dtype=accumulate).square(),  # no dot: it stops at 2**31 values
-        torch.linalg.vector_norm(values, 1, dtype=accumulate),
+        mean,
+        spread,
+        abs_mean,
         torch.count_nonzero(values == 0),
         torch.count_nonzero(torch.isnan(values)),
         torch.count_nonzero(values == math.inf),
