@@ -698,3 +698,57 @@ class TestLeafSelectors:
         reference = self.raw(model.encoder.block[0], model, "output", input_ids=ids, decoder_input_ids=ids)
         assert store.sites == ["encoder.block.0", "encoder.block.1", "encoder.final_layer_norm"]  # one array each
         np.testing.assert_array_equal(store["encoder.block.0"][:], reference[0].numpy())
+
+
+class TestReviewedEdges:
+    """Edges of detach=False, leaf selectors, escaped names and overflow counts."""
+
+    def test_detach_false_input_survives_the_callers_later_write(self) -> None:
+        class Residual(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                x = x * 1
+                h = self.lin(x)
+                x += h  # the caller writes into what lin took, after lin ran
+                return x
+
+        torch.manual_seed(0)
+        model, given = Residual(), torch.randn(2, 4, requires_grad=True)
+        with hs.capture(model, "lin", keep="input", detach=False) as cap:
+            model(given)
+        torch.testing.assert_close(cap["lin"].detach(), given.detach(), rtol=0, atol=0)
+
+    def test_leaf_selectors_inside_a_list_and_through_a_pattern(self) -> None:
+        model = MixedOutputs()
+        _, listed = hs.run_with_capture(model, torch.ones(2), layers=[["tuple_out:output[0]"]])
+        assert list(listed) == ["tuple_out#0:output[0]"]
+        _, patterned = hs.run_with_capture(model, torch.ones(2), layers="*_out:output[0]")  # kept where it exists
+        assert "tuple_out#0:output[0]" in list(patterned)
+        assert all(site.path.startswith("[0]") for site in patterned.sites())
+
+    def test_escaped_names_under_a_wrapper_find_their_own_module(self) -> None:
+        inner = nn.Sequential()
+        inner.add_module("fc#1", nn.Linear(2, 2))
+        inner.add_module("fc", nn.Linear(2, 2))
+        wrapped = nn.DataParallel(inner)
+        with torch.no_grad(), hs.capture(wrapped, "fc#1", "fc") as cap:
+            wrapped(torch.randn(1, 2))
+        own = cap["fc\\#1"]
+        assert torch.equal(cap.cache.calls("module.fc#1")[0], own)
+        assert torch.equal(cap["module.fc#1"], own)
+        assert not torch.equal(own, cap["fc"])
+
+    def test_overflow_counts_follow_the_kept_sites(self) -> None:
+        model = SharedTwice()
+        with torch.no_grad():
+            model.shared.weight.fill_(0.0)
+            model.shared.bias.fill_(1e5)  # the first call overflows float16; the second sees 1e5 too
+        x = torch.zeros(1, 4)
+        with pytest.warns(hs.CastOverflowWarning):
+            _, cache = hs.run_with_capture(model, x, layers="shared", dtype="fp16", calls="last")
+        assert [str(site) for site in cache.sites()] == ["shared#1:output"]
+        assert set(cache.overflowed) == {"shared#1:output"}
+        assert cache.to("cpu").overflowed == cache.overflowed

@@ -160,6 +160,22 @@ def test_float16_overflow_is_said_once_per_run_with_the_count(tmp_path: Path) ->
     assert not attached(model)
 
 
+def test_a_reduce_key_may_name_a_leaf(tmp_path: Path) -> None:
+    model = MixedOutputs().eval()
+    rows = torch.randn(4, 2)
+    store = run(
+        model,
+        rows,
+        ["tuple_out:output[0]"],
+        tmp_path / "leaf.zarr",
+        batch_size=2,
+        reduce={"tuple_out:output[0]": "mean:1"},
+    )
+    with torch.no_grad():
+        reference = model.tuple_out(rows)[0].mean(dim=1)
+    np.testing.assert_allclose(store["tuple_out"][:], reference.numpy(), rtol=1e-6)
+
+
 # -- every form of data ----------------------------------------------------------------------------
 
 

@@ -281,3 +281,20 @@ def test_int64_min_and_max_are_exact_past_2_to_the_53(branching: bool) -> None:
     running.update(torch.tensor(values[:2]))
     running.update(torch.tensor([2**62 + 5]))
     assert running.result().max == 2**62 + 5
+
+
+@pytest.mark.parametrize("branching", [True, False])
+def test_scaling_huge_values_leaves_the_counts_alone(branching: bool) -> None:
+    """Values scaled down to be summed are counted as they are: a tiny value is no zero, and a
+    finite 1e308 beside an inf is not an inf."""
+    tiny = read_stats([raw_stats(torch.tensor([1e300, 1e-300, 3.0], dtype=torch.float64), branching=branching)])[0]
+    assert tiny.zero_frac == 0.0
+    both = read_stats([raw_stats(torch.tensor([math.inf, 1e308, 1.0], dtype=torch.float64), branching=branching)])[0]
+    assert (both.posinf, both.neginf) == (1, 0)
+
+
+def test_a_merge_with_an_inf_has_a_nan_std_as_torch_does() -> None:
+    merged = merge_raw(raw_stats(torch.tensor([math.inf, 1.0])), raw_stats(torch.tensor([2.0, 3.0])))
+    reference = torch.tensor([math.inf, 1.0, 2.0, 3.0]).std()
+    assert math.isnan(read_stats([merged])[0].std)
+    assert math.isnan(float(reference))

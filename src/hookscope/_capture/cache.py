@@ -130,7 +130,7 @@ class Cache(Mapping[str, torch.Tensor]):
 
         ``key`` is read as in ``cache[key]``; a call index in it is ignored.
         """
-        if isinstance(key, str) and not self._names_a_module(key):
+        if isinstance(key, str) and self._literal_name(key) is None:
             match = _KEY.match(key)
             if match is not None and match["call"] is not None:  # the call index, not a '#' in a name
                 key = match["module"] + (f":{match['leaf']}" if match["leaf"] is not None else "")
@@ -177,7 +177,10 @@ class Cache(Mapping[str, torch.Tensor]):
     def to(self, device: str | torch.device) -> Cache:
         """A new cache with every value moved to ``device``."""
         moved = {site: self._checked(site).to(device) for site in self._entries}
-        return Cache(moved, meta=self.meta, versions=dict.fromkeys(moved))
+        copy = Cache(moved, meta=self.meta, versions=dict.fromkeys(moved))
+        copy._overflowed = dict(self._overflowed)
+        copy._empty = dict(self._empty)
+        return copy
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the cache to ``path``; the format follows the extension.
@@ -208,8 +211,9 @@ class Cache(Mapping[str, torch.Tensor]):
             return key
         if not isinstance(key, str):
             raise SpecError(f"a cache key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
-        if self._names_a_module(key):  # a module whose name holds '#' or ':', named as it is
-            return self._literal_module(key)
+        literal = self._literal_name(key)
+        if literal is not None:  # a module whose name holds '#' or ':', named as it is
+            return self._literal_module(key, literal)
         match = _KEY.match(key)
         if match is None:
             raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
@@ -221,30 +225,34 @@ class Cache(Mapping[str, torch.Tensor]):
             raise SiteNotFoundError(str(error), key=key) from None
         return self._resolve_parts(key, module, match["call"], what, path)
 
-    def _names_a_module(self, key: str) -> bool:
-        """True when ``key`` is, letter for letter, the name of a captured module holding ``#``
-        or ``:``, which the site grammar would read otherwise (``fc#1``: call 1 of ``fc``)."""
-        return ("#" in key or ":" in key) and any(module == key for module, _ in self._built_index())
+    def _literal_name(self, key: str) -> str | None:
+        """The captured module that ``key`` names letter for letter (through a wrapper's alias)
+        when that name holds ``#`` or ``:``, which the site grammar would read otherwise
+        (``fc#1``: call 1 of ``fc``); else None."""
+        if "#" not in key and ":" not in key:
+            return None
+        literal = str((self.meta.get("aliases") or {}).get(key, key))
+        return literal if any(module == literal for module, _ in self._built_index()) else None
 
-    def _literal_module(self, key: str) -> Site:
-        """``key`` names a module as it is; refused when the grammar reads it as another site too."""
+    def _literal_module(self, key: str, literal: str) -> Site:
+        """``key`` names module ``literal``; refused when the grammar reads it as another site too."""
         match = _KEY.match(key)
         if match is not None:
+            spelled = unescape_name(match["module"] or "")
+            module = str((self.meta.get("aliases") or {}).get(spelled, spelled))
             try:
-                other = self._resolve_parts(
-                    key, unescape_name(match["module"] or ""), match["call"], *split_leaf(match["leaf"] or "")
-                )
+                other = self._resolve_parts(key, module, match["call"], *split_leaf(match["leaf"] or ""))
             except (SiteNotFoundError, SpecError):
                 other = None
             if other is not None:
                 raise SiteNotFoundError(
-                    f"{key!r} names two things: the module {key!r} and {str(other)!r}; write "
-                    f"{escape_name(key)!r} for the module (a '#' or ':' in a name is escaped with a backslash), "
+                    f"{key!r} names two things: the module {literal!r} and {str(other)!r}; write "
+                    f"{escape_name(literal)!r} for the module (a '#' or ':' in a name is escaped with a backslash), "
                     f"{str(other)!r} for the other",
                     key=key,
-                    candidates=(escape_name(key), str(other)),
+                    candidates=(escape_name(literal), str(other)),
                 )
-        return self._resolve_parts(key, key, None, None, None)
+        return self._resolve_parts(key, literal, None, None, None)
 
     def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
         index = self._built_index()

@@ -73,9 +73,10 @@ class Keeper:
         self._latest_call: dict[str, int] = {}
         self._module_sites: dict[str, list[Site]] = {}
         self._sync_streams: list[torch.cuda.Stream] = []
-        self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor]], str]] = []
+        self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor, torch.Tensor | None]], str]] = []
         self._overflows: list[tuple[Site, torch.Tensor]] = []  # a cast's count of values turned +-inf
         self._handover: set[int] = set()  # ids of graph tensors kept as they are: the model gets copies
+        self._in_graph: set[Site] = set()  # kept as the model's own tensor: not copied at the pass's end
 
     # -- a pass -----------------------------------------------------------------------------------
 
@@ -89,6 +90,7 @@ class Keeper:
         self._latest_call.clear()
         self._module_sites.clear()
         self._overflows.clear()
+        self._in_graph.clear()
 
     def finish(self, outliving: Callable[[], set[int]]) -> None:
         """End the pass: copy watched values that share memory with anything that outlives it.
@@ -100,7 +102,7 @@ class Keeper:
         if self._watched:
             outside = outliving()
             for key in [key for key in self._watched if key in outside]:
-                self.copy_before_write(key)
+                self.copy_before_write(key, keep_graph=True)
             self._watched.clear()
         self.wait_for_copies()
         self._count_overflows()
@@ -141,7 +143,7 @@ class Keeper:
     def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
         """Keep every tensor leaf of one module call's input or output."""
         if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept at the pass's end
-            copies = [(path, self._prepared(tensor)) for path, tensor in leaves]
+            copies = [(path, *self._prepared(tensor)) for path, tensor in leaves]
             self._deferred.append((name, call, what, copies, type(value).__name__))
             return
         self._keep_leaves(name, call, what, leaves, type(value).__name__)
@@ -150,7 +152,10 @@ class Keeper:
         """Keep what compiled code handed over, at the pass's end (which runs eagerly)."""
         deferred, self._deferred = self._deferred, []
         for name, call, what, copies, kind in deferred:
-            self._keep_leaves(name, call, what, copies, kind, owned=True)
+            self._keep_leaves(name, call, what, [(path, value) for path, value, _ in copies], kind, owned=True)
+            for path, _, overflowed in copies:
+                if overflowed is not None:
+                    self._overflows.append((Site(name, call, what, path), overflowed))  # type: ignore[arg-type]
 
     def _keep_leaves(
         self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], kind: str, owned: bool = False
@@ -195,18 +200,20 @@ class Keeper:
         value = self._owned(site, value, tensor)
         self.cache._put(site, value, _version(value))
 
-    def _prepared(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _prepared(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """In compiled code: the value as it will be kept (detached or not, reduced, cast, moved),
         copied in the graph, since no storage address tells there whether anything else holds it.
-        The budget is charged once the graph has run (from the kept sizes, not before)."""
+        The budget is charged once the graph has run (from the kept sizes, not before); the
+        cast's overflow count is read then too."""
         value = tensor.detach() if self._detach else tensor
         if self._reduce is not None:
             value = self._reduce(value)
+        overflowed = None
         if self._dtype is not None and value.is_floating_point():
-            value = value.to(self._dtype)
+            value, overflowed = cast_checked(value, self._dtype)
         if self._device is not None and value.device != self._device:
             value = value.to(self._device)
-        return value.clone()
+        return value.clone(), overflowed
 
     def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:
         assert self._reduce is not None
@@ -245,6 +252,9 @@ class Keeper:
             return value  # made here (reduced, cast, moved): nobody else holds it
         if not self._detach and original.requires_grad and self._copy is not False:
             self._handover.add(id(original))  # kept in the graph; the model goes on with a copy
+            self._in_graph.add(site)
+            if self._guards and key != 0:  # another holder (the caller of an input) may still write
+                self._watch(key, site)
             return value
         if self._copy is False:
             if value.is_inference():
@@ -275,14 +285,19 @@ class Keeper:
             watch_writes(self._watched, self.copy_before_write)
             self._guard_on = True
 
-    def copy_before_write(self, key: int) -> None:
+    def copy_before_write(self, key: int, *, keep_graph: bool = False) -> None:
         """Replace the kept values on storage ``key`` by copies, before something writes there.
 
         Sites that hold the very same view (an ``Identity`` after a layer, an output kept as the
-        next layer's input) share one copy.
+        next layer's input) share one copy. A value kept in autograd's graph (``detach=False``)
+        is copied only before a real write (its gradient is then the copy's, through the same
+        graph); ``keep_graph`` leaves it as it is at the pass's end, where no write is coming
+        and its version counter guards it from then on.
         """
         copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
         for site in self._watched.pop(key, []):
+            if keep_graph and site in self._in_graph:
+                continue
             kept = self.cache._get(site)
             if kept is None or _version(kept) != self.cache._version_of(site):
                 continue  # already changed behind the guard's back: leave it for the read check
@@ -293,6 +308,8 @@ class Keeper:
             self.cache._put(site, copy, _version(copy))
 
     def _forget(self, site: Site) -> None:
+        if self._overflows:
+            self._overflows = [(other, count) for other, count in self._overflows if other != site]
         kept = self.cache._get(site)
         if kept is not None:
             self._bytes -= tensor_bytes(kept)

@@ -148,7 +148,7 @@ class Capture(Scoped):
             if not want(call):
                 return None
             if tracker.in_replica():
-                self._keep_replica(name, call, "input", call_leaves(args, kwargs), args)
+                self._keep_replica(name, call, "input", chosen(call_leaves(args, kwargs)), args)
                 return None
             keep(name, call, "input", chosen(call_leaves(args, kwargs)), args)
             kept_in_graph = handover()
@@ -174,7 +174,7 @@ class Capture(Scoped):
             if not want(call):
                 return None
             if tracker.in_replica():
-                self._keep_replica(name, call, "output", flatten_tensors(output, ""), output)
+                self._keep_replica(name, call, "output", chosen(flatten_tensors(output, "")), output)
                 return None
             keep(name, call, "output", chosen(flatten_tensors(output, "")), output)
             kept_in_graph = handover()
@@ -348,19 +348,25 @@ class Capture(Scoped):
 
 def _selected_leaves(
     model: nn.Module, selectors: tuple[Selector, ...]
-) -> tuple[list[tuple[str, nn.Module]], dict[str, dict[str, list[str]]]]:
+) -> tuple[list[tuple[str, nn.Module]], dict[str, dict[str, list[tuple[str, bool]]]]]:
     """The modules the selectors pick, and for those picked only by leaf selectors
-    (``"block.0:output[0]"``), the paths to keep of each side (``{"output": ["[0]"]}``)."""
+    (``"block.0:output[0]"``), the paths to keep of each side: ``{"output": [("[0]", strict)]}``.
+
+    A leaf named for one module by its exact name must be there (``strict``); one named
+    through a pattern (``"h.*:output[0]"``) is kept where a module has it.
+    """
     whole: list[Selector] = []
-    leaves: dict[str, dict[str, list[str]]] = {}
-    for selector in selectors:
+    leaves: dict[str, dict[str, list[tuple[str, bool]]]] = {}
+    for selector in _flattened(selectors):
         split = split_leaf_selector(selector)
         if split is None:
             whole.append(selector)
             continue
         module_selector, what, path = split
-        for name, _ in select(model, module_selector):
-            leaves.setdefault(name, {}).setdefault(what, []).append(path)
+        picked = select(model, module_selector)
+        strict = len(picked) == 1 and picked[0][0] == module_selector
+        for name, _ in picked:
+            leaves.setdefault(name, {}).setdefault(what, []).append((path, strict))
     selected = select(model, whole + list(leaves))  # a union, each module once, in model order
     if whole:
         for name, _ in select(model, whole):
@@ -368,19 +374,31 @@ def _selected_leaves(
     return selected, leaves
 
 
+def _flattened(selectors: Sequence[Selector]) -> list[Selector]:
+    """Lists and tuples of selectors opened up (a union either way), so leaf selectors inside
+    ``hs.capture(model, ["h.0:output[0]", "fc"])`` are seen."""
+    flat: list[Selector] = []
+    for selector in selectors:
+        if isinstance(selector, (list, tuple)):
+            flat.extend(_flattened(selector))
+        else:
+            flat.append(selector)
+    return flat
+
+
 def _leaf_filter(
-    name: str, what: str, paths: list[str] | None
+    name: str, what: str, paths: list[tuple[str, bool]] | None
 ) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
-    """Keep the leaves at ``paths`` (and below them); with no paths, every leaf."""
-    if paths is None:
+    """Keep the leaves at ``paths`` (and below them); with no paths, every leaf. A strict path
+    that is not there is an error naming the tensors that are."""
+    if paths is None or any(path == "" for path, _ in paths):
         return _every_leaf
-    if "" in paths:
-        return _every_leaf
-    wanted = tuple(paths)
+    wanted = tuple(path for path, _ in paths)
+    required = tuple(path for path, strict in paths if strict)
 
     def chosen(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         kept = [leaf for leaf in leaves if any(_at_or_below(leaf[0], path) for path in wanted)]
-        missing = [path for path in wanted if not any(_at_or_below(p, path) for p, _ in kept)]
+        missing = [path for path in required if not any(_at_or_below(p, path) for p, _ in kept)]
         if missing:
             there = ", ".join(repr(f"{name}:{leaf_label(what, p)}") for p, _ in leaves[:8]) or "no tensor"
             raise CaptureError(

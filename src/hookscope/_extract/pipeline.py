@@ -124,7 +124,8 @@ def _groups(
     chosen_names = {name for name, _ in chosen}
     for key, spec in reduce.items():
         extraction_reduction(spec, TokenMask())  # every value is checked, also one no layer ends up using
-        hits = [name for name, _ in select(model, key)]
+        split = split_leaf_selector(key)  # "h.0:output[0]" reduces the module it names
+        hits = [name for name, _ in select(model, key if split is None else split[0])]
         if not set(hits) & chosen_names:
             named = ", ".join(hits[:3]) + (", ..." if len(hits) > 3 else "")
             raise SpecError(

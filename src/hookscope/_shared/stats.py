@@ -275,7 +275,11 @@ def merge_raw(a: RawStats, b: RawStats) -> RawStats:
     merged[_MEAN] = x[_MEAN] * (na / n) + y[_MEAN] * (nb / n)
     merged[_ABS] = x[_ABS] * (na / n) + y[_ABS] * (nb / n)
     between = half_delta * (2 * math.sqrt(na * nb) / n)  # the factor is at most 1
-    merged[_SPREAD] = torch.hypot(torch.hypot(x[_SPREAD] * math.sqrt(na / n), y[_SPREAD] * math.sqrt(nb / n)), between)
+    spread = torch.hypot(torch.hypot(x[_SPREAD] * math.sqrt(na / n), y[_SPREAD] * math.sqrt(nb / n)), between)
+    known = (
+        torch.isfinite(x[_MEAN]) & torch.isfinite(y[_MEAN]) & torch.isfinite(x[_SPREAD]) & torch.isfinite(y[_SPREAD])
+    )
+    merged[_SPREAD] = torch.where(known, spread, torch.full_like(spread, math.nan))  # hypot(nan, inf) is inf
     extremes = None
     if a.extremes is not None and b.extremes is not None:
         other = b.extremes.to(a.extremes.device)
@@ -422,8 +426,11 @@ def _chunk_stats(
     largest = max(-low, high)
     if values.dtype == torch.float64 and largest > _SCALE_ABOVE:
         scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
-        values = values / scale
-    mean, m2, abs_sum, zeros = _moments(values, low / scale, high / scale, scratch)
+        original, values = values, values / scale
+        mean, m2, abs_sum, _ = _moments(values, low / scale, high / scale, scratch)
+        zeros = float(n - torch.count_nonzero(original))  # tiny values scaled down may read as 0
+        return low, high, n, mean * scale, math.sqrt(m2 / n) * scale, abs_sum / n * scale, zeros
+    mean, m2, abs_sum, zeros = _moments(values, low, high, scratch)
     return low, high, n, mean * scale, math.sqrt(m2 / n) * scale, abs_sum / n * scale, zeros
 
 
@@ -471,10 +478,11 @@ def _unconditional(values: torch.Tensor) -> torch.Tensor:
     n = values.numel()
     low, high = torch.aminmax(values)
     scale = None
-    if values.dtype == torch.float64:  # values past 2**500 summed scaled by a power of two (exact)
+    original = values  # counted as they are: scaling could round tiny values to 0, or 1e308 to inf
+    if values.dtype == torch.float64:  # finite values past 2**500 summed scaled by a power of two (exact)
         largest = torch.maximum(-low, high)
         power = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
-        scale = torch.where(largest > _SCALE_ABOVE, power, torch.ones_like(largest))
+        scale = torch.where((largest > _SCALE_ABOVE) & torch.isfinite(largest), power, torch.ones_like(largest))
         values = values / scale
     first = values[0]
     # Centre on the first value, unless it is not finite or so large that x - shift could overflow.
@@ -496,9 +504,9 @@ def _unconditional(values: torch.Tensor) -> torch.Tensor:
         mean,
         spread,
         abs_mean,
-        torch.count_nonzero(values == 0),
-        torch.count_nonzero(torch.isnan(values)),
-        torch.count_nonzero(values == math.inf),
-        torch.count_nonzero(values == -math.inf),
+        torch.count_nonzero(original == 0),
+        torch.count_nonzero(torch.isnan(original)),
+        torch.count_nonzero(original == math.inf),
+        torch.count_nonzero(original == -math.inf),
     ]
     return torch.stack([field.to(accumulate) for field in fields])
