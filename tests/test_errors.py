@@ -434,3 +434,61 @@ def test_cli_ctrl_c_elsewhere_exits_130_with_one_line(
     assert err.strip().splitlines() == [
         "error: interrupted (Ctrl-C) before the command finished; run it again to do it all"
     ]
+
+
+class TestForwardRaisesNote:
+    """A forward that raises inside a feature gets a note naming the module it came out of."""
+
+    @staticmethod
+    def note_of(error: BaseException) -> str:
+        return "\n".join(getattr(error, "__notes__", []))
+
+    @pytest.mark.parametrize("feature", ["capture", "run_with_capture", "edit", "layers", "detect_nonfinite"])
+    def test_each_feature_names_the_module(self, feature: str) -> None:
+        from tests.models import RaisesMidForward
+
+        model, x = RaisesMidForward(), torch.randn(2, 4)
+
+        def run() -> None:
+            if feature == "capture":
+                with hs.capture(model, "first"):
+                    model(x)
+            elif feature == "run_with_capture":
+                hs.run_with_capture(model, x, layers="first")
+            elif feature == "edit":
+                with hs.edit(model, {"first": hs.edits.scale(2.0)}):
+                    model(x)
+            elif feature == "layers":
+                hs.layers(model, x)
+            else:
+                with hs.detect_nonfinite(model):
+                    model(x)
+
+        with pytest.raises(RuntimeError, match="boom") as raised:
+            run()
+        note = self.note_of(raised.value)
+        assert "the error went through boom (Boom)" in note
+        assert note.count("went through") == 1
+
+    def test_extract_names_the_module(self, tmp_path: Path) -> None:
+        from tests.models import RaisesMidForward
+
+        with pytest.raises(RuntimeError, match="boom") as raised:
+            hs.extract(RaisesMidForward(), torch.randn(4, 4), "first", tmp_path / "s.zarr", progress=False)
+        assert "the error went through boom (Boom)" in self.note_of(raised.value)
+
+    def test_a_gpt2_block_that_raises_is_named_with_its_dotted_name(self) -> None:
+        from tests.models import gpt2_input, tiny_gpt2
+
+        model = tiny_gpt2()
+
+        def fail(_module: nn.Module, _args: object) -> None:
+            raise ValueError("refused")
+
+        handle = model.h[1].mlp.c_fc.register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(ValueError, match="refused") as raised, hs.capture(model, "h.0"):
+                model(gpt2_input())
+        finally:
+            handle.remove()
+        assert "went through h.1.mlp.c_fc (Conv1D)" in self.note_of(raised.value)  # its pre-hook raised

@@ -337,6 +337,8 @@ class Capture(Scoped):
             self._group.remove()
 
     def __exit__(self, *exc_info: object) -> bool:
+        if len(exc_info) > 1 and not isinstance(exc_info[1], _StopForward):
+            self._group.note_failure(exc_info[1])
         self.remove()
         stopped = exc_info[1] if len(exc_info) > 1 else None
         return isinstance(stopped, _StopForward) and stopped.owner is self  # the stop signal ends the block

@@ -295,7 +295,21 @@ class HookGroup:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self.note_failure(exc)
         self.remove()
+
+    def note_failure(self, error: object) -> None:
+        """Add a note to ``error`` naming the model's innermost module whose forward it came
+        out of (read from its traceback, so any module counts, hooked or not); a note of that
+        kind already there (the trace's own) is not repeated."""
+        model = self.model
+        if not isinstance(error, Exception) or model is None or not hasattr(error, "add_note"):
+            return
+        if any("the error went through" in note for note in getattr(error, "__notes__", ())):
+            return
+        where = raised_in(model, error)
+        if where is not None:
+            error.add_note(f"hookscope.{self.owner}: the error went through {where}")
 
     def __repr__(self) -> str:
         state = "live" if self._live else "removed"
@@ -324,6 +338,8 @@ class Scoped:
         return self
 
     def __exit__(self, *exc: object) -> bool | None:
+        if len(exc) > 1:
+            self._group.note_failure(exc[1])
         self.remove()
         return None
 
@@ -385,6 +401,20 @@ def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
         enter(module)
 
     return count_call
+
+
+def raised_in(model: nn.Module, error: BaseException) -> str | None:
+    """``"h.0.mlp (GPT2MLP)"``: the innermost of ``model``'s modules running when ``error`` was
+    raised, from the frames its traceback holds; None when it came from outside them."""
+    names = {id(module): name for name, module in named_modules(model)}
+    found: str | None = None
+    traceback = error.__traceback__
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = f"{module_label(names[id(owner)])} ({type(owner).__name__})"
+        traceback = traceback.tb_next
+    return found
 
 
 def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any, Any], None]:

@@ -97,7 +97,10 @@ class SiteCaptures:
     def __exit__(self, *exc: object) -> None:
         captures, self._captures = self._captures, []
         for made in captures:
-            made.remove()
+            if len(exc) == 3:
+                made.__exit__(*exc)  # a forward that raised gets a note naming where
+            else:
+                made.remove()
         dtype = self._options.torch_dtype
         if exc and exc[0] is None and self.overflowed and self._options.overflow == "warn" and dtype is not None:
             warnings.warn(overflow_message(self.overflowed, dtype, "extract"), CastOverflowWarning, stacklevel=2)
