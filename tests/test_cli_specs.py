@@ -335,3 +335,25 @@ def test_layers_bad_input_is_one_line_and_exit_2(
     assert err.startswith("error: ")
     assert hint in err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("builtins:exit", "calling 'exit' raised SystemExit(None): it ends the program"),
+        ("builtins:len", "'len' is the builtin function len(), not a model factory"),
+        ("os:getcwd", "'getcwd' is the builtin function getcwd(), not a model factory"),
+        ("pathlib:Path", "'Path' is the class pathlib.Path, which is not a torch.nn.Module subclass"),
+        ("factories.py:Builder", "'Builder' is the class Builder, which is not a torch.nn.Module subclass"),
+    ],
+)
+def test_a_spec_that_names_no_model_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], factories: Path, spec: str, hint: str
+) -> None:
+    code, out, err = run_cli(capsys, "layers", spec)
+    assert code == 2
+    assert err.splitlines() == [err.strip()]
+    assert err.startswith(f"error: model {spec!r}: ")
+    assert hint in err
+    assert "expected" in err or "name an nn.Module, an nn.Module subclass or a factory function" in err
+    assert out == ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import itertools
 import os
 import sys
@@ -213,20 +214,33 @@ def _attribute(spec: str, module: object, target: str, dotted: str, kind: str = 
 
 
 def _build(spec: str, found: object, attribute: str) -> nn.Module:
+    """The model ``found`` is, or makes when called with no arguments; anything else is refused unrun.
+
+    A builtin function (``os:abort``) or a class that is no ``nn.Module`` subclass (``pathlib:Path``)
+    cannot make a model, and calling it could do anything, so it is refused before it is called.
+    A factory that exits (``builtins:exit`` raises ``SystemExit``) is an error, not a silent exit 0.
+    """
     if isinstance(found, nn.Module):
         return hs.ensure_module(found)  # refuses a TorchScript module
+    expected = "name an nn.Module, an nn.Module subclass or a factory function that returns one"
     if not callable(found):
-        raise _error(
-            spec, f"{attribute!r} is {type(found).__name__}", "name an nn.Module, a class or a factory function"
-        )
+        raise _error(spec, f"{attribute!r} is {type(found).__name__}, not a model or a factory", expected)
+    if isinstance(found, type) and not issubclass(found, nn.Module):
+        private = found.__module__.startswith("_hookscope_model_file_")  # a file's module: name the class alone
+        what = found.__qualname__ if private else f"{found.__module__}.{found.__qualname__}"
+        raise _error(spec, f"{attribute!r} is the class {what}, which is not a torch.nn.Module subclass", expected)
+    if inspect.isbuiltin(found):
+        raise _error(spec, f"{attribute!r} is the builtin function {found.__name__}(), not a model factory", expected)
     try:
         made = found()
+    except SystemExit as error:  # a factory must not end the command silently, with exit code 0
+        problem = f"calling {attribute!r} raised SystemExit({error.code!r}): it ends the program"
+        raise _error(spec, problem, expected) from error
     except Exception as error:
-        raise _error(
-            spec, f"factory {attribute!r} raised {type(error).__name__}: {error}", "it is called with no arguments"
-        ) from error
+        problem = f"factory {attribute!r} raised {type(error).__name__}: {error}"
+        raise _error(spec, problem, f"it is called with no arguments; {expected}") from error
     if not isinstance(made, nn.Module):
-        raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", "return the model")
+        raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", expected)
     return hs.ensure_module(made)  # refuses a TorchScript module
 
 
