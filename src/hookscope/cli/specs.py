@@ -7,6 +7,11 @@ Python script around it::
     path/to/file.py:factory       load the file as a module, take the attribute
     demo:cnn, demo:shapes         a model shipped with hookscope (nothing downloaded; shapes is trained)
     hf-config:gpt2?n_layer=2      a transformers model with random weights from its default config
+    hf-config:gpt2/causal-lm?...  the same with a task head (``HF_HEADS``: causal-lm, masked-lm, ...)
+
+``hf-config:<model_type>[/<head>][?key=value&...]``: each key must be a field of the model
+type's config (a typo is refused with the closest names); a value is an int, a float, true/false,
+null, a quoted string, a ``[...]`` list of those (``hidden_sizes=[16,32]``), or else a string.
 
 An attribute that is an ``nn.Module`` object is used as it is; a class or any other callable is
 called with no arguments. Every spec that cannot be turned into a model raises ``SpecError`` with
@@ -21,9 +26,10 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +39,12 @@ from torch import nn
 import hookscope as hs
 from hookscope.errors import MissingDependencyError, SpecError
 
-__all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_shape"]
+__all__ = ["DEMO_MODELS", "HF_HEADS", "load_attribute", "load_model", "make_input", "parse_shape"]
 
-FORMS = "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or 'hf-config:<model_type>[?key=value&...]'"
+FORMS = (
+    "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or "
+    "'hf-config:<model_type>[/<head>][?key=value&...]'"
+)
 DEFAULT_SEQUENCE_LENGTH = 16
 
 
@@ -57,6 +66,26 @@ DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn, "shapes": 
 # Sample input shapes of classes that do not (yet) say so with an ``example_input_shape``
 # class attribute, by qualified class name so nothing is imported to look them up.
 _EXAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"hookscope.demo.models.SmallCNN": (1, 3, 32, 32)}
+
+#: ``hf-config:<model_type>/<head>`` -> the transformers auto class that builds the model with that head.
+HF_HEADS: dict[str, str] = {
+    "base": "AutoModel",
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "multiple-choice": "AutoModelForMultipleChoice",
+    "pretraining": "AutoModelForPreTraining",
+    "image-classification": "AutoModelForImageClassification",
+    "object-detection": "AutoModelForObjectDetection",
+    "semantic-segmentation": "AutoModelForSemanticSegmentation",
+    "masked-image-modeling": "AutoModelForMaskedImageModeling",
+    "audio-classification": "AutoModelForAudioClassification",
+    "ctc": "AutoModelForCTC",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+}
 
 _file_counter = itertools.count()
 
@@ -245,7 +274,14 @@ def _build(spec: str, found: object, attribute: str) -> nn.Module:
 
 
 def _hf_config(spec: str, text: str) -> nn.Module:
-    model_type, _, query = text.partition("?")
+    """``hf-config:<model_type>[/<head>][?key=value&...]``: random weights from a checked config.
+
+    Every key must name a field of the model type's config: transformers keeps an unknown keyword
+    as a new attribute without a word, so ``n_layers=2`` (for ``n_layer``) would build the full
+    model. The head picks the ``AutoModelFor*`` class (``AutoModel`` without one).
+    """
+    target, _, query = text.partition("?")
+    model_type, slash, head = (part.strip() for part in target.partition("/"))
     overrides = _overrides(spec, query)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from a config: never download
     try:
@@ -257,15 +293,66 @@ def _hf_config(spec: str, text: str) -> nn.Module:
     known = list(transformers.CONFIG_MAPPING.keys())
     if model_type not in known:
         raise _error(spec, f"transformers knows no model_type {model_type!r}", _close(model_type, known))
+    auto_class = _head_class(spec, transformers, model_type, head) if slash else transformers.AutoModel
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    fields = _config_fields(config_class)
+    for key in overrides:
+        if fields and key not in fields:
+            raise _error(
+                spec,
+                f"{config_class.__name__} has no field {key!r} (transformers would keep it unused)",
+                _close(key, sorted(name for name in fields if not name.startswith("_"))),
+            )
     try:
         config = transformers.AutoConfig.for_model(model_type, **overrides)
-        from_config: Callable[..., Any] = transformers.AutoModel.from_config  # untyped in some versions
+        from_config: Callable[..., Any] = auto_class.from_config  # untyped in some versions
         model = from_config(config)
     except Exception as error:
         raise _error(
             spec, f"building {model_type!r} raised {type(error).__name__}: {error}", "check the overrides"
         ) from error
     return hs.ensure_module(model)
+
+
+def _head_class(spec: str, transformers: Any, model_type: str, head: str) -> Any:
+    """The ``AutoModelFor*`` class of ``head``; refused when unknown or when ``model_type`` has none."""
+    if head not in HF_HEADS:
+        raise _error(spec, f"no head {head!r}", f"heads: {', '.join(HF_HEADS)}")
+    auto_class = getattr(transformers, HF_HEADS[head], None)
+    if auto_class is None:
+        raise _error(spec, f"this transformers has no {HF_HEADS[head]}", "choose another head, or upgrade transformers")
+    if model_type not in _types_with(auto_class, model_type):
+        has = [
+            name
+            for name, cls in HF_HEADS.items()
+            if model_type in _types_with(getattr(transformers, cls, None), model_type)
+        ]
+        raise _error(
+            spec, f"{model_type!r} has no {head!r} head ({HF_HEADS[head]})", f"its heads: {', '.join(has) or 'none'}"
+        )
+    return auto_class
+
+
+def _types_with(auto_class: Any, model_type: str) -> Any:
+    """The model types ``auto_class`` can build; everything (``model_type``) when transformers does not say."""
+    if auto_class is None:
+        return ()
+    mapping = getattr(getattr(auto_class, "_model_mapping", None), "_model_mapping", None)  # model_type -> class name
+    return mapping if isinstance(mapping, Mapping) else (model_type,)
+
+
+def _config_fields(config_class: Any) -> set[str]:
+    """The keys a config of ``config_class`` reads: its fields, aliases and ``__init__`` keywords.
+
+    Empty (nothing is checked) when a default config cannot be made to list its fields.
+    """
+    try:
+        fields = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
+        parameters = list(inspect.signature(config_class.__init__).parameters.values())
+    except Exception:  # not a config this code can read: leave the check to transformers
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return fields | {parameter.name for parameter in parameters if parameter.kind in named and parameter.name != "self"}
 
 
 def _overrides(spec: str, query: str) -> dict[str, Any]:
@@ -279,7 +366,22 @@ def _overrides(spec: str, query: str) -> dict[str, Any]:
 
 
 def _value(text: str) -> Any:
-    """``"2"`` -> 2, ``"0.1"`` -> 0.1, ``"true"`` -> True; anything else stays a string."""
+    """An override's value: a number, a boolean, null, a ``[...]`` list of them, else a string.
+
+    >>> _value("2"), _value("0.1"), _value("true"), _value("null"), _value("relu"), _value("'2'")
+    (2, 0.1, True, None, 'relu', '2')
+    >>> _value("[16,32]"), _value("[1, 1]"), _value("[a, 'b c']"), _value("[]")
+    ([16, 32], [1, 1], ['a', 'b c'], [])
+    """
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            parsed = json.loads(text)  # nested lists too
+        except ValueError:
+            inner = text[1:-1].strip()
+            return [_value(part.strip()) for part in inner.split(",")] if inner else []
+        return parsed
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
     for kind in (int, float):
         try:
             return kind(text)
@@ -287,6 +389,8 @@ def _value(text: str) -> Any:
             pass
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if text.lower() in ("null", "none"):
+        return None
     return text
 
 
