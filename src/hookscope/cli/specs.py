@@ -46,6 +46,7 @@ FORMS = (
     "'hf-config:<model_type>[/<head>][?key=value&...]'"
 )
 DEFAULT_SEQUENCE_LENGTH = 16
+DECODER_LENGTH = 4  # the decoder input of an encoder-decoder model: a few start tokens
 
 
 def _small_cnn() -> nn.Module:
@@ -126,7 +127,8 @@ def make_input(
     """A random sample input for ``model`` as ``(args, kwargs)``, for ``model(*args, **kwargs)``.
 
     transformers models are recognised by their ``main_input_name`` (read with ``getattr``, so
-    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``,
+    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``
+    (and encoder-decoder ones a few ``decoder_input_ids`` start tokens),
     vision models ``pixel_values``; a model with a ``sample_input(shape, seed=)`` method (the
     demo's shapes classifier) makes its own; any other model gets one positional tensor. ``shape=None``
     picks a default where the model says enough about itself, else raises ``SpecError``. The
@@ -145,7 +147,8 @@ def make_input(
                 f"input shape {size} has {len(size)} dimensions; {type(model).__name__} takes token ids of "
                 "shape batch x sequence; pass e.g. --input-shape 1x16"
             )
-        return (), {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
+        tokens = {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
+        return (), {**tokens, **_decoder_input(model, config, size)}
     maker = getattr(model, "sample_input", None)
     values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
     if dtype is not None:
@@ -153,6 +156,31 @@ def make_input(
     if main_input == "pixel_values":
         return (), {"pixel_values": values}
     return (values,), {}
+
+
+def _decoder_input(model: nn.Module, config: object, size: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """``decoder_input_ids`` for an encoder-decoder model (T5, BART, ...), else nothing.
+
+    Such a model refuses to run on ``input_ids`` alone, and no ``--input-shape`` can supply a
+    second input, so the sample gets ``DECODER_LENGTH`` (at most the encoder's length) copies of
+    the decoder's start token. Only a model whose forward takes ``decoder_input_ids`` gets them.
+    """
+    if getattr(config, "is_encoder_decoder", False) is not True:
+        return {}
+    try:
+        takes = "decoder_input_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return {}
+    generation = getattr(model, "generation_config", None)  # where transformers 5 keeps the start token
+    candidates = (
+        getattr(config, "decoder_start_token_id", None),
+        getattr(generation, "decoder_start_token_id", None),
+        getattr(config, "pad_token_id", None),  # what T5 starts its decoder with
+    )
+    start = next((value for value in candidates if isinstance(value, int)), 0)
+    return {"decoder_input_ids": torch.full((size[0], min(DECODER_LENGTH, size[1])), start, dtype=torch.long)}
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
