@@ -171,3 +171,47 @@ def test_a_write_that_failed_part_way_exits_1(capsys: pytest.CaptureFixture[str]
     assert code == 1  # a failure at run time, not bad input
     assert err.strip() == "error: the volume went read-only"
     assert hs.open_store(out, partial=True).done_chunks() == {0, 1}
+
+
+LATER_FAILURE = """
+from torch import nn
+
+
+class FailsLater(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the device fell over")
+        return self.fc(x)
+"""
+
+
+def test_a_model_refusing_the_first_batch_exits_2_and_one_failing_later_exits_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "later.py").write_text(LATER_FAILURE)
+    monkeypatch.chdir(tmp_path)
+    base = ["extract", "later.py:FailsLater", "-l", "fc", "-b", "2", "--chunk-rows", "2", "--no-progress"]
+    code, _, err = run_cli(capsys, *base, "--data", "random:8:5", "-o", "a.zarr")
+    assert code == 2
+    assert "the model refuses the first batch of --data 'random:8:5'" in err
+    assert "random:N:SHAPE" in err
+    code, _, err = run_cli(capsys, *base, "--data", "random:8:4", "-o", "b.zarr")
+    assert code == 1  # a failure at run time, after batches went through: the same command resumes
+    assert "error: RuntimeError: the device fell over" in err
+    assert hs.open_store(tmp_path / "b.zarr", partial=True).done_chunks()
+
+
+def test_random_data_without_a_shape_gives_a_hint_extract_can_follow(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = str(tmp_path / "f.zarr")
+    code, _, err = run_cli(capsys, "extract", "torch.nn:Identity", "--data", "random:10", "-l", "", "-o", out)
+    assert code == 2
+    assert "--input-shape" not in err
+    assert "random:10:SHAPE, e.g. random:10:3x32x32" in err

@@ -110,7 +110,19 @@ def _random(spec: str, model: nn.Module, seed: int) -> RandomRows:
     sample_shape = f"1x{parts[2]}" if len(parts) == 3 else None
     if len(parts) == 3:
         parse_shape(parts[2])  # the message names the shape itself
-    args, kwargs = make_input(model, sample_shape)  # the model's kind of input: token ids, pixels, a tensor
+    try:
+        args, kwargs = make_input(model, sample_shape)  # the model's kind of input: token ids, pixels, a tensor
+    except SpecError as error:  # its hint names the other commands' --input-shape, which extract has not
+        name = type(model).__name__
+        if sample_shape is None:
+            raise SpecError(
+                f"data {spec!r}: {name} declares no example input shape, so a row's shape must be given: "
+                f"random:{rows}:SHAPE, e.g. random:{rows}:3x32x32"
+            ) from error
+        raise SpecError(
+            f"data {spec!r}: {name} takes token ids, one sequence per row, so SHAPE is a row's length: "
+            f"e.g. random:{rows}:16"
+        ) from error
     key, sample = next(iter(kwargs.items())) if kwargs else (None, args[0])
     constant = {name: value[0] for name, value in list(kwargs.items())[1:]}  # decoder_input_ids: start tokens
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0) if not sample.is_floating_point() else 0

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.errors import SpecError
+from hookscope.errors import HookscopeError, SpecError
 
-__all__ = ["distributed_job", "every_module", "parse_reductions", "store_size"]
+__all__ = ["distributed_job", "every_module", "parse_reductions", "refused_first_batch", "store_size"]
 
 
 def every_module(name: str, module: nn.Module) -> bool:
@@ -82,3 +82,37 @@ def store_size(path: Path) -> int | None:
     if not path.is_dir():
         return None
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@contextmanager
+def refused_first_batch(model: nn.Module, data: str) -> Iterator[None]:
+    """A model that raises on the first batch it is given refuses the data: ``SpecError``, exit 2.
+
+    As with the sample input of the other commands, a forward that fails before any batch went
+    through is about the input's shape, which changing ``--data`` fixes; one that fails on a later
+    batch is a failure at run time (exit 1), after which the same command resumes. The two are told
+    apart by a hook pair on the model counting forwards begun and finished.
+    """
+    begun, finished = [0], [0]
+
+    def on_begin(module: nn.Module, args: Any) -> None:
+        begun[0] += 1
+
+    def on_finish(module: nn.Module, args: Any, output: Any) -> None:
+        finished[0] += 1
+
+    handles = [model.register_forward_pre_hook(on_begin), model.register_forward_hook(on_finish)]
+    try:
+        yield
+    except HookscopeError:
+        raise
+    except Exception as error:
+        if begun[0] and not finished[0]:
+            raise SpecError(
+                f"the model refuses the first batch of --data {data!r}: it raised {type(error).__name__}: {error}; "
+                "give --data rows the model takes (random:N:SHAPE sets the shape of one row)"
+            ) from error
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
