@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,8 +77,19 @@ class _Commands(TyperGroup):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as stop:
-            typer.echo(f"error: {(ctx.obj or {}).get('on_interrupt', _NOTHING_KEPT)}", err=True)
+            typer.echo(f"error: {_interrupt_note(ctx)}", err=True)
             raise typer.Exit(exit_code(stop)) from None
+
+
+def _interrupt_note(ctx: Any) -> str:
+    """The line a command left for Ctrl-C (text, or a function that reads what was kept), or the default."""
+    note = (ctx.obj or {}).get("on_interrupt", _NOTHING_KEPT)
+    if not callable(note):
+        return str(note)
+    try:
+        return str(note())
+    except Exception:  # what was kept cannot be read now: say the general truth
+        return _NOTHING_KEPT
 
 
 app = typer.Typer(
@@ -96,8 +108,11 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _on_interrupt(ctx: typer.Context, note: str) -> None:
-    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130)."""
+def _on_interrupt(ctx: typer.Context, note: str | Callable[[], str]) -> None:
+    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130).
+
+    A function is called after the Ctrl-C, so the line can say what was kept by then.
+    """
     ctx.ensure_object(dict)["on_interrupt"] = note
 
 
@@ -515,17 +530,20 @@ def extract_command(
     import torch
 
     from hookscope.cli.data_specs import load_data
-    from hookscope.cli.extract_run import distributed_job, parse_reductions, refused_first_batch, store_size
+    from hookscope.cli.extract_run import (
+        distributed_job,
+        interrupted_note,
+        parse_reductions,
+        recorded,
+        refused_first_batch,
+        store_size,
+    )
     from hookscope.cli.sample import build_model
 
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
-    _on_interrupt(
-        ctx,
-        f"interrupted (Ctrl-C); the chunks recorded as done stay in {out}: run the same command again to resume "
-        "after them",
-    )
+    _on_interrupt(ctx, lambda: interrupted_note(out, command))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
@@ -548,6 +566,13 @@ def extract_command(
             model_spec=model,
             command=command,
         )
+
+        kept = recorded(out) if resume and not overwrite else None  # what an earlier run left, to resume after
+        if rank == 0 and kept is not None and kept.done and kept.done < kept.chunks:
+            typer.echo(
+                f"resumed after {kept.done:,} chunks: {kept.done_rows:,} of {kept.rows:,} rows were recorded by an "
+                "earlier run"
+            )
         with refused_first_batch(net, data):
             store = hs.extract(net, dataset, _selectors(layers), out, options=options)
         elapsed = time.perf_counter() - started

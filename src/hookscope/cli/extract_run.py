@@ -7,9 +7,11 @@ cuda``, and leaves it again at the end.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,16 @@ from torch import nn
 
 from hookscope.errors import HookscopeError, SpecError
 
-__all__ = ["distributed_job", "every_module", "parse_reductions", "refused_first_batch", "store_size"]
+__all__ = [
+    "Recorded",
+    "distributed_job",
+    "every_module",
+    "interrupted_note",
+    "parse_reductions",
+    "recorded",
+    "refused_first_batch",
+    "store_size",
+]
 
 
 def every_module(name: str, module: nn.Module) -> bool:
@@ -116,3 +127,48 @@ def refused_first_batch(model: nn.Module, data: str) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a store holds so far: chunks recorded as done (of ``chunks``), and their rows (of ``rows``)."""
+
+    done: int
+    chunks: int
+    done_rows: int
+    rows: int
+
+    def describe(self) -> str:
+        """``"37 of 500 chunks (296 of 4,000 rows)"``."""
+        return f"{self.done:,} of {self.chunks:,} chunks ({self.done_rows:,} of {self.rows:,} rows)"
+
+
+def recorded(out: Path) -> Recorded | None:
+    """What the store at ``out`` holds now, read from its manifest; None when there is no store to read.
+
+    Read by the command line after Ctrl-C and before a resumed run writes, so that it can say how
+    much a stopped run kept without the extraction having to report it.
+    """
+    import hookscope as hs
+
+    try:
+        store = hs.open_store(out, partial=True)
+        done, rows, chunk_rows = store.done_chunks(), len(store), store.chunk_rows
+    except Exception:  # nothing there yet, or cut short while being made: nothing recorded
+        return None
+    done_rows = sum(max(0, min(chunk_rows, rows - chunk * chunk_rows)) for chunk in done)
+    return Recorded(len(done), max(math.ceil(rows / chunk_rows), len(done)), done_rows, rows)
+
+
+def interrupted_note(out: Path, command: str) -> str:
+    """The line after Ctrl-C: what the store kept, and the command that resumes after it."""
+    kept = recorded(out)
+    if kept is None or kept.done == 0:
+        return (
+            f"interrupted (Ctrl-C) before any chunk was recorded in {out}; run the same command again to start: "
+            f"{command}"
+        )
+    return (
+        f"interrupted (Ctrl-C): {kept.describe()} are recorded in {out}; run the same command again to resume "
+        f"after them: {command}"
+    )
