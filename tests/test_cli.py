@@ -194,3 +194,26 @@ class TestCaptureCommand:
         assert code == 2
         assert "over max_bytes=1 KiB" in err
         assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["layers", "demo:cnn", "-s", "1x4x8x8"],
+        ["capture", "demo:cnn", "-s", "1x4x8x8", "-l", "conv1", "-o", "{tmp}/f.safetensors"],
+        ["trace", "demo:cnn", "-s", "1x4x8x8"],
+        ["grads", "demo:cnn", "-s", "1x4x8x8"],
+        ["edit", "demo:cnn", "-s", "1x4x8x8", "-e", "conv1=zero"],
+        ["report", "demo:cnn", "-s", "1x4x8x8", "-o", "{tmp}/r.html"],
+        ["diff", "demo:cnn", "demo:cnn", "-s", "1x4x8x8"],
+        ["extract", "demo:cnn", "--data", "random:8:4x8x8", "-l", "conv1", "-o", "{tmp}/f.zarr", "--no-progress"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_every_command_exits_2_when_the_model_refuses_its_input(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+) -> None:
+    code, _, err = run_cli(capsys, *(arg.format(tmp=tmp_path) for arg in argv))
+    assert code == 2, err
+    assert "to have 3 channels, but got 4 channels" in err
+    assert "Traceback" not in err

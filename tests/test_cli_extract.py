@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +177,104 @@ def test_a_write_that_failed_part_way_exits_1(capsys: pytest.CaptureFixture[str]
     assert code == 1  # a failure at run time, not bad input
     assert err.strip() == "error: the volume went read-only"
     assert hs.open_store(out, partial=True).done_chunks() == {0, 1}
+
+
+LATER_FAILURE = """
+from torch import nn
+
+
+class FailsLater(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the device fell over")
+        return self.fc(x)
+"""
+
+
+def test_a_model_refusing_the_first_batch_exits_2_and_one_failing_later_exits_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "later.py").write_text(LATER_FAILURE)
+    monkeypatch.chdir(tmp_path)
+    base = ["extract", "later.py:FailsLater", "-l", "fc", "-b", "2", "--chunk-rows", "2", "--no-progress"]
+    code, _, err = run_cli(capsys, *base, "--data", "random:8:5", "-o", "a.zarr")
+    assert code == 2
+    assert "the model refuses the first batch of --data 'random:8:5'" in err
+    assert "random:N:SHAPE" in err
+    code, _, err = run_cli(capsys, *base, "--data", "random:8:4", "-o", "b.zarr")
+    assert code == 1  # a failure at run time, after batches went through: the same command resumes
+    assert "error: RuntimeError: the device fell over" in err
+    assert hs.open_store(tmp_path / "b.zarr", partial=True).done_chunks()
+
+
+def test_random_data_without_a_shape_gives_a_hint_extract_can_follow(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = str(tmp_path / "f.zarr")
+    code, _, err = run_cli(capsys, "extract", "torch.nn:Identity", "--data", "random:10", "-l", "", "-o", out)
+    assert code == 2
+    assert "--input-shape" not in err
+    assert "random:10:SHAPE, e.g. random:10:3x32x32" in err
+
+
+def _done_chunks(out: Path) -> int:
+    """Chunks the store at ``out`` records as done; 0 while it does not exist yet."""
+    try:
+        return len(hs.open_store(out, partial=True).done_chunks())
+    except hs.StoreError:
+        return 0
+
+
+def _run_until(command: list[str], out: Path, more_than: int, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Start ``command``, send it SIGINT once ``out`` records more than ``more_than`` chunks, and wait."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(hs.__file__).parents[1])}
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a shell's foreground job has it
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _done_chunks(out) <= more_than and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()  # still running: far too many rows to finish
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ctrl_c_says_what_is_recorded_and_the_same_command_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "f.zarr"
+    argv = ["extract", "demo:cnn", "--data", "random:100000:3x32x32", "-l", "fc", "-o", str(out)]
+    argv += ["-b", "8", "--chunk-rows", "8", "--no-progress"]  # 12,500 chunks: far from done at the signal
+    command = [sys.executable, "-m", "hookscope", *argv]
+    first = _run_until(command, out, 0, tmp_path)
+    assert first.returncode == 130, first.stderr
+    kept = _done_chunks(out)
+    assert kept > 0
+    line = first.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: interrupted (Ctrl-C): {kept:,} of 12,500 chunks ({kept * 8:,} of 100,000 rows)")
+    assert f"are recorded in {out}; run the same command again to resume after them" in line
+    assert line.endswith("hookscope " + shlex.join(argv))
+    second = _run_until(command, out, kept, tmp_path)
+    assert second.returncode == 130, second.stderr
+    assert (
+        f"resumed after {kept:,} chunks: {kept * 8:,} of 100,000 rows were recorded by an earlier run" in second.stdout
+    )
+    assert f"error: interrupted (Ctrl-C): {_done_chunks(out):,} of 12,500 chunks" in second.stderr

@@ -335,3 +335,99 @@ def test_layers_bad_input_is_one_line_and_exit_2(
     assert err.startswith("error: ")
     assert hint in err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("builtins:exit", "calling 'exit' raised SystemExit(None): it ends the program"),
+        ("builtins:len", "'len' is the builtin function len(), not a model factory"),
+        ("os:getcwd", "'getcwd' is the builtin function getcwd(), not a model factory"),
+        ("pathlib:Path", "'Path' is the class pathlib.Path, which is not a torch.nn.Module subclass"),
+        ("factories.py:Builder", "'Builder' is the class Builder, which is not a torch.nn.Module subclass"),
+    ],
+)
+def test_a_spec_that_names_no_model_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], factories: Path, spec: str, hint: str
+) -> None:
+    code, out, err = run_cli(capsys, "layers", spec)
+    assert code == 2
+    assert err.splitlines() == [err.strip()]
+    assert err.startswith(f"error: model {spec!r}: ")
+    assert hint in err
+    assert "expected" in err or "name an nn.Module, an nn.Module subclass or a factory function" in err
+    assert out == ""
+
+
+# --- hf-config: checked overrides, list values, heads --------------------------------------------
+
+
+@pytest.mark.transformers
+def test_hf_config_refuses_an_override_that_names_no_config_field() -> None:
+    with pytest.raises(SpecError) as caught:
+        load_model("hf-config:gpt2?n_layers=2")  # typo for n_layer: would build the full 12-layer model
+    message = str(caught.value)
+    assert message.startswith("model 'hf-config:gpt2?n_layers=2': GPT2Config has no field 'n_layers'")
+    assert "did you mean 'n_layer'" in message
+
+
+@pytest.mark.transformers
+def test_hf_config_accepts_aliases_and_init_keywords() -> None:
+    config: Any = load_model("hf-config:gpt2?num_hidden_layers=1&hidden_size=16&n_head=2&vocab_size=64").config
+    assert (config.n_layer, config.n_embd) == (1, 16)
+
+
+@pytest.mark.transformers
+def test_hf_config_list_values() -> None:
+    model = load_model("hf-config:resnet?hidden_sizes=[16,32]&depths=[1,1]&embedding_size=8")
+    config: Any = model.config
+    assert list(config.hidden_sizes) == [16, 32]
+    assert list(config.depths) == [1, 1]
+    assert model.encoder.stages[1].layers[0].shortcut.convolution.out_channels == 32  # type: ignore[union-attr,index]
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize(
+    ("spec", "cls"),
+    [
+        (GPT2.replace("gpt2?", "gpt2/causal-lm?"), "GPT2LMHeadModel"),
+        (BERT.replace("bert?", "bert/masked-lm?"), "BertForMaskedLM"),
+        (BERT.replace("bert?", "bert/sequence-classification?"), "BertForSequenceClassification"),
+        (VIT.replace("vit?", "vit/image-classification?"), "ViTForImageClassification"),
+        (GPT2.replace("gpt2?", "gpt2/base?"), "GPT2Model"),
+    ],
+)
+def test_hf_config_head_picks_the_auto_class(spec: str, cls: str) -> None:
+    assert type(load_model(spec)).__name__ == cls
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize(
+    ("spec", "hints"),
+    [
+        ("hf-config:gpt2/lm", ["no head 'lm'", "heads: base, causal-lm, masked-lm, seq2seq-lm"]),
+        ("hf-config:gpt2/seq2seq-lm", ["'gpt2' has no 'seq2seq-lm' head", "its heads: base, causal-lm"]),
+    ],
+)
+def test_hf_config_refuses_an_unknown_head(spec: str, hints: list[str]) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_model(spec)
+    for hint in hints:
+        assert hint in str(caught.value)
+
+
+@pytest.mark.transformers
+def test_edit_of_a_causal_lm_head_compares_logits(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = GPT2.replace("gpt2?", "gpt2/causal-lm?")
+    code, out, err = run_cli(capsys, "edit", spec, "-e", "transformer.h.0.mlp=zero")
+    assert code == 0, err
+    assert "output.logits (1, 16, 64)" in out
+
+
+def test_help_states_the_hf_config_grammar(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "layers", "--help")
+    assert code == 0
+    text = " ".join(out.replace("│", " ").split())
+    assert "hf-config:<model_type>/<head>?key=value&..." in text
+    assert "hidden_sizes=[16,32]" in text
+    assert "causal-lm" in text

@@ -71,13 +71,14 @@ def test_trace_gpt2_in_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     assert "h.1.mlp.c_fc" not in out
 
 
-def test_a_model_that_raises_prints_where_and_exits_1(
+def test_a_model_that_raises_prints_where_and_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "raising.py").write_text(RAISING)
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(capsys, "trace", "raising.py:build", "-s", "3x4", "--csv", "partial.csv")
-    assert code == 1
+    assert code == 2  # the model refuses the sample input, as in every other command
+    assert "the model refuses the sample input; pass an --input-shape the model accepts" in err
     assert "error: ValueError: this layer is broken" in err
     assert "the forward raised in '1.1' (Fails, call 0) with input[0] [3, 6] float32" in err
     assert "Traceback" not in err
@@ -101,7 +102,7 @@ def test_a_model_that_raises_prints_where_and_exits_1(
 
 def test_a_shape_the_model_refuses_names_the_layer(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "trace", "demo:cnn", "-s", "1x4x8x8")
-    assert code == 1
+    assert code == 2
     assert "'conv1' (Conv2d, call 0) with input[0] [1, 4, 8, 8] float32" in err
 
 

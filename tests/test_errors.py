@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -409,13 +410,14 @@ def test_cli_ctrl_c_in_extract_exits_130_says_what_is_kept_and_resumes(
     code, _, err = run_cli(capsys, *argv)
     assert code == 130
     assert err.strip().splitlines()[-1] == (
-        f"error: interrupted (Ctrl-C); the chunks recorded as done stay in {out}: run the same command again to "
-        "resume after them"
+        f"error: interrupted (Ctrl-C): 2 of 4 chunks (32 of 64 rows) are recorded in {out}; run the same command "
+        f"again to resume after them: hookscope {shlex.join(argv)}"
     )
     assert hs.open_store(out, partial=True).done_chunks() == {0, 1}
     (tmp_path / "stop").unlink()
-    code, _, err = run_cli(capsys, *argv)
+    code, stdout, err = run_cli(capsys, *argv)
     assert code == 0, err
+    assert "resumed after 2 chunks: 32 of 64 rows were recorded by an earlier run" in stdout
     torch.manual_seed(0)  # the command's --seed 0 builds the same weights
     rows = torch.stack([torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(64)])
     with torch.no_grad():

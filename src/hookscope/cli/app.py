@@ -1,9 +1,10 @@
 """The typer application and the one place that turns errors into exit codes (``EXIT_CODES``).
 
-Exit codes: 0 success; 2 bad input, which changing the command fixes (usage errors, and every
-``HookscopeError`` but three); 1 a failure at run time, which the command cannot help (the disk,
-data that broke its promises, a model that raised on real input); 130 after Ctrl-C, with a line
-saying what was kept. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
+Exit codes: 0 success; 2 bad input, which changing the command fixes (usage errors, every
+``HookscopeError`` but a few, and a model that refuses its input: the sample input of any command,
+or the first batch of ``extract``'s data); 1 a failure at run time, which the command cannot help
+(the disk, data that broke its promises, a model that raised on a later batch); 130 after Ctrl-C,
+with a line saying what was kept. Errors print one line, no traceback; ``HOOKSCOPE_TRACEBACK=1`` shows it.
 The library's errors know nothing of exit codes: what an error means to a shell is decided here.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -48,6 +50,9 @@ EXIT_CODES: dict[type[BaseException], int] = {
     Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
 }
 
+#: What every command says when its model raises on the sample input it made up (exit 2).
+_SAMPLE_FIX = "pass an --input-shape the model accepts"
+
 #: What Ctrl-C leaves behind, unless a command says otherwise (``_on_interrupt``).
 _NOTHING_KEPT = "interrupted (Ctrl-C) before the command finished; run it again to do it all"
 
@@ -72,8 +77,19 @@ class _Commands(TyperGroup):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as stop:
-            typer.echo(f"error: {(ctx.obj or {}).get('on_interrupt', _NOTHING_KEPT)}", err=True)
+            typer.echo(f"error: {_interrupt_note(ctx)}", err=True)
             raise typer.Exit(exit_code(stop)) from None
+
+
+def _interrupt_note(ctx: Any) -> str:
+    """The line a command left for Ctrl-C (text, or a function that reads what was kept), or the default."""
+    note = (ctx.obj or {}).get("on_interrupt", _NOTHING_KEPT)
+    if not callable(note):
+        return str(note)
+    try:
+        return str(note())
+    except Exception:  # what was kept cannot be read now: say the general truth
+        return _NOTHING_KEPT
 
 
 app = typer.Typer(
@@ -92,8 +108,11 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _on_interrupt(ctx: typer.Context, note: str) -> None:
-    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130)."""
+def _on_interrupt(ctx: typer.Context, note: str | Callable[[], str]) -> None:
+    """Say what a Ctrl-C from now on leaves behind (the line printed before exit code 130).
+
+    A function is called after the Ctrl-C, so the line can say what was kept by then.
+    """
     ctx.ensure_object(dict)["on_interrupt"] = note
 
 
@@ -233,7 +252,8 @@ def trace_command(
     """Run MODEL once (eval mode, no grad) and print every module call: shapes, dtypes, value ranges.
 
     Exit 0 when the forward ran; when it raised, the calls up to the failure are printed, then
-    the module where it raised and the shapes that went in, and the exit code is 1.
+    the module where it raised and the shapes that went in, and the exit code is 2, as for every
+    command whose model refuses the sample input.
     """
     import torch
 
@@ -264,11 +284,12 @@ def trace_command(
         if path is not None:
             write(path)
             typer.echo(f"wrote {path}")
-    if failed is not None:  # the partial trace is shown and written; then the error, and exit 1
+    if failed is not None:  # the partial trace is shown and written; then the error, and exit 2
         raised, where = failed
         typer.echo(f"error: {type(raised).__name__}: {raised}", err=True)
         typer.echo(f"the forward raised in {where.describe()}", err=True)
-        raise typer.Exit(EXIT_FAILURE)
+        typer.echo(f"the model refuses the sample input; {_SAMPLE_FIX}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
 
 
 @app.command("grads")
@@ -417,8 +438,7 @@ def report_command(
         raise  # bad input, or a file that cannot be written (exit 1)
     except Exception as error:  # the model failed on the made-up input: the likeliest culprit
         raise SpecError(
-            f"the forward pass on the sample input raised {type(error).__name__}: {error}; "
-            "pass an --input-shape the model accepts"
+            f"the forward pass on the sample input raised {type(error).__name__}: {error}; {_SAMPLE_FIX}"
         ) from error
     typer.echo(f"wrote {written} ({written.stat().st_size / 1024:,.0f} KiB)")
 
@@ -510,17 +530,20 @@ def extract_command(
     import torch
 
     from hookscope.cli.data_specs import load_data
-    from hookscope.cli.extract_run import distributed_job, parse_reductions, store_size
+    from hookscope.cli.extract_run import (
+        distributed_job,
+        interrupted_note,
+        parse_reductions,
+        recorded,
+        refused_first_batch,
+        store_size,
+    )
     from hookscope.cli.sample import build_model
 
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
-    _on_interrupt(
-        ctx,
-        f"interrupted (Ctrl-C); the chunks recorded as done stay in {out}: run the same command again to resume "
-        "after them",
-    )
+    _on_interrupt(ctx, lambda: interrupted_note(out, command))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
@@ -543,7 +566,15 @@ def extract_command(
             model_spec=model,
             command=command,
         )
-        store = hs.extract(net, dataset, _selectors(layers), out, options=options)
+
+        kept = recorded(out) if resume and not overwrite else None  # what an earlier run left, to resume after
+        if rank == 0 and kept is not None and kept.done and kept.done < kept.chunks:
+            typer.echo(
+                f"resumed after {kept.done:,} chunks: {kept.done_rows:,} of {kept.rows:,} rows were recorded by an "
+                "earlier run"
+            )
+        with refused_first_batch(net, data):
+            store = hs.extract(net, dataset, _selectors(layers), out, options=options)
         elapsed = time.perf_counter() - started
         if rank == 0:
             typer.echo(repr(store))

@@ -3,7 +3,8 @@
 Forms::
 
     random:N[:SHAPE]          N random rows shaped SHAPE (e.g. 3x32x32; token ids of length
-                              SHAPE for a transformers text model), seeded per row by --seed
+                              SHAPE for a transformers text model, with decoder start tokens
+                              for an encoder-decoder one), seeded per row by --seed
     path.npy                  one array of rows, memory-mapped
     path.npz / .safetensors   arrays of rows sharing their first dimension
     path.pt                   a dict of tensors (torch.load(weights_only=True))
@@ -51,9 +52,17 @@ class RandomRows(torch.utils.data.Dataset[Any]):
     collates_itself = True
 
     def __init__(
-        self, rows: int, shape: tuple[int, ...], *, seed: int, key: str | None = None, vocab_size: int = 0
+        self,
+        rows: int,
+        shape: tuple[int, ...],
+        *,
+        seed: int,
+        key: str | None = None,
+        vocab_size: int = 0,
+        constant: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.rows = rows
+        self.constant = dict(constant or {})  # the same row in every batch: an encoder-decoder's decoder_input_ids
         self.shape = shape
         self.seed = seed
         self.key = key
@@ -67,7 +76,10 @@ class RandomRows(torch.utils.data.Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         values = torch.stack([self._row(int(index)) for index in indices])
-        return {self.key: values} if self.key is not None else values
+        if self.key is None:
+            return values
+        same = {name: row.expand(len(indices), *row.shape).clone() for name, row in self.constant.items()}
+        return {self.key: values, **same}
 
     def _row(self, index: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{index}".encode()))
@@ -98,10 +110,24 @@ def _random(spec: str, model: nn.Module, seed: int) -> RandomRows:
     sample_shape = f"1x{parts[2]}" if len(parts) == 3 else None
     if len(parts) == 3:
         parse_shape(parts[2])  # the message names the shape itself
-    args, kwargs = make_input(model, sample_shape)  # the model's kind of input: token ids, pixels, a tensor
+    try:
+        args, kwargs = make_input(model, sample_shape)  # the model's kind of input: token ids, pixels, a tensor
+    except SpecError as error:  # its hint names the other commands' --input-shape, which extract has not
+        name = type(model).__name__
+        if sample_shape is None:
+            raise SpecError(
+                f"data {spec!r}: {name} declares no example input shape, so a row's shape must be given: "
+                f"random:{rows}:SHAPE, e.g. random:{rows}:3x32x32"
+            ) from error
+        raise SpecError(
+            f"data {spec!r}: {name} takes token ids, one sequence per row, so SHAPE is a row's length: "
+            f"e.g. random:{rows}:16"
+        ) from error
     key, sample = next(iter(kwargs.items())) if kwargs else (None, args[0])
+    constant = {name: value[0] for name, value in list(kwargs.items())[1:]}  # decoder_input_ids: start tokens
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0) if not sample.is_floating_point() else 0
-    return RandomRows(rows, tuple(sample.shape[1:]), seed=seed, key=key, vocab_size=int(vocab or 0))
+    shape = tuple(sample.shape[1:])
+    return RandomRows(rows, shape, seed=seed, key=key, vocab_size=int(vocab or 0), constant=constant)
 
 
 def _file(spec: str, path: Path, suffix: str, model: nn.Module) -> Any:

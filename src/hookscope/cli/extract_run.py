@@ -7,18 +7,29 @@ cuda``, and leaves it again at the end.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookscope.errors import SpecError
+from hookscope.errors import HookscopeError, SpecError
 
-__all__ = ["distributed_job", "every_module", "parse_reductions", "store_size"]
+__all__ = [
+    "Recorded",
+    "distributed_job",
+    "every_module",
+    "interrupted_note",
+    "parse_reductions",
+    "recorded",
+    "refused_first_batch",
+    "store_size",
+]
 
 
 def every_module(name: str, module: nn.Module) -> bool:
@@ -82,3 +93,82 @@ def store_size(path: Path) -> int | None:
     if not path.is_dir():
         return None
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@contextmanager
+def refused_first_batch(model: nn.Module, data: str) -> Iterator[None]:
+    """A model that raises on the first batch it is given refuses the data: ``SpecError``, exit 2.
+
+    As with the sample input of the other commands, a forward that fails before any batch went
+    through is about the input's shape, which changing ``--data`` fixes; one that fails on a later
+    batch is a failure at run time (exit 1), after which the same command resumes. The two are told
+    apart by a hook pair on the model counting forwards begun and finished.
+    """
+    begun, finished = [0], [0]
+
+    def on_begin(module: nn.Module, args: Any) -> None:
+        begun[0] += 1
+
+    def on_finish(module: nn.Module, args: Any, output: Any) -> None:
+        finished[0] += 1
+
+    handles = [model.register_forward_pre_hook(on_begin), model.register_forward_hook(on_finish)]
+    try:
+        yield
+    except HookscopeError:
+        raise
+    except Exception as error:
+        if begun[0] and not finished[0]:
+            raise SpecError(
+                f"the model refuses the first batch of --data {data!r}: it raised {type(error).__name__}: {error}; "
+                "give --data rows the model takes (random:N:SHAPE sets the shape of one row)"
+            ) from error
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a store holds so far: chunks recorded as done (of ``chunks``), and their rows (of ``rows``)."""
+
+    done: int
+    chunks: int
+    done_rows: int
+    rows: int
+
+    def describe(self) -> str:
+        """``"37 of 500 chunks (296 of 4,000 rows)"``."""
+        return f"{self.done:,} of {self.chunks:,} chunks ({self.done_rows:,} of {self.rows:,} rows)"
+
+
+def recorded(out: Path) -> Recorded | None:
+    """What the store at ``out`` holds now, read from its manifest; None when there is no store to read.
+
+    Read by the command line after Ctrl-C and before a resumed run writes, so that it can say how
+    much a stopped run kept without the extraction having to report it.
+    """
+    import hookscope as hs
+
+    try:
+        store = hs.open_store(out, partial=True)
+        done, rows, chunk_rows = store.done_chunks(), len(store), store.chunk_rows
+    except Exception:  # nothing there yet, or cut short while being made: nothing recorded
+        return None
+    done_rows = sum(max(0, min(chunk_rows, rows - chunk * chunk_rows)) for chunk in done)
+    return Recorded(len(done), max(math.ceil(rows / chunk_rows), len(done)), done_rows, rows)
+
+
+def interrupted_note(out: Path, command: str) -> str:
+    """The line after Ctrl-C: what the store kept, and the command that resumes after it."""
+    kept = recorded(out)
+    if kept is None or kept.done == 0:
+        return (
+            f"interrupted (Ctrl-C) before any chunk was recorded in {out}; run the same command again to start: "
+            f"{command}"
+        )
+    return (
+        f"interrupted (Ctrl-C): {kept.describe()} are recorded in {out}; run the same command again to resume "
+        f"after them: {command}"
+    )

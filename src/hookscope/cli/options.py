@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from hookscope.cli.specs import HF_HEADS
+
 __all__ = ["Dtype", "InputShape", "ModelSpec"]
 
 ModelSpec = Annotated[
@@ -13,7 +15,11 @@ ModelSpec = Annotated[
     typer.Argument(
         metavar="MODEL",
         help="package.module:factory, path/to/file.py:factory, demo:cnn, demo:shapes or "
-        "hf-config:<model_type>[?key=value&...]",
+        "hf-config:<model_type>/<head>?key=value&... (head and keys optional), e.g. "
+        "'hf-config:gpt2/causal-lm?n_layer=2&n_embd=64'; keys are fields of the model type's config (checked); "
+        "values are numbers, true/false, null, strings or lists such as hidden_sizes=[16,32]; heads: "
+        + ", ".join(HF_HEADS)
+        + " (default: the bare AutoModel).",
         show_default=False,
     ),
 ]

@@ -7,6 +7,11 @@ Python script around it::
     path/to/file.py:factory       load the file as a module, take the attribute
     demo:cnn, demo:shapes         a model shipped with hookscope (nothing downloaded; shapes is trained)
     hf-config:gpt2?n_layer=2      a transformers model with random weights from its default config
+    hf-config:gpt2/causal-lm?...  the same with a task head (``HF_HEADS``: causal-lm, masked-lm, ...)
+
+``hf-config:<model_type>[/<head>][?key=value&...]``: each key must be a field of the model
+type's config (a typo is refused with the closest names); a value is an int, a float, true/false,
+null, a quoted string, a ``[...]`` list of those (``hidden_sizes=[16,32]``), or else a string.
 
 An attribute that is an ``nn.Module`` object is used as it is; a class or any other callable is
 called with no arguments. Every spec that cannot be turned into a model raises ``SpecError`` with
@@ -19,10 +24,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import itertools
+import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +39,14 @@ from torch import nn
 import hookscope as hs
 from hookscope.errors import MissingDependencyError, SpecError
 
-__all__ = ["DEMO_MODELS", "load_attribute", "load_model", "make_input", "parse_shape"]
+__all__ = ["DEMO_MODELS", "HF_HEADS", "load_attribute", "load_model", "make_input", "parse_shape"]
 
-FORMS = "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or 'hf-config:<model_type>[?key=value&...]'"
+FORMS = (
+    "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or "
+    "'hf-config:<model_type>[/<head>][?key=value&...]'"
+)
 DEFAULT_SEQUENCE_LENGTH = 16
+DECODER_LENGTH = 4  # the decoder input of an encoder-decoder model: a few start tokens
 
 
 def _small_cnn() -> nn.Module:
@@ -56,6 +67,26 @@ DEMO_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _small_cnn, "shapes": 
 # Sample input shapes of classes that do not (yet) say so with an ``example_input_shape``
 # class attribute, by qualified class name so nothing is imported to look them up.
 _EXAMPLE_SHAPES: dict[str, tuple[int, ...]] = {"hookscope.demo.models.SmallCNN": (1, 3, 32, 32)}
+
+#: ``hf-config:<model_type>/<head>`` -> the transformers auto class that builds the model with that head.
+HF_HEADS: dict[str, str] = {
+    "base": "AutoModel",
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "multiple-choice": "AutoModelForMultipleChoice",
+    "pretraining": "AutoModelForPreTraining",
+    "image-classification": "AutoModelForImageClassification",
+    "object-detection": "AutoModelForObjectDetection",
+    "semantic-segmentation": "AutoModelForSemanticSegmentation",
+    "masked-image-modeling": "AutoModelForMaskedImageModeling",
+    "audio-classification": "AutoModelForAudioClassification",
+    "ctc": "AutoModelForCTC",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+}
 
 _file_counter = itertools.count()
 
@@ -96,7 +127,8 @@ def make_input(
     """A random sample input for ``model`` as ``(args, kwargs)``, for ``model(*args, **kwargs)``.
 
     transformers models are recognised by their ``main_input_name`` (read with ``getattr``, so
-    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``,
+    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``
+    (and encoder-decoder ones a few ``decoder_input_ids`` start tokens),
     vision models ``pixel_values``; a model with a ``sample_input(shape, seed=)`` method (the
     demo's shapes classifier) makes its own; any other model gets one positional tensor. ``shape=None``
     picks a default where the model says enough about itself, else raises ``SpecError``. The
@@ -115,7 +147,8 @@ def make_input(
                 f"input shape {size} has {len(size)} dimensions; {type(model).__name__} takes token ids of "
                 "shape batch x sequence; pass e.g. --input-shape 1x16"
             )
-        return (), {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
+        tokens = {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
+        return (), {**tokens, **_decoder_input(model, config, size)}
     maker = getattr(model, "sample_input", None)
     values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
     if dtype is not None:
@@ -123,6 +156,31 @@ def make_input(
     if main_input == "pixel_values":
         return (), {"pixel_values": values}
     return (values,), {}
+
+
+def _decoder_input(model: nn.Module, config: object, size: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """``decoder_input_ids`` for an encoder-decoder model (T5, BART, ...), else nothing.
+
+    Such a model refuses to run on ``input_ids`` alone, and no ``--input-shape`` can supply a
+    second input, so the sample gets ``DECODER_LENGTH`` (at most the encoder's length) copies of
+    the decoder's start token. Only a model whose forward takes ``decoder_input_ids`` gets them.
+    """
+    if getattr(config, "is_encoder_decoder", False) is not True:
+        return {}
+    try:
+        takes = "decoder_input_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return {}
+    generation = getattr(model, "generation_config", None)  # where transformers 5 keeps the start token
+    candidates = (
+        getattr(config, "decoder_start_token_id", None),
+        getattr(generation, "decoder_start_token_id", None),
+        getattr(config, "pad_token_id", None),  # what T5 starts its decoder with
+    )
+    start = next((value for value in candidates if isinstance(value, int)), 0)
+    return {"decoder_input_ids": torch.full((size[0], min(DECODER_LENGTH, size[1])), start, dtype=torch.long)}
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -213,25 +271,45 @@ def _attribute(spec: str, module: object, target: str, dotted: str, kind: str = 
 
 
 def _build(spec: str, found: object, attribute: str) -> nn.Module:
+    """The model ``found`` is, or makes when called with no arguments; anything else is refused unrun.
+
+    A builtin function (``os:abort``) or a class that is no ``nn.Module`` subclass (``pathlib:Path``)
+    cannot make a model, and calling it could do anything, so it is refused before it is called.
+    A factory that exits (``builtins:exit`` raises ``SystemExit``) is an error, not a silent exit 0.
+    """
     if isinstance(found, nn.Module):
         return hs.ensure_module(found)  # refuses a TorchScript module
+    expected = "name an nn.Module, an nn.Module subclass or a factory function that returns one"
     if not callable(found):
-        raise _error(
-            spec, f"{attribute!r} is {type(found).__name__}", "name an nn.Module, a class or a factory function"
-        )
+        raise _error(spec, f"{attribute!r} is {type(found).__name__}, not a model or a factory", expected)
+    if isinstance(found, type) and not issubclass(found, nn.Module):
+        private = found.__module__.startswith("_hookscope_model_file_")  # a file's module: name the class alone
+        what = found.__qualname__ if private else f"{found.__module__}.{found.__qualname__}"
+        raise _error(spec, f"{attribute!r} is the class {what}, which is not a torch.nn.Module subclass", expected)
+    if inspect.isbuiltin(found):
+        raise _error(spec, f"{attribute!r} is the builtin function {found.__name__}(), not a model factory", expected)
     try:
         made = found()
+    except SystemExit as error:  # a factory must not end the command silently, with exit code 0
+        problem = f"calling {attribute!r} raised SystemExit({error.code!r}): it ends the program"
+        raise _error(spec, problem, expected) from error
     except Exception as error:
-        raise _error(
-            spec, f"factory {attribute!r} raised {type(error).__name__}: {error}", "it is called with no arguments"
-        ) from error
+        problem = f"factory {attribute!r} raised {type(error).__name__}: {error}"
+        raise _error(spec, problem, f"it is called with no arguments; {expected}") from error
     if not isinstance(made, nn.Module):
-        raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", "return the model")
+        raise _error(spec, f"factory returned {type(made).__name__}; expected a torch.nn.Module", expected)
     return hs.ensure_module(made)  # refuses a TorchScript module
 
 
 def _hf_config(spec: str, text: str) -> nn.Module:
-    model_type, _, query = text.partition("?")
+    """``hf-config:<model_type>[/<head>][?key=value&...]``: random weights from a checked config.
+
+    Every key must name a field of the model type's config: transformers keeps an unknown keyword
+    as a new attribute without a word, so ``n_layers=2`` (for ``n_layer``) would build the full
+    model. The head picks the ``AutoModelFor*`` class (``AutoModel`` without one).
+    """
+    target, _, query = text.partition("?")
+    model_type, slash, head = (part.strip() for part in target.partition("/"))
     overrides = _overrides(spec, query)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from a config: never download
     try:
@@ -243,15 +321,66 @@ def _hf_config(spec: str, text: str) -> nn.Module:
     known = list(transformers.CONFIG_MAPPING.keys())
     if model_type not in known:
         raise _error(spec, f"transformers knows no model_type {model_type!r}", _close(model_type, known))
+    auto_class = _head_class(spec, transformers, model_type, head) if slash else transformers.AutoModel
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    fields = _config_fields(config_class)
+    for key in overrides:
+        if fields and key not in fields:
+            raise _error(
+                spec,
+                f"{config_class.__name__} has no field {key!r} (transformers would keep it unused)",
+                _close(key, sorted(name for name in fields if not name.startswith("_"))),
+            )
     try:
         config = transformers.AutoConfig.for_model(model_type, **overrides)
-        from_config: Callable[..., Any] = transformers.AutoModel.from_config  # untyped in some versions
+        from_config: Callable[..., Any] = auto_class.from_config  # untyped in some versions
         model = from_config(config)
     except Exception as error:
         raise _error(
             spec, f"building {model_type!r} raised {type(error).__name__}: {error}", "check the overrides"
         ) from error
     return hs.ensure_module(model)
+
+
+def _head_class(spec: str, transformers: Any, model_type: str, head: str) -> Any:
+    """The ``AutoModelFor*`` class of ``head``; refused when unknown or when ``model_type`` has none."""
+    if head not in HF_HEADS:
+        raise _error(spec, f"no head {head!r}", f"heads: {', '.join(HF_HEADS)}")
+    auto_class = getattr(transformers, HF_HEADS[head], None)
+    if auto_class is None:
+        raise _error(spec, f"this transformers has no {HF_HEADS[head]}", "choose another head, or upgrade transformers")
+    if model_type not in _types_with(auto_class, model_type):
+        has = [
+            name
+            for name, cls in HF_HEADS.items()
+            if model_type in _types_with(getattr(transformers, cls, None), model_type)
+        ]
+        raise _error(
+            spec, f"{model_type!r} has no {head!r} head ({HF_HEADS[head]})", f"its heads: {', '.join(has) or 'none'}"
+        )
+    return auto_class
+
+
+def _types_with(auto_class: Any, model_type: str) -> Any:
+    """The model types ``auto_class`` can build; everything (``model_type``) when transformers does not say."""
+    if auto_class is None:
+        return ()
+    mapping = getattr(getattr(auto_class, "_model_mapping", None), "_model_mapping", None)  # model_type -> class name
+    return mapping if isinstance(mapping, Mapping) else (model_type,)
+
+
+def _config_fields(config_class: Any) -> set[str]:
+    """The keys a config of ``config_class`` reads: its fields, aliases and ``__init__`` keywords.
+
+    Empty (nothing is checked) when a default config cannot be made to list its fields.
+    """
+    try:
+        fields = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}) or {})
+        parameters = list(inspect.signature(config_class.__init__).parameters.values())
+    except Exception:  # not a config this code can read: leave the check to transformers
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return fields | {parameter.name for parameter in parameters if parameter.kind in named and parameter.name != "self"}
 
 
 def _overrides(spec: str, query: str) -> dict[str, Any]:
@@ -265,7 +394,22 @@ def _overrides(spec: str, query: str) -> dict[str, Any]:
 
 
 def _value(text: str) -> Any:
-    """``"2"`` -> 2, ``"0.1"`` -> 0.1, ``"true"`` -> True; anything else stays a string."""
+    """An override's value: a number, a boolean, null, a ``[...]`` list of them, else a string.
+
+    >>> _value("2"), _value("0.1"), _value("true"), _value("null"), _value("relu"), _value("'2'")
+    (2, 0.1, True, None, 'relu', '2')
+    >>> _value("[16,32]"), _value("[1, 1]"), _value("[a, 'b c']"), _value("[]")
+    ([16, 32], [1, 1], ['a', 'b c'], [])
+    """
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            parsed = json.loads(text)  # nested lists too
+        except ValueError:
+            inner = text[1:-1].strip()
+            return [_value(part.strip()) for part in inner.split(",")] if inner else []
+        return parsed
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
     for kind in (int, float):
         try:
             return kind(text)
@@ -273,6 +417,8 @@ def _value(text: str) -> Any:
             pass
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if text.lower() in ("null", "none"):
+        return None
     return text
 
 
