@@ -217,6 +217,21 @@ def test_indices_pick_rows_in_their_order(tmp_path: Path) -> None:
     assert np.allclose(store["fc"][:], expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("picks", [[1.9, 2.7], np.array([1.5, 2.0]), torch.tensor([1.0, 2.0]), [True, False]])
+def test_indices_that_are_not_integers_are_refused(tmp_path: Path, picks: Any) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(6, 4)
+    with pytest.raises(hs.SpecError, match="must be integers"):
+        run(model, x, "0", tmp_path / "f.zarr", indices=picks)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_integer_indices_of_numpy_and_torch_pick_their_rows(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)).eval(), torch.randn(6, 4)
+    for name, picks in (("n", np.array([4, 1], dtype=np.int32)), ("t", torch.tensor([4, 1])), ("s", [np.int64(4), 1])):
+        store = run(model, x, "0", tmp_path / f"{name}.zarr", indices=picks)
+        assert np.allclose(store["0"][:], model(x[[4, 1]]).detach().numpy(), atol=1e-6)
+
+
 @pytest.mark.transformers
 def test_keyword_columns_and_a_custom_inputs_function(tmp_path: Path) -> None:
     model = tiny_gpt2()
