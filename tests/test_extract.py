@@ -389,6 +389,27 @@ def test_out_that_is_not_a_store_is_never_replaced(tmp_path: Path) -> None:
     assert run(model, x, "0", tmp_path / "other.zarr", overwrite=True).complete
 
 
+def test_overwrite_never_deletes_what_hookscope_did_not_write(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(8, 4)
+    out = tmp_path / "f.zarr"
+    run(model, x, "0", out)
+    (out / "notes.txt").write_text("keep me")
+    zarr.open_group(out, mode="r+").create_array("probe", shape=(3,), dtype="float32")[:] = [1, 2, 3]
+    before = store_files(out)
+    with pytest.raises(hs.StoreError, match=r"also holds notes.txt, probe, which hookscope did not write"):
+        run(model, x, "0", out, overwrite=True)
+    assert store_files(out) == before
+    (out / "notes.txt").unlink()
+    zarr.open_group(out, mode="r+").__delitem__("probe")
+    assert run(nn.Sequential(nn.Linear(4, 3)), x, "0", out, overwrite=True)["0"].shape == (8, 3)
+
+    theirs = tmp_path / "theirs.zarr"
+    zarr.create_group(store=str(theirs)).create_array("weights", shape=(2,), dtype="int64")[:] = [5, 6]
+    with pytest.raises(hs.StoreError, match=r"a zarr group hookscope did not make but also holds weights"):
+        run(model, x, "0", theirs, overwrite=True)
+    assert zarr.open_group(theirs, mode="r")["weights"][:].tolist() == [5, 6]
+
+
 # -- resuming and refusing ------------------------------------------------------------------------
 
 
