@@ -253,6 +253,21 @@ def test_indices_pick_rows_in_their_order(tmp_path: Path) -> None:
     assert np.allclose(store["fc"][:], expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("picks", [[1.9, 2.7], np.array([1.5, 2.0]), torch.tensor([1.0, 2.0]), [True, False]])
+def test_indices_that_are_not_integers_are_refused(tmp_path: Path, picks: Any) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(6, 4)
+    with pytest.raises(hs.SpecError, match="must be integers"):
+        run(model, x, "0", tmp_path / "f.zarr", indices=picks)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_integer_indices_of_numpy_and_torch_pick_their_rows(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)).eval(), torch.randn(6, 4)
+    for name, picks in (("n", np.array([4, 1], dtype=np.int32)), ("t", torch.tensor([4, 1])), ("s", [np.int64(4), 1])):
+        store = run(model, x, "0", tmp_path / f"{name}.zarr", indices=picks)
+        assert np.allclose(store["0"][:], model(x[[4, 1]]).detach().numpy(), atol=1e-6)
+
+
 @pytest.mark.transformers
 def test_keyword_columns_and_a_custom_inputs_function(tmp_path: Path) -> None:
     model = tiny_gpt2()
@@ -408,6 +423,27 @@ def test_out_that_is_not_a_store_is_never_replaced(tmp_path: Path) -> None:
     with pytest.raises(hs.StoreError, match="hookscope did not make"):
         run(model, x, "0", tmp_path / "other.zarr")
     assert run(model, x, "0", tmp_path / "other.zarr", overwrite=True).complete
+
+
+def test_overwrite_never_deletes_what_hookscope_did_not_write(tmp_path: Path) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(8, 4)
+    out = tmp_path / "f.zarr"
+    run(model, x, "0", out)
+    (out / "notes.txt").write_text("keep me")
+    zarr.open_group(out, mode="r+").create_array("probe", shape=(3,), dtype="float32")[:] = [1, 2, 3]
+    before = store_files(out)
+    with pytest.raises(hs.StoreError, match=r"also holds notes.txt, probe, which hookscope did not write"):
+        run(model, x, "0", out, overwrite=True)
+    assert store_files(out) == before
+    (out / "notes.txt").unlink()
+    zarr.open_group(out, mode="r+").__delitem__("probe")
+    assert run(nn.Sequential(nn.Linear(4, 3)), x, "0", out, overwrite=True)["0"].shape == (8, 3)
+
+    theirs = tmp_path / "theirs.zarr"
+    zarr.create_group(store=str(theirs)).create_array("weights", shape=(2,), dtype="int64")[:] = [5, 6]
+    with pytest.raises(hs.StoreError, match=r"a zarr group hookscope did not make but also holds weights"):
+        run(model, x, "0", theirs, overwrite=True)
+    assert zarr.open_group(theirs, mode="r")["weights"][:].tolist() == [5, 6]
 
 
 # -- resuming and refusing ------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from hookscope._extract.zarr_io import (
     FORMAT,
     Manifest,
     Target,
+    check_only_ours,
     clear,
     create_store,
     open_group,
@@ -232,6 +233,8 @@ class _Job:
         meta = read_meta(self.target)
         if meta is None:
             return None
+        if overwrite:
+            check_only_ours(self.target, meta)  # refused before anything runs, and before anything is deleted
         if meta == {}:
             if overwrite:
                 return None
@@ -283,8 +286,9 @@ class _Job:
         if existing is not None:
             remove_partial_files(self.target)  # temporary files of writes a killed run left half-done
             return
-        if read_meta(self.target) is not None:
-            clear(self.target)  # overwrite=True, or a store cut short while it was being made
+        found = read_meta(self.target)
+        if found is not None:
+            clear(self.target, found)  # overwrite=True, or a store cut short while it was being made
         create_store(self.target, layout, meta, self.compression_level)
 
     def _write(

@@ -439,13 +439,31 @@ def _checked_indices(indices: Sequence[int], length: int) -> Sequence[int]:
     if isinstance(indices, range) and (not indices or (min(indices) >= 0 and max(indices) < length)):
         return indices
     try:
-        checked = [int(i) for i in indices]
+        checked = [_index(i) for i in indices]
     except (TypeError, ValueError):
-        raise SpecError(f"indices={indices!r:.60} must be integers, the positions of rows in the data set") from None
+        raise SpecError(
+            f"indices={indices!r:.60} must be integers, the positions of rows in the data set (ints, numpy ints or "
+            "an integer tensor; not floats, which would be truncated to other rows, nor bools)"
+        ) from None
     bad = [i for i in checked if not 0 <= i < length]
     if bad:
         raise SpecError(f"indices hold {bad[0]}, outside the data's {length} rows; expected 0 <= index < {length}")
     return checked
+
+
+def _index(value: Any) -> int:
+    """One row position: an int, numpy int or 0-d integer tensor; ``TypeError`` for anything else.
+
+    ``int(1.9)`` is 1: a float would silently pick another row, and a bool is not a position.
+    """
+    if isinstance(value, torch.Tensor):
+        dtype = value.dtype
+        if value.dim() == 0 and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
+            return int(value)
+        raise TypeError(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(value)
+    return int(value)
 
 
 def _no_indices(indices: Sequence[int] | None, what: str) -> None:

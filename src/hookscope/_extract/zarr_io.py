@@ -13,6 +13,7 @@ short there holds no data and is made again), ``"writing"``, and ``"complete"``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -29,8 +30,11 @@ from hookscope.errors import StoreError
 
 __all__ = [
     "FORMAT",
+    "WRITER_RECORD",
     "Manifest",
     "Target",
+    "check_only_ours",
+    "clear",
     "create_store",
     "read_meta",
     "remove_partial_files",
@@ -42,6 +46,7 @@ __all__ = [
 FORMAT = 1
 META_KEY = "hookscope"
 MANIFEST_GROUP = "_hookscope"
+WRITER_RECORD = ".hookscope-writer.json"  # who is writing the store (see hookscope._extract.holder)
 
 
 def zarr_module() -> ModuleType:
@@ -78,7 +83,7 @@ def read_meta(target: Target) -> dict[str, Any] | None:
     if target.path is not None:
         if target.path.exists() and not target.path.is_dir():
             raise StoreError(f"out {target.label!r} is a file; expected a directory for a zarr store, e.g. feats.zarr")
-        if not target.path.exists() or not any(target.path.iterdir()):
+        if not target.path.exists() or not any(not p.name.startswith(WRITER_RECORD) for p in target.path.iterdir()):
             return None
         if not (target.path / "zarr.json").exists():
             raise StoreError(
@@ -97,12 +102,60 @@ def read_meta(target: Target) -> dict[str, Any] | None:
     return meta
 
 
-def clear(target: Target) -> None:
-    """Remove the store at ``target`` (``overwrite=True``)."""
+def clear(target: Target, meta: dict[str, Any]) -> None:
+    """Remove what hookscope wrote at ``target`` (``overwrite=True``), after checking nothing else is there.
+
+    A store's own entries are its ``zarr.json``, the arrays its attributes name, the manifest
+    group, the writer record and temporary files of zarr's writes. Anything else (a file of
+    someone's, an array added to the group) is refused by name before anything is deleted:
+    ``overwrite`` replaces a store, not a folder. ``meta`` is what :func:`read_meta` returned
+    (``{}`` for a zarr group hookscope did not make: only its ``zarr.json`` may be replaced).
+    """
+    entries = check_only_ours(target, meta)
+    zarr = zarr_module()
+    if meta:  # a crash part-way leaves a store that the next run makes anew, not one that lacks arrays
+        with contextlib.suppress(Exception):
+            write_meta(zarr.open_group(store=target.store, mode="r+"), {**meta, "state": "creating"})
+    ordered = [e for e in entries if e != "zarr.json" and not e.startswith(WRITER_RECORD)]
+    ordered += [e for e in entries if e == "zarr.json"]
+    for entry in ordered:
+        if target.path is not None:
+            found = target.path / entry
+            if found.is_dir() and not found.is_symlink():
+                shutil.rmtree(found)
+            else:
+                found.unlink(missing_ok=True)
+        else:
+            zarr.core.sync.sync(target.store.delete_dir(entry))
+            zarr.core.sync.sync(target.store.delete(entry))
+
+
+def check_only_ours(target: Target, meta: dict[str, Any]) -> list[str]:
+    """The entries at the top of ``target``; ``StoreError`` naming any that hookscope did not write."""
+    sites = meta.get("sites")
+    named = {site.get("name") for site in sites if isinstance(site, dict)} if isinstance(sites, list) else set()
+    ours = {"zarr.json"} | ({MANIFEST_GROUP} | {n for n in named if isinstance(n, str)} if meta else set())
+    entries = _entries(target)
+    foreign = [e for e in entries if e not in ours and not _PARTIAL.search(e) and not e.startswith(WRITER_RECORD)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        what = "a feature store" if meta else "a zarr group hookscope did not make"
+        raise StoreError(
+            f"out {target.label!r} is {what} but also holds {shown}, which hookscope did not write; overwrite=True "
+            "replaces only a store's own files: move those elsewhere, or choose another path"
+        )
+    return entries
+
+
+def _entries(target: Target) -> list[str]:
+    """The names at the top of the store: files and folders of a local one, keys' first parts of others."""
     if target.path is not None:
-        shutil.rmtree(target.path)
-    else:
-        zarr_module().core.sync.sync(target.store.clear())
+        return sorted(p.name for p in target.path.iterdir()) if target.path.is_dir() else []
+
+    async def listed() -> list[str]:
+        return [name async for name in target.store.list_dir("")]
+
+    return sorted({name.split("/")[0] for name in zarr_module().core.sync.sync(listed())})
 
 
 def create_store(target: Target, layout: Layout, meta: dict[str, Any], compression_level: int | None) -> Any:
@@ -111,8 +164,8 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
     try:
         if target.path is not None:
             target.path.mkdir(parents=True, exist_ok=True)
-        group = zarr.create_group(
-            store=target.store, overwrite=True, attributes={META_KEY: {**meta, "state": "creating"}}
+        group = zarr.create_group(  # not overwrite=True: zarr would delete everything under the path
+            store=target.store, overwrite=False, attributes={META_KEY: {**meta, "state": "creating"}}
         )
         compressors = [zarr.codecs.ZstdCodec(level=compression_level)] if compression_level is not None else None
         rows = layout.rows if layout.rows is not None else 0
