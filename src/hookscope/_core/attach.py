@@ -12,7 +12,11 @@ This is the only file that calls PyTorch's ``register_*hook`` methods. Everythin
 - the group holds no strong reference to the model, like ``RemovableHandle``.
 
 Live groups are listed in a registry that :func:`attached` reads: hookscope never looks into
-PyTorch's private hook dictionaries.
+PyTorch's private hook dictionaries. The registry holds groups weakly; what keeps a group alive
+is its modules: each hooked module (and the model) holds an *anchor* to it, a no-op
+``load_state_dict`` post-hook that never runs in a forward. A group nobody removed therefore
+lives exactly as long as a module it hooks: a model dropped with a capture still attached is
+garbage-collected with the capture and every value it kept.
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ _SIGNATURES: dict[tuple[str, bool], str] = {
     ("backward", False): "fn(module, grad_input, grad_output)",
 }
 
-_LIVE_GROUPS: dict[HookGroup, None] = {}  # insertion-ordered set of groups with hooks attached
+# Groups with hooks attached, weakly, by group number (ascending: insertion order). Strong
+# references would keep every forgotten group's model and captured values alive for good.
+_LIVE_GROUPS: weakref.WeakValueDictionary[int, HookGroup] = weakref.WeakValueDictionary()
 _group_numbers = itertools.count(1)
 
 
@@ -171,6 +177,7 @@ class HookGroup:
         self._model = weakref.ref(model)
         self._tracker = tracker
         self._records: list[_Record] = []
+        self._anchors: list[RemovableHandle] = []
         self._modes = [(weakref.ref(m), m.training) for m in model.modules()] if restore_mode else []
         self._live = True
         try:
@@ -179,7 +186,7 @@ class HookGroup:
             self._live = False
             self._detach_all()
             raise
-        _LIVE_GROUPS[self] = None
+        _LIVE_GROUPS[self.number] = self
 
     def _attach(self, model: nn.Module, specs: Sequence[HookSpec], count: Sequence[tuple[str, nn.Module]]) -> None:
         refuse_uncalled(model, [spec.name for spec in specs])
@@ -210,6 +217,14 @@ class HookGroup:
             for name, module in tracked.values():
                 closer = _exit_hook(self._tracker)
                 self._add(name, module, "forward", "call counter", closer, with_kwargs=True, always_call=True)
+        self._anchor([model, *hooked])
+
+    def _anchor(self, modules: Sequence[nn.Module]) -> None:
+        """Make each module keep this group alive (the registry holds it weakly): a no-op
+        ``load_state_dict`` post-hook referring to the group, which no forward ever calls."""
+        anchor = _Anchor(self)
+        for module in {id(module): module for module in modules}.values():
+            self._anchors.append(module.register_load_state_dict_post_hook(anchor))  # type: ignore[no-untyped-call]
 
     def _add(
         self,
@@ -262,7 +277,7 @@ class HookGroup:
         if not self._live:
             return
         self._live = False
-        _LIVE_GROUPS.pop(self, None)
+        _LIVE_GROUPS.pop(self.number, None)
         try:
             self._detach_all()
         finally:
@@ -277,6 +292,9 @@ class HookGroup:
         records, self._records = self._records, []
         for record in reversed(records):
             record.handle.remove()
+        anchors, self._anchors = self._anchors, []
+        for handle in anchors:
+            handle.remove()
 
     def hooks(self) -> Iterator[AttachedHook]:
         """The hooks this group has attached (empty once removed)."""
@@ -379,7 +397,7 @@ def attached(model: nn.Module) -> list[AttachedHook]:
     ensure_module(model)
     order = {id(module): (index, name) for index, (name, module) in enumerate(named_modules(model))}
     found: list[tuple[int, AttachedHook]] = []
-    for group in list(_LIVE_GROUPS):
+    for group in live_groups():
         for record in group._records:
             module = record.module()
             if module is not None and id(module) in order:
@@ -391,7 +409,20 @@ def attached(model: nn.Module) -> list[AttachedHook]:
 
 def live_groups() -> list[HookGroup]:
     """Every group with hooks still attached, on any model (used by the test suite's leak check)."""
-    return list(_LIVE_GROUPS)
+    return list(_LIVE_GROUPS.values())
+
+
+class _Anchor:
+    """A ``load_state_dict`` post-hook that does nothing when called: it is there to hold a
+    :class:`HookGroup` alive for as long as the module whose hook dict holds it."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: HookGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        return None
 
 
 def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
