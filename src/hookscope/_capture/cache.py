@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hookscope._core.names import MODULE_TEXT, escape_name, split_leaf, unescape_name
-from hookscope._core.sites import Site
+from hookscope._core.sites import Site, short_names
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.tables import Column, Table
@@ -151,13 +151,7 @@ class Cache(Mapping[str, torch.Tensor]):
         >>> list(cache.short_names().values())
         ['fc', 'h#0:output', 'h#1:output']
         """
-        per_module: dict[str, int] = {}
-        for site in self._entries:
-            per_module[site.module] = per_module.get(site.module, 0) + 1
-        return {
-            site: escape_name(site.module) if per_module[site.module] == 1 and site.module else str(site)
-            for site in self._entries
-        }
+        return short_names(list(self._entries))
 
     def numpy(self) -> dict[str, np.ndarray]:
         """``{name: numpy array}`` under :meth:`short_names` (``"fc"``, or ``"h.0#1:output"``

@@ -140,8 +140,10 @@ class CopyOnWrite(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if any(watched for watched, _ in self.watchers):
-            self._protect_targets(func, args, kwargs)
+        for watched, _ in self.watchers:  # one watcher almost always: no generator per torch op
+            if watched:
+                self._protect_targets(func, args, kwargs)
+                break
         return func(*args, **kwargs)
 
     def _protect_targets(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

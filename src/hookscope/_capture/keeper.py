@@ -76,7 +76,6 @@ class Keeper:
         self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor, torch.Tensor | None]], str]] = []
         self._overflows: list[tuple[Site, torch.Tensor]] = []  # a cast's count of values turned +-inf
         self._handover: set[int] = set()  # ids of graph tensors kept as they are: the model gets copies
-        self._in_graph: set[Site] = set()  # kept as the model's own tensor: not copied at the pass's end
 
     # -- a pass -----------------------------------------------------------------------------------
 
@@ -90,7 +89,6 @@ class Keeper:
         self._latest_call.clear()
         self._module_sites.clear()
         self._overflows.clear()
-        self._in_graph.clear()
 
     def finish(self, outliving: Callable[[], set[int]]) -> None:
         """End the pass: copy watched values that share memory with anything that outlives it.
@@ -252,7 +250,6 @@ class Keeper:
             return value  # made here (reduced, cast, moved): nobody else holds it
         if not self._detach and original.requires_grad and self._copy is not False:
             self._handover.add(id(original))  # kept in the graph; the model goes on with a copy
-            self._in_graph.add(site)
             if self._guards and key != 0:  # another holder (the caller of an input) may still write
                 self._watch(key, site)
             return value
@@ -296,9 +293,9 @@ class Keeper:
         """
         copies: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
         for site in self._watched.pop(key, []):
-            if keep_graph and site in self._in_graph:
-                continue
             kept = self.cache._get(site)
+            if keep_graph and kept is not None and kept.requires_grad and not self._detach:
+                continue  # the model's own tensor, kept in the graph (see _owned)
             if kept is None or _version(kept) != self.cache._version_of(site):
                 continue  # already changed behind the guard's back: leave it for the read check
             view = (kept.data_ptr(), tuple(kept.shape), kept.stride(), kept.dtype)

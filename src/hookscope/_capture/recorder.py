@@ -32,8 +32,8 @@ from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.names import call_label, leaf_label, raw_and_named_modules, split_leaf_selector
-from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select
+from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
+from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select_leaves
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared.dtypes import overflow_message
@@ -80,7 +80,7 @@ class Capture(Scoped):
         self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
-        self._selected, self._leaves = _selected_leaves(model, selectors)
+        self._selected, self._leaves = select_leaves(model, selectors)
         meta = _describe(model, selectors, options)
         chosen = {id(module) for _, module in self._selected}
         aliases = {
@@ -147,10 +147,11 @@ class Capture(Scoped):
             call = current(module)
             if not want(call):
                 return None
+            leaves = call_leaves(args, kwargs) if chosen is None else chosen(call_leaves(args, kwargs))
             if tracker.in_replica():
-                self._keep_replica(name, call, "input", chosen(call_leaves(args, kwargs)), args)
+                self._keep_replica(name, call, "input", leaves, args)
                 return None
-            keep(name, call, "input", chosen(call_leaves(args, kwargs)), args)
+            keep(name, call, "input", leaves, args)
             kept_in_graph = handover()
             if last_what == "input":
                 self._done(module)
@@ -173,10 +174,11 @@ class Capture(Scoped):
             call = current(module)
             if not want(call):
                 return None
+            leaves = flatten_tensors(output, "") if chosen is None else chosen(flatten_tensors(output, ""))
             if tracker.in_replica():
-                self._keep_replica(name, call, "output", chosen(flatten_tensors(output, "")), output)
+                self._keep_replica(name, call, "output", leaves, output)
                 return None
-            keep(name, call, "output", chosen(flatten_tensors(output, "")), output)
+            keep(name, call, "output", leaves, output)
             kept_in_graph = handover()
             self._done(module)
             if kept_in_graph:  # detach=False: the model goes on with copies of what was kept
@@ -348,53 +350,13 @@ class Capture(Scoped):
         return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
 
 
-def _selected_leaves(
-    model: nn.Module, selectors: tuple[Selector, ...]
-) -> tuple[list[tuple[str, nn.Module]], dict[str, dict[str, list[tuple[str, bool]]]]]:
-    """The modules the selectors pick, and for those picked only by leaf selectors
-    (``"block.0:output[0]"``), the paths to keep of each side: ``{"output": [("[0]", strict)]}``.
-
-    A leaf named for one module by its exact name must be there (``strict``); one named
-    through a pattern (``"h.*:output[0]"``) is kept where a module has it.
-    """
-    whole: list[Selector] = []
-    leaves: dict[str, dict[str, list[tuple[str, bool]]]] = {}
-    for selector in _flattened(selectors):
-        split = split_leaf_selector(selector)
-        if split is None:
-            whole.append(selector)
-            continue
-        module_selector, what, path = split
-        picked = select(model, module_selector)
-        strict = len(picked) == 1 and picked[0][0] == module_selector
-        for name, _ in picked:
-            leaves.setdefault(name, {}).setdefault(what, []).append((path, strict))
-    selected = select(model, whole + list(leaves))  # a union, each module once, in model order
-    if whole:
-        for name, _ in select(model, whole):
-            leaves.pop(name, None)  # picked whole too: every leaf
-    return selected, leaves
-
-
-def _flattened(selectors: Sequence[Selector]) -> list[Selector]:
-    """Lists and tuples of selectors opened up (a union either way), so leaf selectors inside
-    ``hs.capture(model, ["h.0:output[0]", "fc"])`` are seen."""
-    flat: list[Selector] = []
-    for selector in selectors:
-        if isinstance(selector, (list, tuple)):
-            flat.extend(_flattened(selector))
-        else:
-            flat.append(selector)
-    return flat
-
-
 def _leaf_filter(
     name: str, what: str, paths: list[tuple[str, bool]] | None
-) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
-    """Keep the leaves at ``paths`` (and below them); with no paths, every leaf. A strict path
-    that is not there is an error naming the tensors that are."""
+) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]] | None:
+    """Keep the leaves at ``paths`` (and below them); None (no filter) for every leaf. A strict
+    path that is not there is an error naming the tensors that are."""
     if paths is None or any(path == "" for path, _ in paths):
-        return _every_leaf
+        return None
     wanted = tuple(path for path, _ in paths)
     required = tuple(path for path, strict in paths if strict)
 
@@ -411,10 +373,6 @@ def _leaf_filter(
         return kept
 
     return chosen
-
-
-def _every_leaf(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    return leaves
 
 
 def _at_or_below(path: str, wanted: str) -> bool:

@@ -35,16 +35,18 @@ from typing import TypeAlias, cast
 import torch
 from torch import nn
 
-from hookscope._core.names import raw_and_named_modules, short_spelling
+from hookscope._core.names import raw_and_named_modules, short_spelling, split_leaf_selector
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
 __all__ = [
+    "LeafPaths",
     "Selector",
     "compile_selector",
     "describe_selector",
     "ensure_module",
     "given_selectors",
     "select",
+    "select_leaves",
     "select_names",
 ]
 
@@ -169,6 +171,49 @@ def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
         if not any(predicate(name, raw, module) for name, raw, module in entries):
             raise _no_match(member, named, within=members if len(members) > 1 else None)
     return [(name, module) for name, raw, module in entries if any(p(name, raw, module) for p in predicates)]
+
+
+#: Per module picked by leaf selectors only: ``{what: [(path, strict)]}`` (see :func:`select_leaves`).
+LeafPaths: TypeAlias = dict[str, list[tuple[str, bool]]]
+
+
+def select_leaves(
+    model: nn.Module, selectors: Sequence[Selector]
+) -> tuple[list[tuple[str, nn.Module]], dict[str, LeafPaths]]:
+    """The modules the selectors pick, and for those picked only by leaf selectors
+    (``"block.0:output[0]"``), the paths to keep of each side: ``{"output": [("[0]", strict)]}``.
+
+    Lists and tuples are opened up (a union either way). A leaf named for one module by its
+    exact name must be there (``strict``); one named through a pattern (``"h.*:output[0]"``) is
+    kept where a module has it. A module also picked whole keeps every leaf.
+    """
+    whole: list[Selector] = []
+    leaves: dict[str, LeafPaths] = {}
+    for selector in _flattened(selectors):
+        split = split_leaf_selector(selector)
+        if split is None:
+            whole.append(selector)
+            continue
+        module_selector, what, path = split
+        picked = select(model, module_selector)
+        strict = len(picked) == 1 and picked[0][0] == module_selector
+        for name, _ in picked:
+            leaves.setdefault(name, {}).setdefault(what, []).append((path, strict))
+    selected = select(model, whole + list(leaves))  # a union, each module once, in model order
+    if whole:
+        for name, _ in select(model, whole):
+            leaves.pop(name, None)
+    return selected, leaves
+
+
+def _flattened(selectors: Sequence[Selector]) -> list[Selector]:
+    flat: list[Selector] = []
+    for selector in selectors:
+        if isinstance(selector, (list, tuple)):
+            flat.extend(_flattened(selector))
+        else:
+            flat.append(selector)
+    return flat
 
 
 def _members(selector: Selector) -> list[Selector]:

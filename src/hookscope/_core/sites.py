@@ -46,6 +46,7 @@ __all__ = [
     "is_reentered",
     "keep_word",
     "parse_keep",
+    "short_names",
 ]
 
 #: Ends the refusal of another thread: the one case where threads are expected.
@@ -105,6 +106,22 @@ class Site:
         if what is None:
             raise SpecError(form)
         return cls(unescape_name(match["module"]), int(match["call"] or 0), what, path)  # type: ignore[arg-type]
+
+
+def short_names(sites: Sequence[Site]) -> dict[Site, str]:
+    """The shortest name that says each site: the module's name where the site is the only one
+    of its module (``"fc"``), else the full site text (``"h.0#1:output"``). Cache keys, saved
+    files and store arrays all use it.
+
+    >>> list(short_names([Site("fc"), Site("h", 0), Site("h", 1)]).values())
+    ['fc', 'h#0:output', 'h#1:output']
+    """
+    per_module: dict[str, int] = {}
+    for site in sites:
+        per_module[site.module] = per_module.get(site.module, 0) + 1
+    return {
+        site: escape_name(site.module) if per_module[site.module] == 1 and site.module else str(site) for site in sites
+    }
 
 
 def is_reentered(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._core.sites import Site
+from hookscope._core.sites import Site, short_names
 from hookscope._shared.bits import NUMPY_LACKS, numpy_dtype
 from hookscope._shared.dtypes import dtype_name
 from hookscope.errors import DataError, SpecError
@@ -163,10 +163,7 @@ def array_names(sites: Sequence[Site]) -> dict[Site, str]:
     {Site(module='fc', call=0, what='output', path=''): 'fc', Site(module='h.0', call=0, what='output', path=''): \
 'h.0#0:output', Site(module='h.0', call=1, what='output', path=''): 'h.0#1:output'}
     """
-    per_module: dict[str, int] = {}
-    for site in sites:
-        per_module[site.module] = per_module.get(site.module, 0) + 1
-    names = {site: site.module if per_module[site.module] == 1 and site.module else str(site) for site in sites}
+    names = short_names(sites)
     for site, name in names.items():
         if "/" in name or name.startswith("__") or name == _RESERVED:
             raise SpecError(

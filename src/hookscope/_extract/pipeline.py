@@ -21,7 +21,7 @@ from torch import nn
 
 from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
-from hookscope._core.select import Selector, describe_selector, select
+from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
 from hookscope._extract.data import Batch
@@ -52,35 +52,27 @@ class SiteCaptures:
     ) -> None:
         self.model = model
         self.mask = mask
-        self._leaf_selectors: dict[str, list[str]] = {}  # module name -> its "name:output[0]" selectors
-        whole: list[Selector] = []
-        for layer in layers:
-            split = split_leaf_selector(layer)
-            if split is None:
-                whole.append(layer)
-                continue
-            for name, _ in select(model, split[0]):
-                self._leaf_selectors.setdefault(name, []).append(f"{escape_name(name)}:{leaf_label(*split[1:])}")
-        for name, _ in select(model, whole) if whole else ():
-            self._leaf_selectors.pop(name, None)  # picked whole too: every value
         # SelectionError with the closest names, before anything runs
-        chosen = select(model, whole + list(self._leaf_selectors))
+        chosen, leaves = select_leaves(model, layers)
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
-        self._groups: list[tuple[Reduction | None, list[Selector]]] = [
-            (extraction_reduction(spec, mask), [s for name, module in members for s in self._selector_of(name, module)])
-            for spec, members in groups
-        ]
+        if len(groups) == 1:  # one capture: it reads the selectors as given, leaf selectors included
+            self._groups: list[tuple[Reduction | None, list[Selector]]] = [
+                (extraction_reduction(groups[0][0], mask), list(layers))
+            ]
+        else:  # a capture per reduction: each module named on its own (a leaf of one, by its exact name)
+            self._groups = [
+                (
+                    extraction_reduction(spec, mask),
+                    [s for name, module in members for s in _named(name, module, leaves)],
+                )
+                for spec, members in groups
+            ]
         self._options = options
         self._captures: list[Capture] = []
         #: Values the dtype cast turned into +-inf, by site, over every batch so far.
         self.overflowed: dict[str, int] = {}
-
-    def _selector_of(self, name: str, module: nn.Module) -> list[Selector]:
-        """What the capture of ``module`` is given: the module, or the leaves chosen of it."""
-        leaves = self._leaf_selectors.get(name)
-        return [module] if leaves is None else list(leaves)
 
     def __enter__(self) -> SiteCaptures:
         try:
@@ -115,6 +107,15 @@ class SiteCaptures:
 
     def _rank(self, site: Site) -> tuple[int, int, int, str]:
         return (self.order.get(site.module, -1), site.call, _WHAT_ORDER.get(site.what, 2), site.path)
+
+
+def _named(name: str, module: nn.Module, leaves: dict[str, LeafPaths]) -> list[Selector]:
+    """What the capture of ``module`` is given: the module, or the leaf selectors of its leaves."""
+    if name not in leaves:
+        return [module]
+    return [
+        f"{escape_name(name)}:{leaf_label(what, path)}" for what, paths in leaves[name].items() for path, _ in paths
+    ]
 
 
 def _groups(

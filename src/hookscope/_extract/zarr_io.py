@@ -30,7 +30,6 @@ from hookscope.errors import StoreError
 
 __all__ = [
     "FORMAT",
-    "WRITER_RECORD",
     "Manifest",
     "Target",
     "check_only_ours",
@@ -46,7 +45,6 @@ __all__ = [
 FORMAT = 1
 META_KEY = "hookscope"
 MANIFEST_GROUP = "_hookscope"
-WRITER_RECORD = ".hookscope-writer.json"  # who is writing the store (see hookscope._extract.holder)
 
 
 def zarr_module() -> ModuleType:
@@ -83,7 +81,7 @@ def read_meta(target: Target) -> dict[str, Any] | None:
     if target.path is not None:
         if target.path.exists() and not target.path.is_dir():
             raise StoreError(f"out {target.label!r} is a file; expected a directory for a zarr store, e.g. feats.zarr")
-        if not target.path.exists() or not any(not p.name.startswith(WRITER_RECORD) for p in target.path.iterdir()):
+        if not target.path.exists() or not any(target.path.iterdir()):
             return None
         if not (target.path / "zarr.json").exists():
             raise StoreError(
@@ -106,7 +104,7 @@ def clear(target: Target, meta: dict[str, Any]) -> None:
     """Remove what hookscope wrote at ``target`` (``overwrite=True``), after checking nothing else is there.
 
     A store's own entries are its ``zarr.json``, the arrays its attributes name, the manifest
-    group, the writer record and temporary files of zarr's writes. Anything else (a file of
+    group and temporary files of zarr's writes. Anything else (a file of
     someone's, an array added to the group) is refused by name before anything is deleted:
     ``overwrite`` replaces a store, not a folder. ``meta`` is what :func:`read_meta` returned
     (``{}`` for a zarr group hookscope did not make: only its ``zarr.json`` may be replaced).
@@ -116,7 +114,7 @@ def clear(target: Target, meta: dict[str, Any]) -> None:
     if meta:  # a crash part-way leaves a store that the next run makes anew, not one that lacks arrays
         with contextlib.suppress(Exception):
             write_meta(zarr.open_group(store=target.store, mode="r+"), {**meta, "state": "creating"})
-    ordered = [e for e in entries if e != "zarr.json" and not e.startswith(WRITER_RECORD)]
+    ordered = [e for e in entries if e != "zarr.json"]
     ordered += [e for e in entries if e == "zarr.json"]
     for entry in ordered:
         if target.path is not None:
@@ -136,7 +134,7 @@ def check_only_ours(target: Target, meta: dict[str, Any]) -> list[str]:
     named = {site.get("name") for site in sites if isinstance(site, dict)} if isinstance(sites, list) else set()
     ours = {"zarr.json"} | ({MANIFEST_GROUP} | {n for n in named if isinstance(n, str)} if meta else set())
     entries = _entries(target)
-    foreign = [e for e in entries if e not in ours and not _PARTIAL.search(e) and not e.startswith(WRITER_RECORD)]
+    foreign = [e for e in entries if e not in ours and not _PARTIAL.search(e)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         what = "a feature store" if meta else "a zarr group hookscope did not make"

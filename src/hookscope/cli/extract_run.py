@@ -112,9 +112,11 @@ def refused_first_batch(model: nn.Module, data: str) -> Iterator[None]:
     def on_finish(module: nn.Module, args: Any, output: Any) -> None:
         finished[0] += 1
 
-    handles = [model.register_forward_pre_hook(on_begin), model.register_forward_hook(on_finish)]
+    import hookscope as hs
+
     try:
-        yield
+        with hs.hooks(model, {"": on_begin}, kind="forward_pre"), hs.hooks(model, {"": on_finish}):
+            yield
     except HookscopeError:
         raise
     except Exception as error:
@@ -124,9 +126,6 @@ def refused_first_batch(model: nn.Module, data: str) -> Iterator[None]:
                 "give --data rows the model takes (random:N:SHAPE sets the shape of one row)"
             ) from error
         raise
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass(frozen=True)
