@@ -26,7 +26,14 @@ from torch import nn
 
 
 def build():
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))
+    model.register_forward_pre_hook(_log_forward)
+    return model
+
+
+def _log_forward(module, args):
+    with open("forwards.log", "a") as log:
+        log.write(f"{len(args[0])}\\n")
 
 
 class Rows(torch.utils.data.Dataset):
@@ -154,10 +161,13 @@ def test_killed_with_sigkill_then_resumed_is_bit_identical(tmp_path: Path) -> No
     )
     assert "is incomplete" in refused.stderr
     (killed / "fetches.log").unlink()
+    (killed / "forwards.log").unlink()
     resumed = hookscope(killed, *extract_command())
     assert "wrote 1,024 rows of 2 sites" in resumed.stdout
     fetched = len((killed / "fetches.log").read_text().splitlines())
-    assert fetched <= 1024 - 32 * flags + 16, fetched  # done chunks were not fetched again (16: the probe)
+    assert fetched <= 1024 + 16, fetched  # each row read once: done chunks' to check their checksums (16: the probe)
+    ran = sum(int(line) for line in (killed / "forwards.log").read_text().splitlines())
+    assert ran <= 1024 - 32 * flags + 16, ran  # done chunks were not run again (16: the probe)
     assert store_files(killed / "f.zarr") == store_files(whole / "f.zarr")
 
 
@@ -168,12 +178,16 @@ def test_torchrun_two_cpu_processes_write_the_same_store_as_one(tmp_path: Path) 
     assert "row 600 is unreadable" in failed.stderr
     assert done_chunks(sharded / "f.zarr") == 18  # rows 0..575 landed
     (sharded / "fetches.log").unlink()
+    (sharded / "forwards.log").unlink()
     launched = hookscope(sharded, *extract_command(), torchrun=True)  # resumed by two processes
     assert launched.stdout.count("wrote 1,024 rows of 2 sites") == 1  # rank 0 reports
     fetches: dict[str, int] = {}
     for pid in (sharded / "fetches.log").read_text().split():
         fetches[pid] = fetches.get(pid, 0) + 1
-    assert sorted(fetches.values()) == [16 + 7 * 32, 16 + 7 * 32], fetches  # the probe, then 7 of the 14 chunks left
+    # each rank: the probe, 9 of the 18 done chunks (to check their input rows), 7 of the 14 chunks left
+    assert sorted(fetches.values()) == [16 + 9 * 32 + 7 * 32] * 2, fetches
+    ran = sum(int(line) for line in (sharded / "forwards.log").read_text().splitlines())
+    assert ran == 2 * (16 + 7 * 32), ran  # the model ran only on the chunks left (and each rank's probe)
     assert store_files(sharded / "f.zarr") == store_files(single / "f.zarr")
 
 

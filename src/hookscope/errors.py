@@ -28,7 +28,9 @@ does::
     │                                      shape, dtype or device) or named a part that is not there
     ├── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
     │   │                                  ``out`` is taken or unwritable, the stored configuration
-    │   │                                  differs, the store is incomplete
+    │   │                                  differs, the store is incomplete or damaged
+    │   │                                  (.array, .chunk)
+    │   ├── StoreBusyError                 another process is writing the store (.holder)
     │   └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
     │                                      recorded, and the same call resumes after it
     └── OutputPathError (OSError)          a file cannot be written where asked: the parent is a
@@ -44,6 +46,8 @@ line's business (``hookscope.cli.app``), not the errors'.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "CaptureError",
@@ -62,7 +66,9 @@ __all__ = [
     "SiteNotFoundError",
     "SpecError",
     "StaleCompiledCodeWarning",
+    "StoreBusyError",
     "StoreError",
+    "StoreRepairWarning",
     "StoreWriteError",
     "UnsupportedModelError",
 ]
@@ -245,12 +251,47 @@ class StoreError(HookscopeError, OSError):
     """A feature store (``hs.extract``, ``hs.open_store``) cannot be made, resumed or read as asked.
 
     Raised before any work when ``out`` holds something else or cannot be written, when a store
-    is resumed with a different configuration (the message lists each difference), and on
-    opening a store that was left incomplete.
+    is resumed with a different configuration (the message lists each difference), on opening
+    a store that was left incomplete, and when what is stored contradicts itself: a chunk whose
+    checksum does not match, a chunk file recorded as written that is gone, metadata whose rows
+    or shapes disagree with the arrays.
+
+    Attributes:
+        array: the array concerned (``"h.0"``, or ``"_hookscope/done"`` for the manifest); None
+            when the error is about the store as a whole.
+        chunk: the chunk concerned (rows ``chunk * chunk_rows`` on); None when not one chunk.
+
+    >>> StoreError("chunk 3 of 'h.0' is damaged", array="h.0", chunk=3).chunk
+    3
     """
+
+    def __init__(self, message: str, *, array: str | None = None, chunk: int | None = None) -> None:
+        super().__init__(message)
+        self.array = array
+        self.chunk = chunk
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0]) if self.args else ""
+
+
+class StoreBusyError(StoreError):
+    """Another process holds the store: it is writing it now, or was, and its record is fresh.
+
+    Every writer of a store leaves a record (host, pid, start, heartbeat) in it while it runs;
+    a second writer is refused, naming the holder, instead of mixing its rows with the first's.
+    A record whose process is gone (same host, pid no longer running) or whose heartbeat
+    stopped for longer than the stale limit is taken over without a word.
+
+    Attributes:
+        holder: the record: ``{"host", "pid", "started", "heartbeat", "command"}``.
+
+    >>> StoreBusyError("busy", holder={"host": "a", "pid": 7}).holder["pid"]
+    7
+    """
+
+    def __init__(self, message: str, *, holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
 
 
 class StoreWriteError(StoreError):
@@ -304,6 +345,10 @@ class CastOverflowWarning(UserWarning):
     """A ``dtype=`` cast (``capture(dtype=torch.float16)``, ``extract(dtype="fp16")``) turned
     finite values past the dtype's range into +-inf; the message names the sites and counts.
     Keep such values in bfloat16 or float32, or pass ``overflow="error"`` to refuse them."""
+
+
+class StoreRepairWarning(UserWarning):
+    """A resumed extraction found stored chunks damaged (checksum, missing file) and wrote them again."""
 
 
 class PairingWarning(UserWarning):

@@ -20,6 +20,7 @@ import math
 import platform
 import shlex
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +32,18 @@ from torch import nn
 
 from hookscope._core.attach import HookGroup
 from hookscope._core.select import Selector, describe_selector, ensure_module
-from hookscope._core.sites import Site
+from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, differences, model_identity
 from hookscope._extract.data import Batch, IndexedSource, Source, make_source
+from hookscope._extract.holder import StoreHold
 from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
 from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.ranks import Ranks, resolve_ranks
 from hookscope._extract.reduce import TokenMask
-from hookscope._extract.store import Store, open_store
+from hookscope._extract.store import Store, open_store, stored_layout
+from hookscope._extract.verify import StreamCheck, check_input_rows, damaged_chunks, describe
 from hookscope._extract.writer import ChunkWriter, WriterThread
 from hookscope._extract.zarr_io import (
     FORMAT,
@@ -59,7 +62,7 @@ from hookscope._extract.zarr_io import (
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.options import with_options
 from hookscope._version import __version__
-from hookscope.errors import DataError, SpecError, StoreError, StoreWriteError
+from hookscope.errors import DataError, SpecError, StoreError, StoreRepairWarning, StoreWriteError
 
 __all__ = ["extract"]
 
@@ -191,26 +194,69 @@ class _Job:
     def run(
         self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
     ) -> Store:
+        # what out holds is refused before the writer record goes into it, and read again once held
+        self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        hold = StoreHold(self.target, command=command)
+        self.step("taking the store", hold.take, main_only=True)
+        try:
+            return self._run_held(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
+        finally:
+            hold.release()  # idempotent; nothing to do on the ranks that did not take it
+
+    def _run_held(
+        self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
+    ) -> Store:
         existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
         probe = self.step("reading the first batch", self.source.probe)
         config = self.step("describing the data", lambda: self._described(config, probe, chunk_rows))
-        if existing is not None and existing.get("state") == "complete":  # done: compare, without running anything
-            stored = existing["config"].get("chunk_rows")
-            wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": existing.get("sites", [])}
-            self.step("comparing configurations", lambda: _same_config(self.target, existing, wanted))
-            return self._opened()
+        if existing is not None and existing.get("state") == "complete":  # compare, check, and run only to repair
+            complete = existing
+            stored = complete["config"].get("chunk_rows")
+            wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": complete.get("sites", [])}
+            self.step("comparing configurations", lambda: _same_config(self.target, complete, wanted))
+            self.step("checking the stored chunks", lambda: self._check_stored(complete))
+            existing = self.step("reading the store", lambda: read_meta(self.target))
+            if existing is not None and existing.get("state") == "complete":
+                return self._opened()
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
-        values, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
-        first = ProbeValues(probe, values)  # handed to the first batch of this rank's work, then dropped
-        del values
+        # the probe's values are handed to the first batch of this rank's work, then dropped
+        first, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
         meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
         self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
+        if existing is not None:
+            self.step("checking the stored chunks", lambda: self._check_stored(existing))
         group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
         rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first))
         self.step("completing the store", lambda: self._complete(group, manifest, layout, meta, rows), main_only=True)
         return self._opened()
+
+    def _check_stored(self, meta: dict[str, Any]) -> None:
+        """Check this rank's share of the done chunks against their checksums (see ``verify``).
+
+        Damaged chunks are marked not done, with a :class:`~hookscope.errors.StoreRepairWarning`,
+        so that this run writes them again (a complete store becomes a writing one first); input
+        rows that differ from those recorded raise :class:`~hookscope.errors.DataError`.
+        """
+        group, manifest, done = self._manifest()
+        stored = stored_layout(meta)
+        mine = sorted(done)[self.ranks.rank :: self.ranks.world_size]
+        damage = damaged_chunks(group, stored.sites, manifest, mine, stored.chunk_rows)
+        broken = sorted({found.chunk for found in damage})
+        if isinstance(self.source, IndexedSource):
+            intact = [chunk for chunk in mine if chunk not in broken]
+            check_input_rows(stored, manifest, self.source.batches([stored.span(chunk) for chunk in intact]))
+        if not broken:
+            return
+        if meta.get("state") == "complete":
+            write_meta(group, {**meta, "state": "writing"})
+        manifest.unmark(broken)
+        warnings.warn(
+            f"{self.target.label}: {len(broken)} stored chunk(s) are damaged and are written again: {describe(damage)}",
+            StoreRepairWarning,
+            stacklevel=2,
+        )
 
     def _described(self, config: dict[str, Any], probe: Batch, chunk_rows: int | None) -> dict[str, Any]:
         """The configuration with what the data says of itself; ``chunk_rows`` checked before any comparison."""
@@ -249,16 +295,18 @@ class _Job:
                 f"out {self.target.label!r} already holds a feature store ({meta.get('state')}); resume=True continues "
                 "it, overwrite=True (--overwrite) replaces it, or choose another path"
             )
-        if meta.get("format") != FORMAT:
+        if meta.get("format") != FORMAT:  # a format-1 store has no checksums to resume against
             raise StoreError(
                 f"out {self.target.label!r} is a store of format {meta.get('format')!r}; this hookscope writes format "
                 f"{FORMAT}: overwrite=True replaces it"
             )
         return meta
 
-    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[dict[Site, torch.Tensor], Layout]:
+    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[ProbeValues, Layout]:
         """Run the first batch; its sites, row shapes and dtypes make the layout."""
+        inputs = map_tensors(lambda t: t.clone(), (probe.args, probe.kwargs))  # as they were before the forward
         values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
+        probe = Batch(probe.start, probe.rows, *inputs)
         if not values:
             raise SpecError(
                 "the layers captured no tensor on the first batch: they did not run, or returned no tensor; "
@@ -280,7 +328,7 @@ class _Job:
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        return values, Layout(sites, self.source.rows, batch, rows)
+        return ProbeValues(probe, values), Layout(sites, self.source.rows, batch, rows)
 
     def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
         if existing is not None:
@@ -333,6 +381,7 @@ class _Job:
                     mask_required=self.mask_required,
                     reused=first,
                     on_batch=bar.advance,
+                    skipped=None if isinstance(source, IndexedSource) else StreamCheck(layout, manifest).see,
                 )
             except BaseException:
                 with contextlib.suppress(BaseException):  # the forward's error is the one to report

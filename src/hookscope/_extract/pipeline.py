@@ -24,6 +24,7 @@ from hookscope._core.names import escape_name, leaf_label, named_modules, split_
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
+from hookscope._extract.checksums import input_parts, regions
 from hookscope._extract.data import Batch
 from hookscope._extract.layout import Layout
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
@@ -155,7 +156,7 @@ class ProbeValues:
     """
 
     def __init__(self, batch: Batch, values: dict[Site, torch.Tensor]) -> None:
-        self.batch = batch
+        self.batch = batch  # a copy of its inputs taken before its forward, for their checksum
         self.values: dict[Site, torch.Tensor] | None = values
 
     def take(self, batch: Batch) -> dict[Site, torch.Tensor] | None:
@@ -178,9 +179,9 @@ class HostCopier:
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def work(self, start: int, values: list[torch.Tensor]) -> Work:
+    def work(self, start: int, values: list[torch.Tensor], input_parts: list[tuple[int, int, int]]) -> Work:
         if all(v.device.type == "cpu" for v in values):
-            return Work(start, values)
+            return Work(start, values, input_parts)
         host: list[torch.Tensor] = []
         pinned: list[torch.Tensor] = []
         devices: dict[torch.device, None] = {}
@@ -198,7 +199,7 @@ class HostCopier:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(device))
             ready.append(event)
-        return Work(start, host, ready, release=lambda: self._give_back(pinned))
+        return Work(start, host, input_parts, ready, release=lambda: self._give_back(pinned))
 
     def _take(self, value: torch.Tensor) -> torch.Tensor:
         key = (tuple(value.shape), value.dtype)
@@ -226,10 +227,14 @@ def run_batches(
     mask_required: bool,
     reused: ProbeValues | None,
     on_batch: Callable[[int], None],
+    skipped: Callable[[Batch], None] | None = None,
 ) -> int:
     """Run every batch the writer still wants, hand its values on; return the rows the data held.
 
-    ``reused`` holds a batch already run (the probe) and its values, handed on instead of run again.
+    ``reused`` holds a batch already run (the probe) and its values, handed on instead of run again;
+    ``skipped`` sees each batch the writer does not want (a stream's rows a resumed store has:
+    their checksums are checked). The checksum of each batch's input rows is taken before its
+    forward, so a model that writes into its inputs does not change it.
     """
     sites = {Site.parse(site.site): site for site in layout.sites}
     copier = HostCopier()
@@ -243,12 +248,19 @@ def run_batches(
                 rows=range(max(batch.start, layout.rows), batch.stop),
             )
         if not writer.writer.wants(batch.start, batch.stop):
+            if skipped is not None:
+                skipped(batch)
             continue  # a stream's batch inside chunks a resumed store already has
+        cut = regions(layout, batch.start, batch.stop)
         values = reused.take(batch) if reused is not None else None
         if values is None:
+            parts = input_parts(batch, cut)
             values = forward(model, batch, captures, device, mask_key, mask_required)
+        else:  # the probe: its inputs as they were before its forward
+            assert reused is not None
+            parts = input_parts(reused.batch, cut)
         ordered = _checked(values, sites, batch)
-        writer.submit(copier.work(batch.start, ordered))
+        writer.submit(copier.work(batch.start, ordered, parts))
         on_batch(batch.rows)
     return end
 

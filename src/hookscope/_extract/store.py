@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hookscope._extract.layout import SiteLayout
-from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
+from hookscope._extract.layout import Layout, SiteLayout
+from hookscope._extract.verify import damaged_chunks, describe, missing_chunk
+from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
@@ -45,13 +46,18 @@ class StoreArray:
     ``array[10:20]`` is a numpy array (bfloat16 and float8 values as float32, exactly);
     ``array.torch(slice(10, 20))`` a tensor in the values' own dtype; ``array.zarr`` the zarr array.
     In a partial store, rows of chunks not recorded as done read as NaN, never as the zeros
-    the file holds there; integer and boolean rows, which have no NaN, are refused.
+    the file holds there; integer and boolean rows, which have no NaN, are refused. A chunk that
+    fails its CRC32C, or whose file is gone, is a :class:`~hookscope.errors.StoreError` naming it.
     """
 
-    def __init__(self, zarr_array: Any, layout: SiteLayout, unwritten: _Unwritten | None = None) -> None:
+    def __init__(
+        self, zarr_array: Any, layout: SiteLayout, unwritten: _Unwritten | None = None, *, checks_files: bool = True
+    ) -> None:
         self.zarr = zarr_array
         self.layout = layout
         self._unwritten = unwritten
+        self._checks_files = checks_files  # format 2 writes every chunk's file; format 1 skipped all-zero ones
+        self._present: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -82,9 +88,10 @@ class StoreArray:
         return self.shape[0]
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        raw: np.ndarray = np.asarray(self.zarr[index])
+        rows = self._rows_read(index)
+        raw = self._read(index, rows)
         values = bits_to_tensor(raw, self.layout.torch_dtype).float().numpy() if self.layout.as_bits else raw
-        missing = self._missing(index)
+        missing = self._missing(rows)
         if missing is None:
             return values
         values = np.array(values, copy=True)
@@ -93,38 +100,131 @@ class StoreArray:
 
     def torch(self, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` as a tensor of the dtype the values had (``torch.bfloat16`` included)."""
-        values = bits_to_tensor(np.asarray(self.zarr[index]), self.layout.torch_dtype)
-        missing = self._missing(index)
+        rows = self._rows_read(index)
+        values = bits_to_tensor(self._read(index, rows), self.layout.torch_dtype)
+        missing = self._missing(rows)
         if missing is None:
             return values
         values = values.clone()
         values[torch.from_numpy(np.asarray(missing))] = torch.nan
         return values
 
-    def _missing(self, index: Any) -> np.ndarray | None:
-        """Which of the rows ``index`` reads were never written (a mask over them), or None when all were.
+    def _rows_read(self, index: Any) -> range | np.ndarray:
+        """The rows ``index`` reads, checked against the array's length and the memory they need.
 
-        A row index the mask cannot follow (a tuple whose first part is not the rows) is refused
-        rather than guessed.
+        A row index the checks cannot follow (a tuple whose first part is not the rows) is
+        refused rather than guessed. A read that would need more memory than the machine has is
+        refused before anything is allocated.
         """
-        if self._unwritten is None:
-            return None
         rows_index = index[0] if isinstance(index, tuple) and index else index
         if (isinstance(index, tuple) and not index) or rows_index is Ellipsis:
             rows_index = slice(None)
+        length = self.shape[0]
         try:
-            rows = np.arange(self.shape[0])[rows_index]
+            if isinstance(rows_index, slice):
+                rows: range | np.ndarray = range(length)[rows_index]
+            elif isinstance(rows_index, (int, np.integer)) and not isinstance(rows_index, bool):
+                rows = np.asarray(range(length)[int(rows_index)])  # 0-d: the read drops the rows axis
+            else:
+                picked = np.asarray(rows_index)
+                if picked.dtype == bool:
+                    if picked.shape != (length,):
+                        raise IndexError(f"a boolean row mask of shape {picked.shape} for {length} rows")
+                    rows = np.flatnonzero(picked)
+                else:
+                    rows = np.asarray(picked, dtype=np.int64).reshape(-1)
+                    rows = np.where(rows < 0, rows + length, rows)
+                    if rows.size and (rows.min() < 0 or rows.max() >= length):
+                        raise IndexError(f"a row index is out of bounds for {length} rows")
         except (IndexError, TypeError, ValueError) as error:
-            raise StoreError(f"rows {index!r} of {self.name!r}: {error}") from None
-        missing = ~self._unwritten.done[np.asarray(rows) // self._unwritten.chunk_rows]
+            raise StoreError(f"rows {index!r} of {self.name!r}: {error}", array=self.name) from None
+        count = len(rows) if isinstance(rows, range) else rows.size
+        needed = count * self.layout.row_bytes * (2 if self.layout.as_bits else 1)
+        if needed > _memory_bytes():
+            raise StoreError(
+                f"reading {count:,} rows of {self.name!r} needs {format_bytes(needed)}, more than this machine's "
+                f"memory ({format_bytes(_memory_bytes())}); read fewer rows at a time (store[{self.name!r}][i:j])",
+                array=self.name,
+            )
+        return rows
+
+    def _read(self, index: Any, rows: range | np.ndarray) -> np.ndarray:
+        """The stored values at ``index``; a lost or damaged chunk is a ``StoreError`` naming it.
+
+        zarr checks each chunk's CRC32C as it decodes it. A chunk recorded as done whose file is
+        gone would read as zeros, so the files of the done chunks a read touches are looked for
+        first (once per array and chunk; stores of format 2, which write every chunk's file).
+        """
+        chunks = self._chunks_of(rows)
+        for chunk in chunks:
+            if chunk not in self._present and self._written(chunk):
+                if missing_chunk(self.zarr, chunk):
+                    raise self._damaged(chunk, "its file is gone (the chunk is recorded as written)")
+                self._present.add(chunk)
+        try:
+            return np.asarray(self.zarr[index])
+        except MemoryError as error:
+            raise StoreError(f"reading {self.name!r} at {index!r}: {error}; read fewer rows", array=self.name) from None
+        except Exception as error:
+            if isinstance(error, (IndexError, TypeError)) and not isinstance(error, StoreError):
+                raise StoreError(f"{self.name!r}[{index!r}]: {error}", array=self.name) from None
+            raise self._culprit(chunks, error) from error
+
+    def _chunks_of(self, rows: range | np.ndarray) -> list[int]:
+        step = self.zarr.chunks[0]
+        if isinstance(rows, range):
+            if not len(rows):
+                return []
+            if abs(rows.step) == 1:
+                low, high = min(rows[0], rows[-1]), max(rows[0], rows[-1])
+                return list(range(low // step, high // step + 1))
+            rows = np.asarray(rows)
+        return [int(c) for c in np.unique(np.asarray(rows) // step)]
+
+    def _written(self, chunk: int) -> bool:
+        """True where the store says the chunk's file must exist."""
+        if not self._checks_files:
+            return False
+        return self._unwritten is None or bool(chunk < len(self._unwritten.done) and self._unwritten.done[chunk])
+
+    def _culprit(self, chunks: list[int], error: Exception) -> StoreError:
+        """The chunk a failed read broke on (read one by one: only on this error path)."""
+        step = self.zarr.chunks[0]
+        for chunk in chunks:
+            try:
+                self.zarr[chunk * step : (chunk + 1) * step]
+            except Exception as found:
+                return self._damaged(chunk, f"it cannot be read ({type(found).__name__}: {found})")
+        return StoreError(f"reading {self.name!r} failed: {type(error).__name__}: {error}", array=self.name)
+
+    def _damaged(self, chunk: int, reason: str) -> StoreError:
+        step = self.zarr.chunks[0]
+        first = chunk * step
+        last = min(first + step, self.shape[0]) - 1
+        return StoreError(
+            f"chunk {chunk} (rows {first}..{last}) of {self.name!r} is damaged: {reason}; run the same extraction "
+            "again, which checks every chunk and writes the damaged ones again (hs.open_store(path, verify=True) "
+            "lists them all)",
+            array=self.name,
+            chunk=chunk,
+        )
+
+    def _missing(self, rows: range | np.ndarray) -> np.ndarray | None:
+        """Which of ``rows`` were never written (a mask over them), or None when all were."""
+        if self._unwritten is None:
+            return None
+        picked = np.asarray(rows)
+        missing: np.ndarray = ~self._unwritten.done[picked // self._unwritten.chunk_rows]
         if not missing.any():
             return None
         if not self.torch_dtype.is_floating_point:
-            first = int(np.asarray(rows)[missing].flat[0])
+            first = int(picked[missing].flat[0])
             raise StoreError(
                 f"row {first} of {self.name!r} was never written (its chunk is not done) and {self.layout.dtype} "
                 "values have no NaN to show it; read rows of done chunks (store.done_chunks()), or run the "
-                "extraction again to finish the store"
+                "extraction again to finish the store",
+                array=self.name,
+                chunk=first // self._unwritten.chunk_rows,
             )
         return missing
 
@@ -154,7 +254,7 @@ class Store:
         self.target = target
         self.group = group
         self.meta = meta
-        self._layouts = [SiteLayout.from_json(record) for record in meta["sites"]]
+        self._layouts = list(checked_layout(target.label, group, meta).sites)
         self._by_key: dict[str, SiteLayout] = {}
         for layout in self._layouts:
             self._by_key[layout.name] = layout
@@ -203,7 +303,9 @@ class Store:
         layout = self._by_key.get(key)
         if layout is None:
             raise self._not_found(key)
-        return StoreArray(self.group[layout.name], layout, self._unwritten_rows())
+        return StoreArray(
+            self.group[layout.name], layout, self._unwritten_rows(), checks_files=self.meta.get("format") != 1
+        )
 
     def _unwritten_rows(self) -> _Unwritten | None:
         """Which chunks a partial store has not written, for its arrays to show as NaN; None when complete."""
@@ -216,6 +318,26 @@ class Store:
             if chunk < len(done):
                 done[chunk] = True
         return _Unwritten(done, chunk_rows)
+
+    def verify(self) -> None:
+        """Read every done chunk of every array and compare it with the checksums recorded when it
+        was written; ``StoreError`` listing the damaged ones (``.array`` and ``.chunk``: the first).
+
+        Reading a store already checks each chunk it touches (its CRC32C, and that its file is
+        there); this checks them all at once, e.g. after copying a store. Cost: one read of the
+        whole store. Running the same extraction again writes damaged chunks anew.
+        """
+        stored = stored_layout(self.meta)
+        damage = damaged_chunks(
+            self.group, stored.sites, Manifest(self.group), sorted(self.done_chunks()), stored.chunk_rows
+        )
+        if damage:
+            raise StoreError(
+                f"store {self.path!r} has {len(damage)} damaged chunk(s): {describe(damage, 5)}; run the same "
+                "extraction again, which writes them anew",
+                array=damage[0].array,
+                chunk=damage[0].chunk,
+            )
 
     def torch(self, key: str, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` of site ``key`` as a tensor of the values' own dtype."""
@@ -296,12 +418,17 @@ def _hf_rows(path: str, names: tuple[str, ...]) -> Iterator[dict[str, Any]]:
             yield {name: values[offset] for name, values in block.items()}
 
 
-def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> Store:
+def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, verify: bool = False) -> Store:
     """Open a store made by :func:`hookscope.extract` for reading.
 
     An incomplete store (a run that stopped part-way) raises ``StoreError`` naming how much is
     done; ``partial=True`` opens it anyway (rows of chunks not done read as NaN, and integer
     rows there are refused; ``store.done_chunks()`` says which are done).
+
+    The metadata is checked against the arrays before anything is read (rows, shapes, dtypes,
+    chunking): a store that contradicts itself is a ``StoreError`` naming the array. Every read
+    checks the chunks it touches; ``verify=True`` checks every chunk now (:meth:`Store.verify`:
+    one read of the whole store).
 
     >>> import tempfile, torch
     >>> from torch import nn
@@ -317,7 +444,10 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> 
     if not meta:
         what = "nothing" if meta is None else "a zarr store hookscope did not make"
         raise StoreError(f"{target.label!r} holds {what}; expected a store written by hookscope.extract")
-    group = open_group(target, writable=False)
+    try:
+        group = open_group(target, writable=False)
+    except Exception as error:
+        raise StoreError(f"store {target.label!r} cannot be opened: {type(error).__name__}: {error}") from error
     if meta.get("state") == "creating":
         raise StoreError(
             f"store {target.label!r} was cut short while it was being made and holds no data; run the extraction "
@@ -332,4 +462,84 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False) -> 
             f"store {target.label!r} is incomplete: {done}{of} chunks written (state {meta.get('state')!r}); run the "
             "same extraction again to finish it (it resumes), or open_store(path, partial=True) to read what is done"
         )
+    if verify:
+        store.verify()
     return store
+
+
+def stored_layout(meta: dict[str, Any]) -> Layout:
+    """The :class:`Layout` a store's hookscope attributes describe (checked: ``StoreError`` if they lie)."""
+    config = meta.get("config")
+    sites = meta.get("sites")
+    if not isinstance(config, dict) or not isinstance(sites, list):
+        raise StoreError("the store's hookscope attributes lack 'config' or 'sites'; it cannot be read as a store")
+    chunk_rows = config.get("chunk_rows")
+    batch_size = config.get("batch_size", chunk_rows)
+    rows = meta.get("rows")
+    if not isinstance(chunk_rows, int) or not isinstance(batch_size, int) or min(chunk_rows, batch_size) < 1:
+        raise StoreError(f"the store's chunk_rows {chunk_rows!r} is not a positive int; its attributes are damaged")
+    if rows is not None and not _whole(rows, least=0):
+        raise StoreError(f"the store's rows {rows!r} is not an int >= 0; its attributes are damaged")
+    layouts = []
+    for record in sites:
+        try:
+            layout = SiteLayout.from_json(record)
+            layout.stored  # noqa: B018  (a dtype name torch does not know raises here)
+        except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as error:
+            raise StoreError(
+                f"the store's record of a site ({str(record)[:80]}) is damaged: {type(error).__name__}: {error}"
+            ) from None
+        if not isinstance(layout.name, str) or not all(_whole(n, least=0) for n in layout.shape):
+            raise StoreError(f"the store's record of site {layout.name!r} is damaged: shape {list(layout.shape)}")
+        layouts.append(layout)
+    return Layout(tuple(layouts), rows, batch_size, chunk_rows)
+
+
+def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
+    """:func:`stored_layout`, with each array checked against it: present, its dtype, its row
+    shape, its chunking and (a store that knows it) its number of rows."""
+    layout = stored_layout(meta)
+    complete = meta.get("state") == "complete"
+    if complete and layout.rows is None:
+        raise StoreError(f"store {label!r} says it is complete but not how many rows it holds; it is damaged")
+    for site in layout.sites:
+        try:
+            array = group[site.name]
+            shape, chunks, dtype = tuple(array.shape), tuple(array.chunks), np.dtype(array.dtype)
+        except Exception as error:
+            raise StoreError(
+                f"array {site.name!r} of store {label!r} cannot be opened ({type(error).__name__}: {error}); the "
+                "store is damaged: run the extraction again with overwrite=True",
+                array=site.name,
+            ) from None
+        wanted = (site.stored, site.shape, (layout.chunk_rows, *site.shape))
+        if (dtype, shape[1:], chunks) != wanted or (layout.rows is not None and shape[0] != layout.rows):
+            rows = "N" if layout.rows is None else layout.rows
+            raise StoreError(
+                f"array {site.name!r} of store {label!r} is {shape} {dtype} in chunks of {chunks}, but the store's "
+                f"record says ({rows}, {', '.join(map(str, site.shape))}) {site.stored} in chunks of {wanted[2]}; "
+                "the store is damaged: run the extraction again with overwrite=True",
+                array=site.name,
+            )
+    if complete and layout.chunks is not None:
+        manifest = Manifest(group).array
+        if manifest is None or tuple(manifest.shape) != (layout.chunks,):
+            found = "none" if manifest is None else f"{tuple(manifest.shape)}"
+            raise StoreError(
+                f"store {label!r} says it holds {layout.rows:,} rows in {layout.chunks:,} chunks, but its manifest "
+                f"has {found} entries; the store is damaged: run the extraction again with overwrite=True",
+                array=f"{MANIFEST_GROUP}/done",
+            )
+    return layout
+
+
+def _whole(value: object, *, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _memory_bytes() -> int:
+    """Physical memory of this machine; a very large number where it cannot be read."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 2**62

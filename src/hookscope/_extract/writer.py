@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._extract.checksums import combine, crc32c
 from hookscope._extract.layout import Layout
 from hookscope._extract.zarr_io import Manifest
 from hookscope._shared.bits import tensor_to_numpy
@@ -35,6 +36,7 @@ __all__ = ["ChunkWriter", "Work", "WriterThread"]
 class _Chunk:
     arrays: list[np.ndarray]
     filled: int = 0
+    input_parts: list[int] = field(default_factory=list)  # see hookscope._extract.checksums
 
 
 @dataclass
@@ -61,9 +63,11 @@ class ChunkWriter:
     def _mine(self, chunk: int) -> bool:
         return chunk not in self.done and (self.owned is None or chunk in self.owned)
 
-    def put(self, start: int, values: Sequence[np.ndarray]) -> None:
-        """Rows ``start .. start + len(values[0])`` of every site, in layout order."""
+    def put(self, start: int, values: Sequence[np.ndarray], input_parts: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Rows ``start .. start + len(values[0])`` of every site, in layout order, and the checksum
+        parts of their input rows (``(chunk, part, rows)``, see :mod:`hookscope._extract.checksums`)."""
         stop = start + len(values[0])
+        parts = {chunk: part for chunk, part, _ in input_parts}
         for chunk in self.layout.chunks_of(start, stop):
             if not self._mine(chunk):
                 continue
@@ -73,6 +77,8 @@ class ChunkWriter:
             for buffer, value in zip(pending.arrays, values, strict=True):
                 buffer[low - first : high - first] = value[low - start : high - start]
             pending.filled += high - low
+            if chunk in parts:
+                pending.input_parts.append(parts[chunk])
             if pending.filled == last - first:  # every row of the chunk is there
                 self._flush(chunk, pending.filled)
 
@@ -95,13 +101,15 @@ class ChunkWriter:
             if self._free
             else [np.empty((self.layout.chunk_rows, *site.shape), dtype=site.stored) for site in self.layout.sites]
         )
-        self._chunks[chunk] = made = _Chunk(arrays)
+        self._chunks[chunk] = made = _Chunk(arrays)  # fresh parts: a reused buffer's were combined
         return made
 
     def _flush(self, chunk: int, rows: int) -> None:
         first = chunk * self.layout.chunk_rows
         pending = self._chunks.pop(chunk)
+        digests = []
         for site, array, buffer in zip(self.layout.sites, self._arrays, pending.arrays, strict=True):
+            digests.append(crc32c(buffer[:rows]))
             try:
                 if array.shape[0] < first + rows:  # a stream: the arrays grow as chunks land
                     array.resize((first + rows, *site.shape))
@@ -110,7 +118,7 @@ class ChunkWriter:
                 raise self._failure(chunk, rows, site.name, error) from error
             self.bytes_written += buffer[:rows].nbytes
         try:
-            self.manifest.mark(chunk)
+            self.manifest.mark(chunk, (combine(pending.input_parts), digests))
         except Exception as error:
             raise self._failure(chunk, rows, "the manifest", error) from error
         self.done.add(chunk)
@@ -137,6 +145,7 @@ class Work:
 
     start: int
     values: list[torch.Tensor]
+    input_parts: list[tuple[int, int, int]] = field(default_factory=list)
     ready: list[torch.cuda.Event] = field(default_factory=list)
     release: Callable[[], None] | None = None
 
@@ -183,7 +192,7 @@ class WriterThread:
             try:
                 for event in work.ready:
                     event.synchronize()  # the device-to-host copies of this batch have finished
-                self.writer.put(work.start, [tensor_to_numpy(value) for value in work.values])
+                self.writer.put(work.start, [tensor_to_numpy(value) for value in work.values], work.input_parts)
                 if work.release is not None:
                     work.release()
                 self.memory.check()  # trims free memory if resident memory drifted up (see hookscope._shared.memory)

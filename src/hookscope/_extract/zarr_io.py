@@ -30,6 +30,7 @@ from hookscope.errors import StoreError
 
 __all__ = [
     "FORMAT",
+    "MANIFEST_GROUP",
     "Manifest",
     "Target",
     "check_only_ours",
@@ -42,9 +43,11 @@ __all__ = [
     "zarr_module",
 ]
 
-FORMAT = 1
+FORMAT = 2  # 2: checksums per chunk, a CRC32C per chunk file, a writer record
+READABLE_FORMATS = (1, 2)
 META_KEY = "hookscope"
 MANIFEST_GROUP = "_hookscope"
+WRITER_RECORD = "writer.json"  # in MANIFEST_GROUP: who writes the store now (see hookscope._extract.holder)
 
 
 def zarr_module() -> ModuleType:
@@ -81,14 +84,14 @@ def read_meta(target: Target) -> dict[str, Any] | None:
     if target.path is not None:
         if target.path.exists() and not target.path.is_dir():
             raise StoreError(f"out {target.label!r} is a file; expected a directory for a zarr store, e.g. feats.zarr")
-        if not target.path.exists() or not any(target.path.iterdir()):
+        if not target.path.exists() or not [e for e in target.path.iterdir() if not _only_a_writer_record(e)]:
             return None
         if not (target.path / "zarr.json").exists():
             raise StoreError(
                 f"out {target.label!r} holds files and is not a zarr store; hookscope replaces only stores: "
                 "choose another path, or remove it yourself"
             )
-    elif zarr.core.sync.sync(target.store.is_empty("")):
+    elif not [e for e in _entries(target) if e != MANIFEST_GROUP] and not _has_zarr_json(target):
         return None
     try:
         group = zarr.open_group(store=target.store, mode="r")
@@ -117,7 +120,9 @@ def clear(target: Target, meta: dict[str, Any]) -> None:
     ordered = [e for e in entries if e != "zarr.json"]
     ordered += [e for e in entries if e == "zarr.json"]
     for entry in ordered:
-        if target.path is not None:
+        if entry == MANIFEST_GROUP:  # everything in it but the writer record, which is the caller's
+            _clear_manifest(target)
+        elif target.path is not None:
             found = target.path / entry
             if found.is_dir() and not found.is_symlink():
                 shutil.rmtree(found)
@@ -128,11 +133,48 @@ def clear(target: Target, meta: dict[str, Any]) -> None:
             zarr.core.sync.sync(target.store.delete(entry))
 
 
+def _clear_manifest(target: Target) -> None:
+    """Delete the manifest group's contents, keeping the writer record (``_hookscope/writer.json``)."""
+    if target.path is not None:
+        folder = target.path / MANIFEST_GROUP
+        if not folder.is_dir() or folder.is_symlink():
+            folder.unlink(missing_ok=True)
+            return
+        for found in folder.iterdir():
+            if found.name == WRITER_RECORD or found.name.startswith(".writer."):
+                continue
+            if found.is_dir() and not found.is_symlink():
+                shutil.rmtree(found)
+            else:
+                found.unlink(missing_ok=True)
+        return
+    zarr = zarr_module()
+
+    async def listed() -> list[str]:
+        return [key async for key in target.store.list_prefix(f"{MANIFEST_GROUP}/")]
+
+    for key in zarr.core.sync.sync(listed()):
+        if key != f"{MANIFEST_GROUP}/{WRITER_RECORD}":
+            zarr.core.sync.sync(target.store.delete(key))
+
+
+def _only_a_writer_record(entry: Path) -> bool:
+    """True for a ``_hookscope`` folder that holds nothing but a writer record (a store about to be made)."""
+    if entry.name != MANIFEST_GROUP or not entry.is_dir():
+        return False
+    return all(found.name == WRITER_RECORD or found.name.startswith(".writer.") for found in entry.iterdir())
+
+
+def _has_zarr_json(target: Target) -> bool:
+    return bool(zarr_module().core.sync.sync(target.store.exists("zarr.json")))
+
+
 def check_only_ours(target: Target, meta: dict[str, Any]) -> list[str]:
     """The entries at the top of ``target``; ``StoreError`` naming any that hookscope did not write."""
     sites = meta.get("sites")
     named = {site.get("name") for site in sites if isinstance(site, dict)} if isinstance(sites, list) else set()
-    ours = {"zarr.json"} | ({MANIFEST_GROUP} | {n for n in named if isinstance(n, str)} if meta else set())
+    # the manifest group also holds the writer record, made before anything else, in any store
+    ours = {"zarr.json", MANIFEST_GROUP} | ({n for n in named if isinstance(n, str)} if meta else set())
     entries = _entries(target)
     foreign = [e for e in entries if e not in ours and not _PARTIAL.search(e)]
     if foreign:
@@ -165,7 +207,10 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
         group = zarr.create_group(  # not overwrite=True: zarr would delete everything under the path
             store=target.store, overwrite=False, attributes={META_KEY: {**meta, "state": "creating"}}
         )
-        compressors = [zarr.codecs.ZstdCodec(level=compression_level)] if compression_level is not None else None
+        # zstd, then a CRC32C of the compressed bytes that zarr checks on every read: a flipped bit
+        # is an error, never other values
+        compressors = [zarr.codecs.ZstdCodec(level=compression_level)] if compression_level is not None else []
+        compressors.append(zarr.codecs.Crc32cCodec())
         rows = layout.rows if layout.rows is not None else 0
         for site in layout.sites:
             group.create_array(
@@ -175,10 +220,12 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
                 dtype=site.stored,
                 compressors=compressors,
                 fill_value=0,
+                # every written chunk has a file, so a missing file is a lost chunk, not zeros
+                config={"write_empty_chunks": True},
                 dimension_names=["row", *(f"{site.name}.{axis}" for axis in range(1, len(site.shape) + 1))],
                 attributes={META_KEY: site.to_json()},
             )
-        Manifest.create(group, layout.chunks or 0)
+        Manifest.create(group, layout.chunks or 0, len(layout.sites))
         write_meta(group, {**meta, "state": "writing"})
     except OSError as error:
         raise StoreError(f"out {target.label!r} cannot be written: {error}; choose a writable path") from error
@@ -207,15 +254,25 @@ def write_meta(group: Any, meta: dict[str, Any]) -> None:
 
 
 class Manifest:
-    """Which chunks have landed: ``done[c] == 1`` once every site's chunk ``c`` is written."""
+    """Which chunks have landed, and their checksums.
+
+    ``done[c] == 1`` once every site's chunk ``c`` is written. ``digests[c]`` holds, for that
+    chunk, the CRC32C of the input rows that made it (column 0) and of each site's stored bytes
+    (columns 1..), written just before ``done[c]``; -1 where none was recorded (a store of
+    format 1). One element file per chunk in both, so each process writes only its own.
+    """
 
     def __init__(self, group: Any) -> None:
         self.array = group.get(f"{MANIFEST_GROUP}/done")  # None in a store cut short while being made
+        self.digests = group.get(f"{MANIFEST_GROUP}/digests")  # None in a store of format 1
 
     @staticmethod
-    def create(group: Any, chunks: int) -> None:
-        holder = group.create_group(MANIFEST_GROUP)
+    def create(group: Any, chunks: int, sites: int) -> None:
+        holder = group.require_group(MANIFEST_GROUP)  # its folder may exist already: it holds the writer record
         holder.create_array("done", shape=(chunks,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
+        holder.create_array(
+            "digests", shape=(chunks, sites + 1), chunks=(1, sites + 1), dtype="int64", fill_value=-1, compressors=None
+        )
 
     def done(self) -> set[int]:
         """The chunks recorded as done; an element that cannot be read counts as not done."""
@@ -233,9 +290,32 @@ class Manifest:
         except Exception:
             return False
 
-    def mark(self, chunk: int) -> None:
-        """Record ``chunk`` as done; grows the manifest for a stream whose length is not known."""
+    def digests_of(self, chunk: int) -> tuple[int | None, list[int | None]]:
+        """``(inputs, [site, ...])`` recorded for ``chunk``; None for each one not recorded."""
+        if self.digests is None or chunk >= self.digests.shape[0]:
+            return None, []
+        try:
+            row = [int(v) for v in np.asarray(self.digests[chunk])]
+        except Exception:
+            return None, []
+        known = [v if v >= 0 else None for v in row]
+        return known[0], known[1:]
+
+    def mark(self, chunk: int, digests: tuple[int, list[int]] | None = None) -> None:
+        """Record ``chunk`` as done, after its ``(inputs, [site, ...])`` checksums; grows the manifest
+        for a stream whose length is not known."""
         assert self.array is not None, "the manifest is made with the store"
         if chunk >= self.array.shape[0]:
             self.array.resize((chunk + 1,))
+        if digests is not None and self.digests is not None:
+            if chunk >= self.digests.shape[0]:
+                self.digests.resize((chunk + 1, self.digests.shape[1]))
+            inputs, values = digests
+            self.digests[chunk] = np.array([inputs, *values], dtype=np.int64)
         self.array[chunk] = 1
+
+    def unmark(self, chunks: list[int]) -> None:
+        """Record ``chunks`` as not done (found damaged): the next run writes them again."""
+        assert self.array is not None, "the manifest is made with the store"
+        for chunk in chunks:
+            self.array[chunk] = 0

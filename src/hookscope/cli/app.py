@@ -28,6 +28,7 @@ from hookscope.errors import (
     HookscopeError,
     OutputWriteError,
     SpecError,
+    StoreBusyError,
     StoreWriteError,
 )
 
@@ -43,6 +44,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopp
 EXIT_CODES: dict[type[BaseException], int] = {
     HookscopeError: EXIT_BAD_INPUT,  # a spec, selector, option, file or store the command named
     DataError: EXIT_FAILURE,  # the data broke a promise part-way (fewer rows than its len(), ...)
+    StoreBusyError: EXIT_FAILURE,  # another process is writing the store now: run again once it is done
     StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
     OutputWriteError: EXIT_FAILURE,  # a file's write failed part-way (disk full); nothing was left
     ConcurrentPassError: EXIT_FAILURE,  # another thread ran the model meanwhile: nothing the command did
