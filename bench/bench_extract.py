@@ -16,6 +16,8 @@ Why: extraction runs for hours over large data sets, so what it adds to the forw
 is ``extract`` at least 0.9x the rows/s of ``forward`` (median of per-round ratios).
 
 Before timing, the script checks that the store's rows equal the naive loop's arrays (to float32 round-off).
+After timing, it times the store's integrity work alone: the checksums of every chunk's values and input rows,
+the full model fingerprint, and a rerun on the complete store, which checks every chunk and input row.
 
 How it is measured: each round runs every method once over all the rows, in an order rotated from round to
 round, after a full garbage collection; the figures are medians of per-round ratios, since the machine drifts.
@@ -39,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +57,8 @@ from transformers import GPT2Config, GPT2Model
 
 import common
 import hookscope as hs
+from hookscope._extract.checksums import crc32c
+from hookscope._extract.config import fingerprint
 
 TARGET = 0.9
 N_LAYER, QUICK_N_LAYER = 6, 2
@@ -151,6 +156,38 @@ def check(methods: Methods, model: nn.Module, ids: torch.Tensor) -> list[str]:
     ]
 
 
+def integrity(methods: Methods, model: nn.Module, ids: torch.Tensor, forward_s: float) -> list[str]:
+    """What the store's integrity costs, each part timed alone, as notes for the report.
+
+    The checksums written with every chunk (its values and its input rows) and the writer record
+    are inside ``extract``'s time above; here each part is also timed on its own, and so is the
+    check a resumed or repeated run makes of every done chunk (reading the store and the input
+    rows again, the model not run), against the forward over the same rows.
+    """
+    out = methods.scratch / "store.zarr"  # complete, from check()
+    store = hs.open_store(out)
+    values = [store[site][:] for site in methods.sites]
+    started = time.perf_counter()
+    for array in values:
+        crc32c(array)
+    crc32c(ids.numpy())
+    checksums = time.perf_counter() - started
+    started = time.perf_counter()
+    fingerprint(model)
+    fingerprinted = time.perf_counter() - started
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    started = time.perf_counter()
+    hs.extract(model, ids, methods.sites, out, reduce="mean:1", batch_size=BATCH, progress=False)  # checks, writes none
+    rerun = time.perf_counter() - started
+    return [
+        f"integrity, timed alone: checksums of every chunk's values and input rows {checksums * 1e3:.1f} ms "
+        f"({checksums / forward_s:.2%} of the forward); full model fingerprint ({size / 2**20:.0f} MiB of weights) "
+        f"{fingerprinted * 1e3:.0f} ms, once per run",
+        f"a rerun on the complete store (every chunk read and checked, every input row checked, no forward): "
+        f"{rerun:.2f} s, {rerun / forward_s:.3f}x the forward over the same rows",
+    ]
+
+
 def bench(quick: bool, rows: int, rounds: int) -> Table:
     n_layer = QUICK_N_LAYER if quick else N_LAYER
     config = GPT2Config(n_layer=n_layer)
@@ -161,6 +198,7 @@ def bench(quick: bool, rows: int, rounds: int) -> Table:
         methods = Methods(sites, Path(scratch))
         notes = check(methods, model, ids)
         times = common.measure(methods.runs(), model, ids, rounds, warmup=0, first_round=None)
+        notes += integrity(methods, model, ids, statistics.median(times[FORWARD]))
     title = f"GPT-2 {n_layer} layers, {rows:,} sequences x {SEQ_LEN} tokens, batch {BATCH}"
     return Table("gpt2", title, rows, times, notes)
 

@@ -29,7 +29,7 @@ from tests.models import tiny_gpt2
 ROWS, BATCH = 12, 4  # three chunks of four rows
 
 
-def run(model: nn.Module, data: Any, out: Path, layers: Any = "0", **options: Any) -> hs.Store:
+def run(model: nn.Module, data: Any, out: Any, layers: Any = "0", **options: Any) -> hs.Store:
     return hs.extract(model, data, layers, out, progress=False, batch_size=BATCH, chunk_rows=BATCH, **options)
 
 
@@ -468,3 +468,38 @@ def test_a_zarr_reader_sees_the_arrays_and_the_manifest_and_no_warning(tmp_path:
         group = zarr.open_group(out, mode="r")
         assert sorted(group.keys()) == ["0", "_hookscope"]
         assert np.array_equal(group["0"][:], reference(model, x))
+
+
+# -- any zarr store, and the command line ------------------------------------------------------------
+
+
+def test_a_store_in_memory_is_held_checked_and_repaired_the_same_way() -> None:
+    """Stores that are not local paths (zarr ``Store`` objects: memory, fsspec) take the same record and checks."""
+    model, x = model_and_rows()
+    memory = zarr.storage.MemoryStore()
+    run(model, x, memory)
+    assert RECORD_KEY not in memory._store_dict
+    del memory._store_dict["0/c/2/0"]
+    with pytest.raises(hs.StoreError, match=r"chunk 2 \(rows 8..11\) of '0' is damaged: its file is gone"):
+        hs.open_store(memory)["0"][:]
+    with pytest.warns(hs.StoreRepairWarning):
+        assert np.array_equal(run(model, x, memory)["0"][:], reference(model, x))
+    record = {"host": "elsewhere", "pid": 1, "heartbeat": time.time(), "started": time.time(), "token": "t"}
+    prototype = zarr.core.buffer.default_buffer_prototype()
+    zarr.core.sync.sync(memory.set(RECORD_KEY, prototype.buffer.from_bytes(json.dumps(record).encode())))
+    with pytest.raises(hs.StoreBusyError, match="pid 1 on elsewhere"):
+        run(model, x, memory, overwrite=True)
+
+
+def test_the_command_line_exits_1_naming_the_other_writer(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from tests.test_cli import run_cli
+
+    out = tmp_path / "f.zarr"
+    write_record(out, host="gpu-node-7", pid=4242, command="hookscope extract demo:cnn ...")
+    code, _, err = run_cli(
+        capsys, "extract", "demo:cnn", "--data", "random:8:3x32x32", "-l", "fc", "-o", str(out), "-b", "4"
+    )
+    assert code == 1
+    assert "is being written by another process: pid 4242 on gpu-node-7" in err
+    assert "(hookscope extract demo:cnn ...)" in err
+    assert "Traceback" not in err

@@ -51,13 +51,19 @@ class StoreArray:
     """
 
     def __init__(
-        self, zarr_array: Any, layout: SiteLayout, unwritten: _Unwritten | None = None, *, checks_files: bool = True
+        self,
+        zarr_array: Any,
+        layout: SiteLayout,
+        unwritten: _Unwritten | None = None,
+        *,
+        checks_files: bool = True,
+        present: set[int] | None = None,
     ) -> None:
         self.zarr = zarr_array
         self.layout = layout
         self._unwritten = unwritten
         self._checks_files = checks_files  # format 2 writes every chunk's file; format 1 skipped all-zero ones
-        self._present: set[int] = set()
+        self._present = set() if present is None else present  # chunks whose file was seen: the store's, shared
 
     @property
     def name(self) -> str:
@@ -256,6 +262,7 @@ class Store:
         self.meta = meta
         self._layouts = list(checked_layout(target.label, group, meta).sites)
         self._by_key: dict[str, SiteLayout] = {}
+        self._present: dict[str, set[int]] = {}  # per array, the chunks whose file a read has seen
         for layout in self._layouts:
             self._by_key[layout.name] = layout
             self._by_key.setdefault(layout.site, layout)
@@ -304,7 +311,11 @@ class Store:
         if layout is None:
             raise self._not_found(key)
         return StoreArray(
-            self.group[layout.name], layout, self._unwritten_rows(), checks_files=self.meta.get("format") != 1
+            self.group[layout.name],
+            layout,
+            self._unwritten_rows(),
+            checks_files=self.meta.get("format") != 1,
+            present=self._present.setdefault(layout.name, set()),
         )
 
     def _unwritten_rows(self) -> _Unwritten | None:
