@@ -384,3 +384,64 @@ class TestRealModels:
         with hs.hooks(inplace, {"fc": lambda m, a, o: kept.append(o.detach().clone())}):
             inplace(torch.randn(8, 4))
         assert (kept[0] < 0).any(), "a cloned output keeps the values the in-place ReLU overwrote"
+
+
+class TestRemoveAll:
+    def test_every_hookscope_hook_goes_and_a_raw_hook_stays(self) -> None:
+        torch.manual_seed(0)
+        model = SmallCNN()
+        x = torch.randn(2, 3, 32, 32)
+        with torch.no_grad():
+            plain = model(x)
+            conv1 = model.conv1(x)
+        seen: list[torch.Size] = []
+        raw = model.fc.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        capture = hs.capture(model, "conv1")
+        tracer = hs.tracing(model)
+        editor = hs.edit(model, {"fc": hs.edits.zero()})
+        with torch.no_grad():
+            assert torch.equal(model(x), torch.zeros_like(plain))  # the edit is on
+        listed = len(hs.attached(model))
+        assert hs.remove_all(model) == listed > 0
+        assert hs.attached(model) == []
+        for name, module in model.named_modules():
+            assert list(module._forward_hooks) == ([raw.id] if name == "fc" else []), name
+            assert not module._forward_pre_hooks, name
+            assert not module._load_state_dict_post_hooks, name  # the groups' anchors went too
+        for feature in (capture, tracer, editor):
+            assert not feature.live
+            feature.remove()  # still safe: nothing more to do
+        with torch.no_grad():
+            assert torch.equal(model(x), plain)  # no edit, and the raw hook ran both times
+        assert len(seen) == 2
+        assert torch.equal(capture.cache["conv1"], conv1)  # what was captured stays readable
+        assert hs.remove_all(model) == 0
+        raw.remove()
+
+    def test_a_submodule_takes_only_the_groups_that_hook_inside_it(self) -> None:
+        model = SmallCNN()
+        inside = hs.hooks(model.fc, {"": lambda module, args, output: None})
+        outside = hs.capture(model, "conv1")
+        assert hs.remove_all(model.fc) == 1
+        assert not inside.live
+        assert outside.live
+        outside.remove()
+
+    def test_a_capture_cut_short_by_ctrl_c_lets_go_of_its_write_guard(self) -> None:
+        class Interrupted(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.conv = nn.Conv2d(3, 16, 3)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                self.conv(x)
+                raise KeyboardInterrupt
+
+        model = Interrupted()
+        capture = hs.capture(model, "conv")
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 3, 64, 64))  # a large output: the capture watches later writes to it
+        assert torch.overrides._get_current_function_mode_stack()  # left on by the cut-short pass
+        hs.remove_all(model)
+        assert torch.overrides._get_current_function_mode_stack() == []
+        assert not capture.live

@@ -15,7 +15,7 @@ from __future__ import annotations
 from hookscope import edits, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
-from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached
+from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached, remove_all
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.tree import flatten_tensors, map_tensors
@@ -139,6 +139,7 @@ __all__ = [
     "open_store",
     "parse_dtype",
     "plots",
+    "remove_all",
     "report",
     "run_with_capture",
     "run_with_edits",
