@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope._core.attach import attached as attached_hooks
 from tests.conftest import raw_hook_count
 from tests.models import (
     HalfRefuses,
@@ -445,3 +446,45 @@ class TestRemoveAll:
         hs.remove_all(model)
         assert torch.overrides._get_current_function_mode_stack() == []
         assert not capture.live
+
+
+class TestAttachedTable:
+    def test_a_detector_prints_as_one_row_per_group(self) -> None:
+        model = SmallCNN()
+        modules = len(list(model.modules()))  # the root, conv1, relu, pool, fc
+        with hs.detect_nonfinite(model):
+            listed = hs.attached(model)
+            in_torch = raw_hook_count(model)  # read from PyTorch's own hook dicts
+            pre = sum(len(module._forward_pre_hooks) for module in model.modules())
+            lines = repr(listed).splitlines()
+            html = listed._repr_html_()
+        assert len(listed) == in_torch == 4 * modules
+        assert lines[0] == f"{in_torch} hookscope hooks in 1 group"
+        assert lines[1].split() == ["group", "owner", "hooks", "modules", "also"]
+        assert lines[3].split()[1:] == [
+            "detect_nonfinite",
+            f"forward_pre×{pre // 2}",  # its own; the other half count calls
+            f"forward×{modules}",
+            str(modules),
+            str(2 * modules),
+            "call",
+            "counters",
+        ]
+        assert len(lines) == 5  # title, header, rule, the row, the note on removing
+        assert str(listed) == repr(listed)
+        assert '<td style="text-align:left">detect_nonfinite</td>' in html
+        assert repr(hs.attached(model)) == "no hookscope hooks attached"
+
+    def test_it_is_still_the_list_of_hooks(self) -> None:
+        model = SmallCNN()
+        with hs.hooks(model, {"fc": lambda module, args, output: None}) as group:
+            listed = hs.attached(model)
+            plain = attached_hooks(model)  # the core's plain list
+        assert isinstance(listed, list)
+        assert listed == plain
+        assert plain == listed
+        assert len(listed) == len(plain) == 1
+        assert listed[0] == hs.AttachedHook("fc", "forward", "hooks", group, "hook")
+        assert listed[-1:] == plain[-1:]
+        assert [hook.module for hook in listed] == ["fc"]
+        assert hs.attached(model) == []
