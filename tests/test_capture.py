@@ -414,6 +414,12 @@ class TestCacheApi:
         with pytest.raises(KeyError):
             cache["nope"]
 
+    def test_the_root_is_named_as_tables_show_it(self) -> None:
+        model = track(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
+        output, cache = hs.run_with_capture(model, torch.randn(2, 4), layers=["", "0"])
+        assert torch.equal(cache["(root)"], output)  # the label tables and messages give the model
+        assert torch.equal(cache["(root)#0:output"], cache[""])
+
     def test_numpy_to_nbytes_repr(self) -> None:
         cache = self.make()
         arrays = cache.numpy()

@@ -278,3 +278,36 @@ def test_ctrl_c_says_what_is_recorded_and_the_same_command_resumes(tmp_path: Pat
         f"resumed after {kept:,} chunks: {kept * 8:,} of 100,000 rows were recorded by an earlier run" in second.stdout
     )
     assert f"error: interrupted (Ctrl-C): {_done_chunks(out):,} of 12,500 chunks" in second.stderr
+
+
+def test_progress_to_a_pipe_is_plain_lines(tmp_path: Path) -> None:
+    out = tmp_path / "f.zarr"
+    argv = ["extract", "demo:cnn", "--data", "random:40:3x32x32", "-l", "fc", "-o", str(out), "-b", "8"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(hs.__file__).parents[1])}
+    command = [sys.executable, "-m", "hookscope", *argv]
+    piped = subprocess.run(
+        [*command, "--progress"],
+        env={**env, "HOOKSCOPE_PROGRESS_INTERVAL": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert piped.returncode == 0, piped.stderr
+    lines = [line for line in piped.stderr.splitlines() if line.startswith("extract → f.zarr: ")]
+    assert "\x1b" not in piped.stderr
+    assert [line.split(" rows")[0].split(": ")[1] for line in lines] == [
+        "8/40",
+        "16/40",
+        "24/40",
+        "32/40",
+        "40/40",
+        "40/40",
+    ]
+    assert lines[0].split(", ")[2].startswith("ETA ")
+    assert lines[-1].split(", ")[2].startswith("done in ")
+    assert lines[-1].endswith(" written")
+    assert hs.open_store(out)["fc"].shape == (40, 10)
+    quiet = subprocess.run([*command, "--overwrite"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "extract →" not in quiet.stderr  # not asked for, and no terminal: nothing

@@ -602,3 +602,22 @@ def test_float32_against_float64_is_not_compared_as_integers() -> None:
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     b, x = copy.deepcopy(a).double(), torch.randn(2, 4)
     assert hs.diff(a, b, x, inputs_b=((x.double(),), {})).within(rtol=1e-5, atol=1e-6)
+
+
+def test_rows_are_found_by_every_spelling_a_cache_key_takes() -> None:
+    a = mlp()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[2].weight.mul_(2)  # type: ignore[operator]
+    x = torch.randn(4, 8)
+    d = hs.diff(a, b, x)
+    assert d["2:output"] is d["2"]
+    assert d["2#0:output"] is d["2"]
+    assert d["(root)"] is d[""]
+    assert d["2"].metrics is not None
+    want = (a[2](a[1](a[0](x))) - b[2](b[1](b[0](x)))).abs().max().item()  # type: ignore[operator]
+    assert d["2"].metrics.max_abs == pytest.approx(want, rel=1e-6)
+    with pytest.raises(hs.SiteNotFoundError, match="nothing was compared for '22'; did you mean '2'"):
+        d["22"]
+    with pytest.raises(hs.SiteNotFoundError, match=r"call 1 was not compared; calls kept: \[0\]"):
+        d["2#1"]

@@ -3,6 +3,7 @@ padding-aware reductions, dtypes, resuming, refusals, and a store any zarr reade
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -674,3 +675,47 @@ def test_to_hf_dataset(tmp_path: Path) -> None:
 def test_open_store_refuses_what_is_not_a_store(tmp_path: Path) -> None:
     with pytest.raises(hs.StoreError, match="holds nothing"):
         hs.open_store(tmp_path / "missing.zarr")
+
+
+PROGRESS_LINE = re.compile(
+    r"^extract → f\.zarr: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<percent>\d+)%\), [\d,]+ rows/s, "
+    r"(?:ETA \d+:\d\d:\d\d|done in \d+:\d\d:\d\d), (?P<bytes>[\d.]+ (?:B|KiB|MiB)) written$"
+)
+
+
+def test_progress_asked_for_off_a_terminal_writes_plain_lines(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOOKSCOPE_PROGRESS_INTERVAL", "0")  # a line after every batch
+    model = track(nn.Sequential(nn.Linear(4, 3)))
+    rows = torch.randn(10, 4)
+    store = hs.extract(model, rows, "0", tmp_path / "f.zarr", batch_size=4, progress=True)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err  # no colours, no cursor movement: a log file stays readable
+    lines = err.splitlines()
+    found = [PROGRESS_LINE.match(line) for line in lines]
+    assert all(found), lines
+    assert [(m["rows"], m["total"], m["percent"]) for m in found if m] == [
+        ("4", "10", "40"),
+        ("8", "10", "80"),
+        ("10", "10", "100"),
+        ("10", "10", "100"),  # the last line, once the writer is done
+    ]
+    assert lines[-1].split(", ")[2].startswith("done in")
+    assert np.allclose(store["0"][:], model(rows).detach().numpy(), atol=1e-6)
+
+
+def test_progress_lines_are_spaced_and_silent_unless_asked_for(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HOOKSCOPE_PROGRESS_INTERVAL", raising=False)
+    model = track(nn.Sequential(nn.Linear(4, 3)))
+    hs.extract(model, torch.randn(10, 4), "0", tmp_path / "f.zarr", batch_size=2, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1  # 10 s between lines: a run this short has only its last one
+    assert lines[0].startswith("extract → f.zarr: 10/10 rows (100%)")
+    hs.extract(model, torch.randn(10, 4), "0", tmp_path / "g.zarr", batch_size=2)  # progress=None: no terminal
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("HOOKSCOPE_PROGRESS_INTERVAL", "soon")
+    with pytest.raises(hs.SpecError, match=r"HOOKSCOPE_PROGRESS_INTERVAL='soon' is not a number of seconds"):
+        hs.extract(model, torch.randn(10, 4), "0", tmp_path / "h.zarr", batch_size=2, progress=True)

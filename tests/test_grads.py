@@ -348,7 +348,7 @@ def test_plots_draw_the_recorded_steps(tmp_path: Any) -> None:
         assert pixels.std() > 0.05, f"{name} looks blank"
     with pytest.raises(SpecError, match="step 7 was not recorded"):
         hs.plots.grad_flow(monitor, step=7)
-    with pytest.raises(SpecError, match="were not recorded"):
+    with pytest.raises(hs.SiteNotFoundError, match="nothing was recorded for 'nope'"):
         hs.plots.grad_history(monitor, layers=["nope"])
 
 
@@ -703,3 +703,39 @@ def test_all_zero_gradients_are_flagged() -> None:
         (model(torch.randn(3, 2)) * 0).sum().backward()
         monitor.step()
     assert set(monitor.summary().layers("vanishing")) == {"0#0", "1#0"}
+
+
+def test_grad_history_takes_every_spelling_a_cache_key_takes() -> None:
+    torch.manual_seed(0)
+    model = SharedTwice()
+    x = torch.randn(3, 4)
+    with hs.watch_grads(model) as monitor:
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+            monitor.step()
+    first = model.shared(x)
+    second = model.shared(torch.relu(first))
+    out = model.head(second)
+    wanted = torch.autograd.grad(out.pow(2).sum(), [out, second, first])  # autograd's, no hooks
+    keys = ["head", "shared", "shared#0", "shared#1:output", "shared#0:output"]
+    figure = hs.plots.grad_history(monitor, layers=keys)
+    lines = figure.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["head#0", "shared#1", "shared#0"]  # "shared": its last call
+    for line, grad in zip(lines, wanted, strict=True):
+        assert list(line.get_ydata()) == pytest.approx([grad.norm().item()] * 2, rel=1e-5)
+    params = hs.plots.grad_history(monitor, layers=["head.weight"], what="param")
+    assert [line.get_label() for line in params.axes[0].get_lines()] == ["head.weight"]
+
+
+def test_grad_history_names_the_closest_recorded_layers_on_a_miss() -> None:
+    model = SharedTwice()
+    with hs.watch_grads(model) as monitor:
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+    with pytest.raises(hs.SiteNotFoundError, match="nothing was recorded for 'heads'; did you mean 'head'") as info:
+        hs.plots.grad_history(monitor, layers=["heads"])
+    assert info.value.candidates == ("head",)
+    with pytest.raises(hs.SiteNotFoundError, match=r"call 2 was not recorded; calls kept: \[0, 1\]"):
+        hs.plots.grad_history(monitor, layers=["shared#2"])
+    with pytest.raises(hs.SiteNotFoundError, match="did you mean 'head.weight'"):
+        hs.plots.grad_history(monitor, layers=["head.wieght"], what="param")

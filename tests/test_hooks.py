@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope._core.attach import attached as attached_hooks
 from tests.conftest import raw_hook_count
 from tests.models import (
     HalfRefuses,
@@ -384,3 +385,106 @@ class TestRealModels:
         with hs.hooks(inplace, {"fc": lambda m, a, o: kept.append(o.detach().clone())}):
             inplace(torch.randn(8, 4))
         assert (kept[0] < 0).any(), "a cloned output keeps the values the in-place ReLU overwrote"
+
+
+class TestRemoveAll:
+    def test_every_hookscope_hook_goes_and_a_raw_hook_stays(self) -> None:
+        torch.manual_seed(0)
+        model = SmallCNN()
+        x = torch.randn(2, 3, 32, 32)
+        with torch.no_grad():
+            plain = model(x)
+            conv1 = model.conv1(x)
+        seen: list[torch.Size] = []
+        raw = model.fc.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        capture = hs.capture(model, "conv1")
+        tracer = hs.tracing(model)
+        editor = hs.edit(model, {"fc": hs.edits.zero()})
+        with torch.no_grad():
+            assert torch.equal(model(x), torch.zeros_like(plain))  # the edit is on
+        listed = len(hs.attached(model))
+        assert hs.remove_all(model) == listed > 0
+        assert hs.attached(model) == []
+        for name, module in model.named_modules():
+            assert list(module._forward_hooks) == ([raw.id] if name == "fc" else []), name
+            assert not module._forward_pre_hooks, name
+            assert not module._load_state_dict_post_hooks, name  # the groups' anchors went too
+        for feature in (capture, tracer, editor):
+            assert not feature.live
+            feature.remove()  # still safe: nothing more to do
+        with torch.no_grad():
+            assert torch.equal(model(x), plain)  # no edit, and the raw hook ran both times
+        assert len(seen) == 2
+        assert torch.equal(capture.cache["conv1"], conv1)  # what was captured stays readable
+        assert hs.remove_all(model) == 0
+        raw.remove()
+
+    def test_a_submodule_takes_only_the_groups_that_hook_inside_it(self) -> None:
+        model = SmallCNN()
+        inside = hs.hooks(model.fc, {"": lambda module, args, output: None})
+        outside = hs.capture(model, "conv1")
+        assert hs.remove_all(model.fc) == 1
+        assert not inside.live
+        assert outside.live
+        outside.remove()
+
+    def test_a_capture_cut_short_by_ctrl_c_lets_go_of_its_write_guard(self) -> None:
+        class Interrupted(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.conv = nn.Conv2d(3, 16, 3)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                self.conv(x)
+                raise KeyboardInterrupt
+
+        model = Interrupted()
+        capture = hs.capture(model, "conv")
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 3, 64, 64))  # a large output: the capture watches later writes to it
+        assert torch.overrides._get_current_function_mode_stack()  # left on by the cut-short pass
+        hs.remove_all(model)
+        assert torch.overrides._get_current_function_mode_stack() == []
+        assert not capture.live
+
+
+class TestAttachedTable:
+    def test_a_detector_prints_as_one_row_per_group(self) -> None:
+        model = SmallCNN()
+        modules = len(list(model.modules()))  # the root, conv1, relu, pool, fc
+        with hs.detect_nonfinite(model):
+            listed = hs.attached(model)
+            in_torch = raw_hook_count(model)  # read from PyTorch's own hook dicts
+            pre = sum(len(module._forward_pre_hooks) for module in model.modules())
+            lines = repr(listed).splitlines()
+            html = listed._repr_html_()
+        assert len(listed) == in_torch == 4 * modules
+        assert lines[0] == f"{in_torch} hookscope hooks in 1 group"
+        assert lines[1].split() == ["group", "owner", "hooks", "modules", "also"]
+        assert lines[3].split()[1:] == [
+            "detect_nonfinite",
+            f"forward_pre×{pre // 2}",  # its own; the other half count calls
+            f"forward×{modules}",
+            str(modules),
+            str(2 * modules),
+            "call",
+            "counters",
+        ]
+        assert len(lines) == 5  # title, header, rule, the row, the note on removing
+        assert str(listed) == repr(listed)
+        assert '<td style="text-align:left">detect_nonfinite</td>' in html
+        assert repr(hs.attached(model)) == "no hookscope hooks attached"
+
+    def test_it_is_still_the_list_of_hooks(self) -> None:
+        model = SmallCNN()
+        with hs.hooks(model, {"fc": lambda module, args, output: None}) as group:
+            listed = hs.attached(model)
+            plain = attached_hooks(model)  # the core's plain list
+        assert isinstance(listed, list)
+        assert listed == plain
+        assert plain == listed
+        assert len(listed) == len(plain) == 1
+        assert listed[0] == hs.AttachedHook("fc", "forward", "hooks", group, "hook")
+        assert listed[-1:] == plain[-1:]
+        assert [hook.module for hook in listed] == ["fc"]
+        assert hs.attached(model) == []

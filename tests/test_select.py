@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fnmatch
 import re
 
 import pytest
@@ -10,11 +11,26 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._core.select import compile_selector, ensure_module, select
-from tests.models import Nested, SharedTwice, SmallCNN, tiny_gpt2
+from tests.models import Nested, SharedTwice, SmallCNN, tiny_gpt2, track
 
 
 def names(model: nn.Module, selector: hs.Selector) -> list[str]:
     return [name for name, _ in select(model, selector)]
+
+
+def gpt2_lm_head() -> nn.Module:
+    """GPT-2 with its language-model head: every block is named ``transformer.h.N`` (random weights)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    return track(GPT2LMHeadModel(config))
+
+
+def _reference_match(selector: str, name: str) -> bool:
+    """The selector forms by the standard library alone: a full regex match, or fnmatch's glob."""
+    if selector.startswith("re:"):
+        return re.fullmatch(selector[3:], name) is not None
+    return fnmatch.fnmatchcase(name, selector)
 
 
 class TestForms:
@@ -105,6 +121,41 @@ class TestNoMatch:
         n = len(list(model.named_modules()))
         with pytest.raises(hs.SelectionError, match=re.escape(f"matched 0 of {n} modules; did you mean 'h.*.mlp'")):
             select(model, "h.*.mpl")
+
+    @pytest.mark.transformers
+    @pytest.mark.parametrize(
+        ("selector", "suggested"),
+        [
+            ("h.*.mlp", "transformer.h.*.mlp"),  # written for the inner GPT2Model
+            ("h.?.attn", "transformer.h.?.attn"),
+            ("transformer.h.*.mpl", "transformer.h.*.mlp"),
+            ("*.mpl", "*.mlp"),
+            ("h.*.mpl", "transformer.h.*.mlp"),  # both at once
+            (r"re:h\.\d+\.mlp", r"re:transformer\.h\.\d+\.mlp"),
+            (r"re:transformer\.h\.\d+\.mpl", r"re:transformer\.h\.\d+\.mlp"),
+            (r"re:.*mpl", r"re:.*mlp"),
+        ],
+    )
+    def test_a_pattern_that_misses_gets_the_corrected_pattern(self, selector: str, suggested: str) -> None:
+        model = gpt2_lm_head()
+        with pytest.raises(hs.SelectionError, match=re.escape(f"did you mean {suggested!r}?")) as info:
+            select(model, selector)
+        assert info.value.suggestions == (suggested,)
+        wanted = [name for name, _ in model.named_modules() if name and _reference_match(suggested, name)]
+        assert wanted
+        assert names(model, suggested) == wanted  # the suggestion selects what it says, nothing else
+
+    @pytest.mark.transformers
+    def test_a_pattern_for_the_outer_model_loses_its_extra_names(self) -> None:
+        # tiny_gpt2() is the bare GPT2Model: its blocks are "h.N"
+        for selector, suggested in [(r"re:transformer\.h\.\d+", r"re:h\.\d+"), ("transformer.h.*.mlp", "h.*.mlp")]:
+            with pytest.raises(hs.SelectionError, match=re.escape(f"did you mean {suggested!r}?")) as info:
+                select(tiny_gpt2(), selector)
+            assert info.value.suggestions == (suggested,)
+
+    @pytest.mark.transformers
+    def test_a_glob_star_crosses_dots(self) -> None:
+        assert names(gpt2_lm_head(), "transformer.*.mlp") == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
 
     def test_typo_in_exact_name_suggests_closest(self) -> None:
         with pytest.raises(hs.SelectionError, match="did you mean 'conv1'"):

@@ -742,3 +742,19 @@ def test_lazy_modules_count_zero_parameters_until_they_run() -> None:
     assert trace["0"].outputs[0].shape == (2, 3)
     assert trace["0"].params == 0  # counted when the hooks were attached, before the forward
     assert hs.trace(model, torch.randn(2, 5))["0"].params == 18
+
+
+def test_rows_are_found_by_every_spelling_a_cache_key_takes() -> None:
+    model = SharedTwice()
+    trace = hs.trace(model, torch.randn(3, 4))
+    shared = trace.calls("shared")
+    assert trace["shared#1"] is shared[1]
+    assert trace["shared#0:output"] is shared[0]
+    assert trace["shared:input[0]"] is shared[0]  # no call named: the first, as trace["shared"]
+    assert trace["(root)#0"] is trace[0]
+    assert trace.calls("shared#1") == shared
+    with pytest.raises(SiteNotFoundError, match=r"'shared#2': call 2 was not traced; calls kept: \[0, 1\]"):
+        trace["shared#2"]
+    with pytest.raises(SiteNotFoundError, match="did you mean 'shared'") as info:
+        trace["shraed#0"]
+    assert info.value.candidates[0] == "shared"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from hookscope import edits, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
-from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, attached
+from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.tree import flatten_tensors, map_tensors
@@ -23,7 +23,7 @@ from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
 from hookscope._extract import ExtractConfig, Store, StoreArray, extract, open_store
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
-from hookscope._hooks import hooks
+from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
@@ -69,6 +69,7 @@ from hookscope.errors import (
 
 __all__ = [
     "AttachedHook",
+    "AttachedHooks",
     "Cache",
     "Capture",
     "CaptureError",
@@ -143,6 +144,7 @@ __all__ = [
     "open_store",
     "parse_dtype",
     "plots",
+    "remove_all",
     "report",
     "run_with_capture",
     "run_with_edits",

@@ -2,7 +2,8 @@
 
 Code written for PyTorch's ``register_forward_hook`` works here unchanged; what hookscope adds is
 picking modules by name, glob, regex, type or predicate, attaching all-or-nothing, and removing
-every hook on exit, also when the forward raises.
+every hook on exit, also when the forward raises. ``attached()`` lists what is attached now,
+printed one row per group.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from typing import Any, TypeAlias
 
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, check_kind
+from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, check_kind
+from hookscope._core.attach import attached as attached_hooks
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
+from hookscope._shared.tables import Column, Table
+from hookscope._shared.units import counted
 from hookscope.errors import SpecError
 
-__all__ = ["HookMap", "hooks"]
+__all__ = ["AttachedHooks", "HookMap", "attached", "hooks"]
 
 HookFn = Callable[..., Any]
 # Mapping keys are Any because Mapping is invariant in its key type: a dict[str, fn] must fit.
@@ -104,3 +108,68 @@ def _entries(hook_map: HookMap) -> list[tuple[Selector, list[HookFn]]]:
     if not entries:
         raise SpecError("hooks was given no (selector, fn) entries; e.g. hs.hooks(model, {'fc': my_hook})")
     return entries
+
+
+class AttachedHooks(list[AttachedHook]):
+    """The hookscope hooks on a model, as :func:`attached` lists them: a list of
+    :class:`~hookscope.AttachedHook`, one per hook, that prints as one row per group.
+
+    A detector on a 70-module model attaches 280 hooks (its own two per module, and the call
+    counters); the table says that in one line: the group, its owner, its hooks by kind, the
+    modules they sit on, and the call counters and compile checks beside them.
+    """
+
+    def _table(self) -> Table:
+        groups: dict[int, list[AttachedHook]] = {}
+        for hook in self:
+            groups.setdefault(hook.group.number, []).append(hook)
+        title = f"{counted(len(self), 'hookscope hook')} in {counted(len(groups), 'group')}"
+        if not groups:
+            title = "no hookscope hooks attached"
+        columns = [Column("group"), Column("owner"), Column("hooks"), Column("modules", "right"), Column("also")]
+        notes = ["each group goes with its object's .remove(); all of them with hs.remove_all(model)"]
+        table = Table(columns, title=title, notes=notes if groups else [])
+        for number, hooks in groups.items():
+            own = [hook for hook in hooks if hook.purpose == "hook"]
+            kinds: dict[str, int] = {}
+            for hook in own:
+                kinds[hook.kind] = kinds.get(hook.kind, 0) + 1
+            helpers: dict[str, int] = {}
+            for hook in hooks:
+                if hook.purpose != "hook":
+                    helpers[hook.purpose] = helpers.get(hook.purpose, 0) + 1
+            modules = len({hook.module for hook in own or hooks})
+            table.add(
+                f"#{number}",
+                hooks[0].owner,
+                " ".join(f"{kind}×{count}" for kind, count in kinds.items()) or "-",
+                f"{modules:,}",
+                ", ".join(counted(count, purpose) for purpose, count in helpers.items()),
+            )
+        return table
+
+    def __repr__(self) -> str:
+        return self._table().text()
+
+    def _repr_html_(self) -> str:
+        return self._table().html()
+
+
+def attached(model: nn.Module) -> AttachedHooks:
+    """The hookscope hooks attached to ``model`` and its submodules right now, in model order.
+
+    Each entry (an :class:`~hookscope.AttachedHook`) names the module (relative to ``model``),
+    the hook kind, the owner label and the :class:`HookGroup` that will remove it. Hooks
+    registered by other code are not listed. The list prints as one row per group.
+
+    >>> import torch
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> with hooks(model, {"0": lambda module, args, output: None}, owner="probe"):
+    ...     listed = attached(model)
+    ...     table = repr(listed).splitlines()
+    >>> len(listed), listed[0].module, listed[0].kind, table[0], table[3].split()
+    (1, '0', 'forward', '1 hookscope hook in 1 group', ['#...', 'probe', 'forward×1', '1'])
+    >>> attached(model)
+    no hookscope hooks attached
+    """
+    return AttachedHooks(attached_hooks(model))

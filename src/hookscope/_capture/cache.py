@@ -13,10 +13,7 @@ and as keys that do name something (``.candidates``).
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import os
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._core.names import MODULE_TEXT, escape_name, split_leaf, unescape_name
+from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
@@ -34,8 +31,6 @@ from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, S
 
 __all__ = ["Cache", "load", "tensor_bytes"]
 
-_KEY = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
-_Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
 _SITES_KEY = "hookscope_sites"  # in a saved file's metadata: each stored name's full site
 
 
@@ -67,7 +62,7 @@ class Cache(Mapping[str, torch.Tensor]):
         self._entries: dict[Site, torch.Tensor] = dict(entries or {})
         self._versions: dict[Site, int | None] = dict(versions or {})
         self.meta: dict[str, Any] = dict(meta or {})
-        self._index: _Index | None = None
+        self._index: SiteIndex | None = None
         self._empty: dict[str, str] = {}
         self._overflowed: dict[str, int] = {}
 
@@ -130,13 +125,7 @@ class Cache(Mapping[str, torch.Tensor]):
 
         ``key`` is read as in ``cache[key]``; a call index in it is ignored.
         """
-        if isinstance(key, str) and self._literal_name(key) is None:
-            match = _KEY.match(key)
-            if match is not None and match["call"] is not None:  # the call index, not a '#' in a name
-                key = match["module"] + (f":{match['leaf']}" if match["leaf"] is not None else "")
-        site = self.resolve(key)
-        by_call = self._built_index()[(site.module, site.what)]
-        return [self._checked(by_call[call][site.path]) for call in sorted(by_call) if site.path in by_call[call]]
+        return [self._checked(site) for site in self._built_index().every_call(key)]
 
     @property
     def nbytes(self) -> int:
@@ -194,121 +183,24 @@ class Cache(Mapping[str, torch.Tensor]):
     # -- names ------------------------------------------------------------------------------------
 
     def resolve(self, key: str | Site) -> Site:
-        """The full :class:`Site` that ``key`` names; raises ``SiteNotFoundError`` if none."""
-        aliases = self.meta.get("aliases") or {}
-        if isinstance(key, Site):
-            if key.module in aliases:  # "module.fc" below a wrapper is kept as "fc"
-                key = dataclasses.replace(key, module=aliases[key.module])
-            if key not in self._entries:
-                hint, close = self._captured_hint(key.module)
-                raise SiteNotFoundError(f"site {str(key)!r} was not captured; {hint}", key=str(key), candidates=close)
-            return key
-        if not isinstance(key, str):
-            raise SpecError(f"a cache key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
-        literal = self._literal_name(key)
-        if literal is not None:  # a module whose name holds '#' or ':', named as it is
-            return self._literal_module(key, literal)
-        match = _KEY.match(key)
-        if match is None:
-            raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
-        spelled = unescape_name(match["module"] or "")
-        module = str(aliases.get(spelled, spelled))
-        try:
-            what, path = split_leaf(match["leaf"] or "", shown=repr(key))
-        except SpecError as error:
-            raise SiteNotFoundError(str(error), key=key) from None
-        return self._resolve_parts(key, module, match["call"], what, path)
+        """The full :class:`Site` that ``key`` names; raises ``SiteNotFoundError`` if none.
 
-    def _literal_name(self, key: str) -> str | None:
-        """The captured module that ``key`` names letter for letter (through a wrapper's alias)
-        when that name holds ``#`` or ``:``, which the site grammar would read otherwise
-        (``fc#1``: call 1 of ``fc``); else None."""
-        if "#" not in key and ":" not in key:
-            return None
-        literal = str((self.meta.get("aliases") or {}).get(key, key))
-        return literal if any(module == literal for module, _ in self._built_index()) else None
+        Every spelling of :class:`~hookscope._core.site_index.SiteIndex`: ``"fc"`` (its last
+        call), ``"fc#0"``, ``"fc:input"``, ``"h.0#1:output[0]"``, ``"(root)"``, a :class:`Site`.
+        """
+        return self._built_index().resolve(key)
 
-    def _literal_module(self, key: str, literal: str) -> Site:
-        """``key`` names module ``literal``; refused when the grammar reads it as another site too."""
-        match = _KEY.match(key)
-        if match is not None:
-            spelled = unescape_name(match["module"] or "")
-            module = str((self.meta.get("aliases") or {}).get(spelled, spelled))
-            try:
-                other = self._resolve_parts(key, module, match["call"], *split_leaf(match["leaf"] or ""))
-            except (SiteNotFoundError, SpecError):
-                other = None
-            if other is not None:
-                raise SiteNotFoundError(
-                    f"{key!r} names two things: the module {literal!r} and {str(other)!r}; write "
-                    f"{escape_name(literal)!r} for the module (a '#' or ':' in a name is escaped with a backslash), "
-                    f"{str(other)!r} for the other",
-                    key=key,
-                    candidates=(escape_name(literal), str(other)),
-                )
-        return self._resolve_parts(key, literal, None, None, None)
-
-    def _resolve_parts(self, key: str, module: str, call: str | None, what: str | None, path: str | None) -> Site:
-        index = self._built_index()
-        kept = sorted({w for (m, w) in index if m == module})
-        if not kept:
-            if module in self._empty:
-                raise SiteNotFoundError(f"nothing was captured for {module!r}: {self._empty[module]}", key=key)
-            hint, close = self._captured_hint(module)
-            raise SiteNotFoundError(f"nothing was captured for {module!r}; {hint}", key=key, candidates=close)
-        chosen_what = what or ("output" if "output" in kept else kept[0])
-        if chosen_what not in kept:
-            raise SiteNotFoundError(
-                f"{key!r}: {chosen_what!r} of {module!r} was not kept; kept: {', '.join(kept)}",
-                key=key,
-                candidates=tuple(f"{module}:{w}" for w in kept),
-            )
-        by_call = index[(module, chosen_what)]
-        chosen_call = int(call) if call is not None else max(by_call)
-        if chosen_call not in by_call:
-            raise SiteNotFoundError(
-                f"{key!r}: call {chosen_call} was not captured; calls kept: {sorted(by_call)}",
-                key=key,
-                candidates=tuple(f"{module}#{c}:{chosen_what}" for c in sorted(by_call)),
-            )
-        leaves = by_call[chosen_call]
-        if path:
-            if path not in leaves:
-                hint, names = self._leaf_hint(leaves)
-                raise SiteNotFoundError(f"{key!r} names no tensor; {hint}", key=key, candidates=names)
-            return leaves[path]
-        if "" in leaves:
-            return leaves[""]
-        if len(leaves) == 1:
-            return next(iter(leaves.values()))
-        hint, names = self._leaf_hint(leaves)
-        raise SiteNotFoundError(f"{key!r} holds {len(leaves)} tensors; {hint}", key=key, candidates=names)
-
-    def _built_index(self) -> _Index:
+    def _built_index(self) -> SiteIndex:
         if self._index is None:
-            index: _Index = {}
-            for site in self._entries:
-                index.setdefault((site.module, site.what), {}).setdefault(site.call, {})[site.path] = site
-            self._index = index
+            aliases = self.meta.get("aliases")
+            self._index = SiteIndex(
+                self._entries,
+                aliases=aliases if isinstance(aliases, dict) else None,
+                notes=self._empty,
+                verb="captured",
+                empty_hint="the cache is empty (did the forward run inside the capture?)",
+            )
         return self._index
-
-    def _captured_hint(self, module: str) -> tuple[str, tuple[str, ...]]:
-        """The hint for a module that holds nothing here, and the captured names it offers instead."""
-        modules = sorted({site.module for site in self._entries})
-        if not modules:
-            return "the cache is empty (did the forward run inside the capture?)", ()
-        close = difflib.get_close_matches(module, modules, n=3, cutoff=0.5)
-        if close:
-            return f"did you mean {' or '.join(repr(m) for m in close)}?", tuple(close)
-        shown = ", ".join(repr(m) for m in modules[:10]) + (", ..." if len(modules) > 10 else "")
-        return f"captured modules: {shown}", tuple(modules)
-
-    @staticmethod
-    def _leaf_hint(leaves: Mapping[str, Site]) -> tuple[str, tuple[str, ...]]:
-        """The hint for a value of several tensors, and their full site names."""
-        names = [f"'{site.module}:{site.label}'" for site in leaves.values()]
-        hint = f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
-        return hint, tuple(str(site) for site in leaves.values())
 
     def _checked(self, site: Site) -> torch.Tensor:
         tensor = self._entries[site]

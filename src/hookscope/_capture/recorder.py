@@ -30,7 +30,7 @@ from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select_leaves
@@ -106,6 +106,7 @@ class Capture(Scoped):
         self._pending: set[int] = set()
         self._stopped = False
         self._group = HookGroup(model, self._specs(), owner="capture", tracker=self._tracker, restore_mode=False)
+        remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the write guard
 
     # -- attaching --------------------------------------------------------------------------------
 

@@ -489,3 +489,48 @@ def _binds(signature: inspect.Signature, n_args: int) -> bool:
     except TypeError:
         return False
     return True
+
+
+# A feature's own remove() for its group (weakly: a forgotten feature falls back to the group's),
+# so that remove_all also lets go of what the feature holds beside its hooks.
+_REMOVERS: weakref.WeakKeyDictionary[HookGroup, weakref.WeakMethod[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def remove_through(group: HookGroup, remove: Callable[[], None]) -> None:
+    """Have :func:`remove_all` take ``group`` off by calling ``remove``, the bound ``remove``
+    method of the feature that owns it (a capture's also takes a write guard off that a cut-short
+    forward left on). Held weakly: it keeps neither the feature nor the group alive."""
+    _REMOVERS[group] = weakref.WeakMethod(remove)
+
+
+def remove_all(model: nn.Module) -> int:
+    """Remove every hook hookscope attached to ``model`` or its submodules; return how many.
+
+    For a notebook where a capture, a detector or an edit was left attached and the object
+    that would remove it is gone: each :class:`HookGroup` with a hook on one of the modules is
+    removed whole, through its feature's own ``remove()`` where it has one, so the feature's
+    object then reads as removed (``live`` is False; its ``remove()`` does nothing more). Hooks
+    registered by other code (``module.register_forward_hook``) stay. The count is of the
+    hooks :func:`attached` listed on the removed groups: the features' own and their call counters.
+
+    >>> import torch
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> group = HookGroup(model, [HookSpec("0", model[0], "forward", lambda m, args, out: None)])
+    >>> remove_all(model), group.live, remove_all(model)
+    (1, False, 0)
+    """
+    ensure_module(model)
+    inside = {id(module) for _, module in named_modules(model)}
+    removed = 0
+    for group in live_groups():
+        modules = [record.module() for record in group._records]
+        if not any(module is not None and id(module) in inside for module in [group.model, *modules]):
+            continue
+        removed += len(modules)
+        remover = _REMOVERS.get(group)
+        feature_remove = remover() if remover is not None else None
+        try:
+            (feature_remove or group.remove)()
+        finally:
+            group.remove()  # idempotent: a no-op after the feature's own remove()
+    return removed

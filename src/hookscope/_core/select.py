@@ -308,10 +308,90 @@ def _suggest(selector: str, names: list[str]) -> list[str]:
     affixed = [n for n in names if dotted.endswith("." + n) or n.endswith("." + dotted)]
     if affixed:
         return sorted(affixed, key=len)[:3]
+    regex = selector.startswith(_REGEX_PREFIX)
+    if regex or _GLOB_CHARS.intersection(text):
+        corrected = _corrected_patterns(selector, names)
+        if corrected:
+            return corrected
     candidates = set(names)
-    if _GLOB_CHARS.intersection(text) and not selector.startswith(_REGEX_PREFIX):
+    if _GLOB_CHARS.intersection(text) and not regex:
         candidates |= _generalised_names(text, names)
     return difflib.get_close_matches(dotted, sorted(candidates), n=3, cutoff=0.6)
+
+
+_WORD = re.compile(r"(?<![\\\w])[A-Za-z_][A-Za-z0-9_]*")  # a name's word in a pattern, not an escape like \d
+
+
+def _corrected_patterns(selector: str, names: list[str]) -> list[str]:
+    r"""Patterns like ``selector`` that do match some of ``names``, best first (at most 3).
+
+    A misspelt word is replaced by the closest word of the model's names (``h.*.mpl`` ->
+    ``h.*.mlp``), and a pattern written for the inner model gets the missing leading names
+    (``h.*.mlp`` -> ``transformer.h.*.mlp`` for ``GPT2LMHeadModel``), or loses the extra ones
+    (``transformer.h.*`` -> ``h.*`` for ``GPT2Model``); globs and ``re:`` patterns alike.
+
+    >>> _corrected_patterns("h.*.mpl", ["lm", "body", "body.h", "body.h.0", "body.h.0.mlp"])
+    ['body.h.*.mlp']
+    >>> _corrected_patterns(r"re:h\.\d+", ["lm", "body", "body.h", "body.h.0"])
+    ['re:body\\.h\\.\\d+']
+    """
+    regex = selector.startswith(_REGEX_PREFIX)
+    source = selector[len(_REGEX_PREFIX) :] if regex else selector
+    words = sorted({segment for name in names for segment in name.split(".")})
+    respelt = _WORD.sub(lambda found: _closest_word(found.group(), words), source)
+    bases = list(dict.fromkeys([respelt, source]))  # the respelt pattern first: the typo is the likelier cause
+    separator = r"\." if regex else "."
+    stages: list[list[str]] = [[respelt]]  # tried in turn: the first stage that matches is the answer
+    split = [name.split(".") for name in names]
+    for depth in range(1, 1 + max((len(parts) - 1 for parts in split), default=0)):
+        for base in bases:  # the parents below which the pattern matches what is left of a name
+            matches = _predicate(_REGEX_PREFIX + base if regex else base)
+            parents = {".".join(parts[:depth]) for parts in split if len(parts) > depth and matches(parts[depth:])}
+            stages.append([_prefixed(parent, base, regex) for parent in sorted(parents)])
+    for base in bases:  # leading names this model does not have: a pattern for an outer model
+        parts = base.split(separator)
+        start = 0
+        while start < len(parts) - 1 and re.fullmatch(r"\w+", parts[start]) and parts[start] not in words:
+            start += 1
+            stages.append([separator.join(parts[start:])])
+    for stage in stages:
+        candidates = [_REGEX_PREFIX + pattern if regex else pattern for pattern in stage]
+        found = [c for c in dict.fromkeys(candidates) if c != selector and _matches_any(c, names)]
+        if found:
+            return found[:3]
+    return []
+
+
+def _closest_word(word: str, words: list[str]) -> str:
+    """``word`` itself when the model's names use it (or it is too short to judge), else the closest they do."""
+    if len(word) < 3 or word in words:
+        return word
+    close = difflib.get_close_matches(word, words, n=1, cutoff=0.6)
+    return close[0] if close else word
+
+
+def _prefixed(parent: str, pattern: str, regex: bool) -> str:
+    """``pattern`` below the module ``parent``: ``parent.pattern``, escaped for a regex."""
+    if not regex:
+        return f"{parent}.{pattern}"
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = f"(?:{body})" if "|" in body else body
+    return f"{re.escape(parent)}\\.{body}"
+
+
+def _matches_any(selector: str, names: list[str]) -> bool:
+    matches = _predicate(selector)
+    return any(matches(name.split(".")) for name in names)
+
+
+def _predicate(selector: str) -> Callable[[list[str]], bool]:
+    """Whether a string selector matches a name given as its dotted parts; never, when it does not compile."""
+    try:
+        predicate = _compile_string(selector)
+    except SpecError:  # a respelt regex that no longer compiles
+        return lambda _parts: False
+    stand_in = nn.Module()
+    return lambda parts: predicate(".".join(parts), stand_in)
 
 
 def _generalised_names(pattern: str, names: Iterable[str]) -> set[str]:

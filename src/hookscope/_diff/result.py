@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from hookscope._core.names import call_label, leaf_label
+from hookscope._core.site_index import SiteIndex
+from hookscope._core.sites import Site
 from hookscope._diff.metrics import Metrics
 from hookscope._shared.blame import findings
 from hookscope._shared.csv_text import csv_text
@@ -200,10 +202,18 @@ class Diff(Sequence[DiffRow]):
             for row in self.rows:
                 if key in (row.name, row.site, f"{row.name}#{row.call}"):
                     return row
-            from hookscope.errors import SiteNotFoundError
-
-            raise SiteNotFoundError(f"no compared site {key!r}; sites: {', '.join(r.site for r in self.rows[:8])} ...")
+            return self._by_site(key)
         return self.rows[key]
+
+    def _by_site(self, key: str) -> DiffRow:
+        """The row ``key`` names in any spelling a capture's key takes (``"fc:output"``,
+        ``"h.0#1:output[0]"``, ``"(root)"``), its first call when it names none; a miss raises
+        ``SiteNotFoundError`` with the closest compared names."""
+        rows: dict[Site, DiffRow] = {}
+        for row in self.rows:
+            rows.setdefault(Site(row.name, row.call, "output", row.path), row)
+        index = SiteIndex(rows, verb="compared", empty_hint="nothing was compared", default_call="first")
+        return rows[index.resolve(key)]
 
     def __iter__(self) -> Iterator[DiffRow]:
         return iter(self.rows)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope._core.attach import remove_through
 from hookscope._core.names import call_label, named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module, given_selectors, select
 from hookscope._core.sites import in_backward
@@ -137,6 +138,7 @@ class GradMonitor(CallRecorder[_Module, _Open]):
         self._dead: dict[tuple[str, int], deque[torch.Tensor]] = {}
         self._written = -1  # the last step sent to TensorBoard
         super().__init__(model, self._selected if activations else [])
+        remove_through(self._group, self.remove)  # hs.remove_all(model) also takes the step's tensor hooks off
 
     # -- calls (told by the recorder's hooks) ---------------------------------------------------
 

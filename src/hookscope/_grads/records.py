@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hookscope._core.names import call_label, leaf_label
+from hookscope._core.site_index import SiteIndex
+from hookscope._core.sites import Site
 from hookscope._shared.optional import require
 from hookscope._shared.stats import Stats
-from hookscope.errors import SpecError
+from hookscope.errors import SiteNotFoundError, SpecError
 
-__all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame"]
+__all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame", "named_columns"]
 
 GradWhat = Literal["grad_output", "grad_input", "param"]
 METRICS = ("norm", "mean_abs", "max_abs", "nan", "inf", "ratio")
@@ -142,3 +144,43 @@ def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
     frame = pd.DataFrame.from_dict(rows, orient="index")
     frame.index.name = "step"
     return frame
+
+
+def named_columns(steps: Sequence[GradStep], keys: Sequence[str], what: str) -> list[str]:
+    """The history columns (:attr:`GradRecord.column`) that ``keys`` name, in the order given.
+
+    An activation's gradient is named as a capture's value is (``cache[key]``): ``"fc"`` (its
+    last call), ``"fc#0"``, ``"h.0#0:output[0]"``, ``"(root)"``, an escaped name; a parameter's
+    by its name (``"fc.weight"``). A name that matches nothing raises
+    :class:`~hookscope.errors.SiteNotFoundError` with the closest recorded names.
+
+    >>> from hookscope._shared.stats import tensor_stats
+    >>> import torch
+    >>> step = GradStep(0, [GradRecord.of(0, "fc", "Linear", 0, "grad_output", "", tensor_stats(torch.ones(2)))])
+    >>> named_columns([step], ["fc", "fc#0:output"], "grad_output")
+    ['fc#0', 'fc#0']
+    """
+    records = [record for step in steps for record in step.of(what)]  # type: ignore[arg-type]
+    if what == "param":
+        names = list(dict.fromkeys(record.column for record in records))
+        unknown = [key for key in keys if key not in names]
+        if unknown:
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"recorded: {names[:12]}"
+            raise SiteNotFoundError(
+                f"no parameter gradient named {unknown[0]!r} was recorded; {hint}",
+                key=unknown[0],
+                candidates=tuple(close or names),
+            )
+        return list(keys)
+    columns: dict[Site, str] = {}
+    for record in records:
+        columns.setdefault(Site(record.module, record.call, _SIDE[record.what], record.path), record.column)  # type: ignore[arg-type]
+    index = SiteIndex(
+        columns,
+        verb="recorded",
+        empty_hint=f"no {what} gradient was recorded (did a backward pass run while the monitor was attached?)",
+    )
+    return [columns[index.resolve(key)] for key in keys]

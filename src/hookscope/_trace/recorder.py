@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.attach import remove_through
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules
@@ -145,6 +146,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
         self._selected = _modules(model, layers)
         self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
         super().__init__(model, self._selected)
+        remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the buffer
 
     # -- calls (told by the recorder's hooks) -------------------------------------------------------
 

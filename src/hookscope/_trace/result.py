@@ -16,6 +16,8 @@ from torch import nn
 
 from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
+from hookscope._core.site_index import SiteIndex
+from hookscope._core.sites import Site
 from hookscope._shared.blame import findings, fine_input
 from hookscope._shared.csv_text import csv_text
 from hookscope._shared.files import write_text
@@ -23,7 +25,7 @@ from hookscope._shared.json import finite_json
 from hookscope._shared.optional import require
 from hookscope._trace.render import flat_record, leaf_records, table
 from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
-from hookscope.errors import SiteNotFoundError, SpecError
+from hookscope.errors import SpecError
 
 __all__ = ["Trace"]
 
@@ -59,6 +61,7 @@ class Trace(Sequence[TraceRow]):
         self.meta = dict(meta or {})
         self._model = weakref.ref(model) if model is not None else None
         self._by_name: dict[str, list[TraceRow]] = {}
+        self._sites: tuple[SiteIndex, dict[Site, TraceRow]] | None = None
         for row in rows:
             self._by_name.setdefault(row.name, []).append(row)
 
@@ -75,7 +78,8 @@ class Trace(Sequence[TraceRow]):
     def __getitem__(self, key: str) -> TraceRow: ...
     def __getitem__(self, key: int | slice | str) -> TraceRow | list[TraceRow]:
         if isinstance(key, str):
-            return self.calls(key)[0]
+            rows = self._named(key)
+            return rows[0] if rows else self._site_rows(key)[0]
         return self.rows[key]
 
     def __iter__(self) -> Iterator[TraceRow]:
@@ -87,20 +91,36 @@ class Trace(Sequence[TraceRow]):
         return bool(roots) and roots[0].class_name in WRAPPER_CLASS_NAMES
 
     def calls(self, name: str) -> list[TraceRow]:
-        """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model)."""
+        """Every call of the module named ``name`` (``""`` or ``"(root)"`` is the model).
+
+        ``name`` may be spelled as a capture's key is (``"fc#1"``, ``"h.0:output[0]"``, an
+        escaped name): every call of its module. A miss raises ``SiteNotFoundError`` naming
+        the closest modules.
+        """
+        return self._named(name) or self._site_rows(name)[1]
+
+    def _named(self, name: str) -> list[TraceRow]:
+        """The calls of the module named ``name`` exactly (or below a wrapper); empty if none."""
         rows = self._by_name.get("" if name == ROOT_LABEL else name)
         short = short_spelling(name) if not rows and self._wrapped() else None
         if short is not None:  # "module.0" below a DDP or torch.compile wrapper: the row is "0"
             rows = self._by_name.get(short)
-        if not rows:
-            import difflib
+        return rows or []
 
-            close = difflib.get_close_matches(name, [n for n in self._by_name if n], n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise SiteNotFoundError(
-                f"no call of a module named {name!r} in this trace ({len(self._by_name)} modules){hint}"
-            )
-        return rows
+    def _site_rows(self, key: str) -> tuple[TraceRow, list[TraceRow]]:
+        """The call ``key`` names as a site (its first call when it names none), and every
+        call of its module; a miss raises ``SiteNotFoundError`` with the closest names."""
+        if self._sites is None:
+            sites: dict[Site, TraceRow] = {}
+            for row in self.rows:
+                for info in (*row.outputs, *row.inputs):
+                    sites.setdefault(Site(row.name, row.call, info.what, info.path), row)
+                sites.setdefault(Site(row.name, row.call), row)  # a call with no tensor measured
+            index = SiteIndex(sites, verb="traced", empty_hint="the trace holds no calls", default_call="first")
+            self._sites = (index, sites)
+        index, sites = self._sites
+        row = sites[index.resolve(key, whole=True)]
+        return row, self._by_name[row.name]
 
     def select(self, selector: Selector) -> list[TraceRow]:
         """The rows of the modules ``selector`` picks (any hookscope selector), in call order."""

@@ -67,14 +67,16 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
 def grad_history(
     source: GradMonitor | Sequence[GradStep],
     *,
-    layers: Sequence[str] | None = None,
+    layers: str | Sequence[str] | None = None,
     metric: str = "norm",
     what: str = "grad_output",
 ) -> Any:
     """One line per layer: ``metric`` (``norm``, ``mean_abs``, ``max_abs``, ``ratio``) over the
-    recorded steps, log scale. ``layers`` names them as :meth:`GradMonitor.history_of` does
-    (default: up to 8 spread evenly from first to last), e.g. ``"h.0#0"`` or ``"fc.weight"``."""
-    from hookscope._grads.records import history_frame
+    recorded steps, log scale. ``layers`` names them as a capture's keys do (``"fc"``,
+    ``"h.0#0"``, ``"h.0:output[0]"``), or by parameter name with ``what="param"``
+    (``"fc.weight"``); by default up to 8 spread evenly from first to last. A name that was not
+    recorded raises :class:`~hookscope.SiteNotFoundError` naming the closest ones."""
+    from hookscope._grads.records import history_frame, named_columns
 
     frame = history_frame(_steps(source), metric, what)
     if frame.empty:
@@ -84,10 +86,9 @@ def grad_history(
         stride = max(1, math.ceil(len(columns) / _MAX_LINES))
         chosen = columns[::stride]
     else:
-        unknown = [layer for layer in layers if layer not in columns]
-        if unknown:
-            raise SpecError(f"layers {unknown} were not recorded; recorded: {columns[:12]}")
-        chosen = list(layers)
+        if isinstance(layers, str):
+            layers = [layers]
+        chosen = list(dict.fromkeys(named_columns(_steps(source), layers, what)))
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for column in chosen:

@@ -1,0 +1,216 @@
+"""One reading of a site's name, for everything that looks a value up after a run.
+
+A capture's :class:`~hookscope.Cache`, a gradient monitor's history, a diff and a trace hold
+values by :class:`~hookscope._core.sites.Site`. A person names them the short way, and every
+one of them reads the name here, so that one spelling works everywhere:
+
+=======================  ================================================================
+``"fc"``                 the module's value (its output, unless only its input was kept)
+                         in its last call (or first: the holder says), when that is one tensor
+``"fc#0"``               call 0 of ``fc``
+``"fc:input"``           which value; ``"fc#1:output[0]"``, ``"fc:output.logits"``: a leaf
+``"(root)"``, ``":output"``  the model itself (its name is ``""``)
+``"fc\\#1"``             a module whose name holds ``#`` or ``:``, escaped; unescaped
+                         when the grammar reads it no other way
+a :class:`Site`          itself
+=======================  ================================================================
+
+A name that names nothing raises :class:`~hookscope.errors.SiteNotFoundError` with the closest
+names held, in its message and as ``candidates``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
+from hookscope._core.sites import Site
+from hookscope.errors import SiteNotFoundError, SpecError
+
+__all__ = ["SiteIndex"]
+
+_KEY = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
+_Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
+
+
+class SiteIndex:
+    """The sites held by one result, and :meth:`resolve`, which reads any spelling of one.
+
+    Args:
+        sites: the sites held, in any order.
+        aliases: names that stand for a held module's name (``"module.fc"`` below a wrapper
+            for ``"fc"``); read at each lookup, so the holder may fill it later.
+        notes: per module, why it holds nothing (``"ran, but its output held no tensor"``).
+        verb: what happened to the values, for messages: ``captured``, ``recorded``.
+        empty_hint: the message's hint when nothing is held at all.
+        default_call: the call a name without ``#call`` means: the ``last`` (a cache) or the
+            ``first`` (a trace, a diff).
+
+    >>> index = SiteIndex([Site("fc", 0), Site("fc", 1), Site("h", 0, "output", "[0]")])
+    >>> index.resolve("fc"), index.resolve("fc#0:output"), index.resolve("h")
+    (Site(module='fc', call=1, what='output', path=''), Site(module='fc', call=0, what='output', path=''), \
+Site(module='h', call=0, what='output', path='[0]'))
+    >>> index.resolve("fcc")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SiteNotFoundError: nothing was captured for 'fcc'; did you mean 'fc'?
+    """
+
+    def __init__(
+        self,
+        sites: Iterable[Site],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        notes: Mapping[str, str] | None = None,
+        verb: str = "captured",
+        empty_hint: str = "nothing is held",
+        default_call: Literal["first", "last"] = "last",
+    ) -> None:
+        ordered = list(dict.fromkeys(sites))  # leaves are offered in the order they were held
+        self._sites = set(ordered)
+        self._aliases: Mapping[str, str] = aliases if aliases is not None else {}
+        self._notes: Mapping[str, str] = notes if notes is not None else {}
+        self._verb = verb
+        self._empty_hint = empty_hint
+        self._pick = max if default_call == "last" else min
+        self._index: _Index = {}
+        for site in ordered:
+            self._index.setdefault((site.module, site.what), {}).setdefault(site.call, {})[site.path] = site
+        self._modules = sorted({site.module for site in self._sites})
+
+    def resolve(self, key: str | Site, *, whole: bool = False) -> Site:
+        """The held :class:`Site` that ``key`` names; raises ``SiteNotFoundError`` if none.
+
+        ``whole=True`` is for holders of whole calls (a trace's rows): a key that names a call
+        but no leaf gives the call's first held site even when the call holds several tensors.
+        """
+        if isinstance(key, Site):
+            if key.module in self._aliases:  # "module.fc" below a wrapper is kept as "fc"
+                key = dataclasses.replace(key, module=self._aliases[key.module])
+            if key not in self._sites:
+                hint, close = self.module_hint(key.module)
+                raise SiteNotFoundError(
+                    f"site {str(key)!r} was not {self._verb}; {hint}", key=str(key), candidates=close
+                )
+            return key
+        if not isinstance(key, str):
+            raise SpecError(f"a site key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
+        literal = self._literal_name(key)
+        if literal is not None:  # a module whose name holds '#' or ':', named as it is
+            return self._literal_module(key, literal, whole=whole)
+        match = _KEY.match(key)
+        if match is None:
+            raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
+        try:
+            what, path = split_leaf(match["leaf"] or "", shown=repr(key))
+        except SpecError as error:
+            raise SiteNotFoundError(str(error), key=key) from None
+        return self._resolve_parts(key, self._module(match["module"] or ""), match["call"], what, path, whole=whole)
+
+    def every_call(self, key: str | Site) -> list[Site]:
+        """The site ``key`` names in every call of its module, in call order (a call index in
+        ``key`` is ignored: ``"h#1"`` and ``"h"`` both give every call of ``h``).
+
+        >>> SiteIndex([Site("h", 1), Site("h", 0)]).every_call("h#1")
+        [Site(module='h', call=0, what='output', path=''), Site(module='h', call=1, what='output', path='')]
+        """
+        if isinstance(key, str) and self._literal_name(key) is None:
+            match = _KEY.match(key)
+            if match is not None and match["call"] is not None:  # the call index, not a '#' in a name
+                key = match["module"] + (f":{match['leaf']}" if match["leaf"] is not None else "")
+        site = self.resolve(key)
+        by_call = self._index[(site.module, site.what)]
+        return [by_call[call][site.path] for call in sorted(by_call) if site.path in by_call[call]]
+
+    def module_hint(self, module: str) -> tuple[str, tuple[str, ...]]:
+        """The hint for a module that holds nothing here, and the held names it offers instead."""
+        if not self._modules:
+            return self._empty_hint, ()
+        close = difflib.get_close_matches(module, self._modules, n=3, cutoff=0.5)
+        if close:
+            return f"did you mean {' or '.join(repr(m) for m in close)}?", tuple(close)
+        shown = ", ".join(repr(m) for m in self._modules[:10]) + (", ..." if len(self._modules) > 10 else "")
+        return f"{self._verb} modules: {shown}", tuple(self._modules)
+
+    def _module(self, spelled: str) -> str:
+        """The held module a name's module part (escaped, maybe an alias or ``(root)``) names."""
+        name = unescape_name(spelled)
+        if name == ROOT_LABEL and not any(module == ROOT_LABEL for module, _ in self._index):
+            return ""
+        return str(self._aliases.get(name, name))
+
+    def _literal_name(self, key: str) -> str | None:
+        """The held module that ``key`` names letter for letter (through an alias) when that
+        name holds ``#`` or ``:``, which the site grammar would read otherwise (``fc#1``: call 1
+        of ``fc``); else None."""
+        if "#" not in key and ":" not in key:
+            return None
+        literal = str(self._aliases.get(key, key))
+        return literal if any(module == literal for module, _ in self._index) else None
+
+    def _literal_module(self, key: str, literal: str, *, whole: bool = False) -> Site:
+        """``key`` names module ``literal``; refused when the grammar reads it as another site too."""
+        match = _KEY.match(key)
+        if match is not None:
+            module = self._module(match["module"] or "")
+            try:
+                other = self._resolve_parts(key, module, match["call"], *split_leaf(match["leaf"] or ""), whole=whole)
+            except (SiteNotFoundError, SpecError):
+                other = None
+            if other is not None:
+                raise SiteNotFoundError(
+                    f"{key!r} names two things: the module {literal!r} and {str(other)!r}; write "
+                    f"{escape_name(literal)!r} for the module (a '#' or ':' in a name is escaped with a backslash), "
+                    f"{str(other)!r} for the other",
+                    key=key,
+                    candidates=(escape_name(literal), str(other)),
+                )
+        return self._resolve_parts(key, literal, None, None, None, whole=whole)
+
+    def _resolve_parts(
+        self, key: str, module: str, call: str | None, what: str | None, path: str | None, *, whole: bool = False
+    ) -> Site:
+        kept = sorted({w for (m, w) in self._index if m == module})
+        if not kept:
+            if module in self._notes:
+                raise SiteNotFoundError(f"nothing was {self._verb} for {module!r}: {self._notes[module]}", key=key)
+            hint, close = self.module_hint(module)
+            raise SiteNotFoundError(f"nothing was {self._verb} for {module!r}; {hint}", key=key, candidates=close)
+        chosen_what = what or ("output" if "output" in kept else kept[0])
+        if chosen_what not in kept:
+            raise SiteNotFoundError(
+                f"{key!r}: {chosen_what!r} of {module!r} was not kept; kept: {', '.join(kept)}",
+                key=key,
+                candidates=tuple(f"{escape_name(module)}:{w}" for w in kept),
+            )
+        by_call = self._index[(module, chosen_what)]
+        chosen_call = int(call) if call is not None else self._pick(by_call)
+        if chosen_call not in by_call:
+            raise SiteNotFoundError(
+                f"{key!r}: call {chosen_call} was not {self._verb}; calls kept: {sorted(by_call)}",
+                key=key,
+                candidates=tuple(f"{escape_name(module)}#{c}:{chosen_what}" for c in sorted(by_call)),
+            )
+        leaves = by_call[chosen_call]
+        if path:
+            if path not in leaves:
+                hint, names = _leaf_hint(leaves)
+                raise SiteNotFoundError(f"{key!r} names no tensor; {hint}", key=key, candidates=names)
+            return leaves[path]
+        if "" in leaves:
+            return leaves[""]
+        if len(leaves) == 1 or whole:
+            return next(iter(leaves.values()))
+        hint, names = _leaf_hint(leaves)
+        raise SiteNotFoundError(f"{key!r} holds {len(leaves)} tensors; {hint}", key=key, candidates=names)
+
+
+def _leaf_hint(leaves: Mapping[str, Site]) -> tuple[str, tuple[str, ...]]:
+    """The hint for a value of several tensors, and their full site names."""
+    names = [f"'{site.module}:{site.label}'" for site in leaves.values()]
+    hint = f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
+    return hint, tuple(str(site) for site in leaves.values())
