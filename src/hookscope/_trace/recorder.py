@@ -114,7 +114,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
 
     ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
     stop where the exception went through, and ``trace.failure`` is the innermost such call).
-    With ``passes="all"``, ``tracer.passes`` holds every pass's trace, in order.
+    With ``passes="all"``, ``tracer.passes`` holds every pass's trace, in order. The forwards
+    traced are those of the thread that made the tracer; other threads' pass through untraced.
     """
 
     feature = "trace"
