@@ -288,16 +288,17 @@ class CallTracker:
         # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
         self._originals.setdefault(id(module._forward_pre_hooks), id(module))
 
-    def enter(self, module: nn.Module) -> int:
+    def enter(self, module: nn.Module, *, eager: bool = False) -> int:
         """Open a call of ``module`` and return its index in the current pass, or
-        :data:`PASSED_BY` for a call on another thread, which is left alone."""
-        if is_compiling():
+        :data:`PASSED_BY` for a call on another thread, which is left alone. ``eager=True``:
+        called from compiled code through :data:`EAGER`, so certainly not being traced."""
+        if not eager and is_compiling():
             if self.shared or self._open_calls == 0 or id(module) == self._opener:
                 # Opening a pass (and entering its opener again: recursion, or a call on another
                 # thread) needs the thread, the lock and autograd's state, none of which Dynamo
                 # traces: run it eagerly, one graph break where the pass opens in compiled code;
                 # once another thread has run the model, every call is checked so.
-                index: int = EAGER(CallTracker.enter)(self, module)
+                index: int = EAGER(_enter_eagerly)(self, module)
                 return index
             return self._count(id(module))
         key, ident = id(module), _get_ident()
@@ -357,16 +358,18 @@ class CallTracker:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         output: Any = None,
+        *,
+        eager: bool = False,
     ) -> None:
         """Close the innermost open call of ``module``; a close without an open is ignored, and
         so is one on a thread other than the pass's (it opened nothing)."""
         if not self._open_calls:
             return  # nothing open
-        if is_compiling():
+        if not eager and is_compiling():
             if self._open_calls == 1 or id(module) == self._opener or self.shared:
                 # The pass ends, or its opener closes (maybe on another thread, which only an
                 # eager check tells): eagerly, as the pass opened.
-                EAGER(CallTracker.exit)(self, module, args, kwargs, output)
+                EAGER(_exit_eagerly)(self, module, args, kwargs, output)
                 return
         elif _get_ident() != self._thread:
             replica_stack = self._replica_stack(module)  # None: a call on another thread, never opened
@@ -385,12 +388,12 @@ class CallTracker:
             if self._listener is not None:
                 self._listener.pass_ended(module, args, kwargs or {}, output)
 
-    def foreign(self) -> bool:
+    def foreign(self, *, eager: bool = False) -> bool:
         """True for a call that is another thread's, which hooks leave alone: not on the thread of
         the open pass, and no ``nn.DataParallel`` replica of it. Hooks ask it only once
         :attr:`shared` is set: ``if tracker.shared and tracker.foreign(): return``."""
-        if is_compiling():
-            foreign: bool = EAGER(CallTracker.foreign)(self)
+        if not eager and is_compiling():
+            foreign: bool = EAGER(_foreign_eagerly)(self)
             return foreign
         ident = _get_ident()
         if self._open_calls:
@@ -481,6 +484,23 @@ class CallTracker:
                 "other thread its own copy of the model"
             )
         return ConcurrentPassError(message, feature=self._feature, module=name)
+
+
+# What compiled code calls through EAGER (plain functions: EAGER makes one wrapper per function).
+# They say eager=True rather than ask is_compiling() again: torch's flag is process-wide, so it
+# reads True on any thread while another thread compiles, and asking again would recurse.
+
+
+def _enter_eagerly(tracker: CallTracker, module: nn.Module) -> int:
+    return tracker.enter(module, eager=True)
+
+
+def _exit_eagerly(tracker: CallTracker, module: nn.Module, *rest: Any) -> None:
+    tracker.exit(module, *rest, eager=True)
+
+
+def _foreign_eagerly(tracker: CallTracker) -> bool:
+    return tracker.foreign(eager=True)
 
 
 def parse_keep(keep: object) -> tuple[str, ...]:

@@ -93,8 +93,10 @@ Closer = Callable[[nn.Module, Args, Kwargs, Any], None]
 
 
 def _eagerly(hook: Callable[..., None], *args: Any) -> None:
-    """Run ``hook`` (a recorder's own) outside compiled code: one escape for every recorder."""
-    hook(*args)
+    """Run ``hook`` (a recorder's own) outside compiled code: one escape for every recorder. It is
+    told so (``eager=True``) rather than asking ``is_compiling()`` again: torch's flag is
+    process-wide, True on every thread while any thread compiles, and asking would recurse."""
+    hook(*args, eager=True)
 
 
 class CallRecorder(Scoped, Generic[W, D]):
@@ -189,8 +191,8 @@ class CallRecorder(Scoped, Generic[W, D]):
         opened, current, open_call, exc_info = self.opened, self._tracker.current, self.open_call, sys.exc_info
         tracker, foreign = self._tracker, self._tracker.foreign
 
-        def open_hook(module: nn.Module, args: Args, kwargs: Kwargs) -> None:
-            if escape and is_compiling():
+        def open_hook(module: nn.Module, args: Args, kwargs: Kwargs, *, eager: bool = False) -> None:
+            if escape and not eager and is_compiling():
                 EAGER(_eagerly)(open_hook, module, args, kwargs)
                 return
             if self.skipping or (tracker.shared and foreign()):
@@ -205,8 +207,8 @@ class CallRecorder(Scoped, Generic[W, D]):
         opened, owns, exc_info = self.opened, self._tracker.owns, sys.exc_info
         close_call, call_raised = self.close_call, self.call_raised
 
-        def close_hook(module: nn.Module, args: Args, kwargs: Kwargs, output: Any) -> None:
-            if escape and is_compiling():
+        def close_hook(module: nn.Module, args: Args, kwargs: Kwargs, output: Any, *, eager: bool = False) -> None:
+            if escape and not eager and is_compiling():
                 EAGER(_eagerly)(close_hook, module, args, kwargs, output)
                 return
             if self.skipping or not opened or opened[-1].site is not site or not owns():
