@@ -301,6 +301,19 @@ def test_a_group_counting_calls_names_the_rule_to_another_threads_hook() -> None
     assert all("the thread that attached the hooks" in str(text) for text in others)
 
 
+def test_a_capture_attached_on_one_thread_and_run_on_another_says_so() -> None:
+    model, _ = build()
+    with hs.capture(model, "1") as cap, hs.tracing(model) as tracer:
+        worker = threading.Thread(target=lambda: model(owner_input()))
+        worker.start()
+        worker.join(timeout=WAIT)
+    assert len(cap) == 0
+    with pytest.raises(hs.errors.SiteNotFoundError, match="on the thread that made it"):
+        cap["1"]
+    with pytest.raises(hs.errors.SpecError, match="forwards on other threads pass through"):
+        tracer.trace  # noqa: B018
+
+
 # -- a checkpointed block recomputing in backward -----------------------------------------------------
 
 

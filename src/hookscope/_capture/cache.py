@@ -296,7 +296,10 @@ class Cache(Mapping[str, torch.Tensor]):
         """The hint for a module that holds nothing here, and the captured names it offers instead."""
         modules = sorted({site.module for site in self._entries})
         if not modules:
-            return "the cache is empty (did the forward run inside the capture?)", ()
+            return (
+                "the cache is empty (did the forward run inside the capture, on the thread that made it? "
+                "forwards on other threads are not captured)"
+            ), ()
         close = difflib.get_close_matches(module, modules, n=3, cutoff=0.5)
         if close:
             return f"did you mean {' or '.join(repr(m) for m in close)}?", tuple(close)

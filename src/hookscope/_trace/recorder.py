@@ -289,7 +289,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         """The :class:`Trace` of the latest forward pass (its statistics are read on first access)."""
         latest = self.latest
         if latest is None:
-            raise SpecError("no forward pass has been traced yet: call the model inside the tracing() block")
+            where = ", on this thread: forwards on other threads pass through untraced" if self._tracker.shared else ""
+            raise SpecError(f"no forward pass has been traced yet: call the model inside the tracing() block{where}")
         return latest
 
     @property
