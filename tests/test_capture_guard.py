@@ -258,9 +258,10 @@ class TestPasses:
         assert raw_hook_count(model) == 0
 
     @pytest.mark.usefixtures("watch_everything")
-    def test_a_second_thread_is_refused_and_leaves_the_first_pass_whole(self) -> None:
+    def test_a_second_thread_passes_through_and_leaves_the_first_pass_whole(self) -> None:
         errors: list[BaseException] = []
         inside: list[int] = []
+        other_out: list[torch.Tensor] = []
 
         class CallsFromAThread(Tracked):
             def __init__(self) -> None:
@@ -281,8 +282,8 @@ class TestPasses:
 
             def other_thread(self, x: torch.Tensor) -> None:
                 try:
-                    self(x)
-                except hs.ConcurrentPassError as error:
+                    other_out.append(self(x))  # a plain forward on this thread: not captured
+                except Exception as error:
                     errors.append(error)
 
         model = CallsFromAThread()
@@ -291,8 +292,8 @@ class TestPasses:
             expected = model.fc(x)
             with hs.capture(model, "fc") as cap:
                 model(x)
-        assert len(errors) == 1
-        assert "another thread" in str(errors[0])
+        assert errors == []
+        assert torch.equal(other_out[0], expected)  # the other thread's forward: plain, not captured
         assert inside == [1], "the first thread's pass stayed open, guard on"
         assert torch.equal(cap["fc"], expected)
         assert mode_stack() == []

@@ -63,7 +63,8 @@ def hooks(
     ``remove()``) only its own hooks are removed and each module's train/eval mode is restored
     (``restore_mode=False`` keeps changes made meanwhile). With ``track_calls=True`` the group
     numbers repeated calls of a module within a pass: ``group.call_index(module)`` inside a hook,
-    ``group.calls`` afterwards.
+    ``group.calls`` afterwards. The hooks run on every thread, as PyTorch's do; the numbering
+    follows the thread that attached them, and a forward on another thread is not numbered.
 
     Example::
 

@@ -20,8 +20,8 @@ does::
     ├── CaptureError (RuntimeError)        a capture cannot be kept correctly: over its memory
     │                                      budget, or its value was changed in place after capture
     │                                      (.site)
-    ├── ConcurrentPassError (RuntimeError)  a second thread entered the model while a feature was
-    │                                      recording a forward pass on another thread (.feature, .module)
+    ├── ConcurrentPassError (RuntimeError)  calls of another thread would mix into a recorded pass:
+    │                                      a DataParallel replica, autograd's thread (.feature, .module)
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
     │                                      (.module, .call, .what, .path, .nan, .posinf, .neginf)
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
@@ -185,14 +185,18 @@ class CaptureError(HookscopeError, RuntimeError):
 
 
 class ConcurrentPassError(HookscopeError, RuntimeError):
-    """A second thread entered the model while a feature was recording a forward pass on another.
+    """Calls on another thread would have mixed into the forward pass a feature is recording.
 
-    Features that number a pass's calls (``trace``, ``detect_nonfinite``, ``watch_grads``,
-    ``diff``, ``capture``, call-counting ``hooks``) follow one pass at a time: hooks belong to
-    the modules, not to a thread, so the calls of two threads' passes would interleave in one
-    record. The second thread is refused at its first hooked call and the first thread's pass
-    goes on whole. ``feature`` names the feature recording (``"trace"``, ...) and ``module``
-    the module the refused thread entered (``""`` for the model itself).
+    Features that record or change a forward (``capture``, ``trace``, ``edit``,
+    ``detect_nonfinite``, ``watch_grads``, ``diff``, ``extract``, call-counting ``hooks``) act on
+    the thread that attached them: a plain forward of the same model on any other thread passes
+    through untouched (not recorded, not edited) and raises nothing. This error is left for the
+    threads that belong to a pass yet cannot be kept apart in it: an ``nn.DataParallel``
+    replica entering a feature that does not keep replicas per device (``hs.capture`` and
+    ``hs.edit`` do; trace the bare model instead), and autograd's own thread recomputing a
+    checkpointed block while a forward pass is open on another thread. The refused call fails;
+    the pass goes on whole. ``feature`` names the feature recording (``"trace"``, ...) and
+    ``module`` the module the refused call entered (``""`` for the model itself).
     """
 
     def __init__(self, message: str, *, feature: str = "", module: str = "") -> None:

@@ -198,7 +198,8 @@ class Cache(Mapping[str, torch.Tensor]):
                 aliases=aliases if isinstance(aliases, dict) else None,
                 notes=self._empty,
                 verb="captured",
-                empty_hint="the cache is empty (did the forward run inside the capture?)",
+                empty_hint="the cache is empty (did the forward run inside the capture, on the thread that made it? "
+                "forwards on other threads are not captured)",
             )
         return self._index
 

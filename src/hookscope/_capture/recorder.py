@@ -62,6 +62,10 @@ class Capture(Scoped):
 
     A capture sees each value as the hooks attached before it left it: attach edits first to
     capture edited values, the capture first to capture the originals.
+
+    A capture records the forwards of the thread that made it (and, under ``nn.DataParallel``,
+    its replicas, per device): a forward of the same model on another thread, such as a
+    serving thread, passes through uncaptured and unchanged.
     """
 
     def __init__(
@@ -137,10 +141,12 @@ class Capture(Scoped):
             self._keeper.keep_leaves,
             self._whats_of(name)[-1],
         )
-        tracker, handover = self._tracker, self._keeper.take_handover
+        tracker, foreign, handover = self._tracker, self._tracker.foreign, self._keeper.take_handover
         chosen = _leaf_filter(name, "input", self._leaves.get(name, {}).get("input"))
 
         def capture_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if tracker.shared and foreign():
+                return None  # another thread's forward: not captured
             if tracker.replaying:
                 return None  # a checkpointed block recomputing in backward: its values were kept already
             if self._stopped:
@@ -164,10 +170,12 @@ class Capture(Scoped):
 
     def _output_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]:
         current, want, keep = self._tracker.current, self._want, self._keeper.keep_leaves
-        tracker, handover = self._tracker, self._keeper.take_handover
+        tracker, foreign, handover = self._tracker, self._tracker.foreign, self._keeper.take_handover
         chosen = _leaf_filter(name, "output", self._leaves.get(name, {}).get("output"))
 
         def capture_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if tracker.shared and foreign():
+                return None
             if tracker.replaying:
                 return None
             if self._stopped:

@@ -267,10 +267,17 @@ class HookGroup:
         return self._tracker.counts()
 
     def call_index(self, module: nn.Module) -> int:
-        """Index (0, 1, ...) of ``module``'s current call in this pass; valid inside its hooks."""
-        if self._tracker is None:
+        """Index (0, 1, ...) of ``module``'s current call in this pass; valid inside its hooks,
+        on the thread that attached the group (calls on other threads are not numbered)."""
+        tracker = self._tracker
+        if tracker is None:
             raise SpecError("this group does not count calls; attach it with track_calls=True")
-        return self._tracker.current(module)
+        if tracker.shared and tracker.foreign():
+            raise SpecError(
+                "call_index() numbers the calls of the thread that attached the hooks, and this call runs on "
+                "another thread: its calls are not numbered; attach the hooks on the thread that runs the model"
+            )
+        return tracker.current(module)
 
     def remove(self) -> None:
         """Remove every hook of this group and restore train/eval modes. Safe to call twice."""

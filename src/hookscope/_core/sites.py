@@ -29,10 +29,12 @@ from hookscope._core.compat.compiled import EAGER, is_compiling
 from hookscope._core.names import MODULE_TEXT, escape_name, leaf_label, module_label, split_leaf, unescape_name
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
+_get_ident = threading.get_ident
 # The id of the backward pass running on this thread, -1 outside one.
 _GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 __all__ = [
+    "PASSED_BY",
     "REPLICAS_HINT",
     "CallTracker",
     "Calls",
@@ -49,8 +51,11 @@ __all__ = [
     "short_names",
 ]
 
-#: Ends the refusal of another thread: the one case where threads are expected.
-REPLICAS_HINT = "nn.DataParallel's replicas run in threads: hs.capture keeps them per device, or use the bare model"
+#: Ends the refusal of a DataParallel replica: what works instead.
+REPLICAS_HINT = (
+    "nn.DataParallel's replicas run in threads: hs.capture keeps them per device and hs.edit edits each, "
+    "or use the bare model (parallel.module) on one device"
+)
 
 
 SiteKind = Literal["input", "output", "grad_input", "grad_output"]  # names.LEAF_KINDS, for the type checker
@@ -149,12 +154,20 @@ def in_backward() -> bool:
     return _GRAPH_TASK() != -1
 
 
+def _on_autograd_thread() -> bool:
+    """True on a thread that Python's ``threading`` did not start, such as autograd's device
+    threads (on CUDA a backward, and a checkpoint's recomputation, run on one); asked on the
+    rare path only."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
 class PassListener(Protocol):
     """Told by a :class:`CallTracker` when a forward pass starts, ends, or was cut short.
 
-    A listener that keeps ``nn.DataParallel`` replicas apart (the capture) also sets
-    ``accepts_replicas = True``; any other thread entering during a pass is refused by the
-    tracker itself, with one :class:`~hookscope.errors.ConcurrentPassError` for every feature.
+    A listener that keeps ``nn.DataParallel`` replicas apart (the capture) or acts on them as on
+    the model (edits) also sets ``accepts_replicas = True``; for any other listener a replica
+    entering the pass is refused by the tracker itself, with one
+    :class:`~hookscope.errors.ConcurrentPassError` for every feature.
     """
 
     def pass_started(self, module: nn.Module) -> None: ...
@@ -182,6 +195,10 @@ class _ReplicaCalls:
         self.open: dict[int, list[int]] = {}
 
 
+#: What :meth:`CallTracker.enter` returns for a call it leaves alone: one on another thread.
+PASSED_BY = -1
+
+
 class CallTracker:
     """Numbers the calls of watched modules within each forward pass, and says when passes start and end.
 
@@ -189,17 +206,36 @@ class CallTracker:
     hook registered with ``always_call=True``, so a forward that raises still closes its call.
     A pass starts when a watched module is entered while no watched call is open: with the
     model's root watched, that is each call of the model, and a submodule called on its own is
-    a pass of its own. A pass belongs to the thread that opened it; another thread entering
-    meanwhile is refused, unless it runs ``nn.DataParallel`` replicas of the watched modules
-    (shallow copies sharing their hook dicts) and the listener says ``accepts_replicas``: each
-    such thread then numbers its calls on its own. A refused thread gets a
-    :class:`~hookscope.errors.ConcurrentPassError` naming ``feature``, the one that records (the
-    ``hs.`` verb: ``"trace"``, ``"capture"``, ...). A pass whose opening module is entered again
-    with no outer call of it on the stack was cut short (``KeyboardInterrupt`` skips
-    ``always_call`` hooks) and is dropped. Modules are keyed by identity, so a module reachable
-    under two names has one counter.
+    a pass of its own. A pass whose opening module is entered again with no outer call of it on
+    the stack was cut short (``KeyboardInterrupt`` skips ``always_call`` hooks) and is dropped.
+    Modules are keyed by identity, so a module reachable under two names has one counter.
 
-    The hot path is a few dict operations and a list append/pop: no introspection per call.
+    **Threads.** A tracker follows the thread that made it, which is the thread that attached
+    the feature (``hs.capture(model)``, ``hs.tracing(model)``, ``hs.edit(...)``; the one-shot
+    forms attach and run on the calling thread): only that thread opens passes. A forward of the
+    same model on any other thread passes by: ``enter`` returns :data:`PASSED_BY` and touches
+    nothing, so the owner's numbering, passes and listener are undisturbed, and the feature's
+    hooks return at once where :attr:`shared` and :meth:`foreign` say the call is another
+    thread's (one attribute read per hook until another thread has run the model). A feature
+    attached on one thread and run only on another therefore records nothing. Two exceptions:
+
+    - a call made while autograd runs a backward (:func:`in_backward`) on a thread Python did
+      not start (autograd's device threads, where CUDA runs a backward) is the owner's: a
+      checkpointed block recomputing its forward, which edits must change as they changed the
+      forward. A backward on a Python thread runs on that thread and follows its rule;
+    - ``nn.DataParallel`` replicas (shallow copies sharing the watched modules' hook dicts) run
+      in threads during the owner's pass: where the listener says ``accepts_replicas`` each such
+      thread numbers its calls on its own, else the replica is refused with a
+      :class:`~hookscope.errors.ConcurrentPassError` naming ``feature`` (the ``hs.`` verb) and
+      the way out; a replica opening a pass (the wrapper not watched) is refused as well.
+
+    Autograd's thread entering while the owner's pass is open (or the reverse) is refused the
+    same way: the calls of the two would mix.
+
+    The hot path is one thread comparison, a few dict operations and a list append/pop. Inside
+    compiled code the thread cannot be read (Dynamo cannot trace ``get_ident``): a pass opens
+    and ends eagerly (one graph break where that happens inside compiled code), and once
+    another thread has run the model every hook checks eagerly (a graph break per hook).
     """
 
     __slots__ = (
@@ -212,9 +248,11 @@ class CallTracker:
         "_open_calls",
         "_opener",
         "_originals",
+        "_owner",
         "_replicas",
         "_thread",
         "replaying",
+        "shared",
     )
 
     def __init__(self, listener: PassListener | None = None, *, feature: str = "hooks") -> None:
@@ -225,7 +263,8 @@ class CallTracker:
         self._names: dict[int, str] = {}
         self._listener = listener
         self._opener = 0
-        self._thread = 0
+        self._owner = threading.get_ident()  # the thread that attaches: the only one that opens passes
+        self._thread = 0  # the thread of the open pass: the owner, or autograd's during its backward
         self._lock = threading.RLock()  # re-entrant: a listener may run the model again
         self._originals: dict[int, int] = {}  # id of a watched module's hook dict -> id of the module
         # Thread -> its replicas' calls, in this pass. Keyed by the thread object, which the
@@ -237,6 +276,10 @@ class CallTracker:
         #: (capture, trace) ignore such a pass, so the recomputation neither adds a second
         #: capture nor replaces the real one; edits still apply, or the recomputation would differ.
         self.replaying = False
+        #: True once a thread other than the owner's has entered a watched module (for good:
+        #: compiled code guards on it). Until then every call is the owner's and hooks skip
+        #: :meth:`foreign`; from then on they ask it.
+        self.shared = False
 
     def watch(self, name: str, module: nn.Module) -> None:
         """Start counting ``module``'s calls, reported under ``name``."""
@@ -245,29 +288,53 @@ class CallTracker:
         # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
         self._originals.setdefault(id(module._forward_pre_hooks), id(module))
 
-    def enter(self, module: nn.Module) -> int:
-        """Open a call of ``module`` and return its index in the current pass."""
-        key = id(module)
-        if (self._open_calls == 0 or key == self._opener) and is_compiling():
-            # Opening a pass (and entering its opener again: another thread, or recursion) needs
-            # the thread, the lock and autograd's state, none of which Dynamo traces: run it
-            # eagerly, one graph break where the pass opens inside compiled code.
-            index: int = EAGER(CallTracker.enter)(self, module)
-            return index
+    def enter(self, module: nn.Module, *, eager: bool = False) -> int:
+        """Open a call of ``module`` and return its index in the current pass, or
+        :data:`PASSED_BY` for a call on another thread, which is left alone. ``eager=True``:
+        called from compiled code through :data:`EAGER`, so certainly not being traced."""
+        if not eager and is_compiling():
+            if self.shared or self._open_calls == 0 or id(module) == self._opener:
+                # Opening a pass (and entering its opener again: recursion, or a call on another
+                # thread) needs the thread, the lock and autograd's state, none of which Dynamo
+                # traces: run it eagerly, one graph break where the pass opens in compiled code;
+                # once another thread has run the model, every call is checked so.
+                index: int = EAGER(_enter_eagerly)(self, module)
+                return index
+            return self._count(id(module))
+        key, ident = id(module), _get_ident()
+        if ident == self._thread and self._open_calls and key != self._opener:
+            return self._count(key)  # the hot path: a call inside this thread's open pass
+        if ident != self._owner:
+            return self._enter_elsewhere(module, key, ident)
+        return self._enter_owned(module, key, ident)
+
+    def _enter_owned(self, module: nn.Module, key: int, ident: int) -> int:
+        """A call that opens a pass, or enters the pass's opener again, on the pass's own thread."""
         if self._open_calls:
-            if not self._on_owning_thread():
-                return self._enter_replica(module)
-            if key == self._opener and not is_reentered(module):
-                self._abandon()
-        if self._open_calls == 0:
-            with self._lock:  # two threads entering at once: one opens the pass, the other is refused
-                if self._open_calls:
-                    raise self._refusal(module)
-                if self._originals.get(id(module._forward_pre_hooks), key) != key:
-                    raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
-                self._open_pass(module, key, threading.get_ident())
-                return self._count(key)
-        return self._count(key)
+            if ident != self._thread:
+                raise self._refusal(module, replica=False)  # autograd's thread and the owner's: never mixed
+            if key != self._opener or is_reentered(module):
+                return self._count(key)  # recursion
+            self._abandon()
+        with self._lock:  # the owner and autograd's thread entering at once: one opens the pass
+            if self._open_calls:
+                raise self._refusal(module, replica=False)
+            if self._originals.get(id(module._forward_pre_hooks), key) != key:
+                raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
+            self._open_pass(module, key, ident)
+            return self._count(key)
+
+    def _enter_elsewhere(self, module: nn.Module, key: int, ident: int) -> int:
+        """A call on a thread other than the owner's (the rare path): a DataParallel replica,
+        autograd recomputing a checkpointed block for the owner, or another thread's forward."""
+        original = self._originals.get(id(module._forward_pre_hooks))
+        if original is not None and original != key:
+            self.shared = True
+            return self._enter_replica(module, original)
+        if in_backward() and _on_autograd_thread():
+            return self._enter_owned(module, key, ident)
+        self.shared = True
+        return PASSED_BY
 
     def _open_pass(self, module: nn.Module, key: int, thread: int) -> None:
         self._counts.clear()
@@ -286,18 +353,26 @@ class CallTracker:
         return index
 
     def exit(
-        self, module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, output: Any = None
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        output: Any = None,
+        *,
+        eager: bool = False,
     ) -> None:
-        """Close the innermost open call of ``module``; a close without an open is ignored."""
+        """Close the innermost open call of ``module``; a close without an open is ignored, and
+        so is one on a thread other than the pass's (it opened nothing)."""
         if not self._open_calls:
             return  # nothing open
-        if (self._open_calls == 1 or id(module) == self._opener) and is_compiling():
-            # The pass ends, or its opener closes (maybe on a refused thread, which only an eager
-            # check tells): eagerly, as the pass opened.
-            EAGER(CallTracker.exit)(self, module, args, kwargs, output)
-            return
-        if not self._on_owning_thread():
-            replica_stack = self._replica_stack(module)  # None: the close of a call refused on another thread
+        if not eager and is_compiling():
+            if self._open_calls == 1 or id(module) == self._opener or self.shared:
+                # The pass ends, or its opener closes (maybe on another thread, which only an
+                # eager check tells): eagerly, as the pass opened.
+                EAGER(_exit_eagerly)(self, module, args, kwargs, output)
+                return
+        elif _get_ident() != self._thread:
+            replica_stack = self._replica_stack(module)  # None: a call on another thread, never opened
             if replica_stack:
                 replica_stack.pop()
             return
@@ -313,20 +388,25 @@ class CallTracker:
             if self._listener is not None:
                 self._listener.pass_ended(module, args, kwargs or {}, output)
 
-    def owns(self) -> bool:
-        """True on the thread whose pass is open: a closing hook running for a call refused on
-        another thread (``always_call`` hooks run for those too) must leave the pass alone."""
-        # _on_owning_thread(), inlined: this runs in every recorder's closing hook
-        return self._open_calls > 0 and (is_compiling() or threading.get_ident() == self._thread)
+    def foreign(self, *, eager: bool = False) -> bool:
+        """True for a call that is another thread's, which hooks leave alone: not on the thread of
+        the open pass, and no ``nn.DataParallel`` replica of it. Hooks ask it only once
+        :attr:`shared` is set: ``if tracker.shared and tracker.foreign(): return``."""
+        if not eager and is_compiling():
+            foreign: bool = EAGER(_foreign_eagerly)(self)
+            return foreign
+        ident = _get_ident()
+        if self._open_calls:
+            return ident != self._thread and not self.in_replica()
+        return ident != self._owner
 
-    def _on_owning_thread(self) -> bool:
-        """True on the thread of the open pass. Inside compiled code the thread cannot be read
-        (Dynamo cannot trace ``get_ident``): there the pass's opener, entered and closed eagerly,
-        has already refused any other thread."""
-        return is_compiling() or threading.get_ident() == self._thread
+    def owns(self) -> bool:
+        """True on the thread whose pass is open: a closing hook running for a call on another
+        thread (``always_call`` hooks run for refused calls too) must leave the pass alone."""
+        return self._open_calls > 0 and not (self.shared and self.foreign())
 
     def current(self, module: nn.Module) -> int:
-        """Index of ``module``'s innermost open call (valid inside its hooks)."""
+        """Index of ``module``'s innermost open call (valid inside its hooks, on the pass's thread)."""
         stack = self._open.get(id(module))
         if not stack and self._replicas:  # a DataParallel replica, on its own thread
             stack = self._replica_stack(module)
@@ -340,14 +420,14 @@ class CallTracker:
         """True on a thread running ``nn.DataParallel`` replicas of the watched modules in this pass."""
         return bool(self._replicas) and threading.current_thread() in self._replicas
 
-    def _enter_replica(self, module: nn.Module) -> int:
-        """A call on another thread while the pass is open: numbered on its own if it is a replica
-        (``nn.DataParallel`` runs one per device in threads) and the listener keeps replicas apart;
-        any other thread is refused, since its calls would mix with the pass's."""
-        original = self._originals.get(id(module._forward_pre_hooks))
+    def _enter_replica(self, module: nn.Module, original: int) -> int:
+        """A replica's call (``nn.DataParallel`` runs one per device in threads): numbered on its
+        own if the listener keeps replicas apart, during the pass the wrapper's call opened."""
+        if not self._open_calls:
+            raise _replica_opener(self._names.get(original, ""))
         accepts = self._listener is None or getattr(self._listener, "accepts_replicas", False)
-        if original is None or original == id(module) or not accepts:
-            raise self._refusal(module)
+        if not accepts:
+            raise self._refusal(module, replica=True)
         replica = self._replica_calls()
         if replica is None:
             with self._lock:
@@ -382,17 +462,45 @@ class CallTracker:
         if self._listener is not None:
             self._listener.pass_abandoned()
 
-    def _refusal(self, module: nn.Module) -> ConcurrentPassError:
-        """The one error for a thread entering during another thread's pass (on that rare path only)."""
+    def _refusal(self, module: nn.Module, *, replica: bool) -> ConcurrentPassError:
+        """The one error for a call that would mix into a pass open on another thread (on that rare
+        path only): a replica the listener does not keep apart, or autograd's thread and the owner's."""
+        self.shared = True  # the refused call's closing hooks must leave the open pass alone
         key = self._originals.get(id(module._forward_pre_hooks), id(module))  # a replica: its original's name
         name = self._names.get(key, "")
-        return ConcurrentPassError(
-            f"hs.{self._feature} is already recording a forward pass on another thread, and this thread entered "
-            f"{module_label(name)!r}: expected one thread at a time, since the calls of two passes would mix; call "
-            f"the model from one thread, or give each thread its own copy of the model; {REPLICAS_HINT}",
-            feature=self._feature,
-            module=name,
-        )
+        where = module_label(name)
+        verb = f"hs.{self._feature}"
+        if replica:
+            message = (
+                f"{verb} records the forward pass of the thread that attached it, and an nn.DataParallel replica "
+                f"of {where!r} entered it from another thread: the replicas' calls would mix into that one record; "
+                f"{REPLICAS_HINT}"
+            )
+        else:
+            message = (
+                f"{verb} is recording a forward pass on one thread and autograd entered {where!r} on another "
+                "meanwhile (a checkpointed block recomputing in a backward): the calls of the two would mix; "
+                f"run the backward after the forward returns, on the thread that attached {verb}, or give the "
+                "other thread its own copy of the model"
+            )
+        return ConcurrentPassError(message, feature=self._feature, module=name)
+
+
+# What compiled code calls through EAGER (plain functions: EAGER makes one wrapper per function).
+# They say eager=True rather than ask is_compiling() again: torch's flag is process-wide, so it
+# reads True on any thread while another thread compiles, and asking again would recurse.
+
+
+def _enter_eagerly(tracker: CallTracker, module: nn.Module) -> int:
+    return tracker.enter(module, eager=True)
+
+
+def _exit_eagerly(tracker: CallTracker, module: nn.Module, *rest: Any) -> None:
+    tracker.exit(module, *rest, eager=True)
+
+
+def _foreign_eagerly(tracker: CallTracker) -> bool:
+    return tracker.foreign(eager=True)
 
 
 def parse_keep(keep: object) -> tuple[str, ...]:

@@ -35,7 +35,12 @@ EditFn = Callable[[torch.Tensor, EditContext], torch.Tensor]
 
 
 class Editor(Scoped):
-    """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``."""
+    """Edit hooks attached to a model; made by :func:`edit`, removed on leaving ``with``.
+
+    Edits change the forwards of the thread that attached them (with their ``nn.DataParallel``
+    replicas, and a checkpointed block recomputing in their backward); a forward of the same
+    model on another thread runs unedited.
+    """
 
     def __init__(
         self,
@@ -75,9 +80,11 @@ class Editor(Scoped):
 
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
-        applied, tracker = self._applied, self._tracker
+        applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
 
         def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if tracker.shared and foreign():
+                return None  # another thread's forward: left as it is
             call = current(module)
             if not want(call):
                 return None
@@ -90,9 +97,11 @@ class Editor(Scoped):
 
     def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
-        applied, tracker = self._applied, self._tracker
+        applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
 
         def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if tracker.shared and foreign():
+                return None
             call = current(module)
             if not want(call):
                 return None

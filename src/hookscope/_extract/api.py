@@ -99,6 +99,8 @@ def extract(
     inputs on (default: the model's), ``keep`` and ``calls`` as in :func:`hookscope.capture`,
     ``chunk_rows``, ``compression_level``, ``progress``. The model runs under
     ``torch.no_grad()``, in eval mode unless ``eval_mode=False``; its mode is restored after.
+    Only this thread's forwards are stored: another thread calling the model meanwhile (a
+    serving thread) passes through, though it sees the eval mode, which is the model's.
 
     Resuming: a store left by a run that stopped is continued by the same call (``resume=True``,
     the default): done chunks are skipped and the result is bit-identical to an uninterrupted

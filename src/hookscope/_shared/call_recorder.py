@@ -3,8 +3,8 @@
 A feature that records calls (``trace``, ``detect_nonfinite``, ``watch_grads``, ``diff``) puts a
 pre-hook and a closing forward hook on each chosen module, and the same questions come up in
 each: which open call does this close belong to, did the call return or raise, is this pass a
-checkpointed block recomputing in backward, is this hook running on a thread that was refused,
-can this run inside compiled code. :class:`CallRecorder` answers them in one place and hands
+checkpointed block recomputing in backward, is this hook running on another thread than the
+one recorded, can this run inside compiled code. :class:`CallRecorder` answers them in one place and hands
 the subclass only what is its own:
 
 - ``watch(name, module)`` once per module at attach time: what the hooks need of it
@@ -27,7 +27,10 @@ How the questions are answered:
 - **Recomputation.** A pass that the :class:`~hookscope._core.sites.CallTracker` opens inside
   a backward pass is a checkpointed block recomputing its forward; :meth:`skips_pass` says
   whether to ignore it (by default yes: the real forward was recorded already).
-- **Threads.** The tracker refuses a thread entering during another thread's pass with one
+- **Threads.** A recorder records the thread that attached it (see
+  :class:`~hookscope._core.sites.CallTracker`): a forward of the same model on another thread
+  passes by unrecorded, and both hooks return at once for it (one attribute read until another
+  thread has run the model). A ``nn.DataParallel`` replica is refused with one
   :class:`~hookscope.errors.ConcurrentPassError` naming :attr:`CallRecorder.feature`; PyTorch
   still runs that thread's ``always_call`` hooks, whose closes are ignored here.
 - **Compiled code.** With ``escape_compiled=True`` each hook body runs eagerly under
@@ -90,8 +93,10 @@ Closer = Callable[[nn.Module, Args, Kwargs, Any], None]
 
 
 def _eagerly(hook: Callable[..., None], *args: Any) -> None:
-    """Run ``hook`` (a recorder's own) outside compiled code: one escape for every recorder."""
-    hook(*args)
+    """Run ``hook`` (a recorder's own) outside compiled code: one escape for every recorder. It is
+    told so (``eager=True``) rather than asking ``is_compiling()`` again: torch's flag is
+    process-wide, True on every thread while any thread compiles, and asking would recurse."""
+    hook(*args, eager=True)
 
 
 class CallRecorder(Scoped, Generic[W, D]):
@@ -119,7 +124,7 @@ class CallRecorder(Scoped, Generic[W, D]):
     ['0#0', '1#0', '1#1']
     """
 
-    #: The feature's ``hs.`` verb: the hook group's owner and the name a refused thread is told.
+    #: The feature's ``hs.`` verb: the hook group's owner and the name a refused replica is told.
     feature: ClassVar[str]
 
     def __init__(
@@ -184,13 +189,14 @@ class CallRecorder(Scoped, Generic[W, D]):
 
     def _opener(self, site: W, escape: bool) -> PreHook:
         opened, current, open_call, exc_info = self.opened, self._tracker.current, self.open_call, sys.exc_info
+        tracker, foreign = self._tracker, self._tracker.foreign
 
-        def open_hook(module: nn.Module, args: Args, kwargs: Kwargs) -> None:
-            if escape and is_compiling():
+        def open_hook(module: nn.Module, args: Args, kwargs: Kwargs, *, eager: bool = False) -> None:
+            if escape and not eager and is_compiling():
                 EAGER(_eagerly)(open_hook, module, args, kwargs)
                 return
-            if self.skipping:
-                return
+            if self.skipping or (tracker.shared and foreign()):
+                return  # a pass turned down, or another thread's forward: passes by unrecorded
             draft = open_call(site, current(module), exc_info()[1], args, kwargs)
             if draft is not None:
                 opened.append(draft)
@@ -201,12 +207,12 @@ class CallRecorder(Scoped, Generic[W, D]):
         opened, owns, exc_info = self.opened, self._tracker.owns, sys.exc_info
         close_call, call_raised = self.close_call, self.call_raised
 
-        def close_hook(module: nn.Module, args: Args, kwargs: Kwargs, output: Any) -> None:
-            if escape and is_compiling():
+        def close_hook(module: nn.Module, args: Args, kwargs: Kwargs, output: Any, *, eager: bool = False) -> None:
+            if escape and not eager and is_compiling():
                 EAGER(_eagerly)(close_hook, module, args, kwargs, output)
                 return
             if self.skipping or not opened or opened[-1].site is not site or not owns():
-                return  # not opened here (or since a reset), or a call refused on another thread
+                return  # not opened here (or since a reset), or a call on another thread
             draft = opened.pop()
             error = exc_info()[1]
             if error is draft.handled:

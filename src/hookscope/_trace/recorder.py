@@ -115,7 +115,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
 
     ``tracer.trace`` is the latest pass's trace (also after a forward that raised: its rows
     stop where the exception went through, and ``trace.failure`` is the innermost such call).
-    With ``passes="all"``, ``tracer.passes`` holds every pass's trace, in order.
+    With ``passes="all"``, ``tracer.passes`` holds every pass's trace, in order. The forwards
+    traced are those of the thread that made the tracer; other threads' pass through untraced.
     """
 
     feature = "trace"
@@ -290,7 +291,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         """The :class:`Trace` of the latest forward pass (its statistics are read on first access)."""
         latest = self.latest
         if latest is None:
-            raise SpecError("no forward pass has been traced yet: call the model inside the tracing() block")
+            where = ", on this thread: forwards on other threads pass through untraced" if self._tracker.shared else ""
+            raise SpecError(f"no forward pass has been traced yet: call the model inside the tracing() block{where}")
         return latest
 
     @property

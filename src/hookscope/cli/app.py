@@ -47,7 +47,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     StoreBusyError: EXIT_FAILURE,  # another process is writing the store now: run again once it is done
     StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
     OutputWriteError: EXIT_FAILURE,  # a file's write failed part-way (disk full); nothing was left
-    ConcurrentPassError: EXIT_FAILURE,  # another thread ran the model meanwhile: nothing the command did
+    ConcurrentPassError: EXIT_FAILURE,  # a replica or autograd thread would mix into the pass: nothing the command did
     KeyboardInterrupt: EXIT_INTERRUPTED,
     Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
 }
