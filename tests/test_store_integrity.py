@@ -399,7 +399,7 @@ def test_a_read_bigger_than_memory_is_refused_before_allocating(tmp_path: Path) 
             lambda out: edit_json(
                 out / "zarr.json", lambda r: r["attributes"]["hookscope"]["config"].update(chunk_rows="4")
             ),
-            r"chunk_rows '4' is not a positive int",
+            r"chunk_rows '4' is not a positive int; its attributes are damaged: make it anew",
         ),
         (
             lambda out: edit_json(
@@ -503,3 +503,199 @@ def test_the_command_line_exits_1_naming_the_other_writer(capsys: pytest.Capture
     assert "is being written by another process: pid 4242 on gpu-node-7" in err
     assert "(hookscope extract demo:cnn ...)" in err
     assert "Traceback" not in err
+
+
+# -- edges a review found --------------------------------------------------------------------------
+
+
+def test_an_all_zero_chunk_has_its_file_and_reads_back(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    model = nn.Sequential(model[0], nn.ReLU()).eval()
+    with torch.no_grad():
+        model[0].bias.zero_()
+    x[4:8] = 0  # chunk 1 of the ReLU's output is all zeros
+    out = tmp_path / "f.zarr"
+    store = run(model, x, out, layers="1")
+    assert chunk_file(out, "1", 1).is_file()
+    assert np.array_equal(store["1"][:], reference(model, x))
+    assert not store["1"][4:8].any()
+    hs.open_store(out, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, x, out, layers="1")  # nothing to repair
+
+
+def test_a_stale_record_is_moved_aside_only_if_it_is_still_the_one_judged(tmp_path: Path) -> None:
+    """Two newcomers judge one stale record: the slower one must not move the faster one's new record."""
+    from hookscope._extract.holder import StoreHold
+    from hookscope._extract.zarr_io import target_of
+
+    out = tmp_path / "f.zarr"
+    write_record(out, host="gone-host", heartbeat=time.time() - STALE_AFTER_S - 5)
+    judged = json.loads((out / RECORD_KEY).read_text())
+    with StoreHold(target_of(out)) as faster:  # took it over
+        slower = StoreHold(target_of(out))
+        slower._remove_stale(judged)  # what the slower one does next, having judged the old record
+        assert json.loads((out / RECORD_KEY).read_text())["token"] == faster.token  # put back
+        with pytest.raises(hs.StoreBusyError, match="another extraction in this process"):
+            slower.take()
+        faster.confirm()  # still holds it
+
+
+def test_a_live_writer_here_holds_the_store_however_old_its_heartbeat(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    out = tmp_path / "f.zarr"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as paused:  # as after Ctrl-Z
+        try:
+            write_record(out, pid=paused.pid, heartbeat=time.time() - 10 * STALE_AFTER_S)
+            with pytest.raises(hs.StoreBusyError, match=rf"pid {paused.pid} on "):
+                run(model, x, out)
+        finally:
+            paused.kill()
+    paused.wait()
+    assert np.array_equal(run(model, x, out)["0"][:], reference(model, x))  # its pid gone: taken over
+
+
+def test_a_writer_in_another_pid_namespace_is_judged_by_its_heartbeat(tmp_path: Path) -> None:
+    """A container sharing the host's name: its pid means nothing here, so only its heartbeat tells."""
+    model, x = model_and_rows()
+    out = tmp_path / "f.zarr"
+    write_record(out, pid=999_999, pid_namespace="pid:[4026531999]")  # no such pid here; fresh heartbeat
+    with pytest.raises(hs.StoreBusyError, match="pid 999999"):
+        run(model, x, out)
+
+
+def test_a_run_that_lost_the_store_stops_without_recording_more(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    out = tmp_path / "f.zarr"
+
+    class TakenOver(Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return ROWS
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            if index == 10:  # another writer took the store over while this one was stopped
+                deadline = time.monotonic() + 60
+                while not (out / "_hookscope" / "done" / "c" / "1").exists():  # chunks 0 and 1 recorded
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                record = json.loads((out / RECORD_KEY).read_text())
+                (out / RECORD_KEY).write_text(json.dumps({**record, "token": "theirs", "pid": 1, "host": "other"}))
+            return x[index]
+
+    with pytest.raises(hs.StoreBusyError, match="was taken over by another writer while this run was stopped"):
+        run(model, TakenOver(), out)
+    assert hs.open_store(out, partial=True).done_chunks() == {0, 1}  # chunk 2 was not recorded
+    assert json.loads((out / RECORD_KEY).read_text())["token"] == "theirs"  # the new holder's record stays
+
+
+@pytest.fixture
+def read_only_store(tmp_path: Path) -> Any:
+    """A complete store on a file system mounted read-only (for root too)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        model, x = model_and_rows()
+        run(model, x, folder / "f.zarr")
+        if subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=False).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only")
+        yield model, x, folder / "f.zarr"
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+def test_a_complete_store_on_a_read_only_mount_is_checked_by_reading(read_only_store: Any) -> None:
+    model, x, out = read_only_store
+    assert np.array_equal(run(model, x, out)["0"][:], reference(model, x))
+
+
+def test_an_old_complete_store_is_read_not_refused_with_contradicting_advice(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    model = nn.Sequential(model[0], nn.ReLU()).eval()
+    with torch.no_grad():
+        model[0].bias.zero_()
+    x[4:8] = 0
+    out = tmp_path / "f.zarr"
+    run(model, x, out, layers="1")
+    # as format 1 made it: no checksums in the manifest, no file for an all-zero chunk
+    edit_json(out / "zarr.json", lambda r: r["attributes"]["hookscope"].update(format=1))
+    for found in sorted((out / "_hookscope" / "digests").rglob("*"), reverse=True):
+        found.unlink() if found.is_file() else found.rmdir()
+    (out / "_hookscope" / "digests").rmdir()
+    chunk_file(out, "1", 1).unlink()
+    store = hs.open_store(out, verify=True)  # no file for chunk 1 is what format 1 wrote
+    assert np.array_equal(store["1"][:], reference(model, x))
+    with pytest.raises(hs.StoreError, match=r"complete store of format 1.* read it with hs.open_store\(path\)"):
+        run(model, x, out, layers="1")
+
+
+def test_a_run_that_fails_before_making_the_store_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    with pytest.raises(RuntimeError, match="stop"):
+        run(model, StopsAt(x, 0), tmp_path / "runs" / "exp1" / "f.zarr")  # the first batch fails, store held
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rows_iterate_and_an_index_past_the_end_is_also_an_index_error(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    array = run(model, x, tmp_path / "f.zarr")["0"]
+    assert np.array_equal(np.stack(list(array)), reference(model, x))
+    with pytest.raises(IndexError, match=r"the array has rows 0..11 \(or -12..-1\)"):
+        array[12]
+    with pytest.raises(hs.StoreIndexError):
+        array[[0, 40]]
+
+
+def test_the_memory_check_counts_whole_rows_only_when_whole_rows_are_read() -> None:
+    from hookscope._extract.store import _whole_rows
+
+    assert _whole_rows(slice(0, 10))
+    assert _whole_rows((slice(0, 10), slice(None), Ellipsis))
+    assert not _whole_rows((slice(None), 0))  # one column of every row: zarr sizes that read itself
+
+
+def test_a_read_over_many_chunks_finds_a_lost_one_with_one_listing(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    rows = torch.cat([x] * 4)  # 48 rows, 12 chunks
+    out = tmp_path / "f.zarr"
+    run(model, rows, out)
+    chunk_file(out, "0", 10).unlink()
+    store = hs.open_store(out)
+    assert np.array_equal(store["0"][:40], reference(model, rows)[:40])
+    with pytest.raises(hs.StoreError, match=r"chunk 10 \(rows 40..43\) of '0' is damaged: its file is gone"):
+        store["0"][:]
+
+
+class WritesIntoItsInput(nn.Module):
+    """A model whose forward doubles its input in place, as some do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mul_(2))
+
+
+def test_a_stream_into_a_model_that_writes_its_inputs_resumes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = WritesIntoItsInput().eval()
+    x = torch.randn(ROWS, 4, generator=torch.Generator().manual_seed(1))
+
+    def batches(stop_at: int | None = None) -> Any:
+        for start in range(0, ROWS, BATCH):
+            if start == stop_at:
+                raise RuntimeError("stop")
+            yield x[start : start + BATCH].clone()  # fresh rows each pass, as a loader gives
+
+    whole = hs.extract(model, batches(), "fc", tmp_path / "whole.zarr", progress=False, chunk_rows=BATCH)
+    out = tmp_path / "f.zarr"
+    with pytest.raises(RuntimeError, match="stop"):
+        hs.extract(model, batches(stop_at=8), "fc", out, progress=False, chunk_rows=BATCH)
+    resumed = hs.extract(model, batches(), "fc", out, progress=False, chunk_rows=BATCH)
+    assert np.array_equal(resumed["fc"][:], whole["fc"][:])

@@ -31,6 +31,7 @@ does::
     │   │                                  differs, the store is incomplete or damaged
     │   │                                  (.array, .chunk)
     │   ├── StoreBusyError                 another process is writing the store (.holder)
+    │   ├── StoreIndexError (IndexError)   rows the array does not have
     │   └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
     │                                      recorded, and the same call resumes after it
     └── OutputPathError (OSError)          a file cannot be written where asked: the parent is a
@@ -68,6 +69,7 @@ __all__ = [
     "StaleCompiledCodeWarning",
     "StoreBusyError",
     "StoreError",
+    "StoreIndexError",
     "StoreRepairWarning",
     "StoreWriteError",
     "UnsupportedModelError",
@@ -276,6 +278,15 @@ class StoreError(HookscopeError, OSError):
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0]) if self.args else ""
+
+
+class StoreIndexError(StoreError, IndexError):
+    """Rows asked of a store's array that it does not have (an index past its end, a mask of
+    another length); also an ``IndexError``, so ``for row in store[site]`` ends as Python expects.
+
+    >>> isinstance(StoreIndexError("row 10 of 'h.0': the array has rows 0..9", array="h.0"), IndexError)
+    True
+    """
 
 
 class StoreBusyError(StoreError):

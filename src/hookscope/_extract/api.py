@@ -196,30 +196,43 @@ class _Job:
     def run(
         self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
     ) -> Store:
-        # what out holds is refused before the writer record goes into it, and read again once held
-        self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
         hold = StoreHold(self.target, command=command)
-        self.step("taking the store", hold.take, main_only=True)
+        # a live writer is named first; what out holds is refused before the record goes into it,
+        # and read again once the store is held
+        self.step("reading the store", hold.refuse_if_held)
+        found = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        complete = found is not None and found.get("state") == "complete"
+        self.step("taking the store", lambda: hold.take(read_only_ok=complete), main_only=True)
         try:
-            return self._run_held(config, chunk_rows, resume=resume, overwrite=overwrite, command=command)
+            return self._run_held(config, chunk_rows, hold, resume=resume, overwrite=overwrite, command=command)
         finally:
             hold.release()  # idempotent; nothing to do on the ranks that did not take it
 
     def _run_held(
-        self, config: dict[str, Any], chunk_rows: int | None, *, resume: bool, overwrite: bool, command: str | None
+        self,
+        config: dict[str, Any],
+        chunk_rows: int | None,
+        hold: StoreHold,
+        *,
+        resume: bool,
+        overwrite: bool,
+        command: str | None,
     ) -> Store:
         existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
         probe = self.step("reading the first batch", self.source.probe)
         config = self.step("describing the data", lambda: self._described(config, probe, chunk_rows))
+        checked = False
         if existing is not None and existing.get("state") == "complete":  # compare, check, and run only to repair
             complete = existing
             stored = complete["config"].get("chunk_rows")
             wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": complete.get("sites", [])}
             self.step("comparing configurations", lambda: _same_config(self.target, complete, wanted))
-            self.step("checking the stored chunks", lambda: self._check_stored(complete))
+            self.step("checking the stored chunks", lambda: self._check_stored(complete, repair=not hold.read_only))
+            self.step("reopening the store", lambda: self._reopen_if_repaired(complete), main_only=True)
             existing = self.step("reading the store", lambda: read_meta(self.target))
-            if existing is not None and existing.get("state") == "complete":
+            if existing is None or existing.get("state") == "complete":
                 return self._opened()
+            checked = True
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
         first, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
@@ -227,19 +240,24 @@ class _Job:
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
         self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
-        if existing is not None:
-            self.step("checking the stored chunks", lambda: self._check_stored(existing))
+        if existing is not None and not checked:
+            self.step("checking the stored chunks", lambda: self._check_stored(existing, repair=True))
         group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
-        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first))
-        self.step("completing the store", lambda: self._complete(group, manifest, layout, meta, rows), main_only=True)
+        confirm = hold.confirm if self.ranks.is_main else None
+        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first, confirm))
+        self.step(
+            "completing the store", lambda: self._complete(group, manifest, layout, meta, rows, hold), main_only=True
+        )
         return self._opened()
 
-    def _check_stored(self, meta: dict[str, Any]) -> None:
+    def _check_stored(self, meta: dict[str, Any], *, repair: bool) -> None:
         """Check this rank's share of the done chunks against their checksums (see ``verify``).
 
         Damaged chunks are marked not done, with a :class:`~hookscope.errors.StoreRepairWarning`,
-        so that this run writes them again (a complete store becomes a writing one first); input
-        rows that differ from those recorded raise :class:`~hookscope.errors.DataError`.
+        so that this run writes them again (rank 0 then reopens a complete store); where the
+        store cannot be written (``repair=False``: a complete store on a read-only mount) they
+        are a ``StoreError``. Input rows that differ from those recorded raise
+        :class:`~hookscope.errors.DataError`.
         """
         group, manifest, done = self._manifest()
         stored = stored_layout(meta)
@@ -251,14 +269,27 @@ class _Job:
             check_input_rows(stored, manifest, self.source.batches([stored.span(chunk) for chunk in intact]))
         if not broken:
             return
-        if meta.get("state") == "complete":
-            write_meta(group, {**meta, "state": "writing"})
+        if not repair:
+            raise StoreError(
+                f"{self.target.label}: {len(broken)} stored chunk(s) are damaged: {describe(damage)}; the store cannot "
+                "be written here (read-only), so they cannot be written again: run where it is writable",
+                array=damage[0].array,
+                chunk=damage[0].chunk,
+            )
         manifest.unmark(broken)
         warnings.warn(
             f"{self.target.label}: {len(broken)} stored chunk(s) are damaged and are written again: {describe(damage)}",
             StoreRepairWarning,
             stacklevel=2,
         )
+
+    def _reopen_if_repaired(self, meta: dict[str, Any]) -> None:
+        """A complete store some of whose chunks the check unmarked becomes a store being written
+        (rank 0 alone writes attributes)."""
+        group, _, done = self._manifest()
+        chunks = meta.get("chunks")
+        if isinstance(chunks, int) and len(done) < chunks:
+            write_meta(group, {**meta, "state": "writing"})
 
     def _described(self, config: dict[str, Any], probe: Batch, chunk_rows: int | None) -> dict[str, Any]:
         """The configuration with what the data says of itself; ``chunk_rows`` checked before any comparison."""
@@ -296,6 +327,12 @@ class _Job:
             raise StoreError(
                 f"out {self.target.label!r} already holds a feature store ({meta.get('state')}); resume=True continues "
                 "it, overwrite=True (--overwrite) replaces it, or choose another path"
+            )
+        if meta.get("format") != FORMAT and meta.get("state") == "complete":
+            raise StoreError(
+                f"out {self.target.label!r} is a complete store of format {meta.get('format')!r}, made by an older "
+                f"hookscope: read it with hs.open_store(path); this hookscope (format {FORMAT}) can neither check nor "
+                "continue it: overwrite=True (--overwrite) makes it anew"
             )
         if meta.get("format") != FORMAT:  # a format-1 store has no checksums to resume against
             raise StoreError(
@@ -348,6 +385,7 @@ class _Job:
         done: set[int],
         layout: Layout,
         first: ProbeValues,
+        confirm: Callable[[], None] | None,
     ) -> int:
         """Run and write this rank's chunks; return the rows the data held."""
         source = self.source
@@ -363,7 +401,13 @@ class _Job:
             total = None if layout.rows is None else layout.rows - sum(layout.rows_in(c) for c in done)
             batches = source.stream()
         writer = ChunkWriter(
-            group=group, layout=layout, manifest=manifest, done=done, owned=owned, label=self.target.label
+            group=group,
+            layout=layout,
+            manifest=manifest,
+            done=done,
+            owned=owned,
+            label=self.target.label,
+            confirm=confirm,
         )
         name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
         shown = self.progress if self.ranks.is_main else False
@@ -413,7 +457,10 @@ class _Job:
             )
         return end
 
-    def _complete(self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any], end: int) -> None:
+    def _complete(
+        self, group: Any, manifest: Manifest, layout: Layout, meta: dict[str, Any], end: int, hold: StoreHold
+    ) -> None:
+        hold.confirm()  # a run that lost the store (paused past the stale limit) must not mark it complete
         rows = layout.rows if layout.rows is not None else end
         chunks = math.ceil(rows / layout.chunk_rows)
         missing = sorted(set(range(chunks)) - manifest.done())

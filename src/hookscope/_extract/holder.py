@@ -9,9 +9,15 @@ exists), holding its host, pid, start, command and a heartbeat that a thread ren
 A record found there belongs to a live writer, and the newcomer is refused with
 :class:`~hookscope.errors.StoreBusyError` naming it, unless the record is stale:
 
-- same host, and its pid no longer runs (or runs another program: the pid was reused, which the
-  process's start time in ``/proc`` tells) — a killed or crashed run, taken over at once;
-- its heartbeat is older than :data:`STALE_AFTER_S` — a writer on another host that is gone.
+- on this machine (same host name, boot and pid namespace), its pid no longer runs (or runs
+  another program: the pid was reused, which the process's start time in ``/proc`` tells) — a
+  killed or crashed run, taken over at once; a live pid holds, however old its heartbeat (a
+  writer paused with Ctrl-Z);
+- from another machine (or container), its heartbeat is older than :data:`STALE_AFTER_S` — a
+  writer that is gone (the clocks of the two machines are compared: keep them in sync).
+
+A writer that was paused on another machine past that limit and taken over finds out at its
+next chunk (:meth:`StoreHold.confirm`) and stops without recording more.
 
 A stale record is taken over by renaming it away first (on a local disk exactly one of two
 newcomers can do that) and then creating the new one exclusively. Under ``torch.distributed``
@@ -21,6 +27,7 @@ rank 0 holds the record for the whole job.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -35,13 +42,15 @@ from typing import Any
 from hookscope._extract.zarr_io import MANIFEST_GROUP, WRITER_RECORD, Target, zarr_module
 from hookscope.errors import StoreBusyError, StoreError
 
-__all__ = ["HEARTBEAT_S", "RECORD_KEY", "STALE_AFTER_S", "StoreHold", "describe_holder"]
+__all__ = ["HEARTBEAT_S", "RECORD_KEY", "STALE_AFTER_S", "StoreHold", "describe_holder", "is_stale"]
 
 RECORD_KEY = f"{MANIFEST_GROUP}/{WRITER_RECORD}"
 #: How often a writer renews its heartbeat.
 HEARTBEAT_S = 15.0
-#: A record whose heartbeat is older than this belongs to a writer that is gone.
+#: A record from another machine whose heartbeat is older than this belongs to a writer that is gone.
 STALE_AFTER_S = 120.0
+# A store that refuses writes for these reasons can still be checked by reading it.
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class StoreHold:
@@ -55,10 +64,14 @@ class StoreHold:
         self.target = target
         self.token = secrets.token_hex(8)
         self.heartbeat_s = heartbeat_s
+        #: True after ``take(read_only_ok=True)`` found the store read-only: nothing is held, and
+        #: nothing may be written.
+        self.read_only = False
         self._record = _own_record(self.token, command)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._made_folders: list[Path] = []
+        self._lost_to: dict[str, Any] | None = None
 
     def __enter__(self) -> StoreHold:
         self.take()
@@ -67,8 +80,44 @@ class StoreHold:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def take(self) -> None:
-        """Create the record, taking over a stale one; ``StoreBusyError`` naming a live holder."""
+    def take(self, *, read_only_ok: bool = False) -> None:
+        """Create the record, taking over a stale one; ``StoreBusyError`` naming a live holder.
+
+        With ``read_only_ok``, a store that cannot be written (a read-only mount, no permission)
+        is not an error: ``read_only`` is set and nothing is held (a complete store is checked
+        by reading alone).
+        """
+        try:
+            self._take()
+        except StoreError as error:
+            if not (read_only_ok and isinstance(error.__cause__, OSError) and error.__cause__.errno in _READ_ONLY):
+                raise
+            self.read_only = True
+
+    def refuse_if_held(self) -> None:
+        """``StoreBusyError`` if a live writer holds the store now (a look, nothing created): said
+        before any other reason to refuse, since the store may change under that writer."""
+        found = self._read() if self.target.path is None or self.target.path.exists() else None
+        if found is not None and not is_stale(found):
+            raise StoreBusyError(_busy_message(self.target.label, found), holder=found)
+
+    def confirm(self) -> None:
+        """``StoreBusyError`` if another writer has taken the store over since (this one was paused
+        past the stale limit on another host): its rows must not be recorded as this run's."""
+        if self.read_only or self._beat is None:
+            return
+        found = self._lost_to or self._read()
+        if found is None or found.get("token") != self.token:
+            holder = found or {}
+            raise StoreBusyError(
+                f"out {self.target.label!r} was taken over by another writer while this run was stopped: "
+                f"{describe_holder(holder) if holder else 'its record is gone'}; this run stops here without "
+                "recording more; the chunks recorded stay valid, and running the same command again once the other "
+                "writer is done resumes",
+                holder=holder,
+            )
+
+    def _take(self) -> None:
         self._make_folders()
         try:
             for _ in range(3):  # a stale record taken over by someone else meanwhile: look again
@@ -105,20 +154,25 @@ class StoreHold:
     # -- the record in the store ----------------------------------------------------------------
 
     def _make_folders(self) -> None:
-        """A local store's folder and its ``_hookscope`` folder, remembering which were made here."""
+        """A local store's folder (and any parent missing) and its ``_hookscope`` folder,
+        remembering which were made here, to remove them again if nothing else came into them."""
         if self.target.path is None:
             return
-        for folder in (self.target.path, self.target.path / MANIFEST_GROUP):
-            if not folder.exists():
-                try:
-                    folder.mkdir(parents=True)
-                except FileExistsError:
-                    continue
-                except OSError as error:
-                    raise StoreError(
-                        f"out {self.target.label!r} cannot be written: {error}; choose a writable path"
-                    ) from error
-                self._made_folders.append(folder)
+        missing = [self.target.path / MANIFEST_GROUP]
+        parent = self.target.path
+        while not parent.exists() and parent != parent.parent:
+            missing.insert(0, parent)
+            parent = parent.parent
+        for folder in missing:
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                continue
+            except OSError as error:
+                raise StoreError(
+                    f"out {self.target.label!r} cannot be written: {error}; choose a writable path"
+                ) from error
+            self._made_folders.append(folder)
 
     def _remove_folders(self) -> None:
         """Folders made only to hold the record, if nothing else came into them (a refused run)."""
@@ -154,7 +208,7 @@ class StoreHold:
         if self.target.path is not None:
             try:
                 text = (self.target.path / RECORD_KEY).read_bytes()
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # no record; out is a file (refused later)
                 return None
         else:
             zarr = zarr_module()
@@ -191,14 +245,27 @@ class StoreHold:
         zarr_module().core.sync.sync(self.target.store.delete(key))
 
     def _remove_stale(self, found: dict[str, Any]) -> None:
-        """Move a stale record out of the way; of two newcomers on a local disk only one succeeds."""
+        """Move the stale record ``found`` out of the way, and only it: a newcomer that moved a
+        live record (another newcomer's, made meanwhile) puts it back. On a local disk the
+        rename lets exactly one of two newcomers move a given record."""
         if self.target.path is None:
-            self._delete(RECORD_KEY)
+            if self._read() == found:  # an object store: compare, then delete (a narrow window)
+                self._delete(RECORD_KEY)
             return
+        record = self.target.path / RECORD_KEY
         aside = self.target.path / MANIFEST_GROUP / f".writer.stale.{self.token}"
-        with contextlib.suppress(FileNotFoundError):  # another newcomer moved it first
-            os.rename(self.target.path / RECORD_KEY, aside)
-            aside.unlink(missing_ok=True)
+        try:
+            os.rename(record, aside)
+        except FileNotFoundError:  # another newcomer moved it first
+            return
+        try:
+            moved = json.loads(aside.read_bytes())
+        except (OSError, ValueError):
+            moved = {"unreadable": True}
+        if moved != found and not moved.get("unreadable"):
+            with contextlib.suppress(FileExistsError):  # never over a record made meanwhile
+                os.link(aside, record)
+        aside.unlink(missing_ok=True)
 
     def _start_heartbeat(self) -> None:
         self._stop.clear()
@@ -210,7 +277,8 @@ class StoreHold:
             with contextlib.suppress(Exception):  # a heartbeat that fails once is renewed the next time
                 found = self._read()
                 if found is None or found.get("token") != self.token:
-                    return  # taken over (we were stale): the new holder's record stays
+                    self._lost_to = found or {}  # taken over: confirm() says so; the new holder's record stays
+                    return
                 self._write()
 
 
@@ -220,6 +288,8 @@ def _own_record(token: str, command: str | None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "process_start": _process_start(os.getpid()),
+        "boot_id": _BOOT_ID,
+        "pid_namespace": _PID_NAMESPACE,
         "started": now,
         "heartbeat": now,
         "command": command if command is not None else shlex.join(sys.argv),
@@ -228,21 +298,54 @@ def _own_record(token: str, command: str | None) -> dict[str, Any]:
 
 
 def is_stale(record: dict[str, Any], *, now: float | None = None) -> bool:
-    """True when the writer that left ``record`` is gone (see the module doc)."""
+    """True when the writer that left ``record`` is gone (see the module doc).
+
+    On this machine (same host name, boot and pid namespace) a writer is gone exactly when its
+    pid no longer runs the program that wrote the record, however old its heartbeat: a writer
+    paused with Ctrl-Z or SIGSTOP still holds the store. Elsewhere only the heartbeat tells.
+    """
     if record.get("unreadable"):
         return True
+    if _same_machine(record):
+        pid = record.get("pid")
+        if not isinstance(pid, int) or not _running(pid):
+            return True
+        started = record.get("process_start")
+        return started is not None and _process_start(pid) not in (None, started)  # the pid runs another program
+    if record.get("host") == socket.gethostname() and record.get("boot_id") not in (None, _BOOT_ID):
+        return True  # this machine, booted since: the writer is gone
     heartbeat = record.get("heartbeat")
-    if not isinstance(heartbeat, (int, float)) or (now or time.time()) - heartbeat > STALE_AFTER_S:
-        return True
+    return not isinstance(heartbeat, (int, float)) or (now or time.time()) - heartbeat > STALE_AFTER_S
+
+
+def _same_machine(record: dict[str, Any]) -> bool:
+    """True when the record's pid means a process here: same host, same boot, same pid namespace
+    (a container sharing the host's name but not its pids is another machine for this)."""
     if record.get("host") != socket.gethostname():
-        return False  # another machine: only its heartbeat tells
-    pid = record.get("pid")
-    if not isinstance(pid, int):
-        return True
-    if not _running(pid):
-        return True
-    started = record.get("process_start")
-    return started is not None and _process_start(pid) not in (None, started)  # the pid runs another program
+        return False
+    for key, mine in (("boot_id", _BOOT_ID), ("pid_namespace", _PID_NAMESPACE)):
+        theirs = record.get(key)
+        if theirs is not None and mine is not None and theirs != mine:
+            return False
+    return True
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+_BOOT_ID = _read_text("/proc/sys/kernel/random/boot_id")
+_PID_NAMESPACE = _pid_namespace()
 
 
 def _running(pid: int) -> bool:
@@ -287,8 +390,10 @@ def describe_holder(record: dict[str, Any], *, now: float | None = None) -> str:
 
 
 def _busy_message(label: str, record: dict[str, Any]) -> str:
+    here = record.get("pid") == os.getpid() and _same_machine(record)
+    who = "another extraction in this process (another thread)" if here else "another process"
     return (
-        f"out {label!r} is being written by another process: {describe_holder(record)}; expected one writer per "
+        f"out {label!r} is being written by {who}: {describe_holder(record)}; expected one writer per "
         f"store: wait for it to finish (the same command then resumes or finds the store complete), or write to "
         f"another path; a writer that is gone is taken over by itself (same host: at once; another host: after "
         f"{STALE_AFTER_S:.0f} s without a heartbeat)"

@@ -248,8 +248,10 @@ def run_batches(
                 rows=range(max(batch.start, layout.rows), batch.stop),
             )
         if not writer.writer.wants(batch.start, batch.stop):
-            if skipped is not None:
-                skipped(batch)
+            if skipped is not None:  # the probe's inputs as they were before its forward, where this is the probe
+                probe = reused.batch if reused is not None else None
+                same = probe is not None and (probe.start, probe.rows) == (batch.start, batch.rows)
+                skipped(probe if same and probe is not None else batch)
             continue  # a stream's batch inside chunks a resumed store already has
         cut = regions(layout, batch.start, batch.stop)
         values = reused.take(batch) if reused is not None else None

@@ -21,13 +21,13 @@ import torch
 from torch import Tensor
 
 from hookscope._extract.layout import Layout, SiteLayout
-from hookscope._extract.verify import damaged_chunks, describe, missing_chunk
+from hookscope._extract.verify import damaged_chunks, describe, missing_chunk, present_chunks
 from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
-from hookscope.errors import SiteNotFoundError, StoreError
+from hookscope.errors import SiteNotFoundError, StoreError, StoreIndexError
 
 __all__ = ["Store", "StoreArray", "open_store"]
 
@@ -106,7 +106,7 @@ class StoreArray:
 
     def torch(self, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` as a tensor of the dtype the values had (``torch.bfloat16`` included)."""
-        rows = self._rows_read(index)
+        rows = self._rows_read(index, as_float=False)
         values = bits_to_tensor(self._read(index, rows), self.layout.torch_dtype)
         missing = self._missing(rows)
         if missing is None:
@@ -115,7 +115,13 @@ class StoreArray:
         values[torch.from_numpy(np.asarray(missing))] = torch.nan
         return values
 
-    def _rows_read(self, index: Any) -> range | np.ndarray:
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Row by row, reading one chunk at a time."""
+        step = self.zarr.chunks[0]
+        for start in range(0, len(self), step):
+            yield from self[start : start + step]
+
+    def _rows_read(self, index: Any, *, as_float: bool = True) -> range | np.ndarray:
         """The rows ``index`` reads, checked against the array's length and the memory they need.
 
         A row index the checks cannot follow (a tuple whose first part is not the rows) is
@@ -143,10 +149,13 @@ class StoreArray:
                     if rows.size and (rows.min() < 0 or rows.max() >= length):
                         raise IndexError(f"a row index is out of bounds for {length} rows")
         except (IndexError, TypeError, ValueError) as error:
-            raise StoreError(f"rows {index!r} of {self.name!r}: {error}", array=self.name) from None
+            span = f"rows 0..{length - 1} (or -{length}..-1)" if length else "no rows"
+            raise StoreIndexError(
+                f"rows {index!r} of {self.name!r}: {error}; the array has {span}", array=self.name
+            ) from None
         count = len(rows) if isinstance(rows, range) else rows.size
-        needed = count * self.layout.row_bytes * (2 if self.layout.as_bits else 1)
-        if needed > _memory_bytes():
+        needed = count * self.layout.row_bytes * (2 if self.layout.as_bits and as_float else 1)
+        if _whole_rows(index) and needed > _memory_bytes():  # a read of some columns: zarr knows its size
             raise StoreError(
                 f"reading {count:,} rows of {self.name!r} needs {format_bytes(needed)}, more than this machine's "
                 f"memory ({format_bytes(_memory_bytes())}); read fewer rows at a time (store[{self.name!r}][i:j])",
@@ -162,11 +171,16 @@ class StoreArray:
         first (once per array and chunk; stores of format 2, which write every chunk's file).
         """
         chunks = self._chunks_of(rows)
-        for chunk in chunks:
-            if chunk not in self._present and self._written(chunk):
-                if missing_chunk(self.zarr, chunk):
-                    raise self._damaged(chunk, "its file is gone (the chunk is recorded as written)")
-                self._present.add(chunk)
+        unseen = [chunk for chunk in chunks if chunk not in self._present and self._written(chunk)]
+        if len(unseen) > _LIST_AFTER:  # one listing of the array's chunk files instead of a look per chunk
+            self._present.update(present_chunks(self.zarr))
+            unseen = [chunk for chunk in unseen if chunk not in self._present]
+            if unseen:
+                raise self._damaged(unseen[0], "its file is gone (the chunk is recorded as written)")
+        for chunk in unseen:
+            if missing_chunk(self.zarr, chunk):
+                raise self._damaged(chunk, "its file is gone (the chunk is recorded as written)")
+            self._present.add(chunk)
         try:
             return np.asarray(self.zarr[index])
         except MemoryError as error:
@@ -339,13 +353,23 @@ class Store:
         whole store. Running the same extraction again writes damaged chunks anew.
         """
         stored = stored_layout(self.meta)
+        current = self.meta.get("format") != 1
         damage = damaged_chunks(
-            self.group, stored.sites, Manifest(self.group), sorted(self.done_chunks()), stored.chunk_rows
+            self.group,
+            stored.sites,
+            Manifest(self.group),
+            sorted(self.done_chunks()),
+            stored.chunk_rows,
+            checks_files=current,
         )
         if damage:
+            fix = (
+                "run the same extraction again, which writes them anew"
+                if current
+                else "this store of format 1 cannot be repaired: overwrite=True makes it anew"
+            )
             raise StoreError(
-                f"store {self.path!r} has {len(damage)} damaged chunk(s): {describe(damage, 5)}; run the same "
-                "extraction again, which writes them anew",
+                f"store {self.path!r} has {len(damage)} damaged chunk(s): {describe(damage, 5)}; {fix}",
                 array=damage[0].array,
                 chunk=damage[0].chunk,
             )
@@ -478,30 +502,38 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, ver
     return store
 
 
-def stored_layout(meta: dict[str, Any]) -> Layout:
+def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:
     """The :class:`Layout` a store's hookscope attributes describe (checked: ``StoreError`` if they lie)."""
+
+    def damaged(what: str) -> StoreError:
+        where = f"store {label!r}" if label else "the store"
+        return StoreError(
+            f"{where}: {what}; its attributes are damaged: make it anew with the same extraction and "
+            "overwrite=True (--overwrite)"
+        )
+
     config = meta.get("config")
     sites = meta.get("sites")
     if not isinstance(config, dict) or not isinstance(sites, list):
-        raise StoreError("the store's hookscope attributes lack 'config' or 'sites'; it cannot be read as a store")
+        raise damaged("the hookscope attributes lack 'config' or 'sites'")
     chunk_rows = config.get("chunk_rows")
     batch_size = config.get("batch_size", chunk_rows)
     rows = meta.get("rows")
     if not isinstance(chunk_rows, int) or not isinstance(batch_size, int) or min(chunk_rows, batch_size) < 1:
-        raise StoreError(f"the store's chunk_rows {chunk_rows!r} is not a positive int; its attributes are damaged")
+        raise damaged(f"chunk_rows {chunk_rows!r} is not a positive int")
     if rows is not None and not _whole(rows, least=0):
-        raise StoreError(f"the store's rows {rows!r} is not an int >= 0; its attributes are damaged")
+        raise damaged(f"rows {rows!r} is not an int >= 0")
     layouts = []
     for record in sites:
         try:
             layout = SiteLayout.from_json(record)
             layout.stored  # noqa: B018  (a dtype name torch does not know raises here)
         except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as error:
-            raise StoreError(
-                f"the store's record of a site ({str(record)[:80]}) is damaged: {type(error).__name__}: {error}"
+            raise damaged(
+                f"the record of a site ({str(record)[:80]}) is damaged: {type(error).__name__}: {error}"
             ) from None
         if not isinstance(layout.name, str) or not all(_whole(n, least=0) for n in layout.shape):
-            raise StoreError(f"the store's record of site {layout.name!r} is damaged: shape {list(layout.shape)}")
+            raise damaged(f"the record of site {layout.name!r} is damaged: shape {list(layout.shape)}")
         layouts.append(layout)
     return Layout(tuple(layouts), rows, batch_size, chunk_rows)
 
@@ -509,7 +541,7 @@ def stored_layout(meta: dict[str, Any]) -> Layout:
 def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
     """:func:`stored_layout`, with each array checked against it: present, its dtype, its row
     shape, its chunking and (a store that knows it) its number of rows."""
-    layout = stored_layout(meta)
+    layout = stored_layout(meta, label)
     complete = meta.get("state") == "complete"
     if complete and layout.rows is None:
         raise StoreError(f"store {label!r} says it is complete but not how many rows it holds; it is damaged")
@@ -542,6 +574,17 @@ def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
                 array=f"{MANIFEST_GROUP}/done",
             )
     return layout
+
+
+#: Past this many chunk files to look for, a read lists the array's chunk files once instead.
+_LIST_AFTER = 8
+
+
+def _whole_rows(index: Any) -> bool:
+    """True when ``index`` reads whole rows (no selection along the other axes)."""
+    if not isinstance(index, tuple):
+        return True
+    return all(part is Ellipsis or part == slice(None) for part in index[1:])
 
 
 def _whole(value: object, *, least: int) -> bool:

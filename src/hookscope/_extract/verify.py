@@ -25,7 +25,16 @@ from hookscope._extract.layout import Layout, SiteLayout
 from hookscope._extract.zarr_io import Manifest, zarr_module
 from hookscope.errors import DataError
 
-__all__ = ["Damage", "StreamCheck", "check_input_rows", "damaged_chunks", "data_changed", "describe", "missing_chunk"]
+__all__ = [
+    "Damage",
+    "StreamCheck",
+    "check_input_rows",
+    "damaged_chunks",
+    "data_changed",
+    "describe",
+    "missing_chunk",
+    "present_chunks",
+]
 
 
 @dataclass(frozen=True)
@@ -53,10 +62,36 @@ def missing_chunk(array: Any, chunk: int) -> bool:
     return not zarr_module().core.sync.sync(array.store_path.store.exists(f"{array.store_path.path}/{key}"))
 
 
+def present_chunks(array: Any) -> set[int]:
+    """The row-chunks of ``array`` that have a file (or object): one listing of the array."""
+    zarr = zarr_module()
+    prefix = f"{array.store_path.path}/c/"
+
+    async def listed() -> list[str]:
+        return [key async for key in array.store_path.store.list_prefix(prefix)]
+
+    found = set()
+    for key in zarr.core.sync.sync(listed()):
+        first = key[len(prefix) :].split("/", 1)[0]
+        if first.isdigit():
+            found.add(int(first))
+    return found
+
+
 def damaged_chunks(
-    group: Any, sites: Sequence[SiteLayout], manifest: Manifest, chunks: Iterable[int], chunk_rows: int
+    group: Any,
+    sites: Sequence[SiteLayout],
+    manifest: Manifest,
+    chunks: Iterable[int],
+    chunk_rows: int,
+    *,
+    checks_files: bool = True,
 ) -> list[Damage]:
-    """The site chunks among ``chunks`` that are not what the manifest says was written."""
+    """The site chunks among ``chunks`` that are not what the manifest says was written.
+
+    ``checks_files=False`` for a store of format 1, which wrote no file for an all-zero chunk:
+    there only what reads can be checked.
+    """
     found = []
     arrays = [(site, group[site.name]) for site in sites]
     for chunk in chunks:
@@ -64,16 +99,17 @@ def damaged_chunks(
         for index, (site, array) in enumerate(arrays):
             first = chunk * chunk_rows
             rows = range(first, min(first + chunk_rows, array.shape[0]))
-            reason = _check_one(array, chunk, rows, digests[index] if index < len(digests) else None)
+            digest = digests[index] if index < len(digests) else None
+            reason = _check_one(array, chunk, rows, digest, checks_files=checks_files)
             if reason is not None:
                 found.append(Damage(site.name, chunk, rows, reason))
     return found
 
 
-def _check_one(array: Any, chunk: int, rows: range, digest: int | None) -> str | None:
+def _check_one(array: Any, chunk: int, rows: range, digest: int | None, *, checks_files: bool) -> str | None:
     if len(rows) == 0:
         return "the array holds none of its rows"
-    if missing_chunk(array, chunk):
+    if checks_files and missing_chunk(array, chunk):
         return "its file is gone"
     try:
         values = np.asarray(array[rows.start : rows.stop])

@@ -49,12 +49,17 @@ class ChunkWriter:
     done: set[int]
     owned: set[int] | None  # None: every chunk that is not done (one process)
     label: str
+    #: Raises if this run no longer holds the store (see ``holder.StoreHold.confirm``): called
+    #: before each chunk is recorded, on the process that holds it.
+    confirm: Callable[[], None] | None = None
     bytes_written: int = 0
     _chunks: dict[int, _Chunk] = field(default_factory=dict)
     _free: list[list[np.ndarray]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._arrays = [self.group[site.name] for site in self.layout.sites]
+        # every chunk gets its file, all-zero ones too (a run-time setting of zarr's, not stored
+        # with the array): a done chunk without a file is then a lost chunk
+        self._arrays = [self.group[site.name].with_config({"write_empty_chunks": True}) for site in self.layout.sites]
 
     def wants(self, start: int, stop: int) -> bool:
         """True if any row in ``[start, stop)`` belongs to a chunk this writer still has to write."""
@@ -117,6 +122,8 @@ class ChunkWriter:
             except Exception as error:
                 raise self._failure(chunk, rows, site.name, error) from error
             self.bytes_written += buffer[:rows].nbytes
+        if self.confirm is not None:
+            self.confirm()
         try:
             self.manifest.mark(chunk, (combine(pending.input_parts), digests))
         except Exception as error:
