@@ -680,3 +680,22 @@ def test_list_ops_lists_every_module_s_own_ops_in_order() -> None:
         "head#0:op[mul#0]",
         "head#0:op[softmax#0]",
     ]
+
+
+def test_layers_lists_op_sites_in_a_second_table() -> None:
+    from tests.test_layers import check_golden
+
+    model = Net()
+    table = hs.layers(model, image(), ops=True)
+    check_golden("layers_ops_net.txt", str(table))
+    assert table.ops is not None
+    assert [str(op) for op in table.ops] == [str(op) for op in list_ops(model, image())]
+    assert "head.fc#1:op[linear#0]" in str(table), "a module called twice shows its call"
+    assert "<td" in table._repr_html_().split("op sites")[1]
+    only = hs.layers(model, image(), ops="head")
+    assert [op.site.short for op in only.ops or []] == ["head:op[relu#0]", "head:op[mul#0]", "head:op[softmax#0]"]
+    assert hs.layers(model, image()).ops is None
+    with pytest.raises(hs.SpecError, match=r"give a sample input, e\.g\. hs\.layers\(model, x, ops=True\)"):
+        hs.layers(model, ops=True)
+    with pytest.raises(hs.SpecError, match="ops= is layers' own option"):
+        hs.layers(model, image(), ops=torch.ones(1))  # type: ignore[arg-type]
