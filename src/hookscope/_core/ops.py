@@ -30,6 +30,10 @@ How, and what it costs:
   ``nn.MultiheadAttention``'s forward calls ``F.multi_head_attention_forward``, which is
   reported once, while the ``scaled_dot_product_attention`` it runs inside is not; ``F.layer_norm``
   is one ``layer_norm``. The k-th ``softmax`` is the k-th that the module's source calls.
+- **Numbering follows execution.** ``add#1`` is the second ``add`` this call of the module ran:
+  a branch not taken (an ``if`` on the input, a key/value cache present or not) shifts the
+  indices after it, so list the sites with the inputs that will be used (:func:`list_ops`).
+  A checkpointed block recomputing in backward reports its ops again (``replaying`` is True).
 - **Only calls that return a tensor** (or a tuple or list holding one) are reported and numbered:
   ``x.size()``, ``x.shape``, ``x.dim()``, ``len(x)``, ``x[0] = 1`` (``setitem`` returns None) are not.
 - **Threads.** The watcher follows the thread rule of
