@@ -2,13 +2,16 @@
 
 The table answers the first question before hooking anything: what is this model called
 inside? Given a sample input it also runs one forward pass and counts how often each module
-ran, which shows shared modules (called twice), loops, and modules that never run at all.
+ran, which shows shared modules (called twice), loops, and modules that never run at all;
+with ``ops=True`` the same pass lists the op sites (``h.0.attn:op[softmax#0]``): the torch
+calls each module's own code made, which no module hook sees.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any, NamedTuple, overload
 
 import torch
@@ -17,11 +20,13 @@ from torch import nn
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, module_label, named_modules
+from hookscope._core.ops import OpCall, OpLog, OpWatcher
 from hookscope._core.params import count, own_count
-from hookscope._core.select import ensure_module
+from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
+from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
-from hookscope.errors import SiteNotFoundError
+from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Layer", "LayerTable", "layers"]
 
@@ -42,12 +47,17 @@ class LayerTable:
     Iterating yields :class:`Layer` rows; ``table["layer1.conv1"]`` looks one up by name.
     ``params`` counts a module's own parameters (not its children's); the footer's total counts
     each parameter tensor once, so weights tied between two modules are not counted twice.
+    ``ops`` holds the op sites when they were asked for (``layers(model, x, ops=True)``), in the
+    order they ran; they print as a second table.
     """
 
-    def __init__(self, rows: list[Layer], total_params: int, trainable_params: int) -> None:
+    def __init__(
+        self, rows: list[Layer], total_params: int, trainable_params: int, ops: list[OpCall] | None = None
+    ) -> None:
         self.rows = rows
         self.total_params = total_params
         self.trainable_params = trainable_params
+        self.ops = ops
         self._by_name = {row.name: row for row in rows}
 
     @property
@@ -101,22 +111,46 @@ class LayerTable:
             table.add(module_label(row.name), row.class_name, f"{row.params:,}", *calls)
         return table
 
+    def _op_table(self, ops: list[OpCall]) -> Table:
+        """The op sites as a table: site text (the module's call shown where it ran more than
+        once), the shapes and dtypes the op returned."""
+        calls = {row.name: row.calls or 0 for row in self.rows}
+        table = Table(
+            [Column("op site"), Column("output"), Column("dtype")],
+            title="op sites: the torch calls of each module's own code, in the order they ran",
+            notes=[f"{len(ops)} op sites in {len({op.module for op in ops})} modules"],
+        )
+        for op in ops:
+            site = str(op.site) if calls.get(op.module, 0) > 1 else op.site.short
+            shapes = ", ".join(format_shape(shape) for shape in op.shapes)
+            dtypes = ", ".join(dict.fromkeys(str(dtype).removeprefix("torch.") for dtype in op.dtypes))
+            table.add(site, shapes, dtypes)
+        return table
+
     def __str__(self) -> str:
-        return self._table().text()
+        text = self._table().text()
+        return text if self.ops is None else f"{text}\n\n{self._op_table(self.ops).text()}"
 
     def __repr__(self) -> str:
         return str(self)
 
     def _repr_html_(self) -> str:
-        return self._table().html()
+        html = self._table().html()
+        return html if self.ops is None else html + self._op_table(self.ops).html()
 
 
-def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> LayerTable:
+def layers(model: nn.Module, *example_args: Any, ops: bool | Selector = False, **example_kwargs: Any) -> LayerTable:
     """List every module of ``model``: dotted name, class, own parameter count, and calls.
 
     With a sample input (``layers(model, x)``, keyword inputs too) one forward pass runs in eval
     mode under ``torch.no_grad()`` -- so batch-norm statistics are not touched -- and the
     ``calls`` column shows how often each module ran in it. The model's modes are restored.
+
+    ``ops=True`` also lists the op sites of that pass (``table.ops``, and a second table): every
+    torch call a module's own code made, not counting its submodules', under the name a
+    selector will take (``h.0.attn:op[softmax#0]``), with the shapes and dtypes it returned.
+    ``ops=`` a selector lists only the chosen modules' op sites. Op sites need eager execution:
+    a model under ``torch.compile`` is refused.
 
     Example::
 
@@ -131,7 +165,10 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
     """
     ensure_module(model)
     named = named_modules(model)
-    calls = _count_calls(model, named, example_args, example_kwargs) if example_args or example_kwargs else None
+    watched = _op_modules(model, named, ops, sampled=bool(example_args or example_kwargs))
+    calls, op_calls = None, None
+    if example_args or example_kwargs:
+        calls, op_calls = _run(model, named, watched, example_args, example_kwargs)
     rows = [
         Layer(
             name,
@@ -143,15 +180,38 @@ def layers(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Layer
         for name, module in named
     ]
     unique = list(model.parameters())
-    return LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad))
+    return LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad), op_calls)
 
 
-def _count_calls(
-    model: nn.Module, named: list[tuple[str, nn.Module]], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, int]:
+def _op_modules(
+    model: nn.Module, named: list[tuple[str, nn.Module]], ops: bool | Selector, *, sampled: bool
+) -> list[tuple[str, nn.Module]] | None:
+    """The modules whose op sites ``ops=`` asks for (None: not asked), checked before the forward."""
+    if ops is False:
+        return None
+    if isinstance(ops, torch.Tensor):
+        raise SpecError("ops= is layers' own option (True, or which modules' op sites to list), not a model input")
+    if not sampled:
+        raise SpecError(
+            "op sites are found by running the model: give a sample input, e.g. hs.layers(model, x, ops=True)"
+        )
+    return named if isinstance(ops, bool) else select(model, ops)
+
+
+def _run(
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    watched: list[tuple[str, nn.Module]] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[dict[str, int], list[OpCall] | None]:
+    """One forward in eval mode under no_grad: each module's calls and, if asked, its op sites."""
     ensure_loaded(model, (args, kwargs))  # a meta model: one line, not torch's device mismatch
     tracker = CallTracker()
-    with HookGroup(model, [], owner="layers", tracker=tracker, count=named), torch.no_grad():
+    log = OpLog()
+    with HookGroup(model, [], owner="layers", tracker=tracker, count=named), ExitStack() as stack, torch.no_grad():
+        if watched is not None:
+            stack.enter_context(OpWatcher(model, watched, log, owner="layers"))
         model.eval()
         model(*args, **kwargs)
-        return tracker.counts()
+        return tracker.counts(), None if watched is None else log.calls

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hookscope._core.function_modes import on_stack, put_on, take_off
+
 __all__ = ["CopyOnWrite", "storage_bytes", "storage_key", "unwatch_writes", "watch_writes"]
 
 _INPLACE_OPERATORS = frozenset(
@@ -186,8 +188,8 @@ def watch_writes(watched: Mapping[int, object], before_write: Callable[[int], No
     thread), pushing the shared mode if it is not on torch's mode stack already."""
     mode = _GUARD.mode
     mode.watchers.append((watched, before_write))
-    if mode not in _mode_stack():
-        mode.__enter__()  # type: ignore[no-untyped-call]
+    if not on_stack(mode):
+        put_on(mode)
 
 
 def unwatch_writes(watched: Mapping[int, object]) -> None:
@@ -196,24 +198,5 @@ def unwatch_writes(watched: Mapping[int, object]) -> None:
     outlives the captures that needed it."""
     mode = _GUARD.mode
     mode.watchers[:] = [entry for entry in mode.watchers if entry[0] is not watched]
-    if mode.watchers:
-        return
-    stack = _mode_stack()
-    if mode not in stack:
-        return
-    if stack[-1] is mode:
-        mode.__exit__(None, None, None)
-        return
-    above: list[Any] = []  # pushed after it and not popped yet: lift them off, drop it, put them back
-    while (
-        torch._C._len_torch_function_stack()
-        and torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode
-    ):
-        above.append(torch._C._pop_torch_function_stack())
-    torch._C._pop_torch_function_stack()
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
-
-
-def _mode_stack() -> list[Any]:
-    return list(torch.overrides._get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+    if not mode.watchers:
+        take_off(mode)

@@ -1,0 +1,259 @@
+"""Op sites: the names of torch ops called inside a module, and the text that addresses them.
+
+Module hooks see what crosses a module's boundary; the softmax inside an attention module, the
+residual ``+=`` inside a block never do. An *op site* is one torch function call made by a
+module's own code: ``h.0.attn:op[softmax#0]`` is the first ``softmax`` that ``h.0.attn``'s
+forward calls, ``layer1.0#1:op[add_#0]`` the first in-place add of the second call of
+``layer1.0``. The grammar, printed and parsed here only::
+
+    MODULE[#CALL]:op[NAME[#INDEX]]
+
+- ``MODULE`` is the module's name, escaped as :func:`~hookscope._core.names.escape_name` writes
+  it (the root's name is empty); ``#CALL`` its call in the pass (0 when left out);
+- ``NAME`` is the op as users write it (:func:`op_name`): ``torch.softmax``, ``Tensor.softmax``
+  and ``F.softmax`` are all ``softmax``; ``a + b`` is ``add``, ``a += b`` is ``add_``;
+- ``#INDEX`` numbers the calls of one op name within one call of the module, from 0.
+
+A selector (:class:`OpPattern`) may glob the module (``h.*.attn``), the name (``add*``) and the
+index (``softmax#*``); a selector without an index names every index, one without ``#CALL``
+every call.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hookscope._core.names import escape_name, unescape_name
+from hookscope.errors import SpecError
+
+__all__ = ["OpPattern", "OpSite", "op_name", "op_pattern"]
+
+# What Tensor's operator methods are called as functions: ``a + b`` is an ``add`` wherever
+# torch dispatches it as ``Tensor.__add__``, ``1 - a`` a ``sub`` (the operands' order aside),
+# ``a += b`` the in-place ``add_``. Any other dunder loses its underscores (``__len__``: ``len``).
+_DUNDERS = {
+    **dict.fromkeys(("__add__", "__radd__"), "add"),
+    "__iadd__": "add_",
+    **dict.fromkeys(("__sub__", "__rsub__"), "sub"),
+    "__isub__": "sub_",
+    **dict.fromkeys(("__mul__", "__rmul__"), "mul"),
+    "__imul__": "mul_",
+    **dict.fromkeys(("__truediv__", "__rtruediv__", "__div__", "__rdiv__"), "div"),
+    **dict.fromkeys(("__itruediv__", "__idiv__"), "div_"),
+    **dict.fromkeys(("__floordiv__", "__rfloordiv__"), "floor_divide"),
+    "__ifloordiv__": "floor_divide_",
+    **dict.fromkeys(("__mod__", "__rmod__"), "remainder"),
+    "__imod__": "remainder_",
+    **dict.fromkeys(("__pow__", "__rpow__"), "pow"),
+    "__ipow__": "pow_",
+    **dict.fromkeys(("__matmul__", "__rmatmul__"), "matmul"),
+    **dict.fromkeys(("__and__", "__rand__"), "bitwise_and"),
+    "__iand__": "bitwise_and_",
+    **dict.fromkeys(("__or__", "__ror__"), "bitwise_or"),
+    "__ior__": "bitwise_or_",
+    **dict.fromkeys(("__xor__", "__rxor__"), "bitwise_xor"),
+    "__ixor__": "bitwise_xor_",
+    **dict.fromkeys(("__lshift__", "__rlshift__"), "bitwise_left_shift"),
+    "__ilshift__": "bitwise_left_shift_",
+    **dict.fromkeys(("__rshift__", "__rrshift__"), "bitwise_right_shift"),
+    "__irshift__": "bitwise_right_shift_",
+    "__invert__": "bitwise_not",
+    "__neg__": "neg",
+    "__pos__": "positive",
+    "__abs__": "abs",
+    "__eq__": "eq",
+    "__ne__": "ne",
+    "__lt__": "lt",
+    "__le__": "le",
+    "__gt__": "gt",
+    "__ge__": "ge",
+    "__nonzero__": "bool",
+}
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """The name of a torch function as users write it, for op sites.
+
+    Why one name per op: torch hands the same op to a function mode as ``torch.softmax``,
+    ``Tensor.softmax`` or ``F.softmax``, and an operator as ``Tensor.__radd__`` or ``Tensor.add``
+    depending on the spelling and the torch version; a site must not change with either.
+    A property's getter is named by the property (``x.T`` is ``T``), an op overload by its
+    op (``torch.ops.aten.add.Tensor`` is ``add``), an operator by the function it is
+    (table above).
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> [op_name(f) for f in (torch.softmax, torch.Tensor.softmax, F.softmax, F.scaled_dot_product_attention)]
+    ['softmax', 'softmax', 'softmax', 'scaled_dot_product_attention']
+    >>> [op_name(f) for f in (torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__iadd__)]
+    ['add', 'add', 'add_']
+    >>> [op_name(f) for f in (torch.Tensor.__matmul__, torch.Tensor.__mul__, torch.Tensor.__truediv__)]
+    ['matmul', 'mul', 'div']
+    >>> op_name(torch.Tensor.__getitem__), op_name(torch.Tensor.T.__get__), op_name(torch.ops.aten.add.Tensor)
+    ('getitem', 'T', 'add')
+    """
+    packet = getattr(func, "overloadpacket", None)  # torch.ops.aten.add.Tensor: the op, not the overload
+    name = getattr(packet if packet is not None else func, "__name__", None)
+    if name == "__get__":  # a property read (x.T, x.shape): named by the property
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    if not isinstance(name, str) or not name:
+        return type(func).__name__
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        return _DUNDERS.get(name, name[2:-2])
+    return name
+
+
+# Module text: any character but an unescaped "#" (a ":" is allowed for 're:' selectors); then
+# the call, then ":op[NAME#INDEX]" at the very end.
+_OP_TEXT = re.compile(
+    r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:op\[(?P<op>[^\[\]#]*)(?:#(?P<index>[^\[\]#]*))?\]$", re.DOTALL
+)
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_OP_GLOB = re.compile(r"^[A-Za-z0-9_.*?]+$")
+_INDEX_GLOB = re.compile(r"^[0-9*?]+$")
+_FORM = (
+    "'module[#call]:op[name[#index]]', e.g. 'h.0.attn:op[softmax#0]', 'h.*.attn:op[scaled_dot_product_attention]' "
+    "or 'layer1.0:op[add*]'"
+)
+
+
+def _module_text(text: str) -> str:
+    """A module part as written back to the name (or pattern) it stands for: escapes undone,
+    except in a 're:' regular expression, whose backslashes are its own."""
+    return text if text.startswith("re:") else unescape_name(text)
+
+
+def _written_module(module: str) -> str:
+    return module if module.startswith("re:") else escape_name(module)
+
+
+@dataclass(frozen=True, order=True)
+class OpSite:
+    """One op call inside one module call: module name, module call, op name, op index.
+
+    Why its own text: a value that never crosses a module boundary still needs an address that
+    reads back to itself, in the same escaped form as a :class:`~hookscope._core.sites.Site`.
+    ``str()`` writes every part (as ``Site`` does); :attr:`short` leaves out call 0.
+
+    >>> site = OpSite("h.0.attn", 0, "softmax", 0)
+    >>> str(site), site.short
+    ('h.0.attn#0:op[softmax#0]', 'h.0.attn:op[softmax#0]')
+    >>> OpSite.parse("h.0.attn#1:op[add_#2]")
+    OpSite(module='h.0.attn', call=1, op='add_', index=2)
+    >>> OpSite.parse(str(OpSite("fc#1", 0, "mul", 3))) == OpSite("fc#1", 0, "mul", 3)
+    True
+    """
+
+    module: str
+    call: int = 0
+    op: str = ""
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.call < 0 or self.index < 0:
+            raise SpecError(
+                f"op site {self.module!r} op {self.op!r} has call {self.call} and index {self.index}; "
+                "both count from 0 (calls within the pass, ops within the call)"
+            )
+        if not _OP_NAME.match(self.op):
+            raise SpecError(f"op name {self.op!r} is not an op's name; expected one such as 'softmax', 'add_' or 'T'")
+
+    def __str__(self) -> str:
+        return f"{escape_name(self.module)}#{self.call}:op[{self.op}#{self.index}]"
+
+    @property
+    def short(self) -> str:
+        """The text without the module's call where it is the first: ``h.0.attn:op[softmax#0]``."""
+        call = f"#{self.call}" if self.call else ""
+        return f"{escape_name(self.module)}{call}:op[{self.op}#{self.index}]"
+
+    @property
+    def op_label(self) -> str:
+        """The op within its module call: ``softmax#0``."""
+        return f"{self.op}#{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> OpSite:
+        """Read ``name[#call]:op[op#index]``; the call defaults to 0, the index must be given
+        (without one, the text names every index: an :class:`OpPattern`)."""
+        match = _OP_TEXT.match(text) if isinstance(text, str) else None
+        if match is None:
+            raise SpecError(f"op site {text!r} is not of the form {_FORM}")
+        index = match["index"]
+        if index is None or not index.isdigit() or not _OP_NAME.match(match["op"]):
+            raise SpecError(
+                f"op site {text!r} names a pattern, not one op call; an op site gives the op's name and index, "
+                f"e.g. {match['module']}:op[{match['op'] or 'softmax'}#0]"
+            )
+        return cls(unescape_name(match["module"]), int(match["call"] or 0), match["op"], int(index))
+
+
+@dataclass(frozen=True)
+class OpPattern:
+    """A selector of op sites: a module selector, an optional call, a glob over op names, and
+    an optional glob over the index (None: every index).
+
+    Why globs here and not in the module selector alone: "every softmax" or "every residual add
+    of every block" are what users ask for, and the k-th op is a counter they cannot guess.
+
+    >>> pattern = OpPattern.parse("h.*.attn:op[softmax#*]")
+    >>> pattern.module, pattern.call, pattern.matches("softmax", 3), pattern.matches("add", 0)
+    ('h.*.attn', None, True, False)
+    >>> every = OpPattern.parse("layer1.0#1:op[add*]")
+    >>> every.call, every.index, every.matches("add_", 1), every.matches("addmm", 0), str(every)
+    (1, None, True, True, 'layer1.0#1:op[add*]')
+    """
+
+    module: str
+    call: int | None = None
+    op: str = "*"
+    index: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _OP_GLOB.match(self.op):
+            raise SpecError(f"op selector name {self.op!r} is not an op name or a glob over names (* and ?)")
+        if self.index is not None and not _INDEX_GLOB.match(self.index):
+            raise SpecError(f"op selector index {self.index!r} is not an index or a glob over indices, such as 0 or *")
+
+    def __str__(self) -> str:
+        call = "" if self.call is None else f"#{self.call}"
+        index = "" if self.index is None else f"#{self.index}"
+        return f"{_written_module(self.module)}{call}:op[{self.op}{index}]"
+
+    def matches(self, op: str, index: int) -> bool:
+        """True for the ``index``-th call of the op named ``op`` (whatever the module and call)."""
+        if not fnmatch.fnmatchcase(op, self.op):
+            return False
+        return self.index is None or fnmatch.fnmatchcase(str(index), self.index)
+
+    def matches_call(self, call: int) -> bool:
+        """True for every call when the pattern names none, else for that call."""
+        return self.call is None or self.call == call
+
+    @classmethod
+    def parse(cls, text: str) -> OpPattern:
+        """Read ``module[#call]:op[name[#index]]``, any part but the call a glob; the module part
+        may be any module selector text (a name, a glob, ``re:...``)."""
+        match = _OP_TEXT.match(text) if isinstance(text, str) else None
+        if match is None or not match["op"] or match["index"] == "":
+            raise SpecError(f"op selector {text!r} is not of the form {_FORM}")
+        call = int(match["call"]) if match["call"] is not None else None
+        return cls(_module_text(match["module"]), call, match["op"], match["index"])
+
+
+def op_pattern(selector: object) -> OpPattern | None:
+    """The :class:`OpPattern` a selector writes, or None for a selector of whole modules.
+
+    Text holding ``:op[`` is meant as an op selector, so a malformed one is refused
+    (:class:`~hookscope.errors.SpecError`) rather than taken for a module name.
+
+    >>> op_pattern("h.0.attn:op[softmax]").op, op_pattern("h.0.attn"), op_pattern(int)
+    ('softmax', None, None)
+    """
+    if not isinstance(selector, str) or ":op[" not in selector:
+        return None
+    return OpPattern.parse(selector)

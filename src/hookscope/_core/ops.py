@@ -1,0 +1,461 @@
+"""Op sites: watch the torch functions a selected module's own code calls, and only those.
+
+Module hooks see what crosses a module's boundary; attention probabilities, pre-softmax scores
+and the residual ``+=`` inside a block never do. :class:`OpWatcher` reports every torch
+function call made inside selected modules, numbered per module call (``softmax#0``,
+``softmax#1``), to a listener that may replace the result. :func:`list_ops` runs one forward
+and lists every op site, so users can find their names.
+
+How, and what it costs:
+
+- **Scoped.** Hooks attached through :class:`~hookscope._core.attach.HookGroup` push a
+  ``TorchFunctionMode`` while a selected module's forward runs and take it off when that forward
+  returns or raises (``always_call`` hooks). Other modules, models and threads run with no mode
+  at all: nothing is patched globally (torchlens wraps every torch function, 3-4x here).
+- **A module's own code.** With ``children=False`` (the default) every submodule of a selected
+  module (every descendant: a ModuleList's items are called by their grandparent) is hooked
+  too, and the mode is off while it runs: the ops of ``h.0.attn`` are its own, not those of its
+  ``c_attn`` Linear. With ``children=True`` the submodules' ops are reported as the selected
+  module's. Nested selected modules: an op belongs to the innermost one running.
+- **Other code's hooks are not the module's code.** Each module inside the watch gets a
+  pre-hook run first and a forward hook run last (``prepend``); the mode is off between them
+  except during the forward itself, so the ops of hooks attached before the watcher (a
+  capture's ``detach``, a user's ``output * 2``) are neither reported nor counted, and the k-th
+  ``mul`` does not depend on which other hooks are attached. Hooks attached *after* the watcher
+  to the same module may run inside (a later pre-hook runs after the watcher's last one).
+- **Torch functions as the code calls them.** A function mode sees each overridable torch
+  function once, as called: ``F.softmax``, ``x.view(...)``, ``a + b``, ``torch.zeros(...)``. The
+  mode runs the real function with itself off (torch takes a mode off the stack while its
+  ``__torch_function__`` runs), so what that function calls inside is *not* reported:
+  ``nn.MultiheadAttention``'s forward calls ``F.multi_head_attention_forward``, which is
+  reported once, while the ``scaled_dot_product_attention`` it runs inside is not; ``F.layer_norm``
+  is one ``layer_norm``. The k-th ``softmax`` is the k-th that the module's source calls.
+- **Numbering follows execution.** ``add#1`` is the second ``add`` this call of the module ran:
+  a branch not taken (an ``if`` on the input, a key/value cache present or not) shifts the
+  indices after it, so list the sites with the inputs that will be used (:func:`list_ops`).
+  A checkpointed block recomputing in backward reports its ops again (``replaying`` is True).
+- **Only calls that return a tensor** (or a tuple or list holding one) are reported and numbered:
+  ``x.size()``, ``x.shape``, ``x.dim()``, ``len(x)``, ``x[0] = 1`` (``setitem`` returns None) are not.
+- **Threads.** The watcher follows the thread rule of
+  :class:`~hookscope._core.sites.CallTracker`: only the thread that attached it is watched
+  (autograd's own thread recomputing a checkpointed block counts as it); a forward on another
+  thread passes through, unreported and with no mode pushed there.
+- **torch.compile** is refused at the first selected module call: compiled code does not call
+  torch functions one by one through a mode that a hook pushes, so ops would be lost silently.
+- **Cost.** Outside the selected modules one check per hook of a hooked module; inside, a
+  Python call per torch function (the mode) plus the listener's own work per op that
+  returned a tensor; selected modules carry four hooks besides the two call counters,
+  submodules two (``children=False``) or four.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
+from hookscope._core.compat.compiled import EAGER, is_compiling
+from hookscope._core.compat.offload import ensure_loaded
+from hookscope._core.function_modes import put_on, take_off
+from hookscope._core.names import module_label, named_modules
+from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
+from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.sites import CallTracker
+from hookscope._core.tree import flatten_tensors
+from hookscope.errors import UnsupportedModelError
+
+__all__ = ["OpCall", "OpListener", "OpLog", "OpPattern", "OpSite", "OpWatcher", "list_ops", "op_name", "op_pattern"]
+
+
+class OpListener(Protocol):
+    """Told of each op call inside a watched module; returns a value to use instead of
+    ``output`` for the rest of the forward, or None to keep it.
+
+    Called as ``listener(module, call, op, index, args, kwargs, output)``: the selected module's
+    name and call index in the pass, the op's name (:func:`op_name`) and its index among that
+    module call's ops of that name, and what the op was called with and returned. It runs with
+    the watcher's mode off: torch ops it calls are not reported. For an in-place op
+    (``add_``, ``x += y``) ``output`` is the written tensor itself, and a replacement changes only
+    what the call returns (``out += y`` rebinds ``out`` to it; a bare ``out.add_(y)`` ignores it).
+    """
+
+    def __call__(
+        self, module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any: ...
+
+
+class _Frame:
+    """A selected module's call running its own code: its name, call index and op counts so far."""
+
+    __slots__ = ("call", "counts", "key", "module")
+
+    def __init__(self, module: str, call: int, key: int) -> None:
+        self.module = module
+        self.call = call
+        self.key = key  # id() of the module object, to match its close
+        self.counts: dict[str, int] = {}
+
+
+class _Off:
+    """Nothing is reported while this is the innermost entry: a submodule the selected module's
+    code called (``children=False``), or other code's hooks of a module inside the watch."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+# Results that never hold a tensor, answered without a look inside (x.shape, x.size(), x.dim(), ...).
+_NO_TENSOR = frozenset({int, float, bool, complex, str, type(None), torch.Size, torch.dtype, torch.device})
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if type(value) in _NO_TENSOR:
+        return False
+    if isinstance(value, (tuple, list)):
+        if not value or (isinstance(value, list) and type(value[0]) in _NO_TENSOR):
+            return False  # empty, or tolist()'s numbers: not read one by one
+        return any(_holds_tensor(item) for item in value)
+    return False
+
+
+class _OpMode(TorchFunctionMode):
+    """Runs each torch function, then reports it to the listener when it returned a tensor and
+    a selected module's own code is running (``frame``)."""
+
+    def __init__(self, listener: OpListener) -> None:
+        super().__init__()
+        #: The innermost selected call running, set by the watcher's hooks; None: report nothing.
+        self.frame: _Frame | None = None
+        self._listener = listener
+        self._names: dict[Any, str] = {}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        output = func(*args, **kwargs)  # torch took this mode off the stack while it runs
+        frame = self.frame
+        if frame is None or not _holds_tensor(output):
+            return output
+        try:
+            name = self._names[func]
+        except KeyError:
+            name = self._names[func] = op_name(func)
+        except TypeError:  # an unhashable callable
+            name = op_name(func)
+        counts = frame.counts
+        index = counts.get(name, 0)
+        counts[name] = index + 1
+        replacement = self._listener(frame.module, frame.call, name, index, args, kwargs, output)
+        return output if replacement is None else replacement
+
+
+def _refuse_compiled(name: str) -> None:
+    raise UnsupportedModelError(
+        f"op sites need eager execution, and {module_label(name)!r} is running under torch.compile, whose "
+        "generated code does not call torch functions one by one where a function mode could see them: its ops "
+        "would be lost; run the eager model (the module before torch.compile), or hook module boundaries "
+        "(inputs and outputs) instead of op sites"
+    )
+
+
+class OpWatcher(Scoped):
+    """Report the torch ops run by the own code of selected modules, as it runs.
+
+    Why a watcher of its own: op sites are the values that never cross a module boundary
+    (attention patterns, residual adds), and a function mode is the one way to them that
+    costs nothing outside the modules asked for (see the module docstring for the rules).
+
+    Args:
+        model: the model whose forward runs (its root numbers the passes).
+        modules: ``(name, module)`` pairs to watch, e.g. from :func:`~hookscope._core.select.select`.
+        listener: called for each op (see :class:`OpListener`); its return value replaces the op's.
+        children: also report ops run inside the selected modules' submodules (as the selected
+            module's); by default they are not.
+        owner: the hook group's owner label, the ``hs.`` verb named in errors.
+        restore_mode: restore every module's train/eval mode on removal.
+
+    :attr:`seen` records, per selected module, each op name its code called and the most calls
+    of it in one module call, in the order first seen: what a selector that never fired is
+    answered with.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Softmax(dim=-1))
+    >>> ops = []
+    >>> def listen(module, call, op, index, args, kwargs, output):
+    ...     ops.append(f"{module}#{call}:op[{op}#{index}]")
+    >>> with OpWatcher(model, [("1", model[1])], listen) as watcher:
+    ...     _ = model(torch.ones(1, 2))
+    >>> ops, watcher.seen
+    (['1#0:op[softmax#0]'], {'1': {'softmax': 1}})
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Sequence[tuple[str, nn.Module]],
+        listener: OpListener,
+        *,
+        children: bool = False,
+        owner: str = "ops",
+        restore_mode: bool = False,
+    ) -> None:
+        ensure_module(model)
+        self.children = children
+        #: ``{module name: {op name: most calls in one module call}}``, in the order first seen.
+        self.seen: dict[str, dict[str, int]] = {}
+        self._mode = _OpMode(listener)
+        self._stack: list[_Frame | _Off] = []  # innermost last: selected calls, and calls reported by none
+        self._on = False  # whether the mode is on the stack of the thread running the watched pass
+        self._tracker = CallTracker(listener=self, feature=owner)
+        chosen = {id(module): (name, module) for name, module in modules}
+        specs: list[HookSpec] = []
+        for name, module in chosen.values():
+            specs.extend(self._hook_specs(name, module, selected=name))
+        for name, module in self._submodules(model, chosen):
+            specs.extend(self._hook_specs(name, module, selected=None))
+        self._group = HookGroup(model, specs, owner=owner, tracker=self._tracker, restore_mode=restore_mode)
+        remove_through(self._group, self.remove)
+
+    def _submodules(self, model: nn.Module, chosen: dict[int, tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+        """Every descendant of a selected module that is not selected itself (a ModuleList's
+        items are called by their grandparent, so children alone would not do)."""
+        names = {id(module): name for name, module in named_modules(model)}
+        inside: dict[int, tuple[str, nn.Module]] = {}
+        for _, module in chosen.values():
+            for sub in module.modules():
+                if id(sub) not in chosen:
+                    inside.setdefault(id(sub), (names.get(id(sub), type(sub).__name__), sub))
+        return list(inside.values())
+
+    def _hook_specs(self, name: str, module: nn.Module, *, selected: str | None) -> list[HookSpec]:
+        """The hooks of one module inside the watch, run first and last around its other hooks.
+
+        A selected module: off before its other pre-hooks, on for its forward, off for its
+        other forward hooks. A submodule: off for its hooks and forward (``children=False``),
+        or for its hooks only (``children=True``).
+        """
+        if selected is None and not self.children:
+            return [
+                HookSpec(name, module, "forward_pre", self._quiet(), prepend=True, fitted=True),
+                HookSpec(name, module, "forward", self._unquiet(), always_call=True, fitted=True),
+            ]
+        loud = self._loud(selected)
+        return [
+            HookSpec(name, module, "forward_pre", self._quiet(), prepend=True, fitted=True),
+            HookSpec(name, module, "forward_pre", loud, fitted=True),
+            HookSpec(name, module, "forward", self._hush(), prepend=True, always_call=True, fitted=True),
+            HookSpec(name, module, "forward", self._unquiet(), always_call=True, fitted=True),
+        ]
+
+    # -- the hooks: each changes the stack, then _settle() makes the mode follow its top -----------
+
+    def _quiet(self) -> Callable[[nn.Module, Any], None]:
+        """Run first: nothing is reported from here on, until :meth:`_unquiet` or :meth:`_loud`."""
+        stack, tracker = self._stack, self._tracker
+
+        def quiet(module: nn.Module, args: Any) -> None:
+            if not stack or (tracker.shared and tracker.foreign()):
+                return  # nothing watched is running (the cost outside: one check), or another thread
+            stack.append(_Off(id(module)))
+            self._settle()
+
+        return quiet
+
+    def _loud(self, selected: str | None) -> Callable[[nn.Module, Any], None]:
+        """Run last before the forward: report its ops, as a selected module's own or (a
+        submodule with ``children=True``) as the innermost selected module's."""
+        stack, tracker, current = self._stack, self._tracker, self._tracker.current
+
+        def loud(module: nn.Module, args: Any) -> None:
+            if tracker.shared and tracker.foreign():
+                return
+            if stack and type(stack[-1]) is _Off and stack[-1].key == id(module):
+                stack.pop()
+            if selected is not None:
+                if is_compiling():
+                    EAGER(_refuse_compiled)(selected)
+                stack.append(_Frame(selected, current(module), id(module)))
+            if stack:
+                self._settle()
+
+        return loud
+
+    def _hush(self) -> Callable[[nn.Module, Any, Any], None]:
+        """Run first after the forward (also when it raised): its selected call ends; the
+        module's other forward hooks run unreported."""
+        stack, tracker, seen = self._stack, self._tracker, self.seen
+
+        def hush(module: nn.Module, args: Any, output: Any) -> None:
+            if not stack or (tracker.shared and tracker.foreign()):
+                return
+            top = stack[-1]
+            if type(top) is _Frame and top.key == id(module):
+                stack.pop()
+                record = seen.setdefault(top.module, {})
+                for op, calls in top.counts.items():
+                    if calls > record.get(op, 0):
+                        record[op] = calls
+            elif type(top) is _Off and top.key == id(module):
+                return  # a pre-hook raised before the forward began: still quiet
+            if stack:
+                stack.append(_Off(id(module)))
+            self._settle()
+
+        return hush
+
+    def _unquiet(self) -> Callable[[nn.Module, Any, Any], None]:
+        """Run last after the forward (also when it raised): back to the caller's state."""
+        stack, tracker = self._stack, self._tracker
+
+        def unquiet(module: nn.Module, args: Any, output: Any) -> None:
+            if not stack or (tracker.shared and tracker.foreign()):
+                return
+            top = stack[-1]
+            if type(top) is _Off and top.key == id(module):
+                stack.pop()
+                self._settle()
+
+        return unquiet
+
+    # -- the mode -------------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Mode on, reporting to the innermost selected call, exactly while one runs its own code."""
+        top = self._stack[-1] if self._stack else None
+        if type(top) is _Frame:
+            self._mode.frame = top
+            if not self._on:
+                self._turn_on()
+        else:
+            self._mode.frame = None
+            if self._on:
+                self._turn_off()
+
+    def _turn_on(self) -> None:
+        put_on(self._mode)
+        self._on = True
+
+    def _turn_off(self) -> None:
+        self._on = False
+        take_off(self._mode)  # wherever it stands: a capture's guard may have been pushed above it
+
+    def _reset(self) -> None:
+        """Forget calls left open (a ``KeyboardInterrupt`` skips ``always_call`` hooks) and take
+        the mode off this thread's stack if it is there."""
+        self._stack.clear()
+        self._mode.frame = None
+        if self._on:
+            self._turn_off()
+
+    # -- passes (told by the call tracker) and removal --------------------------------------------
+
+    def pass_started(self, module: nn.Module) -> None:
+        """A pass opens: nothing is running yet, whatever a cut-short pass left."""
+        if self._stack or self._on:
+            self._reset()
+
+    def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """The pass closed: every selected call has closed with it."""
+        if self._stack or self._on:
+            self._reset()
+
+    def pass_abandoned(self) -> None:
+        """The previous pass was cut short: its calls will never close."""
+        self._reset()
+
+    @property
+    def replaying(self) -> bool:
+        """True during a checkpointed block's recomputation in backward (its ops run again)."""
+        return self._tracker.replaying
+
+    def remove(self) -> None:
+        """Remove every hook and take the mode off (if a cut-short forward left it on). Safe to call twice."""
+        try:
+            self._group.remove()
+        finally:
+            self._reset()
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op call found by :func:`list_ops`: where it ran, and the shapes and dtypes it returned
+    (one per tensor of its output, in order)."""
+
+    module: str
+    call: int
+    op: str
+    index: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def site(self) -> OpSite:
+        """The op site: ``OpSite("h.0.attn", 0, "softmax", 0)``."""
+        return OpSite(self.module, self.call, self.op, self.index)
+
+    def __str__(self) -> str:
+        return str(self.site)
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's shape; a nested tensor's sizes after the first are -1 (ragged or not)."""
+    if tensor.is_nested:
+        return (tensor.size(0), *(-1,) * (tensor.dim() - 1))
+    return tuple(tensor.shape)
+
+
+class OpLog:
+    """A listener that keeps an :class:`OpCall` per op, in call order, and changes nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[OpCall] = []
+
+    def __call__(
+        self, module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        tensors = [tensor for _, tensor in flatten_tensors(output, root="")]
+        shapes = tuple(_shape(tensor) for tensor in tensors)
+        self.calls.append(OpCall(module, call, op, index, shapes, tuple(tensor.dtype for tensor in tensors)))
+
+
+def list_ops(
+    model: nn.Module,
+    *args: Any,
+    layers: Selector | None = None,
+    children: bool = False,
+    **kwargs: Any,
+) -> list[OpCall]:
+    """Run one forward and list every op site of the chosen modules, in the order the ops ran.
+
+    Why: op sites are named by counters (``softmax#0``) that nobody can guess from the source
+    alone; this shows them. The forward runs in eval mode under ``torch.no_grad()``; modes are
+    restored. ``layers`` picks the modules (any selector; by default every module, so each op is
+    listed under the module whose own code ran it); ``children=True`` lists the ops of their
+    submodules under them too.
+
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Softmax(dim=-1))
+    >>> [(str(op), op.shapes) for op in list_ops(model, torch.ones(2, 3))]
+    [('0#0:op[linear#0]', ((2, 4),)), ('1#0:op[softmax#0]', ((2, 4),))]
+    """
+    ensure_module(model)
+    ensure_loaded(model, (args, kwargs))
+    modules = named_modules(model) if layers is None else select(model, layers)
+    log = OpLog()
+    with OpWatcher(model, modules, log, children=children, owner="layers", restore_mode=True), torch.no_grad():
+        model.eval()
+        model(*args, **kwargs)
+    return log.calls
