@@ -26,6 +26,7 @@ from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
+from hookscope._shared.units import counted
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Layer", "LayerTable", "layers"]
@@ -118,7 +119,7 @@ class LayerTable:
         table = Table(
             [Column("op site"), Column("output"), Column("dtype")],
             title="op sites: the torch calls of each module's own code, in the order they ran",
-            notes=[f"{len(ops)} op sites in {len({op.module for op in ops})} modules"],
+            notes=[f"{counted(len(ops), 'op site')} in {counted(len({op.module for op in ops}), 'module')}"],
         )
         for op in ops:
             site = str(op.site) if calls.get(op.module, 0) > 1 else op.site.short
