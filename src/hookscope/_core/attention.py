@@ -1,0 +1,201 @@
+"""What ``scaled_dot_product_attention`` computes inside, recomputed from its arguments.
+
+Fused attention kernels (flash, memory-efficient, cuDNN; the default of transformers models,
+``attn_implementation="sdpa"``) never hold the attention scores or probabilities: the pattern a
+researcher looks at first exists only inside the kernel. It is a function of the call's
+arguments, though, so it can be computed again from them, exactly as PyTorch documents the
+kernel's math, when and only when it is asked for:
+
+- ``scores`` = ``query @ key.T * scale`` plus the mask: ``is_causal`` masks the positions after
+  each query's own (the upper triangle, aligned at the top left as the kernel does), a boolean
+  ``attn_mask`` masks where it is False, a float ``attn_mask`` is added; masked positions are
+  ``-inf``. With ``enable_gqa`` each key/value head serves ``query heads / key heads`` query heads
+  in a row, as the kernel repeats them. ``scale`` defaults to ``1 / sqrt(head size)``.
+- ``pattern`` = ``softmax(scores)`` over the keys; a query row whose keys are all masked gets zeros,
+  as PyTorch's kernels give it (not NaN).
+- ``attend(pattern, value)`` = ``pattern @ value``: the call's output, from a pattern that may
+  have been edited.
+
+Dropout (``dropout_p``) is random and is not part of the pattern: these are the probabilities
+before it, which is what eager implementations return as ``attn_weights`` too.
+
+Cost: the scores and the pattern hold ``batch x heads x queries x keys`` values each, the
+quadratic memory the fused kernels avoid (for 32 heads over 4,096 tokens, 2 GiB per layer in
+float32), and one extra matrix product. Half-precision arguments are computed in float32 and
+returned in their own dtype.
+
+>>> from torch.nn.functional import scaled_dot_product_attention
+>>> q, k, v = torch.randn(3, 1, 2, 4, 8).unbind(0)
+>>> pattern = attention_pattern(q, k, is_causal=True)
+>>> torch.allclose(attend(pattern, v), scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hookscope.errors import SpecError
+
+__all__ = ["SdpaCall", "attend", "attention_pattern", "attention_scores", "sdpa_call"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """The arguments of one ``scaled_dot_product_attention`` call, by name, as the kernel reads them."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    @property
+    def scores(self) -> Tensor:
+        """Pre-softmax scores, masked as the kernel masks (``-inf`` where masked)."""
+        return attention_scores(
+            self.query,
+            self.key,
+            attn_mask=self.attn_mask,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+    @property
+    def pattern(self) -> Tensor:
+        """The attention probabilities (before dropout)."""
+        return attention_pattern(
+            self.query,
+            self.key,
+            attn_mask=self.attn_mask,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> SdpaCall:
+    """The :class:`SdpaCall` of a call ``F.scaled_dot_product_attention(*args, **kwargs)``, as an
+    op watcher sees it (positional and keyword arguments in any mix).
+
+    >>> q = torch.zeros(1, 1, 2, 4)
+    >>> sdpa_call((q, q, q), {"is_causal": True}).is_causal
+    True
+    """
+    if len(args) > len(_SDPA_PARAMETERS):
+        raise SpecError(f"scaled_dot_product_attention got {len(args)} positional arguments; expected at most 8")
+    named = dict(zip(_SDPA_PARAMETERS, args, strict=False))
+    clash = sorted(set(named) & set(kwargs))
+    if clash:
+        raise SpecError(f"scaled_dot_product_attention got {clash[0]!r} twice")
+    named.update((k, v) for k, v in kwargs.items() if k in _SDPA_PARAMETERS)
+    missing = [name for name in ("query", "key", "value") if name not in named]
+    if missing:
+        raise SpecError(f"scaled_dot_product_attention call without {missing[0]!r}; expected query, key and value")
+    return SdpaCall(**named)
+
+
+def attention_scores(
+    query: Tensor,
+    key: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``query @ key.T * scale`` with the call's mask applied (``-inf`` where masked), shaped
+    ``(..., query heads, queries, keys)``.
+
+    >>> q = k = torch.ones(1, 1, 2, 4)
+    >>> attention_scores(q, k, is_causal=True)
+    tensor([[[[2., -inf],
+              [2., 2.]]]])
+    """
+    dtype = query.dtype
+    q, k = _working(query), _working(key)
+    if enable_gqa:
+        k = _repeat_heads(k, q.size(-3), "key")
+    elif q.dim() >= 3 and k.dim() >= 3 and q.size(-3) != k.size(-3):
+        raise SpecError(
+            f"query has {q.size(-3)} heads and key {k.size(-3)}; expected equal counts, or enable_gqa=True "
+            "(grouped-query attention)"
+        )
+    factor = scale if scale is not None else 1 / math.sqrt(q.size(-1))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * factor
+    queries, keys = scores.size(-2), scores.size(-1)
+    if is_causal:
+        allowed = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~allowed, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    return scores.to(dtype) if dtype in _LOW_PRECISION else scores
+
+
+def attention_pattern(
+    query: Tensor,
+    key: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The attention probabilities of a ``scaled_dot_product_attention`` call: the softmax of
+    :func:`attention_scores` over the keys; a row with every key masked is all zeros.
+
+    >>> q = k = torch.ones(1, 1, 2, 4)
+    >>> attention_pattern(q, k, is_causal=True)
+    tensor([[[[1.0000, 0.0000],
+              [0.5000, 0.5000]]]])
+    """
+    scores = attention_scores(
+        _working(query), _working(key), attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query that may see no key
+    pattern = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
+    return pattern.to(query.dtype) if query.dtype in _LOW_PRECISION else pattern
+
+
+def attend(pattern: Tensor, value: Tensor, *, enable_gqa: bool | None = None) -> Tensor:
+    """``pattern @ value``: what the call returns for this pattern (an edited one, say).
+
+    ``enable_gqa`` (default: when the pattern has more heads than ``value``) repeats each value
+    head for its group of query heads, as the kernel does.
+    """
+    grouped = pattern.size(-3) != value.size(-3) if enable_gqa is None else enable_gqa
+    v = _repeat_heads(_working(value), pattern.size(-3), "value") if grouped else _working(value)
+    out = torch.matmul(_working(pattern), v)
+    return out.to(value.dtype) if value.dtype in _LOW_PRECISION else out
+
+
+def _working(tensor: Tensor) -> Tensor:
+    """Half precision upcast for the arithmetic (the fused kernels accumulate in float32 too)."""
+    return tensor.float() if tensor.dtype in _LOW_PRECISION else tensor
+
+
+def _repeat_heads(tensor: Tensor, heads: int, what: str) -> Tensor:
+    groups, remainder = divmod(heads, tensor.size(-3))
+    if remainder:
+        raise SpecError(
+            f"{what} has {tensor.size(-3)} heads, which do not divide the query's {heads}; grouped-query "
+            "attention needs a whole number of query heads per key/value head"
+        )
+    return tensor.repeat_interleave(groups, dim=-3)
