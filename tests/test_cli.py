@@ -217,3 +217,29 @@ def test_every_command_exits_2_when_the_model_refuses_its_input(
     assert code == 2, err
     assert "to have 3 channels, but got 4 channels" in err
     assert "Traceback" not in err
+
+
+def test_layers_ops_lists_the_op_sites_that_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "layers", "demo:cnn", "--ops")
+    assert code == 0, err
+    assert "relu:op[relu#0]" in out
+    assert "fc:op[linear#0]" in out
+    code, out, err = run_cli(capsys, "layers", "demo:cnn", "--ops", "--ops-in", "conv1,fc")
+    assert code == 0, err
+    assert "fc:op[linear#0]" in out
+    assert "relu:op[relu#0]" not in out
+    assert "2 op sites in 2 modules" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ops", "--no-run"], "--ops lists the op sites a forward pass ran, and --no-run runs none"),
+        (["--ops-in", "fc"], "--ops-in chooses whose op sites --ops lists; add --ops"),
+        (["--ops", "--ops-in", "fcc"], "did you mean 'fc'"),
+    ],
+)
+def test_layers_ops_refuses_what_contradicts(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, _, err = run_cli(capsys, "layers", "demo:cnn", *argv)
+    assert code == 2
+    assert message in err

@@ -152,6 +152,18 @@ def layers_command(
     no_run: Annotated[
         bool, typer.Option("--no-run", help="List names and parameters only; do not run a forward pass.")
     ] = False,
+    ops: Annotated[
+        bool,
+        typer.Option("--ops", help="Also list the op sites (the torch calls of each module's own code) that ran."),
+    ] = False,
+    ops_in: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ops-in",
+            help="With --ops: only these modules' op sites (names, globs, 're:'; repeat or separate with commas).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
     from hookscope.cli.sample import SampleRun, build_model
@@ -159,6 +171,11 @@ def layers_command(
 
     if no_run and input_shape is not None:
         raise SpecError("--no-run and --input-shape contradict each other; drop one")
+    if no_run and (ops or ops_in):
+        raise SpecError("--ops lists the op sites a forward pass ran, and --no-run runs none; drop one")
+    if ops_in and not ops:
+        raise SpecError("--ops-in chooses whose op sites --ops lists; add --ops")
+    chosen: Any = _selectors(ops_in) if ops_in else ops
     net = build_model(model, dtype)
     if no_run:
         typer.echo(str(hs.layers(net)))
@@ -172,7 +189,7 @@ def layers_command(
         typer.echo(str(hs.layers(net)))
         return
     typer.echo(sample.describe_input())
-    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, **kwargs))))
+    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, ops=chosen, **kwargs))))
 
 
 @app.command("capture")
