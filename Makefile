@@ -70,6 +70,7 @@ bench: install-dev
 	$(BIN)/python bench/bench_extract.py --rss --rss-rows 512
 	$(BIN)/python bench/bench_diff.py
 	$(BIN)/python bench/bench_compile.py
+	$(BIN)/python bench/bench_ops.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
