@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hookscope._core.names import escape_name
+from hookscope._core.names import ROOT_LABEL, escape_name
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import select
@@ -44,7 +44,8 @@ class OpSelectors:
         self._per_module: dict[str, list[tuple[int, OpPattern]]] = {}
         modules: dict[str, nn.Module] = {}
         for number, pattern in enumerate(self.patterns):
-            for name, module in select(model, pattern.module):
+            module_selector = "" if pattern.module == ROOT_LABEL else pattern.module  # "(root):op[add]"
+            for name, module in select(model, module_selector):
                 self._per_module.setdefault(name, []).append((number, pattern))
                 modules.setdefault(name, module)
         #: ``(name, module)`` of every module an op selector watches, in selection order.
