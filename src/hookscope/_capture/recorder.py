@@ -402,7 +402,8 @@ class Capture(Scoped):
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
-        return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
+        ops = f" and {len(self._ops.patterns)} op selectors" if self._ops is not None else ""
+        return f"<Capture of {len(self._selected)} modules{ops}, {state}>\n{self.cache!r}"
 
 
 def _split_op_selectors(selectors: Sequence[Any]) -> tuple[list[OpPattern], list[Selector]]:
@@ -510,6 +511,16 @@ def capture(
     the model several times, such as ``generate``. A checkpointed block recomputing its forward
     in backward is not a pass: it neither adds values nor replaces them.
 
+    Op sites: a selector ``"h.0.attn:op[softmax#0]"`` keeps what a torch op called by the
+    module's own code returns (``"h.*.attn:op[softmax]"``: every index, ``"layer1.0:op[add*]"``:
+    a glob), read back as ``cap["h.0.attn:op[softmax#0]"]``, ``cap["h.0.attn#1:op[softmax#0]"]``
+    (call 1), ``cap["h.0.attn:op[softmax]"]`` (the one index held), ``cap[":op[split#0][1]"]``
+    (a leaf). ``keep="both"`` or ``"input"`` also keeps an op's tensor arguments
+    (``:op[add#0]:input[1]``; not the argument an in-place op writes into, which holds its
+    output by then). Every option above applies, but ``stop``. An op selector whose module
+    ran but whose op never did raises ``CaptureError`` at the end of the pass, naming the ops
+    the module called; under ``torch.compile`` op sites are refused (run the eager model).
+
     Example::
 
         with hs.capture(model, "layer*.conv2", "fc") as cap:
@@ -543,6 +554,17 @@ def run_with_capture(
     (torch.Size([3, 8]), True)
     >>> bool((cache["0"] < 0).any())  # the in-place ReLU did not touch the kept value
     True
+
+    Op sites are selectors too: ``"module:op[name#index]"`` keeps the output of a torch op
+    that the module's own code calls (``keep="both"``: its tensor arguments as well, under
+    ``:input[i]``); ``hs.layers(model, x, ops=True)`` lists them.
+
+    >>> model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1))
+    >>> out, cache = run_with_capture(model, torch.randn(2, 4), layers=["1:op[softmax#0]", "0"], keep="both")
+    >>> torch.equal(cache["1:op[softmax#0]"], out), torch.equal(cache["1:op[softmax]:input[0]"], cache["0"])
+    (True, True)
+    >>> sorted(cache.numpy())
+    ['0#0:input[0]', '0#0:output', '1#0:op[softmax#0]', '1#0:op[softmax#0]:input[0]']
     """
     chosen, model_kw = CaptureOptions.split(kwargs)
     ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's
