@@ -282,6 +282,14 @@ def test_a_compiled_model_refuses_op_sites_with_the_fix() -> None:
             compiled(image(4))
         assert stack_depth() == 0
         assert hs.attached(model) == []
+        torch._dynamo.reset()
+        with (
+            pytest.raises(hs.CaptureError, match=r"'\(root\)', which ran and called: no torch op.*eager model"),
+            hs.capture(compiled, "(root):op[split#0]"),
+        ):
+            compiled(image(4))  # the wrapper's hooks run eagerly, its compiled code reports no op
+        assert stack_depth() == 0
+        assert hs.attached(model) == []
     finally:
         torch._dynamo.reset()
 
@@ -327,3 +335,16 @@ def test_gpt2_sdpa_kernel_output_equals_attention_by_hand_from_its_captured_inpu
     scores = (q @ k.transpose(-1, -2) / math.sqrt(16)).masked_fill(~causal, float("-inf"))
     want = scores.softmax(-1) @ v
     torch.testing.assert_close(cap["h.0.attn:op[scaled_dot_product_attention]"], want, rtol=0, atol=1e-6)
+
+
+def test_a_key_for_a_call_not_captured_names_the_op_calls_held() -> None:
+    model = track(Twice())
+    with torch.no_grad(), hs.capture(model, "block:op[add_#0]", calls="first") as cap:
+        model(image(4))
+    with pytest.raises(hs.SiteNotFoundError, match=r"call 1 was not captured") as caught:
+        cap["block#1:op[add_#0]"]
+    assert caught.value.candidates == ("block#0:op[add_#0]",)
+    with pytest.raises(hs.SiteNotFoundError, match=r"only op sites of 'block'.*'block:op\[add_#0\]'"):
+        cap["block"]
+    with pytest.raises(hs.SiteNotFoundError, match=r"input of op 'add_#0' of 'block' was not kept.*keep='both'"):
+        cap["block:op[add_#0]:input[1]"]

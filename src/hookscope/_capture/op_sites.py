@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hookscope._core.names import ROOT_LABEL, escape_name
+from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import select
@@ -42,16 +42,17 @@ class OpSelectors:
     def __init__(self, model: nn.Module, patterns: Sequence[OpPattern]) -> None:
         self.patterns = list(patterns)
         self._per_module: dict[str, list[tuple[int, OpPattern]]] = {}
+        self._modules_of: dict[int, list[str]] = {}
         modules: dict[str, nn.Module] = {}
         for number, pattern in enumerate(self.patterns):
             module_selector = "" if pattern.module == ROOT_LABEL else pattern.module  # "(root):op[add]"
             for name, module in select(model, module_selector):
                 self._per_module.setdefault(name, []).append((number, pattern))
+                self._modules_of.setdefault(number, []).append(name)
                 modules.setdefault(name, module)
         #: ``(name, module)`` of every module an op selector watches, in selection order.
         self.modules = list(modules.items())
-        self._ran: dict[int, str] = {}  # pattern -> the first module that ran a call it names, this pass
-        self._fired: set[int] = set()
+        self._fired: set[int] = set()  # the patterns that matched an op call, this pass
         self._watcher: OpWatcher | None = None
 
     def attach(self, model: nn.Module, keep: OpKeep, want: Callable[[int], bool]) -> OpWatcher:
@@ -60,7 +61,7 @@ class OpSelectors:
         return self._watcher
 
     def _listener(self, keep: OpKeep, want: Callable[[int], bool]) -> Any:
-        per_module, ran, fired = self._per_module, self._ran, self._fired
+        per_module, fired = self._per_module, self._fired
 
         def listen(
             module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -73,26 +74,26 @@ class OpSelectors:
                 return None  # a checkpointed block recomputing in backward: its values were kept already
             hit = False
             for number, pattern in chosen:
-                if pattern.matches_call(call):
-                    if number not in ran:
-                        ran[number] = module
-                    if pattern.matches(op, index):
-                        fired.add(number)
-                        hit = True
+                if pattern.matches_call(call) and pattern.matches(op, index):
+                    fired.add(number)
+                    hit = True
             return keep(module, call, f"{op}#{index}", args, kwargs, output) if hit else None
 
         return listen
 
     def start(self) -> None:
-        """A new pass: nothing has run or fired yet."""
-        self._ran.clear()
+        """A new pass: nothing has fired yet."""
         self._fired.clear()
 
-    def check(self) -> None:
-        """At a pass's end: refuse an op selector whose module ran but whose op never did."""
-        for number, module in self._ran.items():
-            if number not in self._fired:
-                raise CaptureError(self._unfired(self.patterns[number], module), site=str(self.patterns[number]))
+    def check(self, calls: dict[str, int], want: Callable[[int], bool]) -> None:
+        """At a pass's end: refuse an op selector whose module ran a call it names (``calls``:
+        the pass's calls per module; ``want``: the capture's ``calls=``) but whose op never did."""
+        for number, pattern in enumerate(self.patterns):
+            if number in self._fired:
+                continue
+            for module in self._modules_of.get(number, []):
+                if any(pattern.matches_call(call) and want(call) for call in range(calls.get(module, 0))):
+                    raise CaptureError(self._unfired(pattern, module), site=str(pattern))
 
     def _unfired(self, pattern: OpPattern, module: str) -> str:
         seen = self._watcher.seen.get(module, {}) if self._watcher is not None else {}
@@ -102,10 +103,15 @@ class OpSelectors:
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"
         elif close:
             hint = "did you mean " + " or ".join(repr(f"{escape_name(module)}:op[{op}]") for op in close) + "?"
-        else:
+        elif seen:
             hint = "hs.layers(model, x, ops=True) lists the op sites"
+        else:
+            hint = (
+                "a module run by torch.compile's generated code calls no torch function one by one: capture the "
+                "eager model (the module before torch.compile); hs.layers(model, x, ops=True) lists the op sites"
+            )
         return (
-            f"op selector {str(pattern)!r} matched no op call of {module!r}, which ran and called: "
+            f"op selector {str(pattern)!r} matched no op call of {module_label(module)!r}, which ran and called: "
             f"{called or 'no torch op returning a tensor'}; {hint}"
         )
 

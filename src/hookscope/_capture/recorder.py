@@ -300,7 +300,7 @@ class Capture(Scoped):
         if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
             self._passes.append(self._keeper.cache)
         if self._ops is not None and sys.exc_info()[1] is self._handled:
-            self._ops.check()
+            self._ops.check(self._tracker.counts(), self._want)
         if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
             self._stopped = False
             raise CaptureError(

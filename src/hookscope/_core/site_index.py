@@ -251,7 +251,8 @@ Site(module='h', call=0, what='output', path='[0]'))
                 "(capture with keep='both' to keep an op's inputs too)",
                 key=key,
             )
-        return self._leaf(key, module, by_call, call, what, path, whole=whole)
+        value = f"op[{label}]" + (":input" if what == "input" else "")
+        return self._leaf(key, module, by_call, call, value, path, whole=whole)
 
     def _leaf(
         self,
@@ -264,7 +265,8 @@ Site(module='h', call=0, what='output', path='[0]'))
         *,
         whole: bool,
     ) -> Site:
-        """The site of one call and leaf among those of one value."""
+        """The site of one call and leaf among those of one value (``chosen_what``, as written:
+        ``output``, ``op[softmax#0]``)."""
         chosen_call = int(call) if call is not None else self._pick(by_call)
         if chosen_call not in by_call:
             raise SiteNotFoundError(
