@@ -7,6 +7,7 @@ done by hand, a plain forward.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import threading
 from pathlib import Path
@@ -161,7 +162,8 @@ def test_op_and_module_selectors_mix_and_keys_round_trip_through_save_and_load(t
     for site in cap.sites():
         assert Site.parse(str(site)) == site
         assert cap.cache.resolve(str(site)) == site
-    for suffix in ("npz", "pt"):
+    suffixes = ["npz", "pt"] + (["safetensors"] if importlib.util.find_spec("safetensors") else [])
+    for suffix in suffixes:
         loaded = hs.load(cap.save(tmp_path / f"ops.{suffix}"))
         assert loaded.sites() == cap.sites()
         assert torch.equal(loaded["block#0:op[add_]"], cap["block#0:op[add_#0]"])
@@ -311,6 +313,7 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 @pytest.mark.transformers
 def test_gpt2_eager_softmax_op_site_is_the_attention_pattern() -> None:
     model = gpt2("eager")
@@ -324,6 +327,7 @@ def test_gpt2_eager_softmax_op_site_is_the_attention_pattern() -> None:
         cap["h.0.attn:op[softmx#0]"]
 
 
+@pytest.mark.slow
 @pytest.mark.transformers
 def test_gpt2_sdpa_kernel_output_equals_attention_by_hand_from_its_captured_inputs() -> None:
     model = gpt2("sdpa")
