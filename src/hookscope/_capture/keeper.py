@@ -138,8 +138,14 @@ class Keeper:
 
     # -- values -----------------------------------------------------------------------------------
 
-    def keep_leaves(self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any) -> None:
-        """Keep every tensor leaf of one module call's input or output."""
+    def keep_leaves(
+        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any, op: str = ""
+    ) -> None:
+        """Keep every tensor leaf of one module call's input or output, or (``op``: ``"softmax#0"``)
+        of one op's inside it."""
+        if op:  # an op site: never in compiled code (the op watcher refuses it)
+            self._keep_leaves(name, call, what, leaves, type(value).__name__, op=op)
+            return
         if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept at the pass's end
             copies = [(path, *self._prepared(tensor)) for path, tensor in leaves]
             self._deferred.append((name, call, what, copies, type(value).__name__))
@@ -156,14 +162,21 @@ class Keeper:
                     self._overflows.append((Site(name, call, what, path), overflowed))  # type: ignore[arg-type]
 
     def _keep_leaves(
-        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], kind: str, owned: bool = False
+        self,
+        name: str,
+        call: int,
+        what: str,
+        leaves: list[tuple[str, torch.Tensor]],
+        kind: str,
+        owned: bool = False,
+        op: str = "",
     ) -> None:
         if self._last_call_only and not self._make_room_for(name, call):
             return
-        if not leaves:
+        if not leaves and not op:
             self.cache._note_empty(name, what, kind)
         for path, tensor in leaves:
-            site = Site(name, call, what, path)  # type: ignore[arg-type]
+            site = Site(name, call, what, path, op)  # type: ignore[arg-type]
             self._keep(site, tensor, owned=owned)
             if self._last_call_only:
                 self._module_sites.setdefault(name, []).append(site)

@@ -29,10 +29,12 @@ from torch import nn
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
+from hookscope._capture.op_sites import OpSelectors
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
+from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select_leaves
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
@@ -84,9 +86,16 @@ class Capture(Scoped):
         self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
-        self._selected, self._leaves = select_leaves(model, selectors)
+        patterns, selectors_of_modules = _split_op_selectors(selectors)
+        if patterns and options.stop:
+            raise SpecError(
+                f"stop=True cannot be used with op selectors ({str(patterns[0])!r}) yet: the forward would stop "
+                "before the ops ran; use stop=False"
+            )
+        self._ops = OpSelectors(model, patterns) if patterns else None
+        self._selected, self._leaves = select_leaves(model, selectors_of_modules) if selectors_of_modules else ([], {})
         meta = _describe(model, selectors, options)
-        chosen = {id(module) for _, module in self._selected}
+        chosen = {id(module) for _, module in [*self._selected, *(self._ops.modules if self._ops else [])]}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
         }
@@ -109,8 +118,18 @@ class Capture(Scoped):
         self._replica_lock = threading.Lock()
         self._pending: set[int] = set()
         self._stopped = False
-        self._group = HookGroup(model, self._specs(), owner="capture", tracker=self._tracker, restore_mode=False)
+        counted = self._ops.modules if self._ops else []  # a watched module called on its own opens a pass
+        self._group = HookGroup(
+            model, self._specs(), owner="capture", tracker=self._tracker, count=counted, restore_mode=False
+        )
         remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the write guard
+        if self._ops is not None:
+            try:
+                watcher = self._ops.attach(model, self._keep_op, self._want)
+            except BaseException:
+                self._group.remove()
+                raise
+            remove_through(watcher._group, self.remove)
 
     # -- attaching --------------------------------------------------------------------------------
 
@@ -196,6 +215,25 @@ class Capture(Scoped):
 
         return capture_output
 
+    def _keep_op(
+        self, name: str, call: int, op: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """Keep one selected op call's inputs and output (told by the op watcher, after the op ran)."""
+        keep, handover = self._keeper.keep_leaves, self._keeper.take_handover
+        if "input" in self._whats:
+            leaves = call_leaves(args, kwargs)
+            if op.split("#")[0].endswith("_") or "out" in kwargs:  # the written argument holds the result now
+                written = {id(tensor) for _, tensor in flatten_tensors(output, "")}
+                leaves = [(path, tensor) for path, tensor in leaves if id(tensor) not in written]
+            keep(name, call, "input", leaves, args, op=op)
+            handover()  # the op has consumed its inputs: a later write is seen by the guard or the version check
+        if "output" in self._whats:
+            keep(name, call, "output", flatten_tensors(output, ""), output, op=op)
+            kept_in_graph = handover()
+            if kept_in_graph:  # detach=False: the model goes on with a copy of what was kept
+                return map_tensors_with_paths(_copier(kept_in_graph), output)
+        return None
+
     # -- nn.DataParallel replicas -----------------------------------------------------------------
 
     #: Told to the call tracker: threads running DataParallel replicas in a pass are numbered
@@ -247,6 +285,8 @@ class Capture(Scoped):
         self._stopped = False
         self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
         self._keeper.start(refill_budget=not self._keep_passes)
+        if self._ops is not None:
+            self._ops.start()
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """The pass is over: protect what outlives it, and report a stop the model swallowed."""
@@ -259,6 +299,8 @@ class Capture(Scoped):
             keeper.finish(set)  # copies already: only the device-to-host copies to wait for
         if self._keep_passes and sys.exc_info()[1] is self._handled:  # a forward that raised is no finished pass
             self._passes.append(self._keeper.cache)
+        if self._ops is not None and sys.exc_info()[1] is self._handled:
+            self._ops.check(self._tracker.counts(), self._want)
         if self._stopped and not isinstance(sys.exc_info()[1], _StopForward):
             self._stopped = False
             raise CaptureError(
@@ -345,7 +387,11 @@ class Capture(Scoped):
         try:
             self._keeper.abandon()  # a pass left open (the forward was interrupted) lets go of the guard
         finally:
-            self._group.remove()
+            try:
+                if self._ops is not None:
+                    self._ops.remove()
+            finally:
+                self._group.remove()
 
     def __exit__(self, *exc_info: object) -> bool:
         if len(exc_info) > 1 and not isinstance(exc_info[1], _StopForward):
@@ -356,7 +402,27 @@ class Capture(Scoped):
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
-        return f"<Capture of {len(self._selected)} modules, {state}>\n{self.cache!r}"
+        ops = f" and {len(self._ops.patterns)} op selectors" if self._ops is not None else ""
+        return f"<Capture of {len(self._selected)} modules{ops}, {state}>\n{self.cache!r}"
+
+
+def _split_op_selectors(selectors: Sequence[Any]) -> tuple[list[OpPattern], list[Selector]]:
+    """The op selectors (``"h.0.attn:op[softmax#0]"``, parsed: a malformed one is a ``SpecError``
+    now) and the module selectors, lists opened up."""
+    patterns: list[OpPattern] = []
+    others: list[Selector] = []
+    for selector in selectors:
+        if isinstance(selector, (list, tuple)):
+            inner_patterns, inner_others = _split_op_selectors(selector)
+            patterns.extend(inner_patterns)
+            others.extend(inner_others)
+            continue
+        pattern = op_pattern(selector)
+        if pattern is None:
+            others.append(selector)
+        else:
+            patterns.append(pattern)
+    return patterns, others
 
 
 def _leaf_filter(
@@ -445,6 +511,16 @@ def capture(
     the model several times, such as ``generate``. A checkpointed block recomputing its forward
     in backward is not a pass: it neither adds values nor replaces them.
 
+    Op sites: a selector ``"h.0.attn:op[softmax#0]"`` keeps what a torch op called by the
+    module's own code returns (``"h.*.attn:op[softmax]"``: every index, ``"layer1.0:op[add*]"``:
+    a glob), read back as ``cap["h.0.attn:op[softmax#0]"]``, ``cap["h.0.attn#1:op[softmax#0]"]``
+    (call 1), ``cap["h.0.attn:op[softmax]"]`` (the one index held), ``cap[":op[split#0][1]"]``
+    (a leaf). ``keep="both"`` or ``"input"`` also keeps an op's tensor arguments
+    (``:op[add#0]:input[1]``; not the argument an in-place op writes into, which holds its
+    output by then). Every option above applies, but ``stop``. An op selector whose module
+    ran but whose op never did raises ``CaptureError`` at the end of the pass, naming the ops
+    the module called; under ``torch.compile`` op sites are refused (run the eager model).
+
     Example::
 
         with hs.capture(model, "layer*.conv2", "fc") as cap:
@@ -478,6 +554,17 @@ def run_with_capture(
     (torch.Size([3, 8]), True)
     >>> bool((cache["0"] < 0).any())  # the in-place ReLU did not touch the kept value
     True
+
+    Op sites are selectors too: ``"module:op[name#index]"`` keeps the output of a torch op
+    that the module's own code calls (``keep="both"``: its tensor arguments as well, under
+    ``:input[i]``); ``hs.layers(model, x, ops=True)`` lists them.
+
+    >>> model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1))
+    >>> out, cache = run_with_capture(model, torch.randn(2, 4), layers=["1:op[softmax#0]", "0"], keep="both")
+    >>> torch.equal(cache["1:op[softmax#0]"], out), torch.equal(cache["1:op[softmax]:input[0]"], cache["0"])
+    (True, True)
+    >>> sorted(cache.numpy())
+    ['0#0:input[0]', '0#0:output', '1#0:op[softmax#0]', '1#0:op[softmax#0]:input[0]']
     """
     chosen, model_kw = CaptureOptions.split(kwargs)
     ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's

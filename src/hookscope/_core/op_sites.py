@@ -30,7 +30,7 @@ from typing import Any
 from hookscope._core.names import escape_name, unescape_name
 from hookscope.errors import SpecError
 
-__all__ = ["OpPattern", "OpSite", "op_name", "op_pattern"]
+__all__ = ["OpPattern", "OpSite", "op_leaf_label", "op_name", "op_pattern", "split_op_leaf"]
 
 # What Tensor's operator methods are called as functions: ``a + b`` is an ``add`` wherever
 # torch dispatches it as ``Tensor.__add__``, ``1 - a`` a ``sub`` (the operands' order aside),
@@ -257,3 +257,45 @@ def op_pattern(selector: object) -> OpPattern | None:
     if not isinstance(selector, str) or ":op[" not in selector:
         return None
     return OpPattern.parse(selector)
+
+
+# The leaf of a site of an op's value, after the module's "name#call:": the op, then its input
+# (":input") or output (the default), then the path inside it.
+_OP_LEAF = re.compile(
+    r"^op\[(?P<op>[A-Za-z_][A-Za-z0-9_.]*)(?:#(?P<index>\d+))?\](?::(?P<what>input|output))?(?P<path>[\[.].*)?$",
+    re.DOTALL,
+)
+_OP_LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*#\d+$")
+_OP_LEAF_EXAMPLES = "e.g. 'op[softmax#0]', 'op[split#0][1]' or 'op[add#0]:input[1]'"
+
+
+def op_leaf_label(op: str, what: str, path: str) -> str:
+    """The leaf of an op's value as written after ``module#call:``: the op (``softmax#0``), its
+    input (``:input``) or output (said by nothing), then the path.
+
+    >>> op_leaf_label("softmax#0", "output", ""), op_leaf_label("add#1", "input", "[0]")
+    ('op[softmax#0]', 'op[add#1]:input[0]')
+    """
+    if not _OP_LABEL.match(op):
+        raise SpecError(f"op {op!r} is not an op's name and index within its module call, such as 'softmax#0'")
+    if what not in ("input", "output"):
+        raise SpecError(f"an op's value is its 'input' or 'output', not {what!r}")
+    return f"op[{op}]{':input' if what == 'input' else ''}{path}"
+
+
+def split_op_leaf(text: str, *, shown: str | None = None) -> tuple[str, int | None, str, str] | None:
+    """``(op name, index or None, what, path)`` of a leaf written by :func:`op_leaf_label`
+    (the index may be left out: a key naming the only index held); None for a leaf of the
+    module's own values (text not starting ``op[``); a :class:`~hookscope.errors.SpecError`
+    naming ``shown`` for anything else.
+
+    >>> split_op_leaf("op[split#0][1]"), split_op_leaf("op[add]:input[0]"), split_op_leaf("output[0]")
+    (('split', 0, 'output', '[1]'), ('add', None, 'input', '[0]'), None)
+    """
+    if not text.startswith("op["):
+        return None
+    match = _OP_LEAF.match(text)
+    if match is None:
+        raise SpecError(f"{shown or repr(text)} is not the leaf of an op site; {_OP_LEAF_EXAMPLES}")
+    index = int(match["index"]) if match["index"] is not None else None
+    return match["op"], index, match["what"] or "output", match["path"] or ""

@@ -12,6 +12,8 @@ one of them reads the name here, so that one spelling works everywhere:
 ``"(root)"``, ``":output"``  the model itself (its name is ``""``)
 ``"fc\\#1"``             a module whose name holds ``#`` or ``:``, escaped; unescaped
                          when the grammar reads it no other way
+``"h.0:op[softmax#0]"``  an op's output inside the module (``[1]``: a leaf; ``:input[0]``: an
+                         input); ``"h.0:op[softmax]"`` when one index of that op is held
 a :class:`Site`          itself
 =======================  ================================================================
 
@@ -28,13 +30,14 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
+from hookscope._core.op_sites import split_op_leaf
 from hookscope._core.sites import Site
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["SiteIndex"]
 
 _KEY = re.compile(rf"^(?P<module>{MODULE_TEXT})(?:#(?P<call>\d+))?(?::(?P<leaf>.*))?$", re.DOTALL)
-_Index = dict[tuple[str, str], dict[int, dict[str, Site]]]
+_Index = dict[tuple[str, str, str], dict[int, dict[str, Site]]]  # (module, what, op) -> call -> path -> site
 
 
 class SiteIndex:
@@ -79,7 +82,7 @@ Site(module='h', call=0, what='output', path='[0]'))
         self._pick = max if default_call == "last" else min
         self._index: _Index = {}
         for site in ordered:
-            self._index.setdefault((site.module, site.what), {}).setdefault(site.call, {})[site.path] = site
+            self._index.setdefault((site.module, site.what, site.op), {}).setdefault(site.call, {})[site.path] = site
         self._modules = sorted({site.module for site in self._sites})
 
     def resolve(self, key: str | Site, *, whole: bool = False) -> Site:
@@ -106,10 +109,15 @@ Site(module='h', call=0, what='output', path='[0]'))
         if match is None:
             raise SiteNotFoundError(f"{key!r} is not a site name such as 'fc', 'fc#1' or 'h.0:output[0]'", key=key)
         try:
-            what, path = split_leaf(match["leaf"] or "", shown=repr(key))
+            op_leaf = split_op_leaf(match["leaf"] or "", shown=repr(key))
+            if op_leaf is None:
+                what, path = split_leaf(match["leaf"] or "", shown=repr(key))
         except SpecError as error:
             raise SiteNotFoundError(str(error), key=key) from None
-        return self._resolve_parts(key, self._module(match["module"] or ""), match["call"], what, path, whole=whole)
+        module = self._module(match["module"] or "")
+        if op_leaf is not None:
+            return self._resolve_op(key, module, match["call"], *op_leaf, whole=whole)
+        return self._resolve_parts(key, module, match["call"], what, path, whole=whole)
 
     def every_call(self, key: str | Site) -> list[Site]:
         """The site ``key`` names in every call of its module, in call order (a call index in
@@ -123,7 +131,7 @@ Site(module='h', call=0, what='output', path='[0]'))
             if match is not None and match["call"] is not None:  # the call index, not a '#' in a name
                 key = match["module"] + (f":{match['leaf']}" if match["leaf"] is not None else "")
         site = self.resolve(key)
-        by_call = self._index[(site.module, site.what)]
+        by_call = self._index[(site.module, site.what, site.op)]
         return [by_call[call][site.path] for call in sorted(by_call) if site.path in by_call[call]]
 
     def module_hint(self, module: str) -> tuple[str, tuple[str, ...]]:
@@ -139,7 +147,7 @@ Site(module='h', call=0, what='output', path='[0]'))
     def _module(self, spelled: str) -> str:
         """The held module a name's module part (escaped, maybe an alias or ``(root)``) names."""
         name = unescape_name(spelled)
-        if name == ROOT_LABEL and not any(module == ROOT_LABEL for module, _ in self._index):
+        if name == ROOT_LABEL and not any(module == ROOT_LABEL for module, _, _ in self._index):
             return ""
         return str(self._aliases.get(name, name))
 
@@ -150,7 +158,7 @@ Site(module='h', call=0, what='output', path='[0]'))
         if "#" not in key and ":" not in key:
             return None
         literal = str(self._aliases.get(key, key))
-        return literal if any(module == literal for module, _ in self._index) else None
+        return literal if any(module == literal for module, _, _ in self._index) else None
 
     def _literal_module(self, key: str, literal: str, *, whole: bool = False) -> Site:
         """``key`` names module ``literal``; refused when the grammar reads it as another site too."""
@@ -174,8 +182,16 @@ Site(module='h', call=0, what='output', path='[0]'))
     def _resolve_parts(
         self, key: str, module: str, call: str | None, what: str | None, path: str | None, *, whole: bool = False
     ) -> Site:
-        kept = sorted({w for (m, w) in self._index if m == module})
+        kept = sorted({w for (m, w, op) in self._index if m == module and not op})
         if not kept:
+            ops = self._ops_of(module)
+            if ops:
+                shown = ", ".join(repr(f"{escape_name(module)}:op[{op}]") for op in ops[:8])
+                raise SiteNotFoundError(
+                    f"{key!r}: only op sites of {module!r} were {self._verb}, not its own values; name one: {shown}",
+                    key=key,
+                    candidates=tuple(f"{escape_name(module)}:op[{op}]" for op in ops),
+                )
             if module in self._notes:
                 raise SiteNotFoundError(f"nothing was {self._verb} for {module!r}: {self._notes[module]}", key=key)
             hint, close = self.module_hint(module)
@@ -187,7 +203,70 @@ Site(module='h', call=0, what='output', path='[0]'))
                 key=key,
                 candidates=tuple(f"{escape_name(module)}:{w}" for w in kept),
             )
-        by_call = self._index[(module, chosen_what)]
+        return self._leaf(key, module, self._index[(module, chosen_what, "")], call, chosen_what, path, whole=whole)
+
+    def _ops_of(self, module: str) -> list[str]:
+        """The ops (``softmax#0``) of ``module`` whose values are held, in the order held."""
+        return list(dict.fromkeys(op for (m, _, op) in self._index if m == module and op))
+
+    def _resolve_op(
+        self, key: str, module: str, call: str | None, op: str, index: int | None, what: str, path: str, *, whole: bool
+    ) -> Site:
+        """A key naming an op's value: ``h.0.attn#1:op[softmax#0][1]``; without the index when
+        one index of that op is held."""
+        ops = self._ops_of(module)
+        if not ops:
+            if not any(m == module for m, _, _ in self._index):
+                return self._resolve_parts(key, module, call, what, path, whole=whole)  # names the usual miss
+            raise SiteNotFoundError(
+                f"{key!r}: no op site of {module!r} was {self._verb}, only its own values; capture one with a "
+                f"selector such as '{escape_name(module)}:op[{op}]' (hs.layers(model, x, ops=True) lists them)",
+                key=key,
+            )
+        label = f"{op}#{index}" if index is not None else None
+        if label is None:
+            same = [held for held in ops if held.rsplit("#", 1)[0] == op]
+            if len(same) == 1:
+                label = same[0]
+            elif same:
+                raise SiteNotFoundError(
+                    f"{key!r} names {len(same)} op calls of {module!r}; name one with its index: "
+                    + ", ".join(repr(f"{escape_name(module)}:op[{held}]") for held in same[:8]),
+                    key=key,
+                    candidates=tuple(f"{escape_name(module)}:op[{held}]" for held in same),
+                )
+        if label is None or label not in ops:
+            close = difflib.get_close_matches(label or op, ops, n=3, cutoff=0.4) or ops[:8]
+            shown = " or ".join(repr(f"{escape_name(module)}:op[{held}]") for held in close)
+            raise SiteNotFoundError(
+                f"{key!r}: op {label or op!r} of {module!r} was not {self._verb}; did you mean {shown}?",
+                key=key,
+                candidates=tuple(f"{escape_name(module)}:op[{held}]" for held in close),
+            )
+        by_call = self._index.get((module, what, label))
+        if by_call is None:
+            kept = sorted(w for (m, w, held) in self._index if m == module and held == label)
+            raise SiteNotFoundError(
+                f"{key!r}: the {what} of op {label!r} of {module!r} was not kept; kept: {', '.join(kept)} "
+                "(capture with keep='both' to keep an op's inputs too)",
+                key=key,
+            )
+        value = f"op[{label}]" + (":input" if what == "input" else "")
+        return self._leaf(key, module, by_call, call, value, path, whole=whole)
+
+    def _leaf(
+        self,
+        key: str,
+        module: str,
+        by_call: dict[int, dict[str, Site]],
+        call: str | None,
+        chosen_what: str,
+        path: str | None,
+        *,
+        whole: bool,
+    ) -> Site:
+        """The site of one call and leaf among those of one value (``chosen_what``, as written:
+        ``output``, ``op[softmax#0]``)."""
         chosen_call = int(call) if call is not None else self._pick(by_call)
         if chosen_call not in by_call:
             raise SiteNotFoundError(
@@ -211,6 +290,6 @@ Site(module='h', call=0, what='output', path='[0]'))
 
 def _leaf_hint(leaves: Mapping[str, Site]) -> tuple[str, tuple[str, ...]]:
     """The hint for a value of several tensors, and their full site names."""
-    names = [f"'{site.module}:{site.label}'" for site in leaves.values()]
+    names = [f"'{escape_name(site.module)}:{site.label}'" for site in leaves.values()]
     hint = f"name one of: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else "")
     return hint, tuple(str(site) for site in leaves.values())

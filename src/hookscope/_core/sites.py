@@ -10,6 +10,11 @@ A :class:`Site` is written ``name#call:what`` followed by the tree path of the l
 it. ``what`` is one of ``input``, ``output``, ``grad_input`` and ``grad_output``; the path is
 relative to that value (``""``, ``"[0]"``, ``"['mask']"``), and
 ``what`` and path are joined and split by :mod:`~hookscope._core.names`' leaf functions.
+
+A value of an op called inside the module (:mod:`~hookscope._core.op_sites`) is a site too,
+with ``op`` naming the op within the module call (``"softmax#0"``): its output is written
+``h.0.attn#0:op[softmax#0]`` (a leaf: ``:op[split#0][1]``), its inputs
+``h.0.attn#0:op[add#0]:input[1]``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
 from hookscope._core.names import MODULE_TEXT, escape_name, leaf_label, module_label, split_leaf, unescape_name
+from hookscope._core.op_sites import op_leaf_label, split_op_leaf
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
 
 _get_ident = threading.get_ident
@@ -79,25 +85,40 @@ class Site:
     'layer1.conv2#1:output[0]'
     >>> Site.parse(str(site)) == site
     True
+    >>> op = Site("h.0.attn", 0, "output", "[1]", op="split#0")
+    >>> str(op), Site.parse(str(op)) == op
+    ('h.0.attn#0:op[split#0][1]', True)
     """
 
     module: str
     call: int = 0
     what: SiteKind = "output"
     path: str = ""
+    #: The op within the module call whose value this is (``"softmax#0"``), or ``""`` for the
+    #: module's own input or output.
+    op: str = ""
 
     def __post_init__(self) -> None:
         if self.what not in _SITE_KINDS:
             raise SpecError(f"site kind {self.what!r} is unknown; expected one of {', '.join(_SITE_KINDS)}")
         if self.call < 0:
             raise SpecError(f"call index {self.call} is negative; calls are numbered from 0 in each pass")
+        if self.op:
+            op_leaf_label(self.op, self.what, self.path)  # checks the op's label and that what is a forward value
 
     def __str__(self) -> str:
         return f"{escape_name(self.module)}#{self.call}:{self.label}"
 
+    def __repr__(self) -> str:
+        op = f", op={self.op!r}" if self.op else ""  # a module's own value reads as it always did
+        return f"Site(module={self.module!r}, call={self.call!r}, what={self.what!r}, path={self.path!r}{op})"
+
     @property
     def label(self) -> str:
-        """The leaf as shown: ``what`` and path joined (``output[0]``, ``input['mask']``)."""
+        """The leaf as shown: ``what`` and path joined (``output[0]``, ``input['mask']``); for an
+        op's value, the op first (``op[softmax#0]``, ``op[add#0]:input[1]``)."""
+        if self.op:
+            return op_leaf_label(self.op, self.what, self.path)
         return leaf_label(self.what, self.path)
 
     @classmethod
@@ -107,6 +128,13 @@ class Site:
         match = _SITE_TEXT.match(text)
         if match is None:
             raise SpecError(form)
+        op_leaf = split_op_leaf(match["leaf"], shown=f"site {text!r}")
+        if op_leaf is not None:
+            op, index, side, inner = op_leaf
+            if index is None:
+                raise SpecError(f"site {text!r} names no op index; a site names one, e.g. ':op[{op}#0]'")
+            module = unescape_name(match["module"])
+            return cls(module, int(match["call"] or 0), side, inner, op=f"{op}#{index}")  # type: ignore[arg-type]
         what, path = split_leaf(match["leaf"], shown=f"site {text!r}")
         if what is None:
             raise SpecError(form)
@@ -115,17 +143,20 @@ class Site:
 
 def short_names(sites: Sequence[Site]) -> dict[Site, str]:
     """The shortest name that says each site: the module's name where the site is the only one
-    of its module (``"fc"``), else the full site text (``"h.0#1:output"``). Cache keys, saved
-    files and store arrays all use it.
+    of its module (``"fc"``), else the full site text (``"h.0#1:output"``); an op's value
+    always by its full text (``"h#0:op[softmax#0]"``). Cache keys, saved files and store arrays
+    all use it.
 
-    >>> list(short_names([Site("fc"), Site("h", 0), Site("h", 1)]).values())
-    ['fc', 'h#0:output', 'h#1:output']
+    >>> list(short_names([Site("fc"), Site("h", 0), Site("h", 1), Site("fc", op="relu#0")]).values())
+    ['fc', 'h#0:output', 'h#1:output', 'fc#0:op[relu#0]']
     """
     per_module: dict[str, int] = {}
     for site in sites:
-        per_module[site.module] = per_module.get(site.module, 0) + 1
+        if not site.op:
+            per_module[site.module] = per_module.get(site.module, 0) + 1
     return {
-        site: escape_name(site.module) if per_module[site.module] == 1 and site.module else str(site) for site in sites
+        site: escape_name(site.module) if not site.op and per_module[site.module] == 1 and site.module else str(site)
+        for site in sites
     }
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
+from hookscope._core.op_sites import op_pattern
 from hookscope._core.select import Selector, describe_selector, ensure_module
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, differences, model_identity
@@ -120,6 +121,7 @@ def extract(
     """
     ensure_module(model)
     config = ExtractConfig.build(options, opts)
+    _refuse_op_selectors(layers)
     zarr_module()
     target = target_of(out)
     ranks = resolve_ranks(config.rank, config.world_size)
@@ -533,3 +535,16 @@ def _model_device(model: nn.Module) -> torch.device:
         if not tensor.is_meta:
             return tensor.device
     return torch.device("cpu")
+
+
+def _refuse_op_selectors(layers: object) -> None:
+    """Op sites (``"h.0.attn:op[softmax#0]"``) are captured by ``hs.capture``, not stored by extract yet."""
+    for selector in layers if isinstance(layers, (list, tuple)) else [layers]:
+        if isinstance(selector, (list, tuple)):
+            _refuse_op_selectors(selector)
+        elif op_pattern(selector) is not None:
+            raise SpecError(
+                f"hs.extract does not store op sites yet, and layers= holds the op selector {selector!r}; "
+                "extract module values (the module itself, or its ':output'/':input' leaves), or keep op sites "
+                "with hs.capture / hs.run_with_capture batch by batch"
+            )
