@@ -699,3 +699,20 @@ def test_layers_lists_op_sites_in_a_second_table() -> None:
         hs.layers(model, ops=True)
     with pytest.raises(hs.SpecError, match="ops= is layers' own option"):
         hs.layers(model, image(), ops=torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_a_function_whose_name_is_no_identifier_gets_one_a_site_can_hold() -> None:
+    from hookscope._core.op_sites import OpSite, op_name
+
+    strange = lambda x: x  # noqa: E731
+    assert op_name(strange) == "lambda"
+    assert str(OpSite("fc", 0, op_name(strange), 0)) == "fc#0:op[lambda#0]"
+
+
+def test_features_without_op_sites_say_so_for_an_op_selector() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Softmax(dim=-1))
+    said = r"names a value inside a module \(an op site\), which only hs.capture"
+    with pytest.raises(hs.SelectionError, match=said):
+        hs.trace(model, torch.ones(1, 2), layers="1:op[softmax#0]")
+    with pytest.raises(hs.SelectionError, match=said):
+        hs.edit(model, {"1:op[softmax#0]": hs.edits.zero()})

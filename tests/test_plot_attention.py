@@ -62,3 +62,11 @@ def test_a_generated_steps_one_query_is_labelled_with_the_last_token() -> None:
 def test_bad_input_is_refused(pattern: torch.Tensor, options: dict[str, Any], message: str) -> None:
     with pytest.raises(hs.SpecError, match=message):
         hs.plots.attention(pattern, **options)
+
+
+def test_more_queries_than_keys_and_numpy_head_indices() -> None:
+    pattern = torch.softmax(torch.randn(2, 6, 3), dim=-1)  # cross-attention: 6 queries over 3 keys
+    fig = hs.plots.attention(pattern, tokens=["x", "y", "z"], heads=np.int64(1))
+    (ax,) = panels(fig)
+    assert [label.get_text() for label in ax.get_xticklabels()] == ["x", "y", "z"]
+    assert np.allclose(ax.images[0].get_array(), pattern[1].numpy())

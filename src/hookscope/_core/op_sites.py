@@ -101,10 +101,13 @@ def op_name(func: Callable[..., Any]) -> str:
     if name == "__get__":  # a property read (x.T, x.shape): named by the property
         name = getattr(getattr(func, "__self__", None), "__name__", None)
     if not isinstance(name, str) or not name:
-        return type(func).__name__
+        name = type(func).__name__
     if name.startswith("__") and name.endswith("__") and len(name) > 4:
         return _DUNDERS.get(name, name[2:-2])
-    return name
+    if _OP_NAME.match(name):
+        return name
+    # a function whose name is no identifier ('<lambda>', 'method-wrapper'): one a site can hold
+    return re.sub(r"\W+", "_", name).strip("_") or "op"
 
 
 # Module text: any character but an unescaped "#" (a ":" is allowed for 're:' selectors); then

@@ -281,7 +281,13 @@ def _no_match(selector: Selector, named: list[tuple[str, nn.Module]], *, within:
     head = f"selector {describe_selector(selector)}{where} matched 0 of {len(named)} modules"
     names = [name for name, _ in named if name]
     suggestions = _suggest(selector, names) if isinstance(selector, str) else []
-    if isinstance(selector, type):
+    if isinstance(selector, str) and (":op[" in selector or ":attn." in selector):
+        module = selector.split(":", 1)[0]
+        message = (
+            f"{head}; {selector!r} names a value inside a module (an op site), which only hs.capture and "
+            f"hs.layers(ops=...) take for now: capture it, or select the module {module!r}"
+        )
+    elif isinstance(selector, type):
         present = sorted({type(module).__name__ for _, module in named})
         message = f"{head}; the model holds these types: {_listing(present)}"
     elif isinstance(selector, nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,8 +90,9 @@ def _heads(pattern: torch.Tensor | np.ndarray, sample: int) -> np.ndarray:
 def _chosen_heads(heads: int | Sequence[int] | None, count: int) -> list[int]:
     if heads is None:
         return list(range(count))
-    wanted = [heads] if isinstance(heads, int) else list(heads)
-    bad = [h for h in wanted if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < count]
+    given: list[Any] = [heads] if isinstance(heads, numbers.Integral) else list(heads)  # type: ignore[arg-type]
+    wanted = [-1 if isinstance(h, bool) or not isinstance(h, numbers.Integral) else int(h) for h in given]
+    bad = [h for h in wanted if not 0 <= h < count]
     if bad or not wanted:
         raise SpecError(f"heads={heads!r}; expected head indices from 0 to {count - 1} (the pattern has {count} heads)")
     return wanted
@@ -103,5 +105,8 @@ def _label(ax: Any, tokens: Sequence[str] | None, queries: int, keys: int) -> No
     names = [literal(str(token)) for token in tokens[len(tokens) - keys :]]
     stride = max(1, math.ceil(keys / _MAX_TOKEN_LABELS))
     ax.set_xticks(range(0, keys, stride), names[::stride], rotation=90, fontsize=6)
+    if queries > keys:  # queries from another sequence (cross-attention): the tokens name the keys only
+        ax.tick_params(axis="y", labelsize=6)
+        return
     rows = names[keys - queries :]
     ax.set_yticks(range(0, queries, stride), rows[::stride], fontsize=6)
