@@ -352,3 +352,29 @@ def test_a_key_for_a_call_not_captured_names_the_op_calls_held() -> None:
         cap["block"]
     with pytest.raises(hs.SiteNotFoundError, match=r"input of op 'add_#0' of 'block' was not kept.*keep='both'"):
         cap["block:op[add_#0]:input[1]"]
+
+
+class FunctionalInplace(nn.Module):
+    """``F.relu(x, inplace=True)``: an op named ``relu`` that writes into its argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return torch.nn.functional.relu(y, inplace=True) * 2
+
+
+def test_a_functional_in_place_op_keeps_its_written_argument_as_the_output_only() -> None:
+    torch.manual_seed(0)
+    model = FunctionalInplace().eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        before = model.fc(x)
+        cap = hs.capture(model, ":op[relu#0]", keep="both")
+        with cap:
+            model(x)
+    cache = cap.cache
+    assert torch.equal(cache[":op[relu#0]"], before.clamp(min=0))
+    assert not any(key.endswith(":input[0]") for key in cache.numpy())  # the written tensor is the output

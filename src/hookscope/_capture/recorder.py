@@ -222,7 +222,7 @@ class Capture(Scoped):
         keep, handover = self._keeper.keep_leaves, self._keeper.take_handover
         if "input" in self._whats:
             leaves = call_leaves(args, kwargs)
-            if op.split("#")[0].endswith("_") or "out" in kwargs:  # the written argument holds the result now
+            if _writes_in_place(op, args, kwargs):  # the written argument holds the result now
                 written = {id(tensor) for _, tensor in flatten_tensors(output, "")}
                 leaves = [(path, tensor) for path, tensor in leaves if id(tensor) not in written]
             keep(name, call, "input", leaves, args, op=op)
@@ -404,6 +404,18 @@ class Capture(Scoped):
         state = "live" if self.live else "removed"
         ops = f" and {len(self._ops.patterns)} op selectors" if self._ops is not None else ""
         return f"<Capture of {len(self._selected)} modules{ops}, {state}>\n{self.cache!r}"
+
+
+def _writes_in_place(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when the op may have written its result into an argument: ``add_``, ``out=``, and the
+    functional ``F.relu(x, inplace=True)`` (or ``F.relu(x, True)``), named ``relu``; the argument
+    it returns is then left out of the op's inputs (it holds the output)."""
+    return (
+        op.split("#")[0].endswith("_")
+        or "out" in kwargs
+        or kwargs.get("inplace") is True
+        or any(arg is True for arg in args[1:])
+    )
 
 
 def _split_op_selectors(selectors: Sequence[Any]) -> tuple[list[OpPattern], list[Selector]]:
