@@ -378,3 +378,8 @@ def test_a_functional_in_place_op_keeps_its_written_argument_as_the_output_only(
     cache = cap.cache
     assert torch.equal(cache[":op[relu#0]"], before.clamp(min=0))
     assert not any(key.endswith(":input[0]") for key in cache.numpy())  # the written tensor is the output
+
+
+def test_an_empty_list_of_selectors_is_still_refused() -> None:
+    with pytest.raises(hs.SpecError, match="an empty list selects nothing"):
+        hs.capture(nn.Linear(2, 2), [])

@@ -35,7 +35,14 @@ from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
 from hookscope._core.op_sites import OpPattern, op_pattern
-from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors, select_leaves
+from hookscope._core.select import (
+    Selector,
+    compile_selector,
+    describe_selector,
+    ensure_module,
+    given_selectors,
+    select_leaves,
+)
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared.dtypes import overflow_message
@@ -425,6 +432,8 @@ def _split_op_selectors(selectors: Sequence[Any]) -> tuple[list[OpPattern], list
     others: list[Selector] = []
     for selector in selectors:
         if isinstance(selector, (list, tuple)):
+            if not selector:
+                compile_selector(selector)  # an empty list selects nothing: the selector rules' SpecError
             inner_patterns, inner_others = _split_op_selectors(selector)
             patterns.extend(inner_patterns)
             others.extend(inner_others)
