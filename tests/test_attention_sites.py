@@ -176,6 +176,26 @@ def test_reduce_dtype_calls_and_max_bytes_apply_to_a_sub_site() -> None:
     assert stack_depth() == 0
 
 
+def test_max_bytes_refuses_a_pattern_before_it_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hookscope._core.attention as attention
+
+    computed: list[int] = []
+    real = attention.attention_scores
+    monkeypatch.setattr(attention, "attention_scores", lambda *a, **k: computed.append(1) or real(*a, **k))
+    model = track(TwoCalls())
+    with (
+        pytest.raises(hs.CaptureError, match=r"over max_bytes.*'#0:attn\.scores' \(400 B"),
+        torch.no_grad(),
+        hs.capture(model, ":attn.scores#0", max_bytes=399),
+    ):
+        model(inputs())
+    assert computed == []
+    with torch.no_grad(), hs.capture(model, ":attn.scores#0", max_bytes=400) as cap:
+        model(inputs())
+    assert computed == [1]
+    assert cap[":attn.scores"].shape == (2, 2, 5, 5)
+
+
 def test_keys_round_trip_through_save_and_load(tmp_path: Path) -> None:
     model = track(TwoCalls())
     with torch.no_grad(), hs.capture(model, ":attn.pattern", ":attn.z#1", "proj") as cap:

@@ -20,7 +20,7 @@ product; computed without autograd's graph unless the capture keeps it (``detach
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +35,18 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def attention_values(
-    kinds: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, *, detach: bool
+    kinds: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    *,
+    detach: bool,
+    room: Callable[[str, tuple[int, ...], torch.dtype], None] | None = None,
 ) -> list[tuple[str, torch.Tensor, bool]]:
     """``(kind, value, fresh)`` for each kind asked for, in :data:`ATTN_KINDS` order; ``fresh``
     says the value was made here (nobody else holds it) rather than being the model's tensor.
+    ``room(kind, shape, dtype)`` is told of ``scores`` and ``pattern`` before they are made (a
+    capture's ``max_bytes`` refuses them there, before the quadratic memory is taken).
 
     >>> q = k = v = torch.ones(1, 1, 2, 4)
     >>> out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -57,6 +65,9 @@ def attention_values(
         elif kind == "z":
             values.append((kind, output, False))
         else:
+            if room is not None:
+                shape = (*call.query.shape[:-1], call.key.size(-2))
+                room(kind, shape, call.query.dtype)
             with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
                 if kind == "pattern" and (scores is None or call.query.dtype in _LOW_PRECISION):
                     value = call.pattern  # half precision: the softmax of float32 scores, not of rounded ones

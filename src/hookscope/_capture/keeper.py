@@ -17,6 +17,7 @@ then decide whether the value must be copied now or may be watched (see ``guard`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -248,6 +249,16 @@ class Keeper:
                 f"{dtype_name(value.dtype)} tensor: {error}; pick dimensions that fit every "
                 "selected layer's values, or capture those layers separately"
             ) from error
+
+    def check_room(self, site: Site, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Refuse, before it is made, a value of ``shape`` and ``dtype`` that ``max_bytes`` has
+        no room for as kept (cast to the capture's dtype; a reduction is not foreseen: no check)."""
+        if self._budget is None or self._reduce is not None:
+            return
+        kept = self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
+        size = math.prod(shape) * kept.itemsize
+        if self._bytes + size > self._budget:
+            raise CaptureError(self._over_budget(site, size), site=str(site))
 
     def _charge(self, site: Site, size: int) -> None:
         previous = self.cache._get(site)

@@ -247,9 +247,14 @@ class Capture(Scoped):
     ) -> Any:
         """Keep the attention sub-sites asked for of one ``scaled_dot_product_attention`` call
         (``keep`` does not apply: each sub-site is the one tensor it names)."""
-        keep, handover = self._keeper.keep_leaves, self._keeper.take_handover
+        keep, handover, keeper = self._keeper.keep_leaves, self._keeper.take_handover, self._keeper
+
+        def room(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            keeper.check_room(Site(name, call, "output", "", op=f"attn.{kind}#{index}"), shape, dtype)
+
         replacement = None
-        for kind, value, fresh in attention_values(kinds, args, kwargs, output, detach=self.options.detach):
+        values = attention_values(kinds, args, kwargs, output, detach=self.options.detach, room=room)
+        for kind, value, fresh in values:
             keep(name, call, "output", [("", value)], value, op=f"attn.{kind}#{index}", fresh=fresh)
             kept_in_graph = handover()
             if kept_in_graph and kind == "z":  # detach=False: the model goes on with a copy of the output
