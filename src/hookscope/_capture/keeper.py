@@ -17,6 +17,7 @@ then decide whether the value must be copied now or may be watched (see ``guard`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -139,12 +140,22 @@ class Keeper:
     # -- values -----------------------------------------------------------------------------------
 
     def keep_leaves(
-        self, name: str, call: int, what: str, leaves: list[tuple[str, torch.Tensor]], value: Any, op: str = ""
+        self,
+        name: str,
+        call: int,
+        what: str,
+        leaves: list[tuple[str, torch.Tensor]],
+        value: Any,
+        op: str = "",
+        *,
+        fresh: bool = False,
     ) -> None:
         """Keep every tensor leaf of one module call's input or output, or (``op``: ``"softmax#0"``)
-        of one op's inside it."""
+        of one op's inside it. ``fresh``: the tensors were made for the capture (an attention
+        pattern recomputed from the kernel's arguments), so nothing else can write into them:
+        kept as they are, neither copied nor watched."""
         if op:  # an op site: never in compiled code (the op watcher refuses it)
-            self._keep_leaves(name, call, what, leaves, type(value).__name__, op=op)
+            self._keep_leaves(name, call, what, leaves, type(value).__name__, op=op, fresh=fresh)
             return
         if is_compiling():  # Dynamo cannot build Sites in a graph: copies now, kept at the pass's end
             copies = [(path, *self._prepared(tensor)) for path, tensor in leaves]
@@ -170,6 +181,7 @@ class Keeper:
         kind: str,
         owned: bool = False,
         op: str = "",
+        fresh: bool = False,
     ) -> None:
         if self._last_call_only and not self._make_room_for(name, call):
             return
@@ -177,7 +189,7 @@ class Keeper:
             self.cache._note_empty(name, what, kind)
         for path, tensor in leaves:
             site = Site(name, call, what, path, op)  # type: ignore[arg-type]
-            self._keep(site, tensor, owned=owned)
+            self._keep(site, tensor, owned=owned, fresh=fresh)
             if self._last_call_only:
                 self._module_sites.setdefault(name, []).append(site)
 
@@ -192,7 +204,7 @@ class Keeper:
         self._latest_call[name] = call
         return True
 
-    def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False) -> None:
+    def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False, fresh: bool = False) -> None:
         if owned:  # made by _prepared in compiled code: reduced, cast and moved already
             self._charge(site, tensor_bytes(tensor))
             self.cache._put(site, tensor, _version(tensor))
@@ -208,7 +220,8 @@ class Keeper:
                 self._overflows.append((site, overflowed))
         if self._device is not None and value.device != self._device:
             value = self._moved(value)
-        value = self._owned(site, value, tensor)
+        if not fresh:
+            value = self._owned(site, value, tensor)
         self.cache._put(site, value, _version(value))
 
     def _prepared(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,6 +249,16 @@ class Keeper:
                 f"{dtype_name(value.dtype)} tensor: {error}; pick dimensions that fit every "
                 "selected layer's values, or capture those layers separately"
             ) from error
+
+    def check_room(self, site: Site, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Refuse, before it is made, a value of ``shape`` and ``dtype`` that ``max_bytes`` has
+        no room for as kept (cast to the capture's dtype; a reduction is not foreseen: no check)."""
+        if self._budget is None or self._reduce is not None:
+            return
+        kept = self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
+        size = math.prod(shape) * kept.itemsize
+        if self._bytes + size > self._budget:
+            raise CaptureError(self._over_budget(site, size), site=str(site))
 
     def _charge(self, site: Site, size: int) -> None:
         previous = self.cache._get(site)

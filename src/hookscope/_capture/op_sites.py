@@ -5,8 +5,14 @@ or ``"input"``, its tensor arguments) through an :class:`~hookscope._core.ops.Op
 selector's modules; the values go through the capture's own keeper, so reductions, dtype,
 device, ``max_bytes``, ``calls`` and the copy-on-write guard apply as to module sites.
 
+An attention sub-site selector (``"h.0.attn:attn.pattern"``, :mod:`~hookscope._capture.attn_sites`)
+is an op selector of the module's ``scaled_dot_product_attention`` calls whose values are
+computed from the call (:data:`AttnKeep`) instead of kept as the op's.
+
 An op selector whose module ran in a pass but whose op never did is an error at the end of that
 pass, naming the ops the module called: a misspelt op would otherwise match nothing, silently.
+An attention sub-site on a module that never called the kernel (an eager-attention model) says
+the fix: ``attn_implementation="sdpa"``, or the eager softmax's op site.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ from typing import Any
 from torch import nn
 
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
-from hookscope._core.op_sites import OpPattern
+from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import select
-from hookscope.errors import CaptureError
+from hookscope.errors import CaptureError, SpecError
 
-__all__ = ["OpKeep", "OpSelectors"]
+__all__ = ["AttnKeep", "OpKeep", "OpSelectors"]
 
 #: Keeps one op call's values: ``(module, call, op label "softmax#0", args, kwargs, output)``;
 #: returns what the model goes on with instead of the output, or None.
 OpKeep = Callable[[str, int, str, tuple[Any, ...], dict[str, Any], Any], Any]
+#: Keeps attention sub-sites of one kernel call: ``(module, call, kernel call index, kinds
+#: ["pattern", ...], args, kwargs, output)``; returns what the model goes on with, or None.
+AttnKeep = Callable[[str, int, int, list[str], tuple[Any, ...], dict[str, Any], Any], Any]
 
 
 class OpSelectors:
@@ -47,6 +56,8 @@ class OpSelectors:
         for number, pattern in enumerate(self.patterns):
             module_selector = "" if pattern.module == ROOT_LABEL else pattern.module  # "(root):op[add]"
             for name, module in select(model, module_selector):
+                if pattern.sub and isinstance(module, nn.MultiheadAttention):
+                    raise SpecError(_multihead(pattern, name))
                 self._per_module.setdefault(name, []).append((number, pattern))
                 self._modules_of.setdefault(number, []).append(name)
                 modules.setdefault(name, module)
@@ -55,12 +66,13 @@ class OpSelectors:
         self._fired: set[int] = set()  # the patterns that matched an op call, this pass
         self._watcher: OpWatcher | None = None
 
-    def attach(self, model: nn.Module, keep: OpKeep, want: Callable[[int], bool]) -> OpWatcher:
-        """Watch the modules' ops, handing each selected op call that ``want`` accepts to ``keep``."""
-        self._watcher = OpWatcher(model, self.modules, self._listener(keep, want), owner="capture")
+    def attach(self, model: nn.Module, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> OpWatcher:
+        """Watch the modules' ops, handing each selected op call that ``want`` accepts to ``keep``
+        (and the kernel calls of attention sub-sites to ``keep_attn``)."""
+        self._watcher = OpWatcher(model, self.modules, self._listener(keep, want, keep_attn), owner="capture")
         return self._watcher
 
-    def _listener(self, keep: OpKeep, want: Callable[[int], bool]) -> Any:
+    def _listener(self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> Any:
         per_module, fired = self._per_module, self._fired
 
         def listen(
@@ -73,11 +85,19 @@ class OpSelectors:
             if watcher is not None and watcher.replaying:
                 return None  # a checkpointed block recomputing in backward: its values were kept already
             hit = False
+            subs: list[str] = []
             for number, pattern in chosen:
                 if pattern.matches_call(call) and pattern.matches(op, index):
                     fired.add(number)
-                    hit = True
-            return keep(module, call, f"{op}#{index}", args, kwargs, output) if hit else None
+                    if not pattern.sub:
+                        hit = True
+                    elif pattern.sub not in subs:
+                        subs.append(pattern.sub)
+            result = keep_attn(module, call, index, subs, args, kwargs, output) if subs else None
+            if hit:
+                kept = keep(module, call, f"{op}#{index}", args, kwargs, output if result is None else result)
+                result = result if kept is None else kept
+            return result
 
         return listen
 
@@ -99,6 +119,8 @@ class OpSelectors:
         seen = self._watcher.seen.get(module, {}) if self._watcher is not None else {}
         called = ", ".join(f"{op} (x{count})" if count > 1 else op for op, count in list(seen.items())[:20])
         close = difflib.get_close_matches(pattern.op, list(seen), n=3, cutoff=0.5)
+        if pattern.sub:
+            return _unfired_attention(pattern, module, seen, called)
         if pattern.op in seen:  # the name ran, the index did not
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"
         elif close:
@@ -119,3 +141,31 @@ class OpSelectors:
         """Take the op watcher's hooks off (safe to call twice)."""
         if self._watcher is not None:
             self._watcher.remove()
+
+
+def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str) -> str:
+    """Why an attention sub-site selector matched nothing, and the fix."""
+    where = module_label(module)
+    if SDPA in seen:
+        return (
+            f"attention sub-site selector {str(pattern)!r} matched no {SDPA} call of {where!r}, which called it "
+            f"{seen[SDPA]} time(s) per call: indices 0 to {seen[SDPA] - 1}"
+        )
+    eager = "softmax" in seen
+    called = called or "no torch op returning a tensor"
+    return (
+        f"attention sub-site selector {str(pattern)!r} matched nothing: {where!r} ran but its own code never called "
+        f"torch.nn.functional.{SDPA}, which attention sub-sites read; it called: {called}; load a transformers "
+        "model with attn_implementation='sdpa'"
+        + (f", or capture the eager softmax itself: '{escape_name(module)}:op[softmax#0]'" if eager else "")
+        + " (hs.layers(model, x, ops=True) lists the op sites)"
+    )
+
+
+def _multihead(pattern: OpPattern, name: str) -> str:
+    return (
+        f"attention sub-site selector {str(pattern)!r} selects {module_label(name)!r}, an nn.MultiheadAttention, "
+        f"whose forward runs {SDPA} inside F.multi_head_attention_forward, where op sites cannot see: call it with "
+        "need_weights=True, average_attn_weights=False and read its second output (the pattern), or capture "
+        f"'{escape_name(name)}:op[multi_head_attention_forward#0]'"
+    )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._capture.attn_sites import attention_values
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
@@ -132,7 +133,7 @@ class Capture(Scoped):
         remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the write guard
         if self._ops is not None:
             try:
-                watcher = self._ops.attach(model, self._keep_op, self._want)
+                watcher = self._ops.attach(model, self._keep_op, self._want, self._keep_attention)
             except BaseException:
                 self._group.remove()
                 raise
@@ -240,6 +241,32 @@ class Capture(Scoped):
             if kept_in_graph:  # detach=False: the model goes on with a copy of what was kept
                 return map_tensors_with_paths(_copier(kept_in_graph), output)
         return None
+
+    def _keep_attention(
+        self,
+        name: str,
+        call: int,
+        index: int,
+        kinds: list[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> Any:
+        """Keep the attention sub-sites asked for of one ``scaled_dot_product_attention`` call
+        (``keep`` does not apply: each sub-site is the one tensor it names)."""
+        keep, handover, keeper = self._keeper.keep_leaves, self._keeper.take_handover, self._keeper
+
+        def room(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            keeper.check_room(Site(name, call, "output", "", op=f"attn.{kind}#{index}"), shape, dtype)
+
+        replacement = None
+        values = attention_values(kinds, args, kwargs, output, detach=self.options.detach, room=room)
+        for kind, value, fresh in values:
+            keep(name, call, "output", [("", value)], value, op=f"attn.{kind}#{index}", fresh=fresh)
+            kept_in_graph = handover()
+            if kept_in_graph and kind == "z":  # detach=False: the model goes on with a copy of the output
+                replacement = map_tensors_with_paths(_copier(kept_in_graph), output)
+        return replacement
 
     # -- nn.DataParallel replicas -----------------------------------------------------------------
 
@@ -541,6 +568,17 @@ def capture(
     output by then). Every option above applies, but ``stop``. An op selector whose module
     ran but whose op never did raises ``CaptureError`` at the end of the pass, naming the ops
     the module called; under ``torch.compile`` op sites are refused (run the eager model).
+
+    Attention sub-sites: ``"h.*.attn:attn.pattern"`` keeps, for each
+    ``F.scaled_dot_product_attention`` call the module's own code makes (transformers'
+    ``attn_implementation="sdpa"``), the probabilities; ``:attn.scores`` the pre-softmax scores
+    (masked as the kernel masks, ``-inf`` where masked), ``:attn.q``, ``:attn.k``, ``:attn.v``
+    the kernel's arguments, ``:attn.z`` its output per head (before the heads are merged). The
+    scores and pattern are recomputed from the call's arguments only when selected: O(seq^2)
+    memory per head, which ``reduce``, ``dtype`` and ``max_bytes`` apply to. ``#1`` picks the
+    module's second kernel call (keys without an index name the first); ``keep`` does not apply.
+    A module that never called the kernel (eager attention) raises with the fix;
+    ``nn.MultiheadAttention`` is refused (it runs the kernel inside ``F.multi_head_attention_forward``).
 
     Example::
 

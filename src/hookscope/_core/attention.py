@@ -42,7 +42,7 @@ from torch import Tensor
 
 from hookscope.errors import SpecError
 
-__all__ = ["SdpaCall", "attend", "attention_pattern", "attention_scores", "sdpa_call"]
+__all__ = ["SdpaCall", "attend", "attention_pattern", "attention_scores", "pattern_of_scores", "sdpa_call"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -169,9 +169,23 @@ def attention_pattern(
     scores = attention_scores(
         _working(query), _working(key), attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
+    return pattern_of_scores(scores, query.dtype)
+
+
+def pattern_of_scores(scores: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The softmax of :func:`attention_scores` over the keys, a row with every key masked all
+    zeros; computed in float32 for half-precision scores and returned in ``dtype`` (by default
+    the scores' own).
+
+    >>> pattern_of_scores(torch.tensor([[0.0, -math.inf], [-math.inf, -math.inf]]))
+    tensor([[1., 0.],
+            [0., 0.]])
+    """
+    dtype = scores.dtype if dtype is None else dtype
+    scores = _working(scores)
     blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query that may see no key
     pattern = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
-    return pattern.to(query.dtype) if query.dtype in _LOW_PRECISION else pattern
+    return pattern.to(dtype) if dtype in _LOW_PRECISION else pattern
 
 
 def attend(pattern: Tensor, value: Tensor, *, enable_gqa: bool | None = None) -> Tensor:

@@ -17,6 +17,17 @@ forward calls, ``layer1.0#1:op[add_#0]`` the first in-place add of the second ca
 A selector (:class:`OpPattern`) may glob the module (``h.*.attn``), the name (``add*``) and the
 index (``softmax#*``); a selector without an index names every index, one without ``#CALL``
 every call.
+
+**Attention sub-sites** name values of a module's ``scaled_dot_product_attention`` calls::
+
+    MODULE[#CALL]:attn.KIND[#INDEX]      KIND: q, k, v, scores, pattern, z
+
+``INDEX`` numbers the module call's kernel calls (``scaled_dot_product_attention#INDEX``). As a
+site (``Site.op == "attn.pattern#0"``) the text leaves ``#0`` out: ``h.0.attn#0:attn.pattern``,
+and a key without an index names kernel call 0; as a selector an index left out names every
+kernel call, as for op selectors. ``q``, ``k``, ``v`` are the kernel's arguments, ``z`` its
+output (per head, before the heads are merged), ``scores`` and ``pattern`` are computed from the
+arguments (:mod:`~hookscope._core.attention`) only when selected.
 """
 
 from __future__ import annotations
@@ -30,7 +41,23 @@ from typing import Any
 from hookscope._core.names import escape_name, unescape_name
 from hookscope.errors import SpecError
 
-__all__ = ["OpPattern", "OpSite", "op_leaf_label", "op_name", "op_pattern", "split_op_leaf"]
+__all__ = [
+    "ATTN_KINDS",
+    "SDPA",
+    "OpPattern",
+    "OpSite",
+    "op_leaf_label",
+    "op_name",
+    "op_pattern",
+    "op_text",
+    "split_op_leaf",
+]
+
+#: The op whose calls attention sub-sites read.
+SDPA = "scaled_dot_product_attention"
+#: The attention sub-sites of one kernel call, in the order they are listed.
+ATTN_KINDS = ("q", "k", "v", "scores", "pattern", "z")
+_ATTN_LIST = ", ".join(f"attn.{kind}" for kind in ATTN_KINDS)
 
 # What Tensor's operator methods are called as functions: ``a + b`` is an ``add`` wherever
 # torch dispatches it as ``Tensor.__add__``, ``1 - a`` a ``sub`` (the operands' order aside),
@@ -215,8 +242,13 @@ class OpPattern:
     call: int | None = None
     op: str = "*"
     index: str | None = None
+    #: An attention sub-site (``"pattern"``) of the module's ``scaled_dot_product_attention``
+    #: calls, or ``""`` for the op's own values.
+    sub: str = ""
 
     def __post_init__(self) -> None:
+        if self.sub and (self.sub not in ATTN_KINDS or self.op != SDPA):
+            raise SpecError(f"attention sub-site {self.sub!r} is not one of {_ATTN_LIST}")
         if not _OP_GLOB.match(self.op):
             raise SpecError(f"op selector name {self.op!r} is not an op name or a glob over names (* and ?)")
         if self.index is not None and not _INDEX_GLOB.match(self.index):
@@ -225,6 +257,8 @@ class OpPattern:
     def __str__(self) -> str:
         call = "" if self.call is None else f"#{self.call}"
         index = "" if self.index is None else f"#{self.index}"
+        if self.sub:
+            return f"{_written_module(self.module)}{call}:attn.{self.sub}{index}"
         return f"{_written_module(self.module)}{call}:op[{self.op}{index}]"
 
     def matches(self, op: str, index: int) -> bool:
@@ -240,7 +274,14 @@ class OpPattern:
     @classmethod
     def parse(cls, text: str) -> OpPattern:
         """Read ``module[#call]:op[name[#index]]``, any part but the call a glob; the module part
-        may be any module selector text (a name, a glob, ``re:...``)."""
+        may be any module selector text (a name, a glob, ``re:...``); or
+        ``module[#call]:attn.kind[#index]``, an attention sub-site."""
+        attn = _ATTN_TEXT.match(text) if isinstance(text, str) else None
+        if attn is not None:
+            if attn["sub"] not in ATTN_KINDS:
+                raise SpecError(f"attention sub-site selector {text!r} names {attn['sub']!r}; expected {_ATTN_LIST}")
+            call = int(attn["call"]) if attn["call"] is not None else None
+            return cls(_module_text(attn["module"]), call, SDPA, attn["index"], attn["sub"])
         match = _OP_TEXT.match(text) if isinstance(text, str) else None
         if match is None or not match["op"] or match["index"] == "":
             raise SpecError(f"op selector {text!r} is not of the form {_FORM}")
@@ -256,8 +297,11 @@ def op_pattern(selector: object) -> OpPattern | None:
 
     >>> op_pattern("h.0.attn:op[softmax]").op, op_pattern("h.0.attn"), op_pattern(int)
     ('softmax', None, None)
+    >>> op_pattern("h.*.attn:attn.pattern").sub
+    'pattern'
+
     """
-    if not isinstance(selector, str) or ":op[" not in selector:
+    if not isinstance(selector, str) or (":op[" not in selector and ":attn." not in selector):
         return None
     return OpPattern.parse(selector)
 
@@ -269,6 +313,11 @@ _OP_LEAF = re.compile(
     re.DOTALL,
 )
 _OP_LABEL = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*#\d+$")
+# An attention sub-site's selector text, and its leaf in a site ("attn.pattern", "attn.z#1").
+_ATTN_TEXT = re.compile(
+    r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>[0-9*?]+))?$", re.DOTALL
+)
+_ATTN_LEAF = re.compile(r"^attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
 _OP_LEAF_EXAMPLES = "e.g. 'op[softmax#0]', 'op[split#0][1]' or 'op[add#0]:input[1]'"
 
 
@@ -281,9 +330,27 @@ def op_leaf_label(op: str, what: str, path: str) -> str:
     """
     if not _OP_LABEL.match(op):
         raise SpecError(f"op {op!r} is not an op's name and index within its module call, such as 'softmax#0'")
+    if op.startswith("attn."):
+        if what != "output" or path or op.split("#")[0][5:] not in ATTN_KINDS:
+            raise SpecError(
+                f"attention sub-site {op!r} is one tensor, one of {_ATTN_LIST} with its kernel call's index"
+            )
+        return op_text(op)
     if what not in ("input", "output"):
         raise SpecError(f"an op's value is its 'input' or 'output', not {what!r}")
     return f"op[{op}]{':input' if what == 'input' else ''}{path}"
+
+
+def op_text(label: str) -> str:
+    """An op's output as written after ``module#call:``: ``op[softmax#0]``; an attention
+    sub-site without its index where it is 0: ``attn.pattern``, ``attn.z#1``.
+
+    >>> op_text("softmax#0"), op_text("attn.pattern#0"), op_text("attn.z#1")
+    ('op[softmax#0]', 'attn.pattern', 'attn.z#1')
+    """
+    if label.startswith("attn."):
+        return label[:-2] if label.endswith("#0") else label
+    return f"op[{label}]"
 
 
 def split_op_leaf(text: str, *, shown: str | None = None) -> tuple[str, int | None, str, str] | None:
@@ -295,6 +362,11 @@ def split_op_leaf(text: str, *, shown: str | None = None) -> tuple[str, int | No
     >>> split_op_leaf("op[split#0][1]"), split_op_leaf("op[add]:input[0]"), split_op_leaf("output[0]")
     (('split', 0, 'output', '[1]'), ('add', None, 'input', '[0]'), None)
     """
+    if text.startswith("attn."):
+        attn = _ATTN_LEAF.match(text)
+        if attn is None or attn["sub"] not in ATTN_KINDS:
+            raise SpecError(f"{shown or repr(text)} names no attention sub-site; expected {_ATTN_LIST} (then '#1' ...)")
+        return f"attn.{attn['sub']}", int(attn["index"] or 0), "output", ""
     if not text.startswith("op["):
         return None
     match = _OP_LEAF.match(text)

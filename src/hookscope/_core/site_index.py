@@ -14,6 +14,8 @@ one of them reads the name here, so that one spelling works everywhere:
                          when the grammar reads it no other way
 ``"h.0:op[softmax#0]"``  an op's output inside the module (``[1]``: a leaf; ``:input[0]``: an
                          input); ``"h.0:op[softmax]"`` when one index of that op is held
+``"h.0:attn.pattern"``   an attention sub-site of the module's first ``scaled_dot_product_attention``
+                         call (``"h.0:attn.z#1"``: of its second)
 a :class:`Site`          itself
 =======================  ================================================================
 
@@ -30,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
-from hookscope._core.op_sites import split_op_leaf
+from hookscope._core.op_sites import op_text, split_op_leaf
 from hookscope._core.sites import Site
 from hookscope.errors import SiteNotFoundError, SpecError
 
@@ -186,11 +188,11 @@ Site(module='h', call=0, what='output', path='[0]'))
         if not kept:
             ops = self._ops_of(module)
             if ops:
-                shown = ", ".join(repr(f"{escape_name(module)}:op[{op}]") for op in ops[:8])
+                shown = ", ".join(repr(f"{escape_name(module)}:{op_text(op)}") for op in ops[:8])
                 raise SiteNotFoundError(
                     f"{key!r}: only op sites of {module!r} were {self._verb}, not its own values; name one: {shown}",
                     key=key,
-                    candidates=tuple(f"{escape_name(module)}:op[{op}]" for op in ops),
+                    candidates=tuple(f"{escape_name(module)}:{op_text(op)}" for op in ops),
                 )
             if module in self._notes:
                 raise SiteNotFoundError(f"nothing was {self._verb} for {module!r}: {self._notes[module]}", key=key)
@@ -231,17 +233,17 @@ Site(module='h', call=0, what='output', path='[0]'))
             elif same:
                 raise SiteNotFoundError(
                     f"{key!r} names {len(same)} op calls of {module!r}; name one with its index: "
-                    + ", ".join(repr(f"{escape_name(module)}:op[{held}]") for held in same[:8]),
+                    + ", ".join(repr(f"{escape_name(module)}:{op_text(held)}") for held in same[:8]),
                     key=key,
-                    candidates=tuple(f"{escape_name(module)}:op[{held}]" for held in same),
+                    candidates=tuple(f"{escape_name(module)}:{op_text(held)}" for held in same),
                 )
         if label is None or label not in ops:
             close = difflib.get_close_matches(label or op, ops, n=3, cutoff=0.4) or ops[:8]
-            shown = " or ".join(repr(f"{escape_name(module)}:op[{held}]") for held in close)
+            shown = " or ".join(repr(f"{escape_name(module)}:{op_text(held)}") for held in close)
             raise SiteNotFoundError(
                 f"{key!r}: op {label or op!r} of {module!r} was not {self._verb}; did you mean {shown}?",
                 key=key,
-                candidates=tuple(f"{escape_name(module)}:op[{held}]" for held in close),
+                candidates=tuple(f"{escape_name(module)}:{op_text(held)}" for held in close),
             )
         by_call = self._index.get((module, what, label))
         if by_call is None:
@@ -251,7 +253,7 @@ Site(module='h', call=0, what='output', path='[0]'))
                 "(capture with keep='both' to keep an op's inputs too)",
                 key=key,
             )
-        value = f"op[{label}]" + (":input" if what == "input" else "")
+        value = op_text(label) + (":input" if what == "input" else "")
         return self._leaf(key, module, by_call, call, value, path, whole=whole)
 
     def _leaf(

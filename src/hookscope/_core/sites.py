@@ -14,7 +14,9 @@ relative to that value (``""``, ``"[0]"``, ``"['mask']"``), and
 A value of an op called inside the module (:mod:`~hookscope._core.op_sites`) is a site too,
 with ``op`` naming the op within the module call (``"softmax#0"``): its output is written
 ``h.0.attn#0:op[softmax#0]`` (a leaf: ``:op[split#0][1]``), its inputs
-``h.0.attn#0:op[add#0]:input[1]``.
+``h.0.attn#0:op[add#0]:input[1]``. An attention sub-site is one too, with ``op`` naming the
+sub-site and the module call's kernel call (``"attn.pattern#0"``), written without ``#0``:
+``h.0.attn#0:attn.pattern``, ``h.0.attn#0:attn.z#1``.
 """
 
 from __future__ import annotations
