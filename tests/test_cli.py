@@ -243,3 +243,17 @@ def test_layers_ops_refuses_what_contradicts(capsys: pytest.CaptureFixture[str],
     code, _, err = run_cli(capsys, "layers", "demo:cnn", *argv)
     assert code == 2
     assert message in err
+
+
+@pytest.mark.transformers
+def test_capture_takes_op_sites_and_attention_sub_sites(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    gpt2 = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=32"
+    out = tmp_path / "att.safetensors"
+    code, _, err = run_cli(capsys, "capture", gpt2, "-l", "h.*.attn:attn.pattern,h.0:op[add#0]", "-o", str(out))
+    assert code == 0, err
+    loaded = hs.load(out)
+    pattern = loaded["h.1.attn:attn.pattern"]
+    assert pattern.shape == (1, 2, 16, 16)
+    assert torch.allclose(pattern.sum(-1), torch.ones(1, 2, 16))  # probabilities over the keys
+    assert torch.equal(pattern.triu(1), torch.zeros_like(pattern))  # causal: no query sees a later key
+    assert loaded["h.0:op[add#0]"].shape == (1, 16, 32)
