@@ -63,26 +63,21 @@ class SdpaCall:
     @property
     def scores(self) -> Tensor:
         """Pre-softmax scores, masked as the kernel masks (``-inf`` where masked)."""
-        return attention_scores(
-            self.query,
-            self.key,
-            attn_mask=self.attn_mask,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
+        return attention_scores(self.query, self.key, **self._masking())
 
     @property
     def pattern(self) -> Tensor:
         """The attention probabilities (before dropout)."""
-        return attention_pattern(
-            self.query,
-            self.key,
-            attn_mask=self.attn_mask,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
+        return attention_pattern(self.query, self.key, **self._masking())
+
+    def _masking(self) -> dict[str, Any]:
+        """What decides which keys each query sees, and how scores are scaled."""
+        return {
+            "attn_mask": self.attn_mask,
+            "is_causal": self.is_causal,
+            "scale": self.scale,
+            "enable_gqa": self.enable_gqa,
+        }
 
 
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
