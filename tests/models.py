@@ -245,6 +245,24 @@ def tiny_gpt2() -> nn.Module:
     return track(GPT2Model(config).eval())
 
 
+def attention_gpt2(attn: str) -> nn.Module:
+    """A 2-layer GPT-2 (vocabulary 100) with ``attn_implementation`` ``"eager"`` or ``"sdpa"``: the
+    same random weights for both, so op sites of one can be checked against the other."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0, attn_implementation=attn
+    )
+    return track(GPT2Model(config).eval())
+
+
+def attention_tokens() -> torch.Tensor:
+    """Two rows of eight token ids for :func:`attention_gpt2`."""
+    return torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
 def tiny_resnet() -> nn.Module:
     """A 2-stage ResNet (basic blocks, whose forward does ``hidden_state += residual``), random weights."""
     from transformers import ResNetConfig, ResNetModel

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
 from hookscope._core.sites import Site
-from tests.models import Tracked, track
+from tests.models import Tracked, attention_gpt2, attention_tokens, track
 
 
 def stack_depth() -> int:
@@ -299,26 +299,12 @@ def test_a_compiled_model_refuses_op_sites_with_the_fix() -> None:
 # -- transformers ---------------------------------------------------------------------------------
 
 
-def gpt2(attn: str) -> nn.Module:
-    from transformers import GPT2Config, GPT2Model
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0, attn_implementation=attn
-    )
-    return track(GPT2Model(config).eval())
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.slow
 @pytest.mark.transformers
 def test_gpt2_eager_softmax_op_site_is_the_attention_pattern() -> None:
-    model = gpt2("eager")
+    model = attention_gpt2("eager")
     with torch.no_grad(), hs.capture(model, "h.*.attn:op[softmax#0]") as cap:
-        out = model(tokens(), output_attentions=True)
+        out = model(attention_tokens(), output_attentions=True)
     for layer in (0, 1):
         assert torch.equal(cap[f"h.{layer}.attn:op[softmax#0]"], out.attentions[layer])
     assert torch.equal(cap["h.0.attn#0:op[softmax#0]"], out.attentions[0])
@@ -330,9 +316,9 @@ def test_gpt2_eager_softmax_op_site_is_the_attention_pattern() -> None:
 @pytest.mark.slow
 @pytest.mark.transformers
 def test_gpt2_sdpa_kernel_output_equals_attention_by_hand_from_its_captured_inputs() -> None:
-    model = gpt2("sdpa")
+    model = attention_gpt2("sdpa")
     with torch.no_grad(), hs.capture(model, "h.0.attn:op[scaled_dot_product_attention]", keep="both") as cap:
-        model(tokens())
+        model(attention_tokens())
     q, k, v = (cap[f"h.0.attn:op[scaled_dot_product_attention#0]:input[{i}]"] for i in range(3))
     assert q.shape == (2, 2, 8, 16)
     causal = torch.ones(8, 8, dtype=torch.bool).tril()

@@ -22,7 +22,7 @@ import hookscope._capture.keeper as keeper
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.ops import OpWatcher, list_ops
 from tests.conftest import raw_hook_count
-from tests.models import Tracked, track
+from tests.models import Tracked, attention_gpt2, attention_tokens, track
 
 WAIT = 30.0
 
@@ -597,26 +597,12 @@ def test_torch_compile_is_refused_with_the_fix() -> None:
 # -- transformers ---------------------------------------------------------------------------------
 
 
-def gpt2(attn: str) -> nn.Module:
-    from transformers import GPT2Config, GPT2Model
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0, attn_implementation=attn
-    )
-    return track(GPT2Model(config).eval())
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.transformers
 def test_gpt2_eager_softmax_is_the_attention_pattern() -> None:
-    model = gpt2("eager")
+    model = attention_gpt2("eager")
     recorder = Recorder()
     with torch.no_grad(), OpWatcher(model, hs.select(model, "h.*.attn"), recorder):
-        out = model(tokens(), output_attentions=True)
+        out = model(attention_tokens(), output_attentions=True)
     for layer in (0, 1):
         pattern = recorder.outputs[(f"h.{layer}.attn", 0, "softmax", 0)]
         assert pattern.shape == (2, 2, 8, 8)
@@ -627,8 +613,8 @@ def test_gpt2_eager_softmax_is_the_attention_pattern() -> None:
 
 @pytest.mark.transformers
 def test_gpt2_sdpa_lists_the_kernel_and_it_equals_eager_attention() -> None:
-    eager, sdpa = gpt2("eager"), gpt2("sdpa")
-    ops = list_ops(sdpa, tokens(), layers="h.0.attn")
+    eager, sdpa = attention_gpt2("eager"), attention_gpt2("sdpa")
+    ops = list_ops(sdpa, attention_tokens(), layers="h.0.attn")
     names = [op.site.op_label for op in ops]
     assert "scaled_dot_product_attention#0" in names
     assert "softmax#0" not in names, "the kernel's inside is not reported"
@@ -642,9 +628,9 @@ def test_gpt2_sdpa_lists_the_kernel_and_it_equals_eager_attention() -> None:
     got, want = Recorder(), Recorder()
     with torch.no_grad():
         with OpWatcher(sdpa, hs.select(sdpa, "h.0.attn"), got):
-            sdpa(tokens())
+            sdpa(attention_tokens())
         with OpWatcher(eager, hs.select(eager, "h.0.attn"), want):
-            eager(tokens())
+            eager(attention_tokens())
     heads = got.outputs[("h.0.attn", 0, "scaled_dot_product_attention", 0)]
     torch.testing.assert_close(heads, want.outputs[("h.0.attn", 0, "matmul", 1)], rtol=0, atol=1e-6)
 

@@ -44,7 +44,7 @@ from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.ranks import Ranks, resolve_ranks
 from hookscope._extract.reduce import TokenMask
 from hookscope._extract.store import Store, open_store, stored_layout
-from hookscope._extract.verify import StreamCheck, check_input_rows, damaged_chunks, describe
+from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
 from hookscope._extract.writer import ChunkWriter, WriterThread
 from hookscope._extract.zarr_io import (
     FORMAT,
@@ -429,7 +429,7 @@ class _Job:
                     mask_required=self.mask_required,
                     reused=first,
                     on_batch=bar.advance,
-                    skipped=None if isinstance(source, IndexedSource) else StreamCheck(layout, manifest).see,
+                    skipped=None if isinstance(source, IndexedSource) else InputCheck(layout, manifest).see,
                 )
             except BaseException:
                 with contextlib.suppress(BaseException):  # the forward's error is the one to report

@@ -27,7 +27,7 @@ from hookscope.errors import DataError
 
 __all__ = [
     "Damage",
-    "StreamCheck",
+    "InputCheck",
     "check_input_rows",
     "damaged_chunks",
     "data_changed",
@@ -133,17 +133,14 @@ def data_changed(layout: Layout, chunk: int) -> DataError:
 def check_input_rows(layout: Layout, manifest: Manifest, batches: Iterable[Batch]) -> None:
     """Read ``batches`` (the rows of done chunks) and raise ``DataError`` at the first chunk whose
     input rows differ from those recorded."""
-    digests = InputDigests(layout)
+    check = InputCheck(layout, manifest)
     for batch in batches:
-        whole = digests.add(input_parts(batch, regions(layout, batch.start, batch.stop)))
-        for chunk, digest in whole.items():
-            recorded, _ = manifest.digests_of(chunk)
-            if recorded is not None and recorded != digest:
-                raise data_changed(layout, chunk)
+        check.see(batch)
 
 
-class StreamCheck:
-    """The same check for a stream, batch by batch, on the batches a resumed run skips."""
+class InputCheck:
+    """Compares each done chunk's input rows with the checksum recorded for it, batch by batch:
+    the batches of done chunks read again (indexed data), or those a resumed stream skips."""
 
     def __init__(self, layout: Layout, manifest: Manifest) -> None:
         self.layout = layout
@@ -151,6 +148,7 @@ class StreamCheck:
         self._digests = InputDigests(layout)
 
     def see(self, batch: Batch) -> None:
+        """Take ``batch``; ``DataError`` once a chunk it completes differs from the one recorded."""
         whole = self._digests.add(input_parts(batch, regions(self.layout, batch.start, batch.stop)))
         for chunk, digest in whole.items():
             recorded, _ = self.manifest.digests_of(chunk)
