@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -44,7 +45,16 @@ def _entry(rank: int, world: int, store: str, out: str, target: Callable[..., An
             dist.destroy_process_group()
     except BaseException as error:  # reported by the parent, with the rank's traceback
         result["error"] = "".join(traceback.format_exception(error))
-    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    with open(Path(out, f"rank{rank}.pkl"), "wb") as file:
+        file.write(pickle.dumps(result))
+        file.flush()
+        os.fsync(file.fileno())
+    # The result is on disk: leave without interpreter teardown. Static destructors of the
+    # collective backend's worker threads can abort ("terminate called without an active
+    # exception") while the interpreter finalises, which would fail a rank that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(target: Callable[..., Any], tmp_path: Path, *args: Any, world: int = 2) -> list[Any]:
