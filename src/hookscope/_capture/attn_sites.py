@@ -1,7 +1,7 @@
 """Attention sub-sites in a capture: the values one ``scaled_dot_product_attention`` call is asked for.
 
 A selector ``"h.0.attn:attn.pattern"`` watches the module's kernel calls through the op
-watcher (:mod:`~hookscope._capture.op_sites`); at each call this module turns the call's
+watcher (:mod:`~hookscope._core.op_selectors`); at each call this module turns the call's
 arguments and output into the values selected:
 
 - ``q``, ``k``, ``v``: the kernel's arguments as passed (``k`` and ``v`` with the key/value

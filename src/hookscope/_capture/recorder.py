@@ -30,11 +30,11 @@ from hookscope._capture.attn_sites import attention_values
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
-from hookscope._capture.op_sites import OpSelectors
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
+from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._core.select import (
     Selector,

@@ -1,9 +1,9 @@
-"""The op selectors of one capture: which op calls to keep, and the check that each one fired.
+"""The op selectors of one feature's run: which op calls it wants, and the check that each one fired.
 
 A capture given ``"h.0.attn:op[softmax#0]"`` keeps that op's output (and, with ``keep="both"``
 or ``"input"``, its tensor arguments) through an :class:`~hookscope._core.ops.OpWatcher` on the
-selector's modules; the values go through the capture's own keeper, so reductions, dtype,
-device, ``max_bytes``, ``calls`` and the copy-on-write guard apply as to module sites.
+selector's modules; an edit replaces it; a trace makes a row of it. Each feature hands its own
+``keep`` (and ``keep_attn``) to :meth:`OpSelectors.attach` and names its error type.
 
 An attention sub-site selector (``"h.0.attn:attn.pattern"``, :mod:`~hookscope._capture.attn_sites`)
 is an op selector of the module's ``scaled_dot_product_attention`` calls whose values are
@@ -27,7 +27,7 @@ from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import select
-from hookscope.errors import CaptureError, SpecError
+from hookscope.errors import CaptureError, HookscopeError, SpecError
 
 __all__ = ["AttnKeep", "OpKeep", "OpSelectors"]
 
@@ -46,10 +46,21 @@ class OpSelectors:
         model: the captured model.
         patterns: the op selectors, parsed (:func:`~hookscope._core.op_sites.op_pattern`); a
             module part that names no module is the usual ``SelectionError``, raised here.
+        owner: the ``hs.`` verb watching (named in errors and in ``hs.attached``).
+        error: the error type raised for a selector that never fired (the feature's own).
     """
 
-    def __init__(self, model: nn.Module, patterns: Sequence[OpPattern]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns: Sequence[OpPattern],
+        *,
+        owner: str = "capture",
+        error: type[HookscopeError] = CaptureError,
+    ) -> None:
         self.patterns = list(patterns)
+        self._owner = owner
+        self._error = error
         self._per_module: dict[str, list[tuple[int, OpPattern]]] = {}
         self._modules_of: dict[int, list[str]] = {}
         modules: dict[str, nn.Module] = {}
@@ -69,7 +80,7 @@ class OpSelectors:
     def attach(self, model: nn.Module, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> OpWatcher:
         """Watch the modules' ops, handing each selected op call that ``want`` accepts to ``keep``
         (and the kernel calls of attention sub-sites to ``keep_attn``)."""
-        self._watcher = OpWatcher(model, self.modules, self._listener(keep, want, keep_attn), owner="capture")
+        self._watcher = OpWatcher(model, self.modules, self._listener(keep, want, keep_attn), owner=self._owner)
         return self._watcher
 
     def _listener(self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> Any:
@@ -113,7 +124,13 @@ class OpSelectors:
                 continue
             for module in self._modules_of.get(number, []):
                 if any(pattern.matches_call(call) and want(call) for call in range(calls.get(module, 0))):
-                    raise CaptureError(self._unfired(pattern, module), site=str(pattern))
+                    raise self._unfired_error(pattern, module)
+
+    def _unfired_error(self, pattern: OpPattern, module: str) -> HookscopeError:
+        message = self._unfired(pattern, module)
+        if issubclass(self._error, CaptureError):
+            return self._error(message, site=str(pattern))
+        return self._error(message)
 
     def _unfired(self, pattern: OpPattern, module: str) -> str:
         seen = self._watcher.seen.get(module, {}) if self._watcher is not None else {}
