@@ -450,13 +450,15 @@ def test_an_exception_leaves_no_mode_and_no_hook(where: str) -> None:
     before = stack_depth()
     listener = Failing()
     model.where = where if where in ("op", "child") else ""
-    # KeyboardInterrupt skips PyTorch's always_call hooks: the next pass (or the removal) cleans up
+    # KeyboardInterrupt skips PyTorch's always_call hooks; the watcher's wrappers close in finally
     listener.error = {"listener": ValueError("listener failed"), "interrupt": KeyboardInterrupt()}.get(where)
     with OpWatcher(outer, [("0", model)], listener):
         with pytest.raises(type(listener.error) if listener.error is not None else RuntimeError):
             outer(x)
-        if where != "interrupt":
-            assert stack_depth() == before, "taken off by the closing hook"
+        assert stack_depth() == before, "taken off as the forward unwound, the watcher still attached"
+        listener.calls.clear()
+        _ = x * 3, torch.softmax(x, -1)  # the user's own code between passes: never the module's ops
+        assert listener.calls == []
         model.where, listener.error = "", None
         listener.calls.clear()
         out = outer(x)
@@ -479,6 +481,30 @@ def test_an_interrupted_forward_is_cleaned_up_when_the_watcher_is_removed() -> N
         model(torch.ones(1, 4))
     assert stack_depth() == before
     assert raw_hook_count(model) == 0
+
+
+def test_hooks_attached_after_the_watcher_are_not_the_module_s_code() -> None:
+    model = Net()
+    x = image()
+    with torch.no_grad():
+        plain = Recorder()
+        with OpWatcher(model, [("head", model.head)], plain):
+            model(x)
+        later = Recorder()
+        with OpWatcher(model, [("head", model.head)], later):
+            handles = [  # attached after the watcher: a pre-hook and a forward hook doing torch ops,
+                model.head.register_forward_pre_hook(lambda module, args: (args[0] * 1,)),
+                model.head.register_forward_hook(lambda module, args, output: torch.softmax(output, -1) + 0),
+                model.head.fc.register_forward_hook(lambda module, args, output: output.mul(1)),  # on a child too
+            ]
+            try:
+                model(x)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    assert later.ops("head") == plain.ops("head") == ["relu#0", "mul#0", "softmax#0"]
+    for key, value in plain.outputs.items():
+        assert torch.equal(later.outputs[key], value)
 
 
 def test_other_threads_forwards_pass_through_unreported() -> None:
@@ -575,23 +601,27 @@ def test_coexists_with_a_captures_copy_on_write_guard(monkeypatch: pytest.Monkey
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_torch_compile_is_refused_with_the_fix() -> None:
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_under_torch_compile_watched_modules_run_eagerly_and_report_their_ops() -> None:
     torch._dynamo.reset()
     model = Net()
+    x = image()
+    expected, eager = Recorder(), Recorder()
+    with OpWatcher(model, [("head", model.head)], eager):
+        plain = model(x)
     compiled = torch.compile(model, backend="eager")
     before = stack_depth()
-    with (
-        pytest.raises(hs.UnsupportedModelError, match=r"op sites need eager execution.*run the eager model"),
-        OpWatcher(compiled, hs.select(compiled, "head"), Recorder()),
-    ):
-        compiled(image())
-    assert stack_depth() == before
-    assert raw_hook_count(model) == 0
-    torch._dynamo.reset()  # drop what the refused call compiled, or attaching again warns of stale code
-    recorder = Recorder()
-    with OpWatcher(model, [("head", model.head)], recorder):
-        model(image())  # the eager model: the fix works
-    assert recorder.ops("head") == ["relu#0", "mul#0", "softmax#0"]
+    try:
+        with OpWatcher(compiled, hs.select(compiled, "head"), expected):
+            out = compiled(x)
+        assert stack_depth() == before
+        assert raw_hook_count(model) == 0
+        assert "forward" not in model.head.__dict__
+        assert "_call_impl" not in model.head.__dict__
+        assert expected.ops("head") == eager.ops("head") == ["relu#0", "mul#0", "softmax#0"]
+        assert torch.equal(out, plain)
+    finally:
+        torch._dynamo.reset()
 
 
 # -- transformers ---------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Attach hooks to modules and always take them off again.
 
-This is the only file that calls PyTorch's ``register_*hook`` methods. Everything that attaches
-(``hooks``, ``capture``, ``edit``, ...) builds a list of :class:`HookSpec` and hands it to
-:class:`HookGroup`, which follows the contract of PyTorch's ``RemovableHandle``:
+This is the only file that calls PyTorch's ``register_*hook`` methods, and the only one that
+wraps a module's call or forward (:class:`WrapSpec`: what a hook cannot do, run code exactly
+around the forward whatever other hooks are attached). Everything that attaches (``hooks``,
+``capture``, ``edit``, ...) builds a list of :class:`HookSpec` (and :class:`WrapSpec`) and hands
+it to :class:`HookGroup`, which follows the contract of PyTorch's ``RemovableHandle``:
 
 - attaching is transactional: all hooks of a group are attached, or none stay;
 - ``remove()`` is idempotent and removes only this group's own handles, so a user's hooks and
@@ -35,7 +37,7 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.compat.compiled import recompile_if_stale, sentinels
+from hookscope._core.compat.compiled import never_compiled, recompile_if_stale, sentinels
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
@@ -48,7 +50,10 @@ __all__ = [
     "HookKind",
     "HookSpec",
     "Scoped",
+    "WrapKind",
+    "WrapSpec",
     "attached",
+    "calls_through_call_impl",
     "check_kind",
     "live_groups",
     "refuse_uncalled",
@@ -56,6 +61,10 @@ __all__ = [
 
 HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
 HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
+#: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
+#: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone.
+WrapKind = Literal["call", "forward"]
+_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": "_call_impl", "forward": "forward"}
 
 # How PyTorch calls each kind of hook, for the arity check made once at attach time.
 _SIGNATURES: dict[tuple[str, bool], str] = {
@@ -126,11 +135,95 @@ class HookSpec:
 
 
 @dataclass(frozen=True)
+class WrapSpec:
+    """Run ``fn`` around one module's call or forward: ``fn(inner, args, kwargs)`` must return
+    ``inner(*args, **kwargs)`` (it may run code before and after, in ``try``/``finally``).
+
+    Why not hooks: hooks run in the order attached, so no hook can run *last before* the
+    forward once another pre-hook is attached after it, and ``always_call`` forward hooks are
+    skipped by a ``KeyboardInterrupt``. A wrapper of ``forward`` brackets the forward itself;
+    a wrapper of the call (the instance's ``_call_impl``, which ``nn.Module.__call__`` looks up)
+    brackets every hook of the module too.
+
+    Installed as an instance attribute and removed by :class:`HookGroup` like a hook; if other
+    code wrapped the same attribute after it (accelerate wraps ``forward``), removal leaves a
+    pass-through in place rather than undo the other wrapper. Under ``torch.compile`` a wrapped
+    module runs eagerly, everything it calls included (a graph break around it): what a wrapper
+    watches then runs as written.
+    """
+
+    name: str
+    module: nn.Module
+    around: WrapKind
+    fn: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+    def __post_init__(self) -> None:
+        if self.around not in _WRAPPED_ATTRIBUTE:
+            raise SpecError(f"wrap kind {self.around!r} is unknown; expected 'call' or 'forward'")
+        if self.around == "call" and nn.Module.__call__ is not getattr(nn.Module, "_wrapped_call_impl", None):
+            raise UnsupportedModelError(
+                f"this torch ({torch.__version__}) calls modules without looking up _call_impl on the instance, "
+                "which op sites need; use torch 2.1 or later"
+            )
+        if self.around == "call" and not calls_through_call_impl(self.module):
+            raise UnsupportedModelError(
+                f"module {module_label(self.name)!r} ({type(self.module).__name__}) overrides __call__, so its "
+                "forward may run without nn.Module's call: select a module that is called as nn.Module calls"
+            )
+
+
+def calls_through_call_impl(module: nn.Module) -> bool:
+    """Whether calling ``module`` goes through ``nn.Module.__call__`` (so a ``"call"`` wrap sees
+    the call): False for classes that override ``__call__`` (torch.compile's ``OptimizedModule``)."""
+    return type(module).__call__ is nn.Module.__call__
+
+
+class _Wrapper:
+    """The callable put in the module's ``__dict__``; a pass-through once :meth:`disable` ran."""
+
+    __slots__ = ("active", "fn", "inner")
+
+    def __init__(self, fn: Callable[..., Any], inner: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.inner = inner
+        self.active = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            return self.fn(self.inner, args, kwargs)
+        return self.inner(*args, **kwargs)
+
+
+class _WrapHandle:
+    """Removes one :class:`_Wrapper`: restores the attribute it replaced, or, if other code
+    wrapped it since, turns it into a pass-through."""
+
+    def __init__(self, module: nn.Module, attribute: str, fn: Callable[..., Any]) -> None:
+        self._module = weakref.ref(module)
+        self._attribute = attribute
+        self._had = attribute in module.__dict__
+        self._previous = module.__dict__.get(attribute)
+        self._wrapper = _Wrapper(fn, getattr(module, attribute))
+        self._installed = never_compiled(self._wrapper)
+        module.__dict__[attribute] = self._installed
+
+    def remove(self) -> None:
+        self._wrapper.active = False
+        module = self._module()
+        if module is None or module.__dict__.get(self._attribute) is not self._installed:
+            return  # gone, or wrapped again by other code: left as a pass-through
+        if self._had:
+            module.__dict__[self._attribute] = self._previous
+        else:
+            del module.__dict__[self._attribute]
+
+
+@dataclass(frozen=True)
 class AttachedHook:
     """One live hookscope hook, as listed by :func:`attached`."""
 
     module: str
-    kind: HookKind
+    kind: HookKind | Literal["call wrapper", "forward wrapper"]
     owner: str
     group: HookGroup
     purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"
@@ -140,9 +233,9 @@ class AttachedHook:
 class _Record:
     name: str
     module: weakref.ReferenceType[nn.Module]
-    kind: HookKind
+    kind: HookKind | Literal["call wrapper", "forward wrapper"]
     purpose: str
-    handle: RemovableHandle
+    handle: RemovableHandle | _WrapHandle
 
 
 class HookGroup:
@@ -170,6 +263,7 @@ class HookGroup:
         tracker: CallTracker | None = None,
         count: Sequence[tuple[str, nn.Module]] = (),
         restore_mode: bool = True,
+        wraps: Sequence[WrapSpec] = (),
     ) -> None:
         ensure_module(model)
         self.owner = owner
@@ -182,6 +276,12 @@ class HookGroup:
         self._live = True
         try:
             self._attach(model, specs, count)
+            for wrap in wraps:
+                handle = _WrapHandle(wrap.module, _WRAPPED_ATTRIBUTE[wrap.around], wrap.fn)
+                kind: Literal["call wrapper", "forward wrapper"] = (
+                    "call wrapper" if wrap.around == "call" else "forward wrapper"
+                )
+                self._records.append(_Record(wrap.name, weakref.ref(wrap.module), kind, "hook", handle))
         except BaseException:
             self._live = False
             self._detach_all()

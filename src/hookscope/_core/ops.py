@@ -8,21 +8,21 @@ and lists every op site, so users can find their names.
 
 How, and what it costs:
 
-- **Scoped.** Hooks attached through :class:`~hookscope._core.attach.HookGroup` push a
-  ``TorchFunctionMode`` while a selected module's forward runs and take it off when that forward
-  returns or raises (``always_call`` hooks). Other modules, models and threads run with no mode
-  at all: nothing is patched globally (torchlens wraps every torch function, 3-4x here).
+- **Scoped.** Each module inside the watch gets two wrappers (:class:`~hookscope._core.attach.WrapSpec`,
+  instance attributes taken off on removal): one around its whole call, hooks included, one
+  around its forward. The function mode is pushed exactly while a selected module's forward
+  runs its own code, and taken off in ``finally`` however it ends (an exception, Ctrl-C).
+  Other modules, models and threads run with no mode at all: nothing is patched globally
+  (torchlens wraps every torch function, 3-4x here).
 - **A module's own code.** With ``children=False`` (the default) every submodule of a selected
-  module (every descendant: a ModuleList's items are called by their grandparent) is hooked
+  module (every descendant: a ModuleList's items are called by their grandparent) is wrapped
   too, and the mode is off while it runs: the ops of ``h.0.attn`` are its own, not those of its
-  ``c_attn`` Linear. With ``children=True`` the submodules' ops are reported as the selected
-  module's. Nested selected modules: an op belongs to the innermost one running.
-- **Other code's hooks are not the module's code.** Each module inside the watch gets a
-  pre-hook run first and a forward hook run last (``prepend``); the mode is off between them
-  except during the forward itself, so the ops of hooks attached before the watcher (a
-  capture's ``detach``, a user's ``output * 2``) are neither reported nor counted, and the k-th
-  ``mul`` does not depend on which other hooks are attached. Hooks attached *after* the watcher
-  to the same module may run inside (a later pre-hook runs after the watcher's last one).
+  ``c_attn`` Linear. With ``children=True`` the submodules' forwards are reported as the
+  selected module's. Nested selected modules: an op belongs to the innermost one running.
+- **Other code's hooks are not the module's code.** The call wrapper runs outside every hook of
+  the module, the forward wrapper inside them all, whenever they were attached: the ops of any
+  hook (a capture's ``detach``, a user's ``output * 2``, an ``hs.edit`` attached later) are
+  neither reported nor counted, so the k-th ``mul`` does not depend on which hooks are attached.
 - **Torch functions as the code calls them.** A function mode sees each overridable torch
   function once, as called: ``F.softmax``, ``x.view(...)``, ``a + b``, ``torch.zeros(...)``. The
   mode runs the real function with itself off (torch takes a mode off the stack while its
@@ -40,12 +40,16 @@ How, and what it costs:
   :class:`~hookscope._core.sites.CallTracker`: only the thread that attached it is watched
   (autograd's own thread recomputing a checkpointed block counts as it); a forward on another
   thread passes through, unreported and with no mode pushed there.
-- **torch.compile** is refused at the first selected module call: compiled code does not call
-  torch functions one by one through a mode that a hook pushes, so ops would be lost silently.
-- **Cost.** Outside the selected modules one check per hook of a hooked module; inside, a
-  Python call per torch function (the mode) plus the listener's own work per op that
-  returned a tensor; selected modules carry four hooks besides the two call counters,
-  submodules two (``children=False``) or four.
+- **torch.compile**: the wrappers are never compiled (``torch.compiler.disable``), so a watched
+  module runs eagerly inside a compiled model, a graph break around it, and its ops are the
+  eager model's. A module whose own forward is compiled code (the ``OptimizedModule`` wrapper)
+  calls no op one by one and reports none (a selector on it then never fires, an error).
+- **nn.DataParallel** over several devices is refused: replicas copy the modules' attributes,
+  wrappers included, which would run the original modules.
+- **Cost.** Outside the selected modules one check per wrapped call; inside, a Python call per
+  torch function (the mode) plus the listener's own work per op that returned a tensor;
+  selected modules carry two wrappers and the two call counters, submodules one wrapper
+  (``children=False``) or two.
 """
 
 from __future__ import annotations
@@ -58,11 +62,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
-from hookscope._core.compat.compiled import EAGER, is_compiling
+from hookscope._core.attach import HookGroup, Scoped, WrapSpec, calls_through_call_impl, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.function_modes import put_on, take_off
-from hookscope._core.names import module_label, named_modules
+from hookscope._core.names import named_modules
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
@@ -90,25 +93,32 @@ class OpListener(Protocol):
 
 
 class _Frame:
-    """A selected module's call running its own code: its name, call index and op counts so far."""
+    """A selected module's forward running its own code: its name, call index and op counts so far."""
 
     __slots__ = ("call", "counts", "key", "module")
 
     def __init__(self, module: str, call: int, key: int) -> None:
         self.module = module
         self.call = call
-        self.key = key  # id() of the module object, to match its close
+        self.key = key  # id() of the module object
         self.counts: dict[str, int] = {}
 
 
 class _Off:
-    """Nothing is reported while this is the innermost entry: a submodule the selected module's
-    code called (``children=False``), or other code's hooks of a module inside the watch."""
+    """Nothing is reported while this is the innermost entry: the call of a module inside the
+    watch (its hooks, anyone's), and a submodule's forward with ``children=False``."""
 
-    __slots__ = ("key",)
+    __slots__ = ()
 
-    def __init__(self, key: int) -> None:
-        self.key = key
+
+class _Inherit:
+    """A submodule's forward with ``children=True``: its ops are the innermost selected call's."""
+
+    __slots__ = ()
+
+
+_OFF = _Off()
+_INHERIT = _Inherit()
 
 
 # Results that never hold a tensor, answered without a look inside (x.shape, x.size(), x.dim(), ...).
@@ -164,13 +174,16 @@ class _OpMode(TorchFunctionMode):
         return output if replacement is None else replacement
 
 
-def _refuse_compiled(name: str) -> None:
-    raise UnsupportedModelError(
-        f"op sites need eager execution, and {module_label(name)!r} is running under torch.compile, whose "
-        "generated code does not call torch functions one by one where a function mode could see them: its ops "
-        "would be lost; run the eager model (the module before torch.compile), or hook module boundaries "
-        "(inputs and outputs) instead of op sites"
-    )
+def _refuse_replicas(model: nn.Module) -> None:
+    """Refuse ``nn.DataParallel`` over several devices: its replicas copy the modules' ``__dict__``,
+    wrappers included, whose calls would then run the original module."""
+    for module in model.modules():
+        if isinstance(module, nn.DataParallel) and len(module.device_ids) > 1:
+            raise UnsupportedModelError(
+                "op sites cannot watch a model run by nn.DataParallel over several devices (its replicas copy "
+                "the modules without the watch); run the module inside it on one device, or use "
+                "DistributedDataParallel, where each process runs its own model"
+            )
 
 
 class OpWatcher(Scoped):
@@ -214,20 +227,34 @@ class OpWatcher(Scoped):
         restore_mode: bool = False,
     ) -> None:
         ensure_module(model)
+        _refuse_replicas(model)
         self.children = children
         #: ``{module name: {op name: most calls in one module call}}``, in the order first seen.
         self.seen: dict[str, dict[str, int]] = {}
         self._mode = _OpMode(listener)
-        self._stack: list[_Frame | _Off] = []  # innermost last: selected calls, and calls reported by none
+        self._stack: list[_Frame | _Off | _Inherit] = []  # innermost last
         self._on = False  # whether the mode is on the stack of the thread running the watched pass
         self._tracker = CallTracker(listener=self, feature=owner)
         chosen = {id(module): (name, module) for name, module in modules}
-        specs: list[HookSpec] = []
+        wraps: list[WrapSpec] = []
         for name, module in chosen.values():
-            specs.extend(self._hook_specs(name, module, selected=name))
+            if calls_through_call_impl(module):
+                wraps.append(WrapSpec(name, module, "call", self._quiet()))
+            wraps.append(WrapSpec(name, module, "forward", self._loud(name, module)))
         for name, module in self._submodules(model, chosen):
-            specs.extend(self._hook_specs(name, module, selected=None))
-        self._group = HookGroup(model, specs, owner=owner, tracker=self._tracker, restore_mode=restore_mode)
+            if calls_through_call_impl(module):
+                wraps.append(WrapSpec(name, module, "call", self._quiet()))
+            if children:
+                wraps.append(WrapSpec(name, module, "forward", self._inherit()))
+        self._group = HookGroup(
+            model,
+            [],
+            owner=owner,
+            tracker=self._tracker,
+            count=list(chosen.values()),
+            restore_mode=restore_mode,
+            wraps=wraps,
+        )
         remove_through(self._group, self.remove)
 
     def _submodules(self, model: nn.Module, chosen: dict[int, tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -241,101 +268,73 @@ class OpWatcher(Scoped):
                     inside.setdefault(id(sub), (names.get(id(sub), type(sub).__name__), sub))
         return list(inside.values())
 
-    def _hook_specs(self, name: str, module: nn.Module, *, selected: str | None) -> list[HookSpec]:
-        """The hooks of one module inside the watch, run first and last around its other hooks.
+    # -- the wrappers: each pushes an entry, runs, and pops it in ``finally`` ----------------------
 
-        A selected module: off before its other pre-hooks, on for its forward, off for its
-        other forward hooks. A submodule: off for its hooks and forward (``children=False``),
-        or for its hooks only (``children=True``).
-        """
-        if selected is None and not self.children:
-            return [
-                HookSpec(name, module, "forward_pre", self._quiet(), prepend=True, fitted=True),
-                HookSpec(name, module, "forward", self._unquiet(), always_call=True, fitted=True),
-            ]
-        loud = self._loud(selected)
-        return [
-            HookSpec(name, module, "forward_pre", self._quiet(), prepend=True, fitted=True),
-            HookSpec(name, module, "forward_pre", loud, fitted=True),
-            HookSpec(name, module, "forward", self._hush(), prepend=True, always_call=True, fitted=True),
-            HookSpec(name, module, "forward", self._unquiet(), always_call=True, fitted=True),
-        ]
-
-    # -- the hooks: each changes the stack, then _settle() makes the mode follow its top -----------
-
-    def _quiet(self) -> Callable[[nn.Module, Any], None]:
-        """Run first: nothing is reported from here on, until :meth:`_unquiet` or :meth:`_loud`."""
-        stack, tracker = self._stack, self._tracker
-
-        def quiet(module: nn.Module, args: Any) -> None:
-            if not stack or (tracker.shared and tracker.foreign()):
-                return  # nothing watched is running (the cost outside: one check), or another thread
-            stack.append(_Off(id(module)))
+    def _run(self, entry: _Frame | _Off | _Inherit, inner: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run ``inner`` with ``entry`` innermost, and put the stack back however it ends
+        (an exception, a ``KeyboardInterrupt``): the mode follows the top of the stack."""
+        stack = self._stack
+        depth = len(stack)
+        stack.append(entry)
+        self._settle()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            del stack[depth:]
+            if type(entry) is _Frame:
+                self._note_seen(entry)
             self._settle()
+
+    def _quiet(self) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
+        """Around a watched module's whole call: its hooks, anyone's, in any order, run unreported."""
+        stack, tracker, run = self._stack, self._tracker, self._run
+
+        def quiet(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not stack or (tracker.shared and tracker.foreign()):
+                return inner(*args, **kwargs)  # nothing watched is running (the cost outside), or another thread
+            return run(_OFF, inner, args, kwargs)
 
         return quiet
 
-    def _loud(self, selected: str | None) -> Callable[[nn.Module, Any], None]:
-        """Run last before the forward: report its ops, as a selected module's own or (a
-        submodule with ``children=True``) as the innermost selected module's."""
-        stack, tracker, current = self._stack, self._tracker, self._tracker.current
+    def _loud(
+        self, selected: str, module: nn.Module
+    ) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
+        """Around a selected module's forward: its own code's ops are reported as its call's."""
+        tracker, current, run, key = self._tracker, self._tracker.current, self._run, id(module)
 
-        def loud(module: nn.Module, args: Any) -> None:
+        def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if tracker.shared and tracker.foreign():
-                return
-            if stack and type(stack[-1]) is _Off and stack[-1].key == id(module):
-                stack.pop()
-            if selected is not None:
-                if is_compiling():
-                    EAGER(_refuse_compiled)(selected)
-                stack.append(_Frame(selected, current(module), id(module)))
-            if stack:
-                self._settle()
+                return inner(*args, **kwargs)
+            return run(_Frame(selected, current(module), key), inner, args, kwargs)
 
         return loud
 
-    def _hush(self) -> Callable[[nn.Module, Any, Any], None]:
-        """Run first after the forward (also when it raised): its selected call ends; the
-        module's other forward hooks run unreported."""
-        stack, tracker, seen = self._stack, self._tracker, self.seen
+    def _inherit(self) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
+        """Around a submodule's forward (``children=True``): its ops are the innermost selected call's."""
+        stack, tracker, run = self._stack, self._tracker, self._run
 
-        def hush(module: nn.Module, args: Any, output: Any) -> None:
+        def inherit(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not stack or (tracker.shared and tracker.foreign()):
-                return
-            top = stack[-1]
-            if type(top) is _Frame and top.key == id(module):
-                stack.pop()
-                record = seen.setdefault(top.module, {})
-                for op, calls in top.counts.items():
-                    if calls > record.get(op, 0):
-                        record[op] = calls
-            elif type(top) is _Off and top.key == id(module):
-                return  # a pre-hook raised before the forward began: still quiet
-            if stack:
-                stack.append(_Off(id(module)))
-            self._settle()
+                return inner(*args, **kwargs)
+            return run(_INHERIT, inner, args, kwargs)
 
-        return hush
+        return inherit
 
-    def _unquiet(self) -> Callable[[nn.Module, Any, Any], None]:
-        """Run last after the forward (also when it raised): back to the caller's state."""
-        stack, tracker = self._stack, self._tracker
-
-        def unquiet(module: nn.Module, args: Any, output: Any) -> None:
-            if not stack or (tracker.shared and tracker.foreign()):
-                return
-            top = stack[-1]
-            if type(top) is _Off and top.key == id(module):
-                stack.pop()
-                self._settle()
-
-        return unquiet
+    def _note_seen(self, frame: _Frame) -> None:
+        record = self.seen.setdefault(frame.module, {})
+        for op, calls in frame.counts.items():
+            if calls > record.get(op, 0):
+                record[op] = calls
 
     # -- the mode -------------------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """Mode on, reporting to the innermost selected call, exactly while one runs its own code."""
-        top = self._stack[-1] if self._stack else None
+        """Mode on, reporting to the innermost selected call, exactly while one runs its own code
+        (or, with ``children=True``, a submodule it called)."""
+        stack = self._stack
+        top = stack[-1] if stack else None
+        if type(top) is _Inherit:
+            top = next((entry for entry in reversed(stack) if type(entry) is _Frame), None)
         if type(top) is _Frame:
             self._mode.frame = top
             if not self._on:
@@ -354,28 +353,24 @@ class OpWatcher(Scoped):
         take_off(self._mode)  # wherever it stands: a capture's guard may have been pushed above it
 
     def _reset(self) -> None:
-        """Forget calls left open (a ``KeyboardInterrupt`` skips ``always_call`` hooks) and take
-        the mode off this thread's stack if it is there."""
+        """Forget every open call and take the mode off this thread's stack if it is there
+        (removal from inside a forward: the wrappers' ``finally`` then finds nothing to pop)."""
         self._stack.clear()
         self._mode.frame = None
         if self._on:
             self._turn_off()
 
     # -- passes (told by the call tracker) and removal --------------------------------------------
+    # The wrappers close every call they open, however the forward ends: a pass has nothing to reset.
 
     def pass_started(self, module: nn.Module) -> None:
-        """A pass opens: nothing is running yet, whatever a cut-short pass left."""
-        if self._stack or self._on:
-            self._reset()
+        """A pass opens (nothing to do: see above)."""
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """The pass closed: every selected call has closed with it."""
-        if self._stack or self._on:
-            self._reset()
+        """The pass closed (nothing to do: every wrapper has closed its call)."""
 
     def pass_abandoned(self) -> None:
-        """The previous pass was cut short: its calls will never close."""
-        self._reset()
+        """The previous pass was cut short (nothing to do: its wrappers closed their calls)."""
 
     @property
     def replaying(self) -> bool:

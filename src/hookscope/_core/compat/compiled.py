@@ -33,7 +33,7 @@ from torch import nn
 from hookscope._core.names import module_label, named_modules
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
-__all__ = ["EAGER", "compile_wrappers", "is_compiling", "recompile_if_stale", "sentinels"]
+__all__ = ["EAGER", "compile_wrappers", "is_compiling", "never_compiled", "recompile_if_stale", "sentinels"]
 
 _COMPILER = getattr(torch, "compiler", None)
 _DISABLE: Callable[..., Any] | None = getattr(_COMPILER, "disable", None)
@@ -61,6 +61,14 @@ def EAGER(function: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802 (re
         assert _DISABLE is not None, "is_compiling() is False where torch.compiler.disable is missing"
         escape = _ESCAPES[function] = _DISABLE(function)
     return escape
+
+
+def never_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` as Dynamo must leave it: called from compiled code, it and everything it calls
+    run eagerly (``torch.compiler.disable``: a graph break around it). For wrappers whose work is
+    to see a module's torch calls one by one, which compiled code would never make. Unchanged
+    in a torch without ``torch.compiler.disable``."""
+    return _DISABLE(function) if _DISABLE is not None else function
 
 
 def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
