@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 import hookscope as hs
 from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._core.sites import Site
-from tests.models import Tracked, track
+from tests.models import Tracked, attention_gpt2, attention_tokens, track
 from tests.test_attention_math import MODELS, twins
 
 
@@ -307,3 +307,47 @@ def test_an_eager_gpt2_refuses_sub_sites_naming_its_softmax_and_the_fix() -> Non
         eager(ids)
     assert stack_depth() == 0
     assert hs.attached(eager) == []
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_vit_pattern_under_sdpa_equals_the_eager_twin_s_attention_weights() -> None:
+    eager, sdpa = twins(
+        "ViTConfig",
+        "ViTModel",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+    )
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = eager(pixel_values=pixels, output_attentions=True).attentions
+        _, cache = hs.run_with_capture(sdpa, pixel_values=pixels, layers="*.attention:attn.pattern")
+    layers = sorted({site.module for site in cache.sites()})
+    assert len(layers) == len(expected) == 2
+    for layer, weights in zip(layers, expected, strict=True):
+        pattern = cache[f"{layer}:attn.pattern"]
+        assert pattern.shape == weights.shape == (2, 2, 17, 17)  # 16 patches and the class token
+        torch.testing.assert_close(pattern, weights, rtol=0, atol=1e-6)
+    assert stack_depth() == 0
+
+
+@pytest.mark.transformers
+def test_under_inference_mode_sub_sites_and_op_sites_equal_no_grad_s() -> None:
+    model = attention_gpt2("sdpa")
+    ids = attention_tokens()
+    selectors = ["h.*.attn:attn.pattern", "h.0:op[add#0]"]
+    with torch.no_grad():
+        _, expected = hs.run_with_capture(model, ids, layers=selectors)
+    with torch.inference_mode():
+        _, cache = hs.run_with_capture(model, ids, layers=selectors)
+    assert sorted(cache) == sorted(expected)
+    assert len(cache) == 3
+    for site in expected:
+        assert torch.equal(cache[site], expected[site])
+        assert cache[site].is_inference()
+    assert stack_depth() == 0
+    assert hs.attached(model) == []
