@@ -678,7 +678,7 @@ def test_list_ops_lists_every_module_s_own_ops_in_order() -> None:
         "block.shortcut:op[conv2d#0]",
         "block:op[add_#0]",
         "block:op[add#0]",
-        ":op[mean#0]",
+        "(root):op[mean#0]",
         "head.fc:op[linear#0]",
         "head:op[relu#0]",
         "head.fc#1:op[linear#0]",

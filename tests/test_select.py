@@ -282,3 +282,18 @@ def test_result_is_subset_of_named_modules_in_model_order(selector: hs.Selector)
         assert MODEL.get_submodule(name) is module
     predicate = compile_selector(selector)
     assert [n for n, m in NAMED if predicate(n, m)] == [n for n, _ in result]
+
+
+def test_the_root_is_selected_by_its_printed_name_too() -> None:
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + x
+
+    model = Skip()
+    assert hs.select(model, "(root)") == hs.select(model, "") == [("", model)]
+    listed = str(hs.layers(model, torch.ones(1, 2), ops="(root)")).splitlines()
+    assert [line.split()[0] for line in listed if ":op[" in line] == ["(root):op[add#0]"]

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hookscope._core.names import escape_name, unescape_name
+from hookscope._core.names import ROOT_LABEL, escape_name, unescape_name
 from hookscope.errors import SpecError
 
 __all__ = [
@@ -193,13 +193,14 @@ class OpSite:
             raise SpecError(f"op name {self.op!r} is not an op's name; expected one such as 'softmax', 'add_' or 'T'")
 
     def __str__(self) -> str:
-        return f"{escape_name(self.module)}#{self.call}:op[{self.op}#{self.index}]"
+        return f"{escape_name(self.module) or ROOT_LABEL}#{self.call}:op[{self.op}#{self.index}]"
 
     @property
     def short(self) -> str:
-        """The text without the module's call where it is the first: ``h.0.attn:op[softmax#0]``."""
+        """The text without the module's call where it is the first: ``h.0.attn:op[softmax#0]``
+        (the root reads ``(root)``, as module sites print it)."""
         call = f"#{self.call}" if self.call else ""
-        return f"{escape_name(self.module)}{call}:op[{self.op}#{self.index}]"
+        return f"{escape_name(self.module) or ROOT_LABEL}{call}:op[{self.op}#{self.index}]"
 
     @property
     def op_label(self) -> str:
@@ -219,7 +220,8 @@ class OpSite:
                 f"op site {text!r} names a pattern, not one op call; an op site gives the op's name and index, "
                 f"e.g. {match['module']}:op[{match['op'] or 'softmax'}#0]"
             )
-        return cls(unescape_name(match["module"]), int(match["call"] or 0), match["op"], int(index))
+        module = "" if match["module"] == ROOT_LABEL else unescape_name(match["module"])
+        return cls(module, int(match["call"] or 0), match["op"], int(index))
 
 
 @dataclass(frozen=True)

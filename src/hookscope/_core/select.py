@@ -8,7 +8,8 @@ always a subset of the model's modules, in model order.
 Selector forms:
 
 ==========================  ==============================================================
-``"layer1.conv2"``          an exact dotted name from ``named_modules()``; ``""`` is the root
+``"layer1.conv2"``          an exact dotted name from ``named_modules()``; ``""`` (or
+                            ``"(root)"``, as sites and tables print it) is the root
 ``"layer*.conv?"``          a glob (the string holds ``*``, ``?`` or ``[``); ``*`` also
                             crosses dots, so ``"*conv*"`` finds convolutions at any depth
 ``"re:h\\.[0-9]+\\.mlp"``    a regular expression, matched against the whole name
@@ -35,7 +36,7 @@ from typing import TypeAlias, cast
 import torch
 from torch import nn
 
-from hookscope._core.names import raw_and_named_modules, short_spelling, split_leaf_selector
+from hookscope._core.names import ROOT_LABEL, raw_and_named_modules, short_spelling, split_leaf_selector
 from hookscope.errors import SelectionError, SpecError, UnsupportedModelError
 
 __all__ = [
@@ -272,6 +273,8 @@ def _compile_string(text: str) -> Predicate:
     if _GLOB_CHARS.intersection(text):
         glob = re.compile(fnmatch.translate(text))
         return lambda name, _module: bool(name) and glob.match(name) is not None
+    if text == ROOT_LABEL:  # the root as sites and tables print it
+        return lambda name, _module: name in ("", ROOT_LABEL)
     return lambda name, _module: name == text
 
 
