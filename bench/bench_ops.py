@@ -11,6 +11,8 @@ built twice from one set of weights: with ``attn_implementation="sdpa"`` (transf
 - ``patterns``: every block's attention module watched, each ``scaled_dot_product_attention`` call's pattern
   recomputed from its arguments (``hookscope._core.attention``) and kept: what an ``:attn.pattern`` capture of
   every layer costs;
+- ``capture patterns``: ``hs.capture(model, "h.*.attn:attn.pattern")``, the public way to the same values
+  (the capture's keeper, call counting and checks included);
 - ``eager + weights``: the eager model's forward with ``output_attentions=True``: what people do today to get
   the patterns.
 
@@ -40,13 +42,21 @@ from torch import nn
 from transformers import GPT2Config, GPT2Model
 
 import common
+import hookscope as hs
 from hookscope._core.attention import sdpa_call
 from hookscope._core.ops import OpWatcher
 
 TARGET = 1.02
 N_LAYER, QUICK_N_LAYER = 12, 2
 DEFAULT_ROUNDS, MIN_ROUNDS, QUICK_ROUNDS = 10, 5, 3
-PLAIN, IDLE, WATCH, PATTERNS, EAGER = "plain", "idle", "watch attn", "patterns", "eager + weights"
+PLAIN, IDLE, WATCH, PATTERNS, CAPTURE, EAGER = (
+    "plain",
+    "idle",
+    "watch attn",
+    "patterns",
+    "capture patterns",
+    "eager + weights",
+)
 
 
 @dataclass
@@ -96,6 +106,10 @@ def runs(sdpa: nn.Module, eager: nn.Module) -> dict[str, common.Run]:
         with OpWatcher(sdpa, [("unused", sdpa.unused)], ignore):
             return common.timed_call(lambda: sdpa(x))
 
+    def capture_run(model: nn.Module, x: Any) -> common.Timed:
+        with hs.capture(sdpa, "h.*.attn:attn.pattern") as cap:
+            return common.timed_call(lambda: (sdpa(x), cap))
+
     def eager_run(model: nn.Module, x: Any) -> common.Timed:
         return common.timed_call(lambda: eager(x, output_attentions=True))
 
@@ -104,6 +118,7 @@ def runs(sdpa: nn.Module, eager: nn.Module) -> dict[str, common.Run]:
         IDLE: idle_run,
         WATCH: watched(ignore),
         PATTERNS: lambda model, x: watched(Patterns())(model, x),
+        CAPTURE: capture_run,
         EAGER: eager_run,
     }
 
