@@ -732,3 +732,25 @@ def test_features_without_op_sites_say_so_for_an_op_selector() -> None:
         hs.trace(model, torch.ones(1, 2), layers="1:op[softmax#0]")
     with pytest.raises(hs.SelectionError, match=said):
         hs.edit(model, {"1:op[softmax#0]": hs.edits.zero()})
+
+
+def test_a_watched_model_is_not_copied_silently_and_copies_freely_after() -> None:
+    import copy
+    import pickle
+
+    model = Net()
+    with OpWatcher(model, [("head", model.head)], Recorder()):
+        with pytest.raises(hs.HookscopeError, match=r"being copied while hookscope.ops is attached.*copy the model"):
+            copy.deepcopy(model)
+        with pytest.raises((hs.HookscopeError, AttributeError, TypeError)):
+            pickle.dumps(model)  # hooks' closures never pickle; a wrapper met first says why
+    with (
+        hs.capture(model, "head"),
+        pytest.raises(hs.HookscopeError, match=r"being copied while hookscope.capture is attached"),
+    ):
+        copy.deepcopy(model)  # module hooks alone: the copy would report into the capture
+    twin = copy.deepcopy(model)
+    assert "forward" not in twin.head.__dict__
+    with torch.no_grad():
+        twin.head.fc.weight.zero_()  # the copy computes with its own weights, not the original's
+        assert not torch.equal(twin(image()), model(image()))

@@ -41,7 +41,7 @@ from hookscope._core.compat.compiled import never_compiled, recompile_if_stale, 
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
-from hookscope.errors import SpecError, UnsupportedModelError
+from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 
 __all__ = [
     "HOOK_KINDS",
@@ -179,38 +179,53 @@ def calls_through_call_impl(module: nn.Module) -> bool:
 
 
 class _Wrapper:
-    """The callable put in the module's ``__dict__``; a pass-through once :meth:`disable` ran."""
+    """The callable put in the module's ``__dict__``; a pass-through once :meth:`disable` ran.
 
-    __slots__ = ("active", "fn", "inner")
+    Never compiled (a graph break around it under ``torch.compile``), and never copied: a
+    ``copy.deepcopy`` of a wrapped module would keep a wrapper calling the *original* module,
+    silently, so copying one is refused with the fix (as the hooks' anchors refuse it).
+    """
 
-    def __init__(self, fn: Callable[..., Any], inner: Callable[..., Any]) -> None:
+    __slots__ = ("active", "fn", "inner", "owner")
+
+    def __init__(self, fn: Callable[..., Any], inner: Callable[..., Any], owner: str) -> None:
         self.fn = fn
         self.inner = inner
+        self.owner = owner
         self.active = True
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         if self.active:
             return self.fn(self.inner, args, kwargs)
         return self.inner(*args, **kwargs)
+
+    __call__ = never_compiled(_call)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if not self.active:
+            return self  # a pass-through left behind: it calls what it wrapped, as before
+        raise _copied(self.owner, "copied", "copy")
+
+    def __reduce__(self) -> Any:
+        raise _copied(self.owner, "pickled", "save")
 
 
 class _WrapHandle:
     """Removes one :class:`_Wrapper`: restores the attribute it replaced, or, if other code
     wrapped it since, turns it into a pass-through."""
 
-    def __init__(self, module: nn.Module, attribute: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, module: nn.Module, owner: str, attribute: str, fn: Callable[..., Any]) -> None:
         self._module = weakref.ref(module)
         self._attribute = attribute
         self._had = attribute in module.__dict__
         self._previous = module.__dict__.get(attribute)
-        self._wrapper = _Wrapper(fn, getattr(module, attribute))
-        self._installed = never_compiled(self._wrapper)
-        module.__dict__[attribute] = self._installed
+        self._wrapper = _Wrapper(fn, getattr(module, attribute), owner)
+        module.__dict__[attribute] = self._wrapper
 
     def remove(self) -> None:
         self._wrapper.active = False
         module = self._module()
-        if module is None or module.__dict__.get(self._attribute) is not self._installed:
+        if module is None or module.__dict__.get(self._attribute) is not self._wrapper:
             return  # gone, or wrapped again by other code: left as a pass-through
         if self._had:
             module.__dict__[self._attribute] = self._previous
@@ -277,7 +292,7 @@ class HookGroup:
         try:
             self._attach(model, specs, count)
             for wrap in wraps:
-                handle = _WrapHandle(wrap.module, _WRAPPED_ATTRIBUTE[wrap.around], wrap.fn)
+                handle = _WrapHandle(wrap.module, self.owner, _WRAPPED_ATTRIBUTE[wrap.around], wrap.fn)
                 kind: Literal["call wrapper", "forward wrapper"] = (
                     "call wrapper" if wrap.around == "call" else "forward wrapper"
                 )
@@ -530,6 +545,22 @@ class _Anchor:
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
         return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise _copied(self.group.owner, "copied", "copy")
+
+    def __reduce__(self) -> Any:
+        raise _copied(self.group.owner, "pickled", "save")
+
+
+def _copied(owner: str, how: str, fix: str) -> HookscopeError:
+    """The refusal to copy or pickle a module while hookscope is attached to it: the copy would
+    carry the hooks (or op-site wrappers) and report into, or run, the original."""
+    return HookscopeError(
+        f"a module is being {how} while hookscope.{owner} is attached to it: the copy would carry its hooks "
+        f"and report into (or run) the original; {fix} the model before "
+        "attaching, or after removal (leave the with-block, or call .remove())"
+    )
 
 
 def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
