@@ -280,12 +280,21 @@ def test_cli_trace_ops_rows_in_table_and_csv(capsys: pytest.CaptureFixture[str],
     assert "(root):op[flatten#0]" in out
     rows = list(csv.DictReader(out_csv.read_text().splitlines()))
     assert [(row["name"], row["op"]) for row in rows if row["op"]] == [("", "flatten#0")]
-    code, out, err = run_cli(capsys, "trace", "demo:cnn", "--ops", "conv1:op[mul]")
-    assert code == 2
-    assert "'conv1:op[mul]' matched no op call of 'conv1', which ran and called: conv2d" in err
-    code, _, err = run_cli(capsys, "trace", "demo:cnn", "--ops", "conv1")
-    assert code == 2
-    assert "ops= takes op selectors" in err
+
+
+@pytest.mark.parametrize(
+    ("selector", "message"),
+    [
+        ("conv1:op[mul]", "'conv1:op[mul]' matched no op call of 'conv1', which ran and called: conv2d"),
+        ("conv1", "ops= takes op selectors"),
+        ("fc:op[linear],conv9:op[conv2d]", "did you mean 'conv1'"),
+    ],
+)
+def test_cli_trace_refuses_op_selectors_that_select_nothing(
+    capsys: pytest.CaptureFixture[str], selector: str, message: str
+) -> None:
+    code, _, err = run_cli(capsys, "trace", "demo:cnn", "--ops", selector)
+    assert (code, message in err) == (2, True), err
 
 
 def test_functional_ops_inside_a_module_are_numbered_per_call() -> None:
