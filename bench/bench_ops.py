@@ -12,7 +12,10 @@ built twice from one set of weights: with ``attn_implementation="sdpa"`` (transf
   recomputed from its arguments (``hookscope._core.attention``) and kept: what an ``:attn.pattern`` capture of
   every layer costs;
 - ``eager + weights``: the eager model's forward with ``output_attentions=True``: what people do today to get
-  the patterns.
+  the patterns;
+- ``trace``: ``hs.trace`` of the SDPA model (a row per module call, statistics on the device);
+- ``trace + attn ops``: the same with ``ops=`` every attention module's kernel call and its pattern
+  (``h.*.attn:op[scaled_dot_product_attention]``, ``h.*.attn:attn.pattern``): two more rows per block.
 
 Why: op sites must cost nothing where no op is asked for (target ``idle`` <= 1.02x ``plain``), and the pattern
 under SDPA should cost no more than switching the model to eager attention.
@@ -40,6 +43,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2Model
 
 import common
+import hookscope as hs
 from hookscope._core.attention import sdpa_call
 from hookscope._core.ops import OpWatcher
 
@@ -47,6 +51,8 @@ TARGET = 1.02
 N_LAYER, QUICK_N_LAYER = 12, 2
 DEFAULT_ROUNDS, MIN_ROUNDS, QUICK_ROUNDS = 10, 5, 3
 PLAIN, IDLE, WATCH, PATTERNS, EAGER = "plain", "idle", "watch attn", "patterns", "eager + weights"
+TRACE, TRACE_OPS = "trace", "trace + attn ops"
+ATTN_OPS = ["h.*.attn:op[scaled_dot_product_attention]", "h.*.attn:attn.pattern"]
 
 
 @dataclass
@@ -99,12 +105,17 @@ def runs(sdpa: nn.Module, eager: nn.Module) -> dict[str, common.Run]:
     def eager_run(model: nn.Module, x: Any) -> common.Timed:
         return common.timed_call(lambda: eager(x, output_attentions=True))
 
+    def traced(ops: Any) -> common.Run:  # the statistics are read inside the timing: len() builds the rows
+        return lambda model, x: common.timed_call(lambda: len(hs.trace(sdpa, x, ops=ops)))
+
     return {
         PLAIN: plain,
         IDLE: idle_run,
         WATCH: watched(ignore),
         PATTERNS: lambda model, x: watched(Patterns())(model, x),
         EAGER: eager_run,
+        TRACE: traced(False),
+        TRACE_OPS: traced(ATTN_OPS),
     }
 
 

@@ -141,6 +141,7 @@ def test_op_rows_sit_under_their_module_call_in_execution_order() -> None:
     assert [row.order for row in traced] == list(range(len(traced)))
     finished = sorted(traced, key=lambda row: row.finished or 0)  # an op returns before its module
     assert [row.site for row in finished[:4]] == ["block.fc#0", "block#0:op[relu#0]", "block#0:op[add#0]", "block#0"]
+    assert "10 calls (4 op calls) · 4 modules" in traced.table()
     relu = traced["block:op[relu#0]"]
     assert relu.inputs[0].source == "block.fc#0"  # what fed the op, by the row that made it
     assert traced["head"].inputs[0].source == "block#1:op[add#0]"
@@ -161,6 +162,9 @@ def test_ops_true_rows_are_the_torch_calls_a_bare_function_mode_sees() -> None:
     assert fc.parent == traced["block.fc"].order
     assert fc.depth == traced["block.fc"].depth + 1
     assert hs.trace(model, x, ops=True, layers="block").rows[0].name == "block"  # layers= bounds ops=True
+    outside = hs.trace(model, x, layers="head", ops="block#1:op[add]")  # an op site's module is traced too
+    assert [row.called_as(numbered=True) for row in outside] == ["block#0", "block#1", "block#1:op[add#0]", "head#0"]
+    assert [row.parent for row in outside] == [None, None, 1, None]
 
 
 def test_csv_json_and_table_show_the_op_rows(tmp_path: Path) -> None:

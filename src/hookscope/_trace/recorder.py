@@ -473,7 +473,11 @@ def run_with_trace(
 
     - ``layers``: trace only these modules (default: all, the model itself included);
     - the options are :class:`TraceOptions`' (``stats``, ``input_stats``, ``timing``,
-      ``memory``, ``histograms``), as keywords or ``options=``;
+      ``memory``, ``histograms``, ``passes``, ``ops``), as keywords or ``options=``;
+    - ``ops``: op sites to add rows for (``"h.*.attn:op[softmax]"``, ``"h.0.attn:attn.pattern"``,
+      a list, or ``True`` for every op of the traced modules): one row per op call, named by its
+      site (``h.0.attn:op[softmax#0]``), one deeper than its module's call and inside it, with the
+      same statistics as a module's row;
     - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
       mode is left as it is;
     - ``model_kwargs``: keyword arguments for the model whose names clash with these options
@@ -523,6 +527,15 @@ def trace(
     >>> t = hs.trace(model, torch.randn(3, 4))
     >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
     (4, '0', (3, 8), True)
+
+    ``ops=`` adds a row per call of the op sites it selects, under the row of its module's call
+    (``hs.layers(model, x, ops=True)`` lists the op sites):
+
+    >>> t = hs.trace(model, torch.randn(3, 4), ops="2:op[linear]")
+    >>> [(row.site, row.depth) for row in t][-2:]
+    [('2#0', 1), ('2#0:op[linear#0]', 2)]
+    >>> t["2:op[linear#0]"].outputs[0].shape, t["2:op[linear#0]"].stats == t["2"].stats
+    ((3, 2), True)
     """
     _, result = run_with_trace(
         model, *args, layers=layers, options=options, grad=grad, model_kwargs=model_kwargs, **kwargs

@@ -137,6 +137,8 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     modules = len({row.name for row in trace.rows})
     calls = len(trace.rows)
     shown = f"{len(rows)} of {calls} calls shown" if len(rows) != calls else f"{calls} calls"
+    ops = sum(1 for row in trace.rows if row.op)
+    shown += f" ({ops} op call{'' if ops == 1 else 's'})" if ops else ""
     params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows if not r.op}.values()))
     lines = [f"{shown} · {modules} modules · {params:,} parameters"]
     culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None
