@@ -14,7 +14,10 @@ built twice from one set of weights: with ``attn_implementation="sdpa"`` (transf
 - ``capture patterns``: ``hs.capture(model, "h.*.attn:attn.pattern")``, the public way to the same values
   (the capture's keeper, call counting and checks included);
 - ``eager + weights``: the eager model's forward with ``output_attentions=True``: what people do today to get
-  the patterns.
+  the patterns;
+- ``trace``: ``hs.trace`` of the SDPA model (a row per module call, statistics on the device);
+- ``trace + attn ops``: the same with ``ops=`` every attention module's kernel call and its pattern
+  (``h.*.attn:op[scaled_dot_product_attention]``, ``h.*.attn:attn.pattern``): two more rows per block.
 
 Why: op sites must cost nothing where no op is asked for (target ``idle`` <= 1.02x ``plain``), and the pattern
 under SDPA should cost no more than switching the model to eager attention.
@@ -57,6 +60,8 @@ PLAIN, IDLE, WATCH, PATTERNS, CAPTURE, EAGER = (
     "capture patterns",
     "eager + weights",
 )
+TRACE, TRACE_OPS = "trace", "trace + attn ops"
+ATTN_OPS = ["h.*.attn:op[scaled_dot_product_attention]", "h.*.attn:attn.pattern"]
 
 
 @dataclass
@@ -113,6 +118,9 @@ def runs(sdpa: nn.Module, eager: nn.Module) -> dict[str, common.Run]:
     def eager_run(model: nn.Module, x: Any) -> common.Timed:
         return common.timed_call(lambda: eager(x, output_attentions=True))
 
+    def traced(ops: Any) -> common.Run:  # the statistics are read inside the timing: len() builds the rows
+        return lambda model, x: common.timed_call(lambda: len(hs.trace(sdpa, x, ops=ops)))
+
     return {
         PLAIN: plain,
         IDLE: idle_run,
@@ -120,6 +128,8 @@ def runs(sdpa: nn.Module, eager: nn.Module) -> dict[str, common.Run]:
         PATTERNS: lambda model, x: watched(Patterns())(model, x),
         CAPTURE: capture_run,
         EAGER: eager_run,
+        TRACE: traced(False),
+        TRACE_OPS: traced(ATTN_OPS),
     }
 
 

@@ -3,11 +3,13 @@
 ``capture()`` / ``run_with_capture()`` (in ``recorder``) attach the hooks with a
 ``CaptureOptions`` (``options``), ``Cache`` (in
 ``cache``) holds the values by site, ``guard`` keeps them right under in-place ops, ``reduce``
-holds the named on-device reductions and ``files`` the file formats.
+holds the named on-device reductions and ``files`` the file formats; ``attn_sites`` computes
+attention sub-sites from a kernel call (a trace makes rows of them too).
 """
 
+from hookscope._capture.attn_sites import attention_values
 from hookscope._capture.cache import Cache, load
 from hookscope._capture.options import CaptureOptions
 from hookscope._capture.recorder import Capture, capture, run_with_capture
 
-__all__ = ["Cache", "Capture", "CaptureOptions", "capture", "load", "run_with_capture"]
+__all__ = ["Cache", "Capture", "CaptureOptions", "attention_values", "capture", "load", "run_with_capture"]

@@ -74,9 +74,10 @@ def fine_input(
 ) -> bool:
     """True when an input does not stop its call from being blamed for a NaN/Inf.
 
-    Finite inputs are fine; so are tensors another module returned (``source``, ``name#call``)
-    when that module is in ``allowed``, and inputs holding -inf but no NaN or +inf whose path
-    names a mask (``attention_mask=``, ``['causal_mask']``).
+    Finite inputs are fine; so are tensors another module returned (``source``, ``name#call``),
+    or an op inside it (``name#call:op[softmax#0]``), when that module is in ``allowed``, and
+    inputs holding -inf but no NaN or +inf whose path names a mask (``attention_mask=``,
+    ``['causal_mask']``).
 
     >>> fine_input("['attention_mask']", None, finite=False, negative_inf_only=True, allowed=())
     True
@@ -84,9 +85,17 @@ def fine_input(
     False
     >>> fine_input("[0]", "mask#0", finite=False, negative_inf_only=False, allowed={"mask"})
     True
+    >>> fine_input("[0]", "mask#0:op[log#0]", finite=False, negative_inf_only=False, allowed={"mask"})
+    True
     """
     if finite:
         return True
-    if source is not None and source.rsplit("#", 1)[0] in allowed:
+    if source is not None and _module_of(source) in allowed:
         return True
     return negative_inf_only and any(word in path.lower() for word in MASK_WORDS)
+
+
+def _module_of(source: str) -> str:
+    """The module of a source: ``h.0`` of ``h.0#1`` and of ``h.0#1:op[add#0]`` (or ``:attn.z``)."""
+    call = source.partition(":op[")[0].partition(":attn.")[0]
+    return call.rsplit("#", 1)[0]

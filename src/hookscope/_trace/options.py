@@ -11,13 +11,16 @@ from typing import Literal
 
 import numpy as np
 
+from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._shared.histogram import DEFAULT_BINS
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
 
-__all__ = ["Passes", "TraceOptions"]
+__all__ = ["OpsChoice", "Passes", "TraceOptions"]
 
 Passes = Literal["latest", "all"]  # spelled as a capture's passes= is
+#: ``ops=``: False, True (every op of every traced module), or op selectors.
+OpsChoice = bool | str | tuple[str, ...] | list[str]
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,13 @@ class TraceOptions(Options):
     - ``histograms``: ``True`` (64 bins) or a bin count: a histogram of every measured
       tensor's finite values, counted on the device from a sample of at most 32,768 values;
     - ``passes``: ``"latest"`` (each forward replaces the trace) or ``"all"`` (every pass's
-      trace is kept, ``tracer.passes``: a ``generate()`` loop's prefill, then one per token).
+      trace is kept, ``tracer.passes``: a ``generate()`` loop's prefill, then one per token);
+    - ``ops``: op sites to add rows for, one per op call, nested under their module's call: an op
+      selector (``"h.*.attn:op[softmax]"``), an attention sub-site (``"h.*.attn:attn.pattern"``),
+      a list of them, or ``True`` for every op that every traced module's own code calls (a
+      row per ``view``, ``split``, ``add``...: many rows, one statistic each). The selectors'
+      modules are traced too; a selector whose module ran but whose op never did is an error
+      at the end of the pass.
 
     >>> TraceOptions(histograms=True).bins
     64
@@ -53,10 +62,14 @@ class TraceOptions(Options):
     memory: bool = False
     histograms: bool | int = False
     passes: Passes = "latest"
+    ops: OpsChoice = False
 
     def __post_init__(self) -> None:
         for option in ("stats", "input_stats", "timing", "memory"):
             check_flag(option, getattr(self, option))
+        ops: object = self.ops
+        # True or False; a list or one text: a tuple of texts, each checked
+        object.__setattr__(self, "ops", bool(ops) if isinstance(ops, (bool, np.bool_)) else _op_selectors(ops))
         if self.passes not in ("latest", "all"):
             raise SpecError(f"passes={self.passes!r} is not 'latest' (each forward replaces the trace) or 'all'")
         _bins(self.histograms, self.stats)  # refused now, not when the tracer attaches
@@ -65,6 +78,30 @@ class TraceOptions(Options):
     def bins(self) -> int | None:
         """The histogram bin count ``histograms`` asks for; None when off."""
         return _bins(self.histograms, self.stats)
+
+    @property
+    def op_patterns(self) -> list[OpPattern]:
+        """The op selectors ``ops`` names, parsed (none for ``False`` and ``True``)."""
+        if isinstance(self.ops, bool):
+            return []
+        return [pattern for text in self.ops if (pattern := op_pattern(text)) is not None]
+
+
+def _op_selectors(ops: object) -> tuple[str, ...]:
+    """``ops=`` given as selectors: a tuple of op selector texts, each checked now."""
+    texts = [ops] if isinstance(ops, str) else ops
+    if not isinstance(texts, (list, tuple)) or not texts:
+        raise SpecError(
+            f"ops={ops!r}; expected True (every op of the traced modules), an op selector such as "
+            "'h.*.attn:op[softmax]' or 'h.0.attn:attn.pattern', or a list of them"
+        )
+    for text in texts:
+        if op_pattern(text) is None:  # a malformed op selector raised there already
+            raise SpecError(
+                f"ops= takes op selectors, such as 'h.*.attn:op[softmax]' or 'h.0.attn:attn.pattern', not {text!r}; "
+                "modules are chosen by layers="
+            )
+    return tuple(texts)
 
 
 def check_flag(option: str, value: object) -> None:

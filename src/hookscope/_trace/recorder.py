@@ -7,10 +7,17 @@ closes every row. Statistics are
 queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with one transfer per
 device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
 child's, a module's input an earlier module's output) is not measured twice.
+
+With ``ops=``, an :class:`~hookscope._core.op_selectors.OpSelectors` watches the op sites'
+modules and each selected op call becomes a row as it returns, under the row of its module's
+call (the innermost open one: a module's own code runs while none of its children does),
+measured the same way; an attention sub-site's row measures the value computed from the kernel
+call (:func:`~hookscope._capture.attention_values`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import weakref
 from collections.abc import Sequence
@@ -21,12 +28,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._capture import attention_values
 from hookscope._core.attach import remove_through
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.names import named_modules
+from hookscope._core.names import ROOT_LABEL, named_modules
+from hookscope._core.op_selectors import OpSelectors
+from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, given_selectors, select
+from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
@@ -93,6 +104,7 @@ class _Draft(OpenCall[_Module]):
     timer: int | None = None
     measured_before: float = 0.0  # the pass's measuring time when the call's timer started
     peak_bytes: int | None = None
+    op: str = ""  # an op site's row: the op within its module call ("softmax#0", "attn.pattern#0")
 
 
 class _Pass:
@@ -145,9 +157,22 @@ class Tracer(CallRecorder[_Module, _Draft]):
         # The latest pass, or with passes="all" every one: a _FinishedPass until first looked at.
         self._kept: list[_FinishedPass | Trace] = []
         self._selected = _modules(model, layers)
+        # every op of the traced modules (no selector can be left unfired), or the selectors given
+        self._check_ops = options.ops is not True
+        patterns = _every_op(self._selected, layers) if options.ops is True else options.op_patterns
+        self._ops = OpSelectors(model, patterns, owner="trace", error=SpecError) if patterns else None
+        if self._ops is not None:  # an op site's module is traced too: its call is the op rows' parent
+            self._selected = _union(model, self._selected, self._ops.modules)
         self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
         super().__init__(model, self._selected)
         remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the buffer
+        if self._ops is not None:
+            try:
+                watcher = self._ops.attach(model, self._op_row, lambda call: True, self._attention_rows)
+            except BaseException:
+                self._group.remove()
+                raise
+            remove_through(watcher._group, self.remove)
 
     # -- calls (told by the recorder's hooks) -------------------------------------------------------
 
@@ -157,18 +182,9 @@ class Tracer(CallRecorder[_Module, _Draft]):
 
     def open_call(self, site: _Module, call: int, handled: Handled, args: Args, kwargs: Kwargs) -> _Draft:
         """Open the call's row: its place in the tree, its inputs, its timer."""
-        state, opened = self._pass, self.opened
-        parent = opened[-1] if opened else None
+        state = self._pass
         leaves = call_leaves(args, kwargs)
-        draft = _Draft(
-            site,
-            call,
-            handled,
-            order=len(state.rows),
-            depth=len(opened),
-            parent=None if parent is None else parent.order,
-            inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
-        )
+        draft = self._draft(site, call, handled, leaves)
         device = draft.cuda = _cuda_device(leaves) if self._timing or self._memory else None
         if self._memory and device is not None:
             self._peak_memory(device).enter()
@@ -177,6 +193,23 @@ class Tracer(CallRecorder[_Module, _Draft]):
             draft.timer = state.clock.start(device)
         state.rows.append(draft)
         return draft
+
+    def _draft(
+        self, site: _Module, call: int, handled: Handled, leaves: list[tuple[str, torch.Tensor]], **more: Any
+    ) -> _Draft:
+        """A new row inside the innermost open call, its inputs measured."""
+        state, opened = self._pass, self.opened
+        parent = opened[-1] if opened else None
+        return _Draft(
+            site,
+            call,
+            handled,
+            order=len(state.rows),
+            depth=len(opened),
+            parent=None if parent is None else parent.order,
+            inputs=[self._leaf(state, path, t, self._input_stats, None) for path, t in leaves],
+            **more,
+        )
 
     def close_call(self, draft: _Draft, output: Any) -> None:
         """The call returned: stop its timer and memory counter, number it in the order calls
@@ -196,6 +229,36 @@ class Tracer(CallRecorder[_Module, _Draft]):
         raised, and keeping the error until the pass ends (to find where the forward failed)."""
         self.close_call(draft, None)
         draft.status, draft.error = "raised", error
+
+    # -- op calls (told by the op watcher, after the op ran) ------------------------------------------
+
+    def _op_row(self, name: str, call: int, op: str, args: Args, kwargs: Kwargs, output: Any) -> None:
+        """A row for one selected op call, under the row of its module's call."""
+        self._add_op_row(name, call, op, "op", call_leaves(args, kwargs), flatten_tensors(output, ""))
+
+    def _attention_rows(
+        self, name: str, call: int, index: int, kinds: list[str], args: Args, kwargs: Kwargs, output: Any
+    ) -> None:
+        """A row per attention sub-site of one kernel call: the value computed from the call."""
+        leaves = call_leaves(args, kwargs)
+        for kind, value, _ in attention_values(kinds, args, kwargs, output, detach=True):
+            self._add_op_row(name, call, f"attn.{kind}#{index}", "attention", leaves, [("", value)])
+
+    def _add_op_row(
+        self,
+        name: str,
+        call: int,
+        op: str,
+        class_name: str,
+        inputs: list[tuple[str, torch.Tensor]],
+        outputs: list[tuple[str, torch.Tensor]],
+    ) -> None:
+        state = self._pass
+        draft = self._draft(_Module(name, class_name, 0), call, None, inputs, finished=state.finished, op=op)
+        state.finished += 1
+        site = str(Site(name, call, op=op))
+        draft.outputs = [self._leaf(state, path, t, self._stats, site) for path, t in outputs]
+        state.rows.append(draft)
 
     def _leaf(self, state: _Pass, path: str, tensor: torch.Tensor, measure: bool, producer: str | None) -> _Leaf:
         known = state.seen.get(tensor)
@@ -238,6 +301,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         self._pass = _Pass()
         for peaks in self._peaks.values():
             peaks.clear()
+        if self._ops is not None:
+            self._ops.start()
 
     def end_pass(self, module: nn.Module, error: BaseException | None) -> None:
         """Keep the finished pass; its statistics are read when the trace is first looked at.
@@ -257,6 +322,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
             _record_done(state.streams),
         )
         self._kept = [*self._kept, finished] if self._keep_passes else [finished]
+        if self._ops is not None and self._check_ops and error is None:
+            self._ops.check(self._tracker.counts(), lambda call: True)  # an op selector that never fired
 
     def abandon_pass(self) -> None:
         """The previous pass was cut short (KeyboardInterrupt): drop it."""
@@ -282,6 +349,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
             status=draft.status if draft.finished is not None else "raised",
             time_ms=None if clock is None or draft.timer is None or draft.finished is None else clock.read(draft.timer),
             peak_bytes=draft.peak_bytes,
+            op=draft.op,
         )
 
     # -- reading and lifetime -----------------------------------------------------------------------
@@ -343,6 +411,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
     def remove(self) -> None:
         """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
         self._scratch = Scratch()  # let go of the work buffer
+        if self._ops is not None:
+            self._ops.remove()
         super().remove()
 
     def __repr__(self) -> str:
@@ -403,7 +473,11 @@ def run_with_trace(
 
     - ``layers``: trace only these modules (default: all, the model itself included);
     - the options are :class:`TraceOptions`' (``stats``, ``input_stats``, ``timing``,
-      ``memory``, ``histograms``), as keywords or ``options=``;
+      ``memory``, ``histograms``, ``passes``, ``ops``), as keywords or ``options=``;
+    - ``ops``: op sites to add rows for (``"h.*.attn:op[softmax]"``, ``"h.0.attn:attn.pattern"``,
+      a list, or ``True`` for every op of the traced modules): one row per op call, named by its
+      site (``h.0.attn:op[softmax#0]``), one deeper than its module's call and inside it, with the
+      same statistics as a module's row;
     - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
       mode is left as it is;
     - ``model_kwargs``: keyword arguments for the model whose names clash with these options
@@ -453,6 +527,15 @@ def trace(
     >>> t = hs.trace(model, torch.randn(3, 4))
     >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
     (4, '0', (3, 8), True)
+
+    ``ops=`` adds a row per call of the op sites it selects, under the row of its module's call
+    (``hs.layers(model, x, ops=True)`` lists the op sites):
+
+    >>> t = hs.trace(model, torch.randn(3, 4), ops="2:op[linear]")
+    >>> [(row.site, row.depth) for row in t][-2:]
+    [('2#0', 1), ('2#0:op[linear#0]', 2)]
+    >>> t["2:op[linear#0]"].outputs[0].shape, t["2:op[linear#0]"].stats == t["2"].stats
+    ((3, 2), True)
     """
     _, result = run_with_trace(
         model, *args, layers=layers, options=options, grad=grad, model_kwargs=model_kwargs, **kwargs
@@ -467,6 +550,22 @@ def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> 
     if not selectors:
         raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
     return select(model, selectors)  # a union, each module once, in model order
+
+
+def _every_op(traced: list[tuple[str, nn.Module]], layers: Selector | Sequence[Selector] | None) -> list[OpPattern]:
+    """``ops=True``: a selector of every op of each traced module (of every module: ``*`` and the root)."""
+    if layers is None:
+        every = [OpPattern(ROOT_LABEL)]
+        return [*every, OpPattern("*")] if len(traced) > 1 else every
+    return [OpPattern(f"re:^{re.escape(name)}$" if name else ROOT_LABEL) for name, _ in traced]
+
+
+def _union(
+    model: nn.Module, traced: list[tuple[str, nn.Module]], more: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """The traced modules and ``more``, each once, in model order."""
+    chosen = {id(module) for _, module in (*traced, *more)}
+    return [(name, module) for name, module in named_modules(model) if id(module) in chosen]
 
 
 def _cuda_device(leaves: list[tuple[str, torch.Tensor]]) -> torch.device | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from hookscope._core.names import module_label
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
 from hookscope._shared.tables import Column, Table
@@ -71,9 +70,7 @@ def _nonfinite(row: TraceRow) -> str:
 
 
 def _module(row: TraceRow, repeated: set[str]) -> str:
-    label = module_label(row.name)
-    if row.name in repeated:
-        label += f"#{row.call}"
+    label = row.called_as(numbered=row.name in repeated)  # an op site's row: its module's, then the op
     if row.status == "raised":
         label += " !"
     return "  " * row.depth + label
@@ -82,7 +79,7 @@ def _module(row: TraceRow, repeated: set[str]) -> str:
 # key: (header, cell, right-aligned)
 COLUMNS: dict[str, tuple[str, Callable[[TraceRow], str], bool]] = {
     "order": ("#", lambda row: str(row.order), True),
-    "module": ("module", lambda row: module_label(row.name), False),  # indented by _module below
+    "module": ("module", lambda row: row.called_as(numbered=False), False),  # indented by _module below
     "class": ("class", lambda row: row.class_name, False),
     "call": ("call", lambda row: str(row.call), True),
     "inputs": ("inputs", lambda row: _shapes(row.inputs, keyword=True), False),
@@ -129,7 +126,8 @@ def _columns(rows: Sequence[TraceRow], columns: Sequence[str] | None) -> list[st
 def _cells(trace: Trace, rows: Sequence[TraceRow], keys: list[str]) -> list[list[str]]:
     counts: dict[str, int] = {}
     for row in trace.rows:
-        counts[row.name] = counts.get(row.name, 0) + 1
+        if not row.op:  # a module called once keeps its plain name, whatever ops it ran
+            counts[row.name] = counts.get(row.name, 0) + 1
     repeated = {name for name, n in counts.items() if n > 1}
     return [[_module(row, repeated) if key == "module" else COLUMNS[key][1](row) for key in keys] for row in rows]
 
@@ -139,7 +137,9 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
     modules = len({row.name for row in trace.rows})
     calls = len(trace.rows)
     shown = f"{len(rows)} of {calls} calls shown" if len(rows) != calls else f"{calls} calls"
-    params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows}.values()))
+    ops = sum(1 for row in trace.rows if row.op)
+    shown += f" ({ops} op call{'' if ops == 1 else 's'})" if ops else ""
+    params = trace.meta.get("params", sum({r.name: r.params for r in trace.rows if not r.op}.values()))
     lines = [f"{shown} · {modules} modules · {params:,} parameters"]
     culprit = trace.first_nonfinite() if any(row.output_finite is False for row in trace.rows) else None
     if culprit is not None and culprit.from_input:
@@ -177,6 +177,7 @@ def flat_record(row: TraceRow) -> dict[str, Any]:
         "name": row.name,
         "class": row.class_name,
         "call": row.call,
+        "op": row.op,
         "parent": row.parent,
         "finished": row.finished,
         "status": row.status,
@@ -201,6 +202,7 @@ def leaf_records(rows: Sequence[TraceRow]) -> list[dict[str, Any]]:
             "name": row.name,
             "class": row.class_name,
             "call": row.call,
+            "op": row.op,
             "what": info.what,
             "path": info.path,
             "shape": format_shape(info.shape),

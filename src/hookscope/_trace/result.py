@@ -63,7 +63,8 @@ class Trace(Sequence[TraceRow]):
         self._by_name: dict[str, list[TraceRow]] = {}
         self._sites: tuple[SiteIndex, dict[Site, TraceRow]] | None = None
         for row in rows:
-            self._by_name.setdefault(row.name, []).append(row)
+            if not row.op:  # an op site's row is found by its site text ("h.0.attn:op[softmax#0]")
+                self._by_name.setdefault(row.name, []).append(row)
 
     # -- reading rows ---------------------------------------------------------------------------
 
@@ -113,6 +114,11 @@ class Trace(Sequence[TraceRow]):
         if self._sites is None:
             sites: dict[Site, TraceRow] = {}
             for row in self.rows:
+                if row.op:  # an op site's output, by the op's site (an op's inputs are its module's values)
+                    for info in row.outputs:
+                        sites.setdefault(Site(row.name, row.call, "output", info.path, op=row.op), row)
+                    sites.setdefault(Site(row.name, row.call, op=row.op), row)
+                    continue
                 for info in (*row.outputs, *row.inputs):
                     sites.setdefault(Site(row.name, row.call, info.what, info.path), row)
                 sites.setdefault(Site(row.name, row.call), row)  # a call with no tensor measured
@@ -120,6 +126,8 @@ class Trace(Sequence[TraceRow]):
             self._sites = (index, sites)
         index, sites = self._sites
         row = sites[index.resolve(key, whole=True)]
+        if row.op:  # every call of the op site: the same op in each call of its module
+            return row, [other for other in self.rows if other.name == row.name and other.op == row.op]
         return row, self._by_name[row.name]
 
     def select(self, selector: Selector) -> list[TraceRow]:
@@ -139,10 +147,10 @@ class Trace(Sequence[TraceRow]):
         ['0', '1']
         """
         if sites is not None:
-            rows = self.select(sites)  # type: ignore[arg-type]
-        else:
-            parents = {row.parent for row in self.rows}
-            rows = [row for row in self.rows if row.order not in parents and row.name]
+            rows = [row for row in self.select(sites) if not row.op]  # type: ignore[arg-type]
+        else:  # module calls only: an op site's row does not make its module a container
+            parents = {row.parent for row in self.rows if not row.op}
+            rows = [row for row in self.rows if row.order not in parents and row.name and not row.op]
         measured = [row for row in rows if row.stats is not None and row.finished is not None]
         return sorted(measured, key=lambda row: row.finished or 0)
 

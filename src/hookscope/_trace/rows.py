@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from hookscope._core.names import call_label, leaf_label, module_label
+from hookscope._core.op_sites import op_text
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats
@@ -82,6 +83,12 @@ class TraceRow:
     through (``Trace.failure`` says where a failed forward raised). ``time_ms`` includes the
     children's time, ``self_ms`` does not; neither includes hookscope's own measuring on the
     CPU. ``peak_bytes`` is the rise of peak CUDA memory during the call.
+
+    A row of an op site (a trace taken with ``ops=``) has ``op`` set: the op within its module
+    call (``"softmax#0"``, or ``"attn.pattern#0"`` for an attention sub-site); ``name`` and
+    ``call`` are its module's and its call's, ``parent`` that call's row, ``class_name`` is
+    ``"op"`` (``"attention"`` for a sub-site), and it has no parameters, time or memory of its own.
+    A module's own call has ``op == ""``.
     """
 
     order: int
@@ -98,6 +105,7 @@ class TraceRow:
     time_ms: float | None = None
     self_ms: float | None = None
     peak_bytes: int | None = None
+    op: str = ""
 
     def __repr__(self) -> str:
         """One line: the call, what went in and came out (the dataclass's own repr dumps every
@@ -106,15 +114,22 @@ class TraceRow:
         return f"<{type(self).__name__} {self.order} {self._called()}: {self._flow()}{state}>"
 
     def _called(self) -> str:
-        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call})"
+        return f"{self.called_as(numbered=False)!r} ({self.class_name}, call {self.call})"
+
+    def called_as(self, *, numbered: bool) -> str:
+        """The module as shown (``h.0.attn``, with ``#call`` when ``numbered``), then the op for
+        an op site's row: ``h.0.attn:op[softmax#0]``, ``h.0.attn#1:attn.pattern``."""
+        shown = call_label(self.name, self.call) if numbered else module_label(self.name)
+        return f"{shown}:{op_text(self.op)}" if self.op else shown
 
     def _flow(self) -> str:
         return f"{_leaves(self.inputs, 'no input')} -> {_leaves(self.outputs, 'no output')}"
 
     @property
     def site(self) -> str:
-        """``name#call``, the row's address (``(root)`` for the model itself)."""
-        return f"{call_label(self.name, self.call)}"
+        """``name#call``, the row's address (``(root)`` for the model itself); for an op site's
+        row, the op's: ``h.0.attn#0:op[softmax#0]``."""
+        return self.called_as(numbered=True)
 
     def describe(self) -> str:
         """The call in words, for error notes.
@@ -122,7 +137,7 @@ class TraceRow:
         For example ``'layer3.conv' (Conv2d, call 0) with input[0] [4, 64, 8, 8] float32``.
         """
         inputs = ", ".join(info.describe() for info in self.inputs) or "no tensor input"
-        return f"{module_label(self.name)!r} ({self.class_name}, call {self.call}) with {inputs}"
+        return f"{self._called()} with {inputs}"
 
     @property
     def output(self) -> TensorInfo | None:
@@ -152,6 +167,7 @@ class TraceRow:
             "name": self.name,
             "class": self.class_name,
             "call": self.call,
+            "op": self.op,
             "params": self.params,
             "parent": self.parent,
             "finished": self.finished,

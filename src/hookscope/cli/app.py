@@ -262,6 +262,15 @@ def trace_command(
         ),
     ] = None,
     timing: Annotated[bool, typer.Option("--timing", help="Time each call (and its own share).")] = False,
+    ops: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ops",
+            help="Add a row per call of these op sites, under their module's row: 'h.*.attn:op[softmax]', "
+            "'h.0.attn:attn.pattern' (repeatable, or comma-separated; 'hookscope layers MODEL --ops' lists them).",
+            show_default=False,
+        ),
+    ] = None,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write one row per call to this CSV file.")] = None,
     json: Annotated[
         Path | None, typer.Option("--json", help="Also write every row and tensor to this JSON file.")
@@ -269,6 +278,10 @@ def trace_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once (eval mode, no grad) and print every module call: shapes, dtypes, value ranges.
+
+    ``--ops`` adds a row per call of the op sites it selects (``h.*.attn:op[softmax]``, an
+    attention sub-site ``h.0.attn:attn.pattern``) under its module's row; a selector that
+    matched no op call of a module that ran is an error.
 
     Exit 0 when the forward ran; when it raised, the calls up to the failure are printed, then
     the module where it raised and the shapes that went in, and the exit code is 2, as for every
@@ -281,13 +294,15 @@ def trace_command(
     for option, path in (("--csv", csv), ("--json", json)):
         if path is not None:
             hs.check_output_path(path, what=option)  # before the model runs, not after
+    op_selectors = [str(selector) for selector in _selectors(ops or [])]
+    options = hs.TraceOptions(timing=timing, ops=op_selectors or False)  # a malformed op selector fails now
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     selectors = _selectors(only or [])
     net = sample.model.eval()
     if selectors:
         hs.select(net, selectors)  # a mistyped --filter fails now, not after the forward
-    with hs.tracing(net, options=hs.TraceOptions(timing=timing)) as tracer:
+    with hs.tracing(net, options=options) as tracer:
         try:
             with torch.no_grad():
                 net(*sample.args, **sample.kwargs)
