@@ -191,6 +191,17 @@ def test_module_and_op_selectors_mixed_in_one_edit() -> None:
     assert editor.sites == ["block.fc (1 edit)", "block#0:op[add] (1 edit)"]
 
 
+def test_patching_an_op_site_takes_the_value_a_capture_kept_there() -> None:
+    model = Stack()
+    clean, corrupt = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2)).unbind(0)
+    with torch.no_grad():
+        _, cache = hs.run_with_capture(model, clean, layers="block#0:op[add#0]")
+        out, _ = hs.run_with_edits(model, corrupt, edits={"block#0:op[add]": hs.edits.patch(cache)})
+        assert not torch.allclose(model(corrupt), model(clean))
+        # the block's first residual sum is the clean run's: from there on the clean forward
+        torch.testing.assert_close(out, model(clean), rtol=0, atol=0)
+
+
 class Squashed(Tracked):
     """``tanh(x + fc(x))`` checkpointed: backward recomputes the add, and tanh saves its output."""
 

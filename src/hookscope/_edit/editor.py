@@ -378,11 +378,28 @@ def edit(
     dtype and device, else :class:`~hookscope.errors.EditError` names the site.
     ``editor.applied`` counts the calls edited per module, so an edit that never ran shows.
 
+    A selector may be an op site or an attention sub-site (see the module docstring):
+    ``"h.0.attn:op[softmax#0]"``, ``"h.*:op[add#0]"``, ``"h.0.attn:attn.pattern"``,
+    ``"h.0.attn:attn.z"`` (``hs.edits.zero(heads=3)`` ablates head 3 there); module and op
+    selectors mix in one mapping, and ``applied`` counts op calls per selector and module.
+
     Example::
 
         with hs.edit(model, {"layer3": hs.edits.zero(channels=[1, 2]), "fc": my_fn}) as editor:
             model(x)
         editor.applied                  # {'layer3': 1, 'fc': 1}
+
+    A residual sum inside a module's own code, halved:
+
+    >>> import torch, hookscope as hs
+    >>> class Block(nn.Module):
+    ...     def forward(self, x):
+    ...         return x + x.relu()
+    >>> model = nn.Sequential(Block())
+    >>> with hs.edit(model, {"0:op[add#0]": hs.edits.scale(0.5)}) as editor:
+    ...     out = model(torch.ones(1, 2))
+    >>> out, editor.applied
+    (tensor([[1., 1.]]), {'0:op[add#0]': 1})
     """
     return Editor(model, edits, EditOptions.build(options, opts))
 
