@@ -86,7 +86,8 @@ class Editor(Scoped):
             for name, module in select(model, selector):
                 plan.setdefault(id(module), (name, module, []))[2].extend(functions)
         self._plan = list(plan.values())
-        self._ops = OpSelectors(model, [p for p, _ in op_plan], owner="edit", error=EditError) if op_plan else None
+        self._op_patterns = [pattern for pattern, _ in op_plan]
+        self._ops = OpSelectors(model, self._op_patterns, owner="edit", error=EditError) if op_plan else None
         self._op_targets = [_targets(fns, "output") for _, fns in op_plan]
         self._op_modules = dict(self._ops.modules) if self._ops is not None else {}
         # The applied count of each (op selector, module) pair, by the pair's site text.
@@ -158,7 +159,7 @@ class Editor(Scoped):
     ) -> Any:
         """Edit what one selected op call returned (told by the op watcher, after the op ran)."""
         op, _, index = label.rpartition("#")
-        numbers = [n for n in self._matching(name, call, op, int(index)) if not self._ops_pattern(n).sub]
+        numbers = [n for n in self._matching(name, call, op, int(index)) if not self._op_patterns[n].sub]
         targets = [target for number in numbers for target in self._op_targets[number]]
         found = flatten_tensors(output, "")
         leaves = _apply(targets, found, name, call, self._op_modules[name], "output", args, kwargs, op=label)
@@ -170,26 +171,22 @@ class Editor(Scoped):
         call (``told``: its args, kwargs and output), and return what the call gives with them
         (:func:`~hookscope._edit.attention.edited_attention`)."""
         args, kwargs, output = told
-        numbers = [n for n in self._matching(name, call, SDPA, index) if self._ops_pattern(n).sub]
+        numbers = [n for n in self._matching(name, call, SDPA, index) if self._op_patterns[n].sub]
         module = self._op_modules[name]
 
         def apply(kind: str, value: torch.Tensor) -> torch.Tensor:
-            targets = [t for n in numbers if self._ops_pattern(n).sub == kind for t in self._op_targets[n]]
+            targets = [t for n in numbers if self._op_patterns[n].sub == kind for t in self._op_targets[n]]
             op = f"attn.{kind}#{index}"
             return _apply(targets, [("", value)], name, call, module, "output", args, kwargs, op=op)[""]
 
         if not isinstance(output, torch.Tensor):
-            raise EditError(f"{name}#{call}: {SDPA} returned a {type(output).__name__}, expected a tensor")
+            raise EditError(f"{call_label(name, call)}: {SDPA} returned a {type(output).__name__}, expected a tensor")
         edited = edited_attention(kinds, apply, args, kwargs, output, call_label(name, call))
         self._count_ops(numbers, name)
         return edited
 
     def _matching(self, name: str, call: int, op: str, index: int) -> list[int]:
         return self._ops.matching(name, call, op, index) if self._ops is not None else []
-
-    def _ops_pattern(self, number: int) -> OpPattern:
-        assert self._ops is not None  # only op calls the selectors chose get here
-        return self._ops.patterns[number]
 
     def _count_ops(self, numbers: list[int], name: str) -> None:
         if self._watcher is not None and self._watcher.replaying:

@@ -109,17 +109,22 @@ class Part:
         """A boolean mask that broadcasts against ``value`` (None for the whole value)."""
         if self.whole:
             return None
+        if self.heads is not None and self.num_heads is None and not ctx.op.startswith("attn."):
+            raise EditError(
+                f"{ctx.site}: heads={list(self.heads)} without num_heads= names dim 1 of a value held per head, "
+                "an attention sub-site such as 'h.0.attn:attn.z'; here give num_heads= too (the last dim "
+                "read as num_heads blocks), e.g. heads=[1], num_heads=12"
+            )
         key = (tuple(value.shape), str(value.device))
         known = self._masks.get(key)
         if known is None:
-            per_head = ctx.op.startswith("attn.")  # (batch, heads, ...): heads= alone reads dim 1
-            known = self._build(value, ctx.site, per_head)  # the site's name is formatted only here, once per shape
+            known = self._build(value, ctx.site)  # the site's name is formatted only here, once per shape
             if len(self._masks) >= _MAX_MASKS:  # a generation loop grows the sequence every step
                 self._masks.clear()
             self._masks[key] = known  # built once per shape and device: no host work on later calls
         return known
 
-    def _build(self, value: torch.Tensor, site: str, per_head: bool) -> torch.Tensor:
+    def _build(self, value: torch.Tensor, site: str) -> torch.Tensor:
         ndim = value.dim()
         result = torch.ones((1,) * ndim, dtype=torch.bool, device=value.device)
         if self.channels is not None:
@@ -143,13 +148,7 @@ class Part:
                 raise EditError(f"{site}: heads={list(self.heads)} outside the {self.num_heads} heads")
             units = [(head % self.num_heads) * size + i for head in self.heads for i in range(size)]
             result = result & self._along(value, ndim - 1, tuple(units), "heads", site)
-        if self.heads is not None and self.num_heads is None:
-            if not per_head:
-                raise EditError(
-                    f"{site}: heads={list(self.heads)} without num_heads= names dim 1 of a value held per head, "
-                    "an attention sub-site such as 'h.0.attn:attn.z'; here give num_heads= too (the last dim "
-                    "read as num_heads blocks), e.g. heads=[1], num_heads=12"
-                )
+        if self.heads is not None and self.num_heads is None:  # at an attention sub-site: (batch, heads, ...)
             result = result & self._along(value, 1, self.heads, "heads", site)
         if self.mask is not None:
             mask = self.mask.to(value.device)
