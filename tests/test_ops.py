@@ -700,5 +700,3 @@ def test_features_without_op_sites_say_so_for_an_op_selector() -> None:
     said = r"names a value inside a module \(an op site\), which only hs.capture"
     with pytest.raises(hs.SelectionError, match=said):
         hs.trace(model, torch.ones(1, 2), layers="1:op[softmax#0]")
-    with pytest.raises(hs.SelectionError, match=said):
-        hs.edit(model, {"1:op[softmax#0]": hs.edits.zero()})
