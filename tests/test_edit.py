@@ -193,8 +193,10 @@ def test_bad_parts_and_paths_are_named() -> None:
         hs.run_with_edits(model, x, edits={"0": hs.edits.zero(path="output.logits")})
     with pytest.raises(EditError, match="not a multiple of num_heads=2"):
         hs.run_with_edits(model, x, edits={"0": hs.edits.zero(heads=[0], num_heads=2)})
-    with pytest.raises(SpecError, match="heads= needs num_heads="):
-        hs.edits.zero(heads=[0])
+    with pytest.raises(EditError, match=r"heads=\[0\] without num_heads= names dim 1 of a value held per head"):
+        hs.run_with_edits(model, x, edits={"0": hs.edits.zero(heads=[0])})
+    with pytest.raises(SpecError, match="num_heads= needs heads="):
+        hs.edits.zero(num_heads=2)
     with pytest.raises(SpecError, match="not callables"):
         hs.edit(model, {"0": "zero"})  # type: ignore[dict-item]
     with pytest.raises(SpecError, match="calls="):

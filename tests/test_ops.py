@@ -727,11 +727,11 @@ def test_a_function_whose_name_is_no_identifier_gets_one_a_site_can_hold() -> No
 
 def test_features_without_op_sites_say_so_for_an_op_selector() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Softmax(dim=-1))
-    said = r"names a value inside a module \(an op site\), which only hs.capture"
+    said = r"names a value inside a module \(an op site\), which hs.capture, hs.edit, hs.trace\(ops=...\)"
     with pytest.raises(hs.SelectionError, match=said):
         hs.trace(model, torch.ones(1, 2), layers="1:op[softmax#0]")
     with pytest.raises(hs.SelectionError, match=said):
-        hs.edit(model, {"1:op[softmax#0]": hs.edits.zero()})
+        hs.watch_grads(model, layers="1:op[softmax#0]")
 
 
 def test_a_watched_model_is_not_copied_silently_and_copies_freely_after() -> None:

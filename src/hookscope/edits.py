@@ -2,8 +2,8 @@
 
 Each returns an edit, a callable ``edit(value, ctx) -> value``, and takes the same optional
 keywords: the part to touch (``channels=``, ``neurons=``, ``positions=``, ``heads=`` with
-``num_heads=``, ``mask=``; see :mod:`hookscope._edit.part`) and ``path=``, which tensor of a
-structured value to edit: written in full (``"output[0]"`` of a transformers block,
+``num_heads=`` or, at an attention sub-site, alone; ``mask=``; see :mod:`hookscope._edit.part`)
+and ``path=``, which tensor of a structured value to edit: written in full (``"output[0]"`` of a transformers block,
 ``"input['mask']"``) or relative to the value edited (``"[0]"``, ``"['mask']"``); by default the
 first tensor. A path on the other side than the edit's ``on=`` is refused when the edit is attached.
 Every edit is out of place: the module's own tensor is never written, so autograd stays intact
@@ -176,7 +176,7 @@ class FromCache(Edit):
         self.cache = cache
 
     def source(self, ctx: EditContext) -> torch.Tensor:
-        site = Site(ctx.name, ctx.call, ctx.side, ctx.path)
+        site = Site(ctx.name, ctx.call, ctx.side, ctx.path, op=ctx.op)
         try:
             cached: torch.Tensor = self.cache[site]
         except SiteNotFoundError as error:

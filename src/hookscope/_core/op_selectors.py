@@ -77,13 +77,36 @@ class OpSelectors:
         self._fired: set[int] = set()  # the patterns that matched an op call, this pass
         self._watcher: OpWatcher | None = None
 
-    def attach(self, model: nn.Module, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> OpWatcher:
+    def attach(
+        self,
+        model: nn.Module,
+        keep: OpKeep,
+        want: Callable[[int], bool],
+        keep_attn: AttnKeep,
+        *,
+        replays: bool = False,
+    ) -> OpWatcher:
         """Watch the modules' ops, handing each selected op call that ``want`` accepts to ``keep``
-        (and the kernel calls of attention sub-sites to ``keep_attn``)."""
-        self._watcher = OpWatcher(model, self.modules, self._listener(keep, want, keep_attn), owner=self._owner)
+        (and the kernel calls of attention sub-sites to ``keep_attn``); ``replays``: also those
+        of a checkpointed block recomputing in backward (an edit must change them again)."""
+        listener = self._listener(keep, want, keep_attn, replays)
+        self._watcher = OpWatcher(model, self.modules, listener, owner=self._owner)
         return self._watcher
 
-    def _listener(self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep) -> Any:
+    def modules_of(self, number: int) -> list[str]:
+        """The names of the modules selector ``number`` (its place in :attr:`patterns`) watches."""
+        return list(self._modules_of.get(number, []))
+
+    def matching(self, module: str, call: int, op: str, index: int) -> list[int]:
+        """The numbers of the selectors naming the ``index``-th ``op`` of this call of ``module``,
+        in :attr:`patterns` order: which of them a value handed to ``keep`` is for."""
+        return [
+            number
+            for number, pattern in self._per_module.get(module, [])
+            if pattern.matches_call(call) and pattern.matches(op, index)
+        ]
+
+    def _listener(self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep, replays: bool) -> Any:
         per_module, fired = self._per_module, self._fired
 
         def listen(
@@ -93,7 +116,7 @@ class OpSelectors:
             if chosen is None or not want(call):
                 return None
             watcher = self._watcher
-            if watcher is not None and watcher.replaying:
+            if watcher is not None and watcher.replaying and not replays:
                 return None  # a checkpointed block recomputing in backward: its values were kept already
             hit = False
             subs: list[str] = []

@@ -287,8 +287,9 @@ def _no_match(selector: Selector, named: list[tuple[str, nn.Module]], *, within:
     if isinstance(selector, str) and (":op[" in selector or ":attn." in selector):
         module = selector.split(":", 1)[0]
         message = (
-            f"{head}; {selector!r} names a value inside a module (an op site), which only hs.capture and "
-            f"hs.layers(ops=...) take for now: capture it, or select the module {module!r}"
+            f"{head}; {selector!r} names a value inside a module (an op site), which hs.capture, hs.edit, "
+            f"hs.trace(ops=...) and hs.layers(ops=...) take, and this feature does not: use one of those, or "
+            f"select the module {module!r}"
         )
     elif isinstance(selector, type):
         present = sorted({type(module).__name__ for _, module in named})

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from torch import nn
 
 from hookscope._core.names import call_label, leaf_label
+from hookscope._core.op_sites import op_leaf_label
 from hookscope._core.tree import call_leaves
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.shapes import format_shape, shape_of
@@ -30,6 +31,14 @@ class EditContext:
     reads ``name#call:label`` (the form error messages and caches use). It prints as one line,
     the site, the module's class and the inputs' shapes and dtypes, not the module and its
     input values.
+
+    At an op site (``"h.0.attn:op[softmax#0]"``) ``op`` is the op's name and index within the
+    module call (``"softmax#0"``; an attention sub-site's is ``"attn.pattern#0"``), ``args`` and
+    ``kwargs`` are what the op was called with, and the label reads as a capture's key does:
+
+    >>> ctx = EditContext("h.0.attn", 0, nn.Identity(), "output", "", (), {}, op="softmax#0")
+    >>> ctx.site, EditContext("h.0.attn", 1, nn.Identity(), "output", "", (), {}, op="attn.z#0").label
+    ('h.0.attn#0:op[softmax#0]', 'attn.z')
     """
 
     name: str
@@ -39,15 +48,21 @@ class EditContext:
     path: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: The op within the module call whose output is edited (``"softmax#0"``), or ``""`` for
+    #: the module's own output or input.
+    op: str = ""
 
     @property
     def label(self) -> str:
-        """The edited leaf as shown: ``output``, ``output[0]``, ``input['mask']``."""
+        """The edited leaf as shown: ``output``, ``output[0]``, ``input['mask']``; at an op site
+        ``op[softmax#0]``, ``op[split#0][1]``, ``attn.pattern``."""
+        if self.op:
+            return op_leaf_label(self.op, self.side, self.path)
         return leaf_label(self.side, self.path)
 
     @property
     def site(self) -> str:
-        """``name#call:label``, e.g. ``h.0#0:output[0]``."""
+        """``name#call:label``, e.g. ``h.0#0:output[0]``, ``h.0.attn#0:op[softmax#0]``."""
         return f"{call_label(self.name, self.call)}:{self.label}"
 
     def __repr__(self) -> str:

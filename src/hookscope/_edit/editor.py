@@ -5,24 +5,38 @@ A forward hook (or, with ``on="input"``, a forward pre-hook) replaces the chosen
 module's output (or inputs) by what the edits return, in the order given. The hooks come off on
 leaving the block, also when the forward raised.
 
+An op selector (``"h.0.attn:op[softmax#0]"``, :mod:`~hookscope._core.op_sites`) edits what that
+torch call inside the module returns, through the op watcher shared with capture
+(:class:`~hookscope._core.op_selectors.OpSelectors`); an attention sub-site
+(``"h.0.attn:attn.pattern"``) edits a value of a ``scaled_dot_product_attention`` call, and the
+call's output is computed again from it (:mod:`~hookscope._edit.attention`). Either way the rest
+of the forward runs on the edited value. An op selector whose module ran without that op is an
+:class:`~hookscope.errors.EditError` at the end of the pass, naming the ops it did call.
+
 Order with other hooks: hooks run in the order they were attached, so a capture attached after
 an edit sees the edited value, and one attached before it sees the original.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
-from hookscope._core.names import leaf_label, module_label, parse_leaf
+from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
+from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf
+from hookscope._core.op_selectors import OpSelectors
+from hookscope._core.op_sites import SDPA, OpPattern, op_pattern
+from hookscope._core.ops import OpWatcher
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.sites import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
+from hookscope._edit.attention import edited_attention
 from hookscope._edit.context import EditContext, EditSide
 from hookscope._edit.options import EditOptions
 from hookscope._shared.dtypes import dtype_name
@@ -59,24 +73,52 @@ class Editor(Scoped):
         on = options.on
         self._want = options.wants
         self._side: EditSide = on
+        self._handled: BaseException | None = None
         self._tracker = CallTracker(self, feature="edit")
         plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
+        op_plan: list[tuple[OpPattern, list[EditFn]]] = []
         for selector, chosen in edits.items():
             functions = _functions(selector, chosen)
+            pattern = op_pattern(selector)
+            if pattern is not None:
+                op_plan.append((_checked_op_edit(pattern, functions, on), functions))
+                continue
             for name, module in select(model, selector):
                 plan.setdefault(id(module), (name, module, []))[2].extend(functions)
         self._plan = list(plan.values())
+        self._op_patterns = [pattern for pattern, _ in op_plan]
+        self._ops = OpSelectors(model, self._op_patterns, owner="edit", error=EditError) if op_plan else None
+        self._op_targets = [_targets(fns, "output") for _, fns in op_plan]
+        self._op_modules = dict(self._ops.modules) if self._ops is not None else {}
+        # The applied count of each (op selector, module) pair, by the pair's site text.
+        self._op_keys = {
+            (number, name): _op_key(pattern, name)
+            for number, (pattern, _) in enumerate(op_plan)
+            for name in (self._ops.modules_of(number) if self._ops is not None else [])
+        }
         # Counted per pass, from 0 each time (so compiled code sees the same values on every
         # pass and is not recompiled), and added to the earlier passes' when the next one starts.
         self._applied = dict.fromkeys((name for name, _, _ in self._plan), 0)
+        self._applied.update(dict.fromkeys(self._op_keys.values(), 0))
         self._earlier = dict.fromkeys(self._applied, 0)
+        self._op_counts = {key: len(op_plan[key[0]][1]) for key in self._op_keys}
         specs = [
             HookSpec(name, module, "forward", self._output_hook(name, fns), with_kwargs=True, fitted=True)
             if on == "output"
             else HookSpec(name, module, "forward_pre", self._input_hook(name, fns), with_kwargs=True, fitted=True)
             for name, module, fns in self._plan
         ]
-        self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, restore_mode=False)
+        counted = self._ops.modules if self._ops is not None else []  # a watched module called alone is a pass
+        self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, count=counted, restore_mode=False)
+        self._watcher: OpWatcher | None = None
+        if self._ops is not None:
+            try:
+                self._watcher = self._ops.attach(model, self._edit_op, self._want, self._edit_attention, replays=True)
+            except BaseException:
+                self._group.remove()
+                raise
+            remove_through(self._group, self.remove)  # hs.remove_all(model) takes both groups off
+            remove_through(self._watcher._group, self.remove)
 
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
@@ -112,19 +154,72 @@ class Editor(Scoped):
 
         return edit_input
 
+    def _edit_op(
+        self, name: str, call: int, label: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """Edit what one selected op call returned (told by the op watcher, after the op ran)."""
+        op, _, index = label.rpartition("#")
+        numbers = [n for n in self._matching(name, call, op, int(index)) if not self._op_patterns[n].sub]
+        targets = [target for number in numbers for target in self._op_targets[number]]
+        found = flatten_tensors(output, "")
+        leaves = _apply(targets, found, name, call, self._op_modules[name], "output", args, kwargs, op=label)
+        self._count_ops(numbers, name)
+        return map_tensors_with_paths(lambda path, tensor: leaves.get(path, tensor), output, "")
+
+    def _edit_attention(self, name: str, call: int, index: int, kinds: list[str], *told: Any) -> Any:
+        """Edit the attention sub-sites asked for of the ``index``-th ``scaled_dot_product_attention``
+        call (``told``: its args, kwargs and output), and return what the call gives with them
+        (:func:`~hookscope._edit.attention.edited_attention`)."""
+        args, kwargs, output = told
+        numbers = [n for n in self._matching(name, call, SDPA, index) if self._op_patterns[n].sub]
+        module = self._op_modules[name]
+
+        def apply(kind: str, value: torch.Tensor) -> torch.Tensor:
+            targets = [t for n in numbers if self._op_patterns[n].sub == kind for t in self._op_targets[n]]
+            op = f"attn.{kind}#{index}"
+            return _apply(targets, [("", value)], name, call, module, "output", args, kwargs, op=op)[""]
+
+        if not isinstance(output, torch.Tensor):
+            raise EditError(f"{call_label(name, call)}: {SDPA} returned a {type(output).__name__}, expected a tensor")
+        edited = edited_attention(kinds, apply, args, kwargs, output, call_label(name, call))
+        self._count_ops(numbers, name)
+        return edited
+
+    def _matching(self, name: str, call: int, op: str, index: int) -> list[int]:
+        return self._ops.matching(name, call, op, index) if self._ops is not None else []
+
+    def _count_ops(self, numbers: list[int], name: str) -> None:
+        if self._watcher is not None and self._watcher.replaying:
+            return  # a checkpointed block recomputing in backward: edited again, not counted
+        for number in numbers:
+            self._applied[self._op_keys[number, name]] += 1
+
     @property
     def sites(self) -> list[str]:
-        """The modules edited, in model order, with how many edits each."""
-        return [f"{module_label(name)} ({len(fns)} edit{'s' if len(fns) != 1 else ''})" for name, _, fns in self._plan]
+        """The modules edited, in model order, with how many edits each; then the op sites
+        (``h.0.attn:op[softmax#0] (1 edit)``), one per op selector and module it selects."""
+        counted = [(module_label(name), len(fns)) for name, _, fns in self._plan]
+        counted += [(key, self._op_counts[pair]) for pair, key in self._op_keys.items()]
+        return [f"{site} ({count} edit{'s' if count != 1 else ''})" for site, count in counted]
 
     @property
     def applied(self) -> dict[str, int]:
-        """How many calls of each edited module were edited since attaching, in model order.
+        """How many calls of each edited module were edited since attaching, in model order;
+        then, per op selector and module (``"h.0.attn:op[softmax#*]"``), how many op calls.
 
         A module at 0 was selected but never ran (or ran only in calls ``calls=`` left out):
         the edit changed nothing there.
         """
-        return {module_label(name): self._earlier[name] + count for name, count in self._applied.items()}
+        shown = {name: module_label(name) for name, _, _ in self._plan}
+        return {shown.get(key, key): self._earlier[key] + count for key, count in self._applied.items()}
+
+    def remove(self) -> None:
+        """Remove every hook of this editor (the op watcher's too). Safe to call twice."""
+        try:
+            if self._ops is not None:
+                self._ops.remove()
+        finally:
+            self._group.remove()
 
     # -- told by the call tracker -------------------------------------------------------------------
 
@@ -132,12 +227,19 @@ class Editor(Scoped):
     accepts_replicas = True
 
     def pass_started(self, module: nn.Module) -> None:
+        if self._tracker.replaying:
+            return  # a recomputation in backward is no new pass
         for name, count in self._applied.items():
             self._earlier[name] += count
             self._applied[name] = 0
+        self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
+        if self._ops is not None:
+            self._ops.start()
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        pass
+        """Refuse an op selector that matched nothing in a pass its module ran (not one that raised)."""
+        if self._ops is not None and not self._tracker.replaying and sys.exc_info()[1] is self._handled:
+            self._ops.check(self._tracker.counts(), self._want)
 
     def pass_abandoned(self) -> None:
         pass
@@ -171,19 +273,23 @@ def _apply(
     side: EditSide,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    op: str = "",
 ) -> dict[str, torch.Tensor]:
     """Run the edits in order on the call's tensors (``{path: tensor}``, edited ones replaced),
-    checking that each result can take the original's place."""
+    checking that each result can take the original's place; ``op``: an op site's op."""
     leaves = dict(found)
     if not leaves:
-        raise EditError(f"{EditContext(name, call, module, side, '', args, kwargs).site}: there is no tensor to edit")
+        raise EditError(
+            f"{EditContext(name, call, module, side, '', args, kwargs, op).site}: there is no tensor to edit"
+        )
     first = found[0][0]
     for fn, wanted in targets:
         path = first if wanted is None else wanted
-        ctx = EditContext(name, call, module, side, path, args, kwargs)
+        ctx = EditContext(name, call, module, side, path, args, kwargs, op)
         old = leaves.get(path)
         if old is None:
-            shown = ", ".join(leaf_label(side, found_path) for found_path in leaves)
+            shown = ", ".join(dataclasses.replace(ctx, path=found_path).label for found_path in leaves)
             raise EditError(f"{ctx.site}: no tensor at {ctx.label!r}; the tensors are at {shown}")
         new = fn(old, ctx)
         if not isinstance(new, torch.Tensor):
@@ -196,6 +302,27 @@ def _apply(
             )
         leaves[path] = new
     return leaves
+
+
+def _checked_op_edit(pattern: OpPattern, functions: list[EditFn], on: EditSide) -> OpPattern:
+    """Refuse, when the edit is attached, what an op site cannot take: ``on="input"``, and a
+    ``path=`` inside an attention sub-site (one tensor)."""
+    if on == "input":
+        raise SpecError(
+            f"on='input' edits what a module takes, and {str(pattern)!r} is an op selector: an op's value is "
+            "edited once the op has run (its output); leave on='output' for the op sites, and edit an op's "
+            "argument where it is made (the op or module that returned it) in an edit of its own with on='input'"
+        )
+    if pattern.sub and any(getattr(fn, "path", None) is not None for fn in functions):
+        raise SpecError(
+            f"{str(pattern)!r} is one tensor, an attention sub-site: its edits take no path=; leave path out"
+        )
+    return pattern
+
+
+def _op_key(pattern: OpPattern, name: str) -> str:
+    """The site text of an op selector on one module it selects: ``h.0.attn:op[softmax#*]``."""
+    return str(dataclasses.replace(pattern, module=name or ROOT_LABEL))
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -248,11 +375,28 @@ def edit(
     dtype and device, else :class:`~hookscope.errors.EditError` names the site.
     ``editor.applied`` counts the calls edited per module, so an edit that never ran shows.
 
+    A selector may be an op site or an attention sub-site (see the module docstring):
+    ``"h.0.attn:op[softmax#0]"``, ``"h.*:op[add#0]"``, ``"h.0.attn:attn.pattern"``,
+    ``"h.0.attn:attn.z"`` (``hs.edits.zero(heads=3)`` ablates head 3 there); module and op
+    selectors mix in one mapping, and ``applied`` counts op calls per selector and module.
+
     Example::
 
         with hs.edit(model, {"layer3": hs.edits.zero(channels=[1, 2]), "fc": my_fn}) as editor:
             model(x)
         editor.applied                  # {'layer3': 1, 'fc': 1}
+
+    A residual sum inside a module's own code, halved:
+
+    >>> import torch, hookscope as hs
+    >>> class Block(nn.Module):
+    ...     def forward(self, x):
+    ...         return x + x.relu()
+    >>> model = nn.Sequential(Block())
+    >>> with hs.edit(model, {"0:op[add#0]": hs.edits.scale(0.5)}) as editor:
+    ...     out = model(torch.ones(1, 2))
+    >>> out, editor.applied
+    (tensor([[1., 1.]]), {'0:op[add#0]': 1})
     """
     return Editor(model, edits, EditOptions.build(options, opts))
 

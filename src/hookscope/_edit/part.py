@@ -7,7 +7,9 @@ Every built-in edit takes these keywords; they combine (``positions=[3], neurons
 ``channels``       dim 1 (``N, C, ...``: conv feature maps, ``(batch, features)``)
 ``neurons``        the last dim (hidden units of a Linear, the model dimension of a transformer)
 ``positions``      dim 1 of a ``(batch, sequence, ...)`` value: token positions
-``heads``          the last dim read as ``num_heads`` blocks of ``dim // num_heads``
+``heads``          with ``num_heads``: the last dim read as ``num_heads`` blocks of
+                   ``dim // num_heads``; alone, at an attention sub-site (``:attn.z``,
+                   ``:attn.pattern``, ... all ``(batch, heads, ...)``): dim 1
 ``mask``           a boolean tensor that broadcasts against the value
 =================  ==========================================================================
 """
@@ -63,8 +65,8 @@ class Part:
         mask: torch.Tensor | None = None,
     ) -> Part:
         """Check the keywords and build the part."""
-        if (heads is None) != (num_heads is None):
-            raise SpecError("heads= needs num_heads= (how many heads the last dim holds), and the reverse")
+        if num_heads is not None and heads is None:
+            raise SpecError("num_heads= needs heads= (which heads to edit)")
         if num_heads is not None and (not isinstance(num_heads, int) or num_heads < 1):
             raise SpecError(f"num_heads={num_heads!r}: expected a positive whole number")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
@@ -95,7 +97,8 @@ class Part:
         key = (tuple(value.shape), str(value.device))
         known = self._indices.get(key)
         if known is None:
-            dim = 1 if named[0] in ("channels", "positions") else value.dim() - 1
+            along_dim_1 = named[0] in ("channels", "positions") or (named[0] == "heads" and self.num_heads is None)
+            dim = 1 if along_dim_1 else value.dim() - 1
             known = (dim, mask.reshape(-1).nonzero().reshape(-1))
             if len(self._indices) >= _MAX_MASKS:
                 self._indices.clear()
@@ -106,6 +109,12 @@ class Part:
         """A boolean mask that broadcasts against ``value`` (None for the whole value)."""
         if self.whole:
             return None
+        if self.heads is not None and self.num_heads is None and not ctx.op.startswith("attn."):
+            raise EditError(
+                f"{ctx.site}: heads={list(self.heads)} without num_heads= names dim 1 of a value held per head, "
+                "an attention sub-site such as 'h.0.attn:attn.z'; here give num_heads= too (the last dim "
+                "read as num_heads blocks), e.g. heads=[1], num_heads=12"
+            )
         key = (tuple(value.shape), str(value.device))
         known = self._masks.get(key)
         if known is None:
@@ -139,6 +148,8 @@ class Part:
                 raise EditError(f"{site}: heads={list(self.heads)} outside the {self.num_heads} heads")
             units = [(head % self.num_heads) * size + i for head in self.heads for i in range(size)]
             result = result & self._along(value, ndim - 1, tuple(units), "heads", site)
+        if self.heads is not None and self.num_heads is None:  # at an attention sub-site: (batch, heads, ...)
+            result = result & self._along(value, 1, self.heads, "heads", site)
         if self.mask is not None:
             mask = self.mask.to(value.device)
             try:

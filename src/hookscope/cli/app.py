@@ -377,7 +377,9 @@ def edit_command(
         typer.Option(
             "--edit",
             "-e",
-            help="SELECTOR=KIND[:key=value]..., e.g. 'layer1.0.conv2=zero:channels=0,3'; kinds: zero, scale "
+            help="SELECTOR=KIND[:key=value]..., e.g. 'layer1.0.conv2=zero:channels=0,3'; SELECTOR may be an op "
+            "site ('h.0.attn:op[softmax#0]', 'h.*:op[add#0]') or an attention sub-site "
+            "('h.0.attn:attn.z=zero:heads=3', 'h.0.attn:attn.pattern=scale:factor=0.5'); kinds: zero, scale "
             "(factor=), clamp (min=, max=), noise (std=, seed=). Repeat for several edits, applied in order.",
             show_default=False,
         ),

@@ -1,7 +1,9 @@
 """``--edit`` specs of the ``edit`` command: ``SELECTOR=KIND[:key=value]...``.
 
 Examples: ``layer1.0.conv2=zero:channels=0,3``, ``h.*=scale:factor=0.5:neurons=7``,
-``fc=clamp:min=-1:max=1``, ``h.0=noise:std=0.1:seed=3:positions=2``. The kinds that need no
+``fc=clamp:min=-1:max=1``, ``h.0=noise:std=0.1:seed=3:positions=2``; op sites and attention
+sub-sites are selectors too: ``h.0:op[add#0]=scale:factor=0``, ``h.0.attn:attn.z=zero:heads=3``
+(the selector ends at the first ``=``, so its ``:`` are its own). The kinds that need no
 tensor or cache work here: ``zero``, ``scale``, ``clamp``, ``noise``; options are the part
 (``channels``, ``neurons``, ``positions``, ``heads`` with ``num_heads``) and ``path``.
 """
@@ -25,7 +27,7 @@ KINDS: dict[str, tuple[Callable[..., edits.Edit], tuple[str, ...]]] = {
     "clamp": (edits.clamp, ()),
     "noise": (edits.noise, ("std",)),
 }
-_EXAMPLE = "e.g. 'layer1.0.conv2=zero:channels=0,3' or 'h.*=scale:factor=0.5'"
+_EXAMPLE = "e.g. 'layer1.0.conv2=zero:channels=0,3', 'h.*=scale:factor=0.5' or 'h.0.attn:attn.z=zero:heads=3'"
 
 
 def parse_edit(text: str) -> tuple[str, edits.Edit]:
