@@ -70,3 +70,15 @@ def test_more_queries_than_keys_and_numpy_head_indices() -> None:
     (ax,) = panels(fig)
     assert [label.get_text() for label in ax.get_xticklabels()] == ["x", "y", "z"]
     assert np.allclose(ax.images[0].get_array(), pattern[1].numpy())
+
+
+def test_one_head_s_title_fits_inside_its_figure() -> None:
+    pattern = torch.softmax(torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(0)), -1)
+    fig = hs.plots.attention(pattern, heads=[3])
+    fig.canvas.draw()
+    title = fig._suptitle
+    assert title is not None
+    box = title.get_window_extent()
+    width = fig.get_figwidth() * fig.dpi
+    assert box.x0 >= 0
+    assert box.x1 <= width

@@ -62,8 +62,9 @@ def attention(
         _label(ax, tokens, queries, keys)
     fig.colorbar(image, ax=axes, shrink=0.8)
     what = f"{len(chosen)} of {values.shape[0]} heads" if len(chosen) < values.shape[0] else f"{len(chosen)} heads"
+    # Two lines: one head's figure is narrow, and a one-line title would be cut at its edges.
     fig.suptitle(
-        (literal(title) + ": " if title else "") + f"attention, {what} (rows: queries, columns: keys)", fontsize=9
+        (literal(title) + ": " if title else "") + f"attention, {what}\nrows: queries, columns: keys", fontsize=9
     )
     return fig
 
