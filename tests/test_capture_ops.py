@@ -291,7 +291,7 @@ def test_under_torch_compile_op_sites_equal_the_eager_model_s() -> None:
             assert torch.equal(cap[site], eager[site])
         torch._dynamo.reset()  # code compiled with the capture's hooks would be stale for the next one
         with (
-            pytest.raises(hs.CaptureError, match=r"'\(root\)', which ran and called: no torch op.*eager model"),
+            pytest.raises(hs.CaptureError, match=r"'\(root\)', which ran and called: no torch op.*eager model's"),
             hs.capture(compiled, "(root):op[split#0]"),
         ):
             compiled(x)  # the wrapper's own forward is compiled code: it calls no op one by one

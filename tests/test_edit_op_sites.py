@@ -394,6 +394,8 @@ def test_heads_alone_is_refused_outside_an_attention_sub_site() -> None:
         hs.run_with_edits(
             model, attention_tokens(), edits={"h.0.attn:op[scaled_dot_product_attention]": hs.edits.zero(heads=1)}
         )
+    with pytest.raises(EditError, match=r"h.0.attn#0:attn.z: num_heads=2 reads the last dim.*drop num_heads="):
+        hs.run_with_edits(model, attention_tokens(), edits={"h.0.attn:attn.z": hs.edits.zero(heads=1, num_heads=2)})
 
 
 # -- the command line ------------------------------------------------------------------------------

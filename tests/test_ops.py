@@ -405,7 +405,9 @@ def test_no_mode_outside_the_selected_modules_and_nothing_left_after() -> None:
     finally:
         for handle in handles:
             handle.remove()
-    assert depths == {"": before, "head.fc": before}, "no mode before the head, none inside its Linear"
+    # no mode before the head; inside its Linear the mode stays on the stack (reporting nothing, as
+    # asserted next): taking it off and on there would reorder modes the forward pushed meanwhile
+    assert depths == {"": before, "head.fc": before + 1}
     assert recorder.ops("head") == ["relu#0", "mul#0", "softmax#0"]
     assert not watcher.live
     assert hs.attached(model) == []

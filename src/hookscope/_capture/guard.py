@@ -170,7 +170,8 @@ class CopyOnWrite(TorchFunctionMode):
             return
         for watched, before_write in list(self.watchers):  # a callback may end its own watch
             if key in watched:
-                before_write(key)
+                with torch._C.DisableTorchFunction():  # its copy is hookscope's work: no mode below sees it
+                    before_write(key)
 
 
 class _ThreadGuard(threading.local):

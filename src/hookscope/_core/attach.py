@@ -179,19 +179,24 @@ def calls_through_call_impl(module: nn.Module) -> bool:
 
 
 class _Wrapper:
-    """The callable put in the module's ``__dict__``; a pass-through once :meth:`disable` ran.
+    """The callable put in the module's ``__dict__``; a pass-through once removed while other
+    code's wrapper sits above it.
 
     Never compiled (a graph break around it under ``torch.compile``), and never copied: a
     ``copy.deepcopy`` of a wrapped module would keep a wrapper calling the *original* module,
     silently, so copying one is refused with the fix (as the hooks' anchors refuse it).
+    ``had`` and ``previous`` are what the attribute held before it (``inner`` is that, or the
+    class's method, bound), so a stack of wrappers can be taken apart in any order.
     """
 
-    __slots__ = ("active", "fn", "inner", "owner")
+    __slots__ = ("active", "fn", "had", "inner", "owner", "previous")
 
-    def __init__(self, fn: Callable[..., Any], inner: Callable[..., Any], owner: str) -> None:
+    def __init__(self, fn: Callable[..., Any], module: nn.Module, attribute: str, owner: str) -> None:
         self.fn = fn
-        self.inner = inner
         self.owner = owner
+        self.had = attribute in module.__dict__
+        self.previous = module.__dict__.get(attribute)
+        self.inner: Callable[..., Any] = getattr(module, attribute)
         self.active = True
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -203,34 +208,73 @@ class _Wrapper:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         if not self.active:
-            return self  # a pass-through left behind: it calls what it wrapped, as before
+            raise HookscopeError(
+                "a module is being copied that holds a pass-through hookscope left under another library's wrapper "
+                "of its forward (that library wrapped it after hookscope attached, and still holds it): the copy "
+                "would run the original module; copy the model before attaching, or remove the other wrapper first"
+            )
         raise _copied(self.owner, "copied", "copy")
 
     def __reduce__(self) -> Any:
         raise _copied(self.owner, "pickled", "save")
 
 
-class _WrapHandle:
-    """Removes one :class:`_Wrapper`: restores the attribute it replaced, or, if other code
-    wrapped it since, turns it into a pass-through."""
+def _wrapped_attribute(module: nn.Module, around: WrapKind) -> str:
+    """The instance attribute to wrap: ``_call_impl`` for the call; for the forward, the one
+    that runs the module's own code: accelerate's ``_old_forward`` under its hook (its
+    ``forward`` runs the hook's pre- and post-forward work around it, not the module's code)."""
+    if around == "forward" and "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
+        return "_old_forward"
+    return _WRAPPED_ATTRIBUTE[around]
 
-    def __init__(self, module: nn.Module, owner: str, attribute: str, fn: Callable[..., Any]) -> None:
+
+class _WrapHandle:
+    """Removes one :class:`_Wrapper`, whatever the order: on top, it restores what the attribute
+    held (and unwinds pass-throughs below it); under another hookscope wrapper, it is spliced
+    out of the chain; under other code's wrapper, it stays as a pass-through."""
+
+    def __init__(self, module: nn.Module, owner: str, around: WrapKind, fn: Callable[..., Any]) -> None:
         self._module = weakref.ref(module)
-        self._attribute = attribute
-        self._had = attribute in module.__dict__
-        self._previous = module.__dict__.get(attribute)
-        self._wrapper = _Wrapper(fn, getattr(module, attribute), owner)
-        module.__dict__[attribute] = self._wrapper
+        self._attribute = _wrapped_attribute(module, around)
+        self._wrapper = _Wrapper(fn, module, self._attribute, owner)
+        module.__dict__[self._attribute] = self._wrapper
 
     def remove(self) -> None:
-        self._wrapper.active = False
+        wrapper = self._wrapper
+        if not wrapper.active:
+            return
+        wrapper.active = False
         module = self._module()
-        if module is None or module.__dict__.get(self._attribute) is not self._wrapper:
-            return  # gone, or wrapped again by other code: left as a pass-through
-        if self._had:
-            module.__dict__[self._attribute] = self._previous
+        if module is None:
+            return
+        held = module.__dict__
+        attribute = self._attribute
+        if held.get(attribute) is wrapper:
+            _unwind(held, attribute, wrapper)
+            return
+        above = held.get(attribute)
+        while isinstance(above, _Wrapper):  # hookscope's own wrappers above it: splice it out
+            if above.inner is wrapper:
+                above.inner, above.had, above.previous = wrapper.inner, wrapper.had, wrapper.previous
+                return
+            above = above.inner
+        if self._attribute == "forward" and held.get("_old_forward") is wrapper:
+            held["_old_forward"] = wrapper.inner  # accelerate wrapped it since: give it what we wrapped
+            return
+        # under other code's wrapper: left as a pass-through
+
+
+def _unwind(held: dict[str, Any], attribute: str, wrapper: _Wrapper) -> None:
+    """Put back what ``wrapper`` replaced, and what each pass-through under it replaced."""
+    while True:
+        if wrapper.had:
+            held[attribute] = wrapper.previous
         else:
-            del module.__dict__[self._attribute]
+            held.pop(attribute, None)
+        below = held.get(attribute)
+        if not (isinstance(below, _Wrapper) and not below.active):
+            return
+        wrapper = below
 
 
 @dataclass(frozen=True)
@@ -292,7 +336,7 @@ class HookGroup:
         try:
             self._attach(model, specs, count)
             for wrap in wraps:
-                handle = _WrapHandle(wrap.module, self.owner, _WRAPPED_ATTRIBUTE[wrap.around], wrap.fn)
+                handle = _WrapHandle(wrap.module, self.owner, wrap.around, wrap.fn)
                 kind: Literal["call wrapper", "forward wrapper"] = (
                     "call wrapper" if wrap.around == "call" else "forward wrapper"
                 )

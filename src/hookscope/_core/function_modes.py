@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["depth", "on_stack", "put_on", "take_off"]
+__all__ = ["depth", "on_stack", "put_on", "put_under", "take_off"]
 
 _length = torch._C._len_torch_function_stack
 _at = torch._C._get_function_stack_at
@@ -46,6 +46,18 @@ def on_stack(mode: Any) -> bool:
 def put_on(mode: Any) -> None:
     """Push ``mode`` on top of this thread's stack (as ``with mode:`` does on entry)."""
     _push(mode)
+
+
+def put_under(mode: Any, above: Any) -> None:
+    """Push ``mode`` below the modes on top of this thread's stack for which ``above(other)`` is
+    True (they stay on top, in their order): for modes that must run in an order of their own,
+    whatever order they are pushed in."""
+    lifted: list[Any] = []
+    while _length() and above(_at(_length() - 1)):
+        lifted.append(_pop())
+    _push(mode)
+    for other in reversed(lifted):
+        _push(other)
 
 
 def take_off(mode: Any) -> bool:

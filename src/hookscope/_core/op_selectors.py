@@ -169,8 +169,9 @@ class OpSelectors:
             hint = "hs.layers(model, x, ops=True) lists the op sites"
         else:
             hint = (
-                "a module run by torch.compile's generated code calls no torch function one by one: capture the "
-                "eager model (the module before torch.compile); hs.layers(model, x, ops=True) lists the op sites"
+                "its own code calls no torch function (a container such as nn.Sequential only calls its children: "
+                "select the child whose code makes the op; a torch.compile wrapper's forward is compiled code: "
+                "select the eager model's modules); hs.layers(model, x, ops=True) lists the op sites"
             )
         return (
             f"op selector {str(pattern)!r} matched no op call of {module_label(module)!r}, which ran and called: "

@@ -10,15 +10,18 @@ How, and what it costs:
 
 - **Scoped.** Each module inside the watch gets two wrappers (:class:`~hookscope._core.attach.WrapSpec`,
   instance attributes taken off on removal): one around its whole call, hooks included, one
-  around its forward. The function mode is pushed exactly while a selected module's forward
-  runs its own code, and taken off in ``finally`` however it ends (an exception, Ctrl-C).
+  around its forward. The function mode is pushed when a selected module's forward starts,
+  reports only while that module's own code runs, and is taken off in ``finally`` however the
+  forward ends (an exception, Ctrl-C); modes the forward pushes meanwhile keep their order.
+  Several watchers on one op see it in the order they were attached, as hooks do.
   Other modules, models and threads run with no mode at all: nothing is patched globally
   (torchlens wraps every torch function, 3-4x here).
 - **A module's own code.** With ``children=False`` (the default) every submodule of a selected
   module (every descendant: a ModuleList's items are called by their grandparent) is wrapped
-  too, and the mode is off while it runs: the ops of ``h.0.attn`` are its own, not those of its
-  ``c_attn`` Linear. With ``children=True`` the submodules' forwards are reported as the
-  selected module's. Nested selected modules: an op belongs to the innermost one running.
+  too, and nothing is reported while it runs (the mode stays on the stack, reporting nothing):
+  the ops of ``h.0.attn`` are its own, not those of its ``c_attn`` Linear. With
+  ``children=True`` the submodules' forwards are reported as the selected module's. Nested
+  selected modules: an op belongs to the innermost one running.
 - **Other code's hooks are not the module's code.** The call wrapper runs outside every hook of
   the module, the forward wrapper inside them all, whenever they were attached: the ops of any
   hook (a capture's ``detach``, a user's ``output * 2``, an ``hs.edit`` attached later) are
@@ -54,6 +57,8 @@ How, and what it costs:
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -64,7 +69,7 @@ from torch.overrides import TorchFunctionMode
 
 from hookscope._core.attach import HookGroup, Scoped, WrapSpec, calls_through_call_impl, remove_through
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.function_modes import put_on, take_off
+from hookscope._core.function_modes import put_under, take_off
 from hookscope._core.names import named_modules
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import Selector, ensure_module, select
@@ -137,14 +142,19 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+_WATCHER_NUMBERS = itertools.count()
+
+
 class _OpMode(TorchFunctionMode):
     """Runs each torch function, then reports it to the listener when it returned a tensor and
     a selected module's own code is running (``frame``)."""
 
     def __init__(self, listener: OpListener) -> None:
         super().__init__()
-        #: The innermost selected call running, set by the watcher's hooks; None: report nothing.
+        #: The innermost selected call running, set by the watcher; None: report nothing.
         self.frame: _Frame | None = None
+        #: Attach order among watchers: a later watcher's mode sits above an earlier one's.
+        self.order = next(_WATCHER_NUMBERS)
         self._listener = listener
         self._names: dict[Any, str] = {}
 
@@ -234,6 +244,8 @@ class OpWatcher(Scoped):
         self._mode = _OpMode(listener)
         self._stack: list[_Frame | _Off | _Inherit] = []  # innermost last
         self._on = False  # whether the mode is on the stack of the thread running the watched pass
+        self._thread: int | None = None  # that thread, while the stack is not empty
+        self._claim_lock = threading.Lock()
         self._tracker = CallTracker(listener=self, feature=owner)
         chosen = {id(module): (name, module) for name, module in modules}
         wraps: list[WrapSpec] = []
@@ -272,25 +284,32 @@ class OpWatcher(Scoped):
 
     def _run(self, entry: _Frame | _Off | _Inherit, inner: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Run ``inner`` with ``entry`` innermost, and put the stack back however it ends
-        (an exception, a ``KeyboardInterrupt``): the mode follows the top of the stack."""
+        (an exception, a ``KeyboardInterrupt``). The first entry makes this thread the one
+        whose calls the watch follows until the stack is empty again."""
         stack = self._stack
         depth = len(stack)
-        stack.append(entry)
-        self._settle()
         try:
+            stack.append(entry)
+            self._settle()
             return inner(*args, **kwargs)
         finally:
             del stack[depth:]
             if type(entry) is _Frame:
                 self._note_seen(entry)
             self._settle()
+            if not depth:
+                self._thread = None
+
+    def _mine(self) -> bool:
+        """Whether this thread runs the watched pass now (only ever asked with the stack non-empty)."""
+        return self._thread == threading.get_ident()
 
     def _quiet(self) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a watched module's whole call: its hooks, anyone's, in any order, run unreported."""
-        stack, tracker, run = self._stack, self._tracker, self._run
+        stack, mine, run = self._stack, self._mine, self._run
 
         def quiet(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not stack or (tracker.shared and tracker.foreign()):
+            if not stack or not mine():
                 return inner(*args, **kwargs)  # nothing watched is running (the cost outside), or another thread
             return run(_OFF, inner, args, kwargs)
 
@@ -300,21 +319,34 @@ class OpWatcher(Scoped):
         self, selected: str, module: nn.Module
     ) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a selected module's forward: its own code's ops are reported as its call's."""
-        tracker, current, run, key = self._tracker, self._tracker.current, self._run, id(module)
+        stack, mine, run, claim = self._stack, self._mine, self._run, self._claim
+        current, key = self._tracker.current, id(module)
 
         def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if tracker.shared and tracker.foreign():
-                return inner(*args, **kwargs)
+            if not (mine() if stack else claim()):
+                return inner(*args, **kwargs)  # another thread's forward: passes through
             return run(_Frame(selected, current(module), key), inner, args, kwargs)
 
         return loud
 
+    def _claim(self) -> bool:
+        """Make this thread the watched one, unless the call tracker's thread rule says it is a
+        foreign thread, or another thread holds the watch right now."""
+        tracker = self._tracker
+        if tracker.shared and tracker.foreign():
+            return False
+        me = threading.get_ident()
+        with self._claim_lock:
+            if self._thread is None:
+                self._thread = me
+            return self._thread == me
+
     def _inherit(self) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a submodule's forward (``children=True``): its ops are the innermost selected call's."""
-        stack, tracker, run = self._stack, self._tracker, self._run
+        stack, mine, run = self._stack, self._mine, self._run
 
         def inherit(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not stack or (tracker.shared and tracker.foreign()):
+            if not stack or not mine():
                 return inner(*args, **kwargs)
             return run(_INHERIT, inner, args, kwargs)
 
@@ -329,8 +361,12 @@ class OpWatcher(Scoped):
     # -- the mode -------------------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """Mode on, reporting to the innermost selected call, exactly while one runs its own code
-        (or, with ``children=True``, a submodule it called)."""
+        """Report to the innermost selected call exactly while one runs its own code (or, with
+        ``children=True``, a submodule it called). The mode goes on this thread's stack at the
+        first selected forward and comes off when the last entry closes, never in between: the
+        modes other code pushes inside the forward (``with torch.device(...)``, a capture's
+        guard) stay in the order they were pushed, and a listener that calls a watched module
+        pushes nothing."""
         stack = self._stack
         top = stack[-1] if stack else None
         if type(top) is _Inherit:
@@ -341,11 +377,15 @@ class OpWatcher(Scoped):
                 self._turn_on()
         else:
             self._mode.frame = None
-            if self._on:
+            if self._on and not stack:
                 self._turn_off()
 
     def _turn_on(self) -> None:
-        put_on(self._mode)
+        # Below the modes of watchers attached later: an op's value reaches the watchers in the
+        # order they were attached, as hooks run (a capture attached before an edit sees the
+        # value before the edit), whichever forward wrapper pushed its mode first.
+        order = self._mode.order
+        put_under(self._mode, lambda other: isinstance(other, _OpMode) and other.order > order)
         self._on = True
 
     def _turn_off(self) -> None:
@@ -357,6 +397,7 @@ class OpWatcher(Scoped):
         (removal from inside a forward: the wrappers' ``finally`` then finds nothing to pop)."""
         self._stack.clear()
         self._mode.frame = None
+        self._thread = None
         if self._on:
             self._turn_off()
 

@@ -115,6 +115,12 @@ class Part:
                 "an attention sub-site such as 'h.0.attn:attn.z'; here give num_heads= too (the last dim "
                 "read as num_heads blocks), e.g. heads=[1], num_heads=12"
             )
+        if self.num_heads is not None and ctx.op.startswith("attn."):
+            raise EditError(
+                f"{ctx.site}: num_heads={self.num_heads} reads the last dim as heads, but an attention sub-site "
+                f"holds its heads on dim 1 already (shape {tuple(value.shape)}); drop num_heads=: "
+                f"heads={list(self.heads or ())} alone names them"
+            )
         key = (tuple(value.shape), str(value.device))
         known = self._masks.get(key)
         if known is None:

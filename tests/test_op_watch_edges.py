@@ -1,0 +1,212 @@
+"""Op watches beside other code: several watchers on one op, the user's own function modes,
+other threads, removal in any order, accelerate's forward wrapper, listeners that call modules.
+
+Each test is a case where the watch's bookkeeping (its wrappers, its place on torch's mode
+stack) could go wrong silently; references are plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import hookscope as hs
+from hookscope._core.ops import list_ops
+
+WAIT = 30.0
+
+
+def stack() -> list[str]:
+    """The names of the modes on this thread's torch function stack, bottom first."""
+    return [type(torch._C._get_function_stack_at(i)).__name__ for i in range(torch._C._len_torch_function_stack())]
+
+
+def wrapped(model: nn.Module) -> list[str]:
+    """Modules that still hold an instance ``forward``, ``_call_impl`` or ``_old_forward``."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if {"forward", "_call_impl", "_old_forward"} & set(module.__dict__)
+    ]
+
+
+class TwoSoftmax(nn.Module):
+    """The same op before and after a submodule call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(-1) + self.lin(x).softmax(-1)
+
+
+def test_watchers_see_an_op_in_the_order_they_were_attached_as_hooks_do() -> None:
+    model = nn.Sequential(TwoSoftmax())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    original = x.softmax(-1)
+    doubled = {"0:op[softmax#*]": hs.edits.scale(2.0)}
+    sites = ("0:op[softmax#0]", "0:op[softmax#1]")
+    with torch.no_grad():
+        with hs.capture(model, *sites) as before, hs.edit(model, doubled):
+            out = model(x)
+        with hs.edit(model, doubled), hs.capture(model, *sites) as after:
+            model(x)
+    torch.testing.assert_close(out, 4 * original)
+    for site in sites:
+        torch.testing.assert_close(before[site], original)  # attached before the edit: the value before it
+        torch.testing.assert_close(after[site], 2 * original)  # attached after: the edited value
+    assert stack() == []
+
+
+class UserMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class InsideAMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with UserMode():
+            y = self.lin(x)  # a submodule called inside the user's own function mode
+        return y.softmax(-1)
+
+
+def test_a_mode_the_forward_pushes_around_a_submodule_stays_its_own() -> None:
+    model = nn.Sequential(InsideAMode())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(x)
+        with hs.capture(model, "0:op[softmax#0]") as cap:
+            model(x)
+    torch.testing.assert_close(cap["0:op[softmax#0]"], expected)
+    assert stack() == []
+
+
+class Paused(nn.Module):
+    """Waits in the middle of its forward until another thread has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = nn.Linear(4, 4)
+        self.inside, self.go_on = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.softmax(-1)
+        self.inside.set()
+        assert self.go_on.wait(timeout=WAIT)
+        return y.exp() + self.sub(x)
+
+
+def test_another_thread_calling_a_watched_submodule_passes_through() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Paused())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    seen: dict[str, Any] = {}
+
+    def other() -> None:
+        assert model[0].inside.wait(timeout=WAIT)
+        with torch.no_grad():
+            model[0].sub(x)
+            seen["stack"] = stack()
+            seen["sum"] = torch.ones(1) + 1  # an add on this thread: never the module's
+        model[0].go_on.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with torch.no_grad(), hs.capture(model, "0:op[add#0]") as cap:
+        out = model(x)
+    thread.join(timeout=WAIT)
+    assert seen["stack"] == []
+    torch.testing.assert_close(cap["0:op[add#0]"], out)
+    assert stack() == []
+
+
+@pytest.mark.parametrize("order", ["first-attached first", "last-attached first", "remove_all"])
+def test_wrappers_come_off_whatever_the_removal_order(order: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1)))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+        cap = hs.capture(model, "1.1:op[softmax#0]")
+        editor = hs.edit(model, {"1.1:op[softmax#0]": hs.edits.scale(2.0)})
+        torch.testing.assert_close(model(x), 2 * expected)
+        if order == "remove_all":
+            hs.remove_all(model)
+        else:
+            first, second = (cap, editor) if order == "first-attached first" else (editor, cap)
+            first.remove()
+            if first is cap:
+                torch.testing.assert_close(model(x), 2 * expected)  # the edit still applies
+            second.remove()
+        torch.testing.assert_close(model(x), expected)
+    assert wrapped(model) == []
+    assert hs.attached(model) == []
+    twin = copy.deepcopy(model)  # a copy computes with its own weights
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.zero_()
+        torch.testing.assert_close(twin(x), torch.full((2, 4), 0.25))
+
+
+class Tripled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).softmax(-1)
+
+
+def test_accelerate_s_hook_work_is_not_the_module_s_own_code() -> None:
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Doubling(hooks.ModelHook):  # type: ignore[misc]
+        def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return (args[0] * 2,), kwargs
+
+        def post_forward(self, module: nn.Module, output: Any) -> Any:
+            return output * 1
+
+    model = nn.Sequential(Tripled())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    plain = [str(op) for op in list_ops(model, x, layers="0")]
+    hooks.add_hook_to_module(model[0], Doubling())
+    assert [str(op) for op in list_ops(model, x, layers="0")] == plain == ["0#0:op[mul#0]", "0#0:op[softmax#0]"]
+    with torch.no_grad(), hs.edit(model, {"0:op[mul#0]": hs.edits.scale(0.0)}):
+        out = model(x)  # the module's own x * 3 zeroed: a uniform softmax
+    torch.testing.assert_close(out, torch.full((2, 4), 0.25))
+    held = model[0].__dict__["_old_forward"]  # accelerate's own attribute, given back as it held it
+    assert getattr(held, "__func__", None) is Tripled.forward
+    hooks.remove_hook_from_module(model[0])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), (x * 3).softmax(-1))
+
+
+class LinearThenSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).softmax(-1) * 2
+
+
+def test_an_edit_that_calls_a_watched_submodule_leaves_no_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(LinearThenSoftmax())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    lin = model[0].lin
+    with torch.no_grad(), hs.edit(model, {"0:op[softmax#0]": lambda value, ctx: lin(value)}) as editor:
+        out = model(x)
+    assert editor.applied == {"0:op[softmax#0]": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(out, lin(lin(x).softmax(-1)) * 2)
+    assert stack() == []
+    assert hs.attached(model) == []
