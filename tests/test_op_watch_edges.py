@@ -81,6 +81,34 @@ class InsideAMode(nn.Module):
         return y.softmax(-1)
 
 
+class CallsInsideAMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inner = TwoSoftmax()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 1.0
+        with UserMode():
+            return self.inner(h) + 0
+
+
+def test_attach_order_holds_with_a_user_mode_between_the_watchers_modes() -> None:
+    model = nn.Sequential(CallsInsideAMode())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = model[0].lin(x)
+        # the edit's mode is pushed inside the user's mode, the capture's (also watching the outer
+        # module) before it: the capture, attached later, must still see the edited value
+        with (
+            hs.edit(model, {"0.inner:op[softmax#0]": hs.edits.scale(2.0)}),
+            hs.capture(model, "0.inner:op[softmax#0]", "0:op[mul#0]") as cap,
+        ):
+            model(x)
+    torch.testing.assert_close(cap["0.inner:op[softmax#0]"], 2 * h.softmax(-1))
+    assert stack() == []
+
+
 def test_a_mode_the_forward_pushes_around_a_submodule_stays_its_own() -> None:
     model = nn.Sequential(InsideAMode())
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
@@ -210,3 +238,43 @@ def test_an_edit_that_calls_a_watched_submodule_leaves_no_mode() -> None:
         torch.testing.assert_close(out, lin(lin(x).softmax(-1)) * 2)
     assert stack() == []
     assert hs.attached(model) == []
+
+
+def test_a_watch_removed_from_inside_a_listener_leaves_no_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1)))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    held: dict[str, Any] = {}
+
+    def remove_the_capture(value: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if "capture" in held:
+            held.pop("capture").remove()  # while torch holds the capture's mode lifted off the stack
+        return value
+
+    with torch.no_grad(), hs.edit(model, {"1.1:op[softmax#0]": remove_the_capture}):
+        held["capture"] = hs.capture(model, "1.1:op[softmax#0]")
+        model(x)
+        assert stack() == []
+        hs.remove_all(model)  # and the edit itself, between passes
+    assert stack() == []
+    assert wrapped(model) == []
+
+
+def test_a_bare_forward_call_on_another_thread_does_not_take_the_watch() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    errors: list[BaseException] = []
+
+    def bare() -> None:
+        try:
+            model[1].forward(x)  # no module call around it: no call index to report under
+        except hs.HookscopeError as error:
+            errors.append(error)
+
+    with torch.no_grad(), hs.capture(model, "1:op[softmax#0]") as cap:
+        thread = threading.Thread(target=bare)
+        thread.start()
+        thread.join(timeout=WAIT)
+        out = model(x)  # the attaching thread's pass is still watched
+    assert len(errors) == 1
+    torch.testing.assert_close(cap["1:op[softmax#0]"], out)

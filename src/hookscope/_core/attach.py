@@ -23,6 +23,7 @@ garbage-collected with the capture and every value it kept.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import itertools
@@ -207,12 +208,8 @@ class _Wrapper:
     __call__ = never_compiled(_call)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        if not self.active:
-            raise HookscopeError(
-                "a module is being copied that holds a pass-through hookscope left under another library's wrapper "
-                "of its forward (that library wrapped it after hookscope attached, and still holds it): the copy "
-                "would run the original module; copy the model before attaching, or remove the other wrapper first"
-            )
+        if not self.active:  # a pass-through left behind: the copy gets what it wraps, bound to the copy
+            return copy.deepcopy(self.inner, memo)
         raise _copied(self.owner, "copied", "copy")
 
     def __reduce__(self) -> Any:

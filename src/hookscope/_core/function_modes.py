@@ -49,11 +49,16 @@ def put_on(mode: Any) -> None:
 
 
 def put_under(mode: Any, above: Any) -> None:
-    """Push ``mode`` below the modes on top of this thread's stack for which ``above(other)`` is
-    True (they stay on top, in their order): for modes that must run in an order of their own,
-    whatever order they are pushed in."""
+    """Push ``mode`` below every mode on this thread's stack for which ``above(other)`` is True;
+    the modes lifted to make room (those and any pushed after the lowest of them) go back on in
+    their order. For modes that must run in an order of their own whoever pushed first."""
+    size = _length()
+    lowest = next((index for index in range(size) if above(_at(index))), None)
+    if lowest is None:
+        _push(mode)
+        return
     lifted: list[Any] = []
-    while _length() and above(_at(_length() - 1)):
+    while _length() > lowest:
         lifted.append(_pop())
     _push(mode)
     for other in reversed(lifted):

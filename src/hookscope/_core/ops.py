@@ -245,6 +245,7 @@ class OpWatcher(Scoped):
         self._stack: list[_Frame | _Off | _Inherit] = []  # innermost last
         self._on = False  # whether the mode is on the stack of the thread running the watched pass
         self._thread: int | None = None  # that thread, while the stack is not empty
+        self._stranded = False  # the mode is to come off but torch held it when it was removed
         self._claim_lock = threading.Lock()
         self._tracker = CallTracker(listener=self, feature=owner)
         chosen = {id(module): (name, module) for name, module in modules}
@@ -299,6 +300,8 @@ class OpWatcher(Scoped):
             self._settle()
             if not depth:
                 self._thread = None
+            if self._stranded and take_off(self._mode):
+                self._stranded = False
 
     def _mine(self) -> bool:
         """Whether this thread runs the watched pass now (only ever asked with the stack non-empty)."""
@@ -323,9 +326,12 @@ class OpWatcher(Scoped):
         current, key = self._tracker.current, id(module)
 
         def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not (mine() if stack else claim()):
+            if stack and not mine():
                 return inner(*args, **kwargs)  # another thread's forward: passes through
-            return run(_Frame(selected, current(module), key), inner, args, kwargs)
+            frame = _Frame(selected, current(module), key)  # may raise (a bare .forward() call): before any claim
+            if not stack and not claim():
+                return inner(*args, **kwargs)
+            return run(frame, inner, args, kwargs)
 
         return loud
 
@@ -390,7 +396,10 @@ class OpWatcher(Scoped):
 
     def _turn_off(self) -> None:
         self._on = False
-        take_off(self._mode)  # wherever it stands: a capture's guard may have been pushed above it
+        # Wherever it stands: a capture's guard may have been pushed above it. Not there when the
+        # watch is removed from inside a listener (torch has lifted the mode while it handles the
+        # op, and puts it back after): the open wrappers take it off on their way out.
+        self._stranded = not take_off(self._mode)
 
     def _reset(self) -> None:
         """Forget every open call and take the mode off this thread's stack if it is there
