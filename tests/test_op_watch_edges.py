@@ -278,3 +278,58 @@ def test_a_bare_forward_call_on_another_thread_does_not_take_the_watch() -> None
         out = model(x)  # the attaching thread's pass is still watched
     assert len(errors) == 1
     torch.testing.assert_close(cap["1:op[softmax#0]"], out)
+
+
+class TanhBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Twice(nn.Module):
+    """One block applied twice, each under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = TanhBlock()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        once = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return checkpoint(self.block, once, use_reentrant=self.reentrant).square().sum()
+
+
+def reference_gradient(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """d/dx of sum(square(0.5 * block(block(x)))), without hookscope or checkpointing."""
+    x = x.detach().requires_grad_(True)
+    (0.5 * block(block(x))).square().sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+@pytest.mark.parametrize("how", ["calls=1", "block#1:op"])
+def test_an_edit_of_one_call_of_a_recomputed_block_is_exact_or_refused(how: str) -> None:
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = Twice(reentrant)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if how == "calls=1":
+            editor = hs.edit(model, {"block": hs.edits.scale(0.5)}, calls=1)
+        else:
+            editor = hs.edit(model, {"block#1:op[tanh#0]": hs.edits.scale(0.5)})
+        if reentrant:  # its recomputation cannot tell block#0 from block#1: refused, not misplaced
+            with editor, pytest.raises(hs.EditError, match=r"'block' runs 2 times in the forward and is recomputed"):
+                model(x).backward()
+        else:  # non-reentrant recomputation keeps the forward's numbering: exact, gradients included
+            with editor:
+                model(x).backward()
+            assert x.grad is not None
+            torch.testing.assert_close(x.grad, reference_gradient(model.block, x))
+        assert stack() == []
+        assert wrapped(model) == []
+        assert hs.attached(model) == []

@@ -84,11 +84,12 @@ class OpSelectors:
         want: Callable[[int], bool],
         keep_attn: AttnKeep,
         *,
-        replays: bool = False,
+        replays: Callable[[str], None] | None = None,
     ) -> OpWatcher:
         """Watch the modules' ops, handing each selected op call that ``want`` accepts to ``keep``
-        (and the kernel calls of attention sub-sites to ``keep_attn``); ``replays``: also those
-        of a checkpointed block recomputing in backward (an edit must change them again)."""
+        (and the kernel calls of attention sub-sites to ``keep_attn``). ``replays``: also those of
+        a checkpointed block recomputing in backward (an edit must change them again), after
+        ``replays(module)`` is told of each such op, before any call filter (it may refuse)."""
         listener = self._listener(keep, want, keep_attn, replays)
         self._watcher = OpWatcher(model, self.modules, listener, owner=self._owner)
         return self._watcher
@@ -106,18 +107,24 @@ class OpSelectors:
             if pattern.matches_call(call) and pattern.matches(op, index)
         ]
 
-    def _listener(self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep, replays: bool) -> Any:
+    def _listener(
+        self, keep: OpKeep, want: Callable[[int], bool], keep_attn: AttnKeep, replays: Callable[[str], None] | None
+    ) -> Any:
         per_module, fired = self._per_module, self._fired
 
         def listen(
             module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> Any:
             chosen = per_module.get(module)
-            if chosen is None or not want(call):
+            if chosen is None:
                 return None
             watcher = self._watcher
-            if watcher is not None and watcher.replaying and not replays:
-                return None  # a checkpointed block recomputing in backward: its values were kept already
+            if watcher is not None and watcher.replaying:
+                if replays is None:
+                    return None  # a checkpointed block recomputing in backward: its values were kept already
+                replays(module)
+            if not want(call):
+                return None
             hit = False
             subs: list[str] = []
             for number, pattern in chosen:

@@ -99,6 +99,7 @@ class Editor(Scoped):
         # Counted per pass, from 0 each time (so compiled code sees the same values on every
         # pass and is not recompiled), and added to the earlier passes' when the next one starts.
         self._applied = dict.fromkeys((name for name, _, _ in self._plan), 0)
+        self._forward_calls: dict[str, int] = {}  # calls per module in the last forward pass
         self._applied.update(dict.fromkeys(self._op_keys.values(), 0))
         self._earlier = dict.fromkeys(self._applied, 0)
         self._op_counts = {key: len(op_plan[key[0]][1]) for key in self._op_keys}
@@ -113,7 +114,9 @@ class Editor(Scoped):
         self._watcher: OpWatcher | None = None
         if self._ops is not None:
             try:
-                self._watcher = self._ops.attach(model, self._edit_op, self._want, self._edit_attention, replays=True)
+                self._watcher = self._ops.attach(
+                    model, self._edit_op, self._want, self._edit_attention, replays=self._refuse_unplaceable_replay
+                )
             except BaseException:
                 self._group.remove()
                 raise
@@ -123,10 +126,13 @@ class Editor(Scoped):
     def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
         applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
+        refuse = self._refuse_unplaceable_replay
 
         def edit_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if tracker.shared and foreign():
                 return None  # another thread's forward: left as it is
+            if tracker.replaying:
+                refuse(name, call_patterns=False)
             call = current(module)
             if not want(call):
                 return None
@@ -140,10 +146,13 @@ class Editor(Scoped):
     def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
         current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
         applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
+        refuse = self._refuse_unplaceable_replay
 
         def edit_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if tracker.shared and foreign():
                 return None
+            if tracker.replaying:
+                refuse(name, call_patterns=False)
             call = current(module)
             if not want(call):
                 return None
@@ -187,6 +196,22 @@ class Editor(Scoped):
 
     def _matching(self, name: str, call: int, op: str, index: int) -> list[int]:
         return self._ops.matching(name, call, op, index) if self._ops is not None else []
+
+    def _refuse_unplaceable_replay(self, name: str, *, call_patterns: bool = True) -> None:
+        """In a checkpointed block's recomputation in backward, calls are numbered within the
+        recomputation: a module called several times in the forward cannot be told which call
+        it repeats, so an edit of some of its calls would apply to the wrong one (and the
+        gradients be silently wrong). Refused then; editing every call stays exact."""
+        chooses = self.options.calls != "all" or (
+            call_patterns and any(pattern.call is not None for pattern in self._op_patterns)
+        )
+        if chooses and self._forward_calls.get(name, 0) > 1:
+            raise EditError(
+                f"{module_label(name)!r} runs {self._forward_calls[name]} times in the forward and is recomputed by "
+                "a checkpointed block in backward, where hookscope cannot tell which of its calls is being "
+                "recomputed: an edit of some of its calls (calls=, or '#1' in a selector) would apply to the wrong "
+                "one; edit every call, or run without gradient checkpointing"
+            )
 
     def _count_ops(self, numbers: list[int], name: str) -> None:
         if self._watcher is not None and self._watcher.replaying:
@@ -238,6 +263,8 @@ class Editor(Scoped):
 
     def pass_ended(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Refuse an op selector that matched nothing in a pass its module ran (not one that raised)."""
+        if not self._tracker.replaying:
+            self._forward_calls = self._tracker.counts()
         if self._ops is not None and not self._tracker.replaying and sys.exc_info()[1] is self._handled:
             self._ops.check(self._tracker.counts(), self._want)
 
