@@ -333,3 +333,48 @@ def test_an_edit_of_one_call_of_a_recomputed_block_is_exact_or_refused(how: str)
         assert stack() == []
         assert wrapped(model) == []
         assert hs.attached(model) == []
+
+
+class Doubles(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+class PlusOne(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.doubles = Doubles()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.doubles(x) + 1
+
+
+def test_with_children_a_hook_s_calls_are_still_nobody_s_code() -> None:
+    from hookscope._core.ops import OpWatcher
+
+    model = PlusOne()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    log: list[str] = []
+
+    def listen(module: str, call: int, op: str, index: int, *rest: Any) -> None:
+        log.append(f"{module or '(root)'}:{op}#{index}")
+
+    watched = [("", model), ("doubles", model.doubles)]
+    with torch.no_grad():
+        with OpWatcher(model, watched, listen, children=True):
+            model(x)
+        plain = list(log)
+        log.clear()
+        hook = model.doubles.register_forward_hook(lambda module, args, out: out + module.inner(out))
+        try:
+            with OpWatcher(model, watched, listen, children=True):
+                model(x)  # the hook calls the watched module's child: its ops are the hook's, unreported
+        finally:
+            hook.remove()
+    assert plain == ["doubles:linear#0", "doubles:tanh#0", "doubles:mul#0", "(root):add#0"]
+    assert log == plain
+    assert stack() == []

@@ -374,9 +374,12 @@ class OpWatcher(Scoped):
         guard) stay in the order they were pushed, and a listener that calls a watched module
         pushes nothing."""
         stack = self._stack
-        top = stack[-1] if stack else None
-        if type(top) is _Inherit:
-            top = next((entry for entry in reversed(stack) if type(entry) is _Frame), None)
+        at = len(stack) - 1
+        while at >= 0 and type(stack[at]) is _Inherit:  # a submodule's forward (children=True) and
+            at -= 1  # the call wrapper under it are transparent; a hook's region (another _Off) is not
+            if at >= 0 and type(stack[at]) is _Off:
+                at -= 1
+        top = stack[at] if at >= 0 else None
         if type(top) is _Frame:
             self._mode.frame = top
             if not self._on:
