@@ -323,10 +323,10 @@ class OpWatcher(Scoped):
     ) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a selected module's forward: its own code's ops are reported as its call's."""
         stack, mine, run, claim = self._stack, self._mine, self._run, self._claim
-        current, key = self._tracker.current, id(module)
+        tracker, current, key = self._tracker, self._tracker.current, id(module)
 
         def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if stack and not mine():
+            if (stack and not mine()) or (not stack and tracker.shared and tracker.foreign()):
                 return inner(*args, **kwargs)  # another thread's forward: passes through
             frame = _Frame(selected, current(module), key)  # may raise (a bare .forward() call): before any claim
             if not stack and not claim():
