@@ -18,6 +18,7 @@ from hookscope._capture.files import load_tensors, save_tensors, tensor_file_for
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
+from hookscope._core.std import StdMap, StdSite, std_map
 from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
@@ -60,6 +61,7 @@ from hookscope.errors import (
     SiteNotFoundError,
     SpecError,
     StaleCompiledCodeWarning,
+    StdMapError,
     StoreBusyError,
     StoreError,
     StoreIndexError,
@@ -113,6 +115,9 @@ __all__ = [
     "SpecError",
     "StaleCompiledCodeWarning",
     "Stats",
+    "StdMap",
+    "StdMapError",
+    "StdSite",
     "Store",
     "StoreArray",
     "StoreBusyError",
@@ -153,6 +158,7 @@ __all__ = [
     "run_with_trace",
     "save_tensors",
     "select",
+    "std_map",
     "tensor_file_format",
     "tensor_stats",
     "trace",

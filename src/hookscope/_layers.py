@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 from contextlib import ExitStack
+from html import escape
 from typing import Any, NamedTuple, overload
 
 import torch
@@ -24,6 +25,7 @@ from hookscope._core.ops import OpCall, OpLog, OpWatcher
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
+from hookscope._core.std import StdMap, std_map
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted
@@ -59,6 +61,8 @@ class LayerTable:
         self.total_params = total_params
         self.trainable_params = trainable_params
         self.ops = ops
+        #: The canonical names of the model's sites, with ``hs.layers(model, std=True)``.
+        self.std: StdMap | None = None
         self._by_name = {row.name: row for row in rows}
 
     @property
@@ -130,17 +134,21 @@ class LayerTable:
 
     def __str__(self) -> str:
         text = self._table().text()
-        return text if self.ops is None else f"{text}\n\n{self._op_table(self.ops).text()}"
+        text = text if self.ops is None else f"{text}\n\n{self._op_table(self.ops).text()}"
+        return text if self.std is None else f"{text}\n\n{self.std.table()}"
 
     def __repr__(self) -> str:
         return str(self)
 
     def _repr_html_(self) -> str:
         html = self._table().html()
-        return html if self.ops is None else html + self._op_table(self.ops).html()
+        html = html if self.ops is None else html + self._op_table(self.ops).html()
+        return html if self.std is None else html + f"<pre>{escape(self.std.table())}</pre>"
 
 
-def layers(model: nn.Module, *example_args: Any, ops: bool | Selector = False, **example_kwargs: Any) -> LayerTable:
+def layers(
+    model: nn.Module, *example_args: Any, ops: bool | Selector = False, std: bool = False, **example_kwargs: Any
+) -> LayerTable:
     """List every module of ``model``: dotted name, class, own parameter count, and calls.
 
     With a sample input (``layers(model, x)``, keyword inputs too) one forward pass runs in eval
@@ -152,6 +160,11 @@ def layers(model: nn.Module, *example_args: Any, ops: bool | Selector = False, *
     selector will take (``h.0.attn:op[softmax#0]``), with the shapes and dtypes it returned.
     ``ops=`` a selector lists only the chosen modules' op sites. Op sites need eager execution:
     a model under ``torch.compile`` is refused.
+
+    ``std=True`` adds the map of canonical names (``table.std``, a :class:`~hookscope.StdMap`,
+    printed after the modules): which site ``std:blocks.3.resid_post`` and the other canonical
+    names are on this model, and which names it does not define and why. The map is checked on
+    the sample input (a transformers model needs none).
 
     Example::
 
@@ -181,7 +194,10 @@ def layers(model: nn.Module, *example_args: Any, ops: bool | Selector = False, *
         for name, module in named
     ]
     unique = list(model.parameters())
-    return LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad), op_calls)
+    table = LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad), op_calls)
+    if std:
+        table.std = std_map(model, *example_args, **example_kwargs)
+    return table
 
 
 def _op_modules(

@@ -11,6 +11,9 @@ does::
     │                                      (.key, .candidates)
     ├── SpecError (ValueError)             an argument has the wrong form: an unknown hook kind,
     │                                      a hook that is not callable, an unusable selector
+    ├── StdMapError (ValueError)           canonical names cannot be mapped onto the model: its
+    │                                      family table no longer fits, or the structural detector
+    │                                      could not place a role (.family, .check)
     ├── FileFormatError (ValueError)       a file is not what its extension or contents promise
     ├── DataError (ValueError)             data broke a promise it made before: fewer rows than
     │                                      its length, a batch unlike the first (.rows)
@@ -67,6 +70,7 @@ __all__ = [
     "SiteNotFoundError",
     "SpecError",
     "StaleCompiledCodeWarning",
+    "StdMapError",
     "StoreBusyError",
     "StoreError",
     "StoreIndexError",
@@ -105,6 +109,27 @@ class SelectionError(HookscopeError, LookupError):
 
 class SpecError(HookscopeError, ValueError):
     """An argument was understood but has the wrong form (unknown kind, not callable, ...)."""
+
+
+class StdMapError(HookscopeError, ValueError):
+    """Canonical names (``"std:blocks.3.resid_post"``) cannot be mapped onto this model.
+
+    Raised when the map is made, never later: a family table whose modules or residual
+    identities no longer fit the model (transformers changed the architecture's code), or a
+    model the structural detector cannot read (no block list, a role it cannot place).
+
+    Attributes:
+        family: the family table used, or ``"detected"``.
+        check: what failed, in words (``"resid_post of block 0 is not resid_pre of block 1"``).
+
+    >>> StdMapError("no block list", family="detected", check="no block list").check
+    'no block list'
+    """
+
+    def __init__(self, message: str, *, family: str = "", check: str = "") -> None:
+        super().__init__(message)
+        self.family = family
+        self.check = check
 
 
 class UnsupportedModelError(HookscopeError, TypeError):

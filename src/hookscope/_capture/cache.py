@@ -23,6 +23,7 @@ import torch
 
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
+from hookscope._core.std.stdmap import STD_PREFIX
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.tables import Column, Table
@@ -116,6 +117,17 @@ class Cache(Mapping[str, torch.Tensor]):
             return False
         return True
 
+    @property
+    def std(self) -> dict[str, torch.Tensor]:
+        """The values selected by canonical names, keyed by them: ``cache.std["blocks.3.resid_post"]``.
+
+        Present when the capture was given ``"std:..."`` selectors (:func:`hookscope.std_map`);
+        ``cache["std:blocks.3.resid_post"]`` reads one, and saved files keep the names.
+        """
+        std = self.meta.get("std")
+        names = std if isinstance(std, dict) else {}
+        return {name: self[STD_PREFIX + name] for name in names if STD_PREFIX + name in self}
+
     def sites(self) -> list[Site]:
         """Every site held, in the order the values were captured."""
         return list(self._entries)
@@ -193,9 +205,11 @@ class Cache(Mapping[str, torch.Tensor]):
     def _built_index(self) -> SiteIndex:
         if self._index is None:
             aliases = self.meta.get("aliases")
+            std = self.meta.get("std")
             self._index = SiteIndex(
                 self._entries,
                 aliases=aliases if isinstance(aliases, dict) else None,
+                std=std if isinstance(std, dict) else None,
                 notes=self._empty,
                 verb="captured",
                 empty_hint="the cache is empty (did the forward run inside the capture, on the thread that made it? "

@@ -45,6 +45,7 @@ from hookscope._core.select import (
     select_leaves,
 )
 from hookscope._core.sites import CallTracker, Site
+from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.options import with_options
@@ -94,7 +95,8 @@ class Capture(Scoped):
         self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
-        patterns, selectors_of_modules = _split_op_selectors(selectors)
+        expanded, std_names = expand_std(model, selectors, "read")  # "std:blocks.*.attn" -> site selectors
+        patterns, selectors_of_modules = _split_op_selectors(expanded)
         if patterns and options.stop:
             raise SpecError(
                 f"stop=True cannot be used with op selectors ({str(patterns[0])!r}) yet: the forward would stop "
@@ -103,6 +105,8 @@ class Capture(Scoped):
         self._ops = OpSelectors(model, patterns) if patterns else None
         self._selected, self._leaves = select_leaves(model, selectors_of_modules) if selectors_of_modules else ([], {})
         meta = _describe(model, selectors, options)
+        if std_names:
+            meta["std"] = {name: text for text, name in std_names.items()}
         chosen = {id(module) for _, module in [*self._selected, *(self._ops.modules if self._ops else [])]}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen

@@ -34,6 +34,7 @@ from typing import Literal
 from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
 from hookscope._core.op_sites import op_text, split_op_leaf
 from hookscope._core.sites import Site
+from hookscope._core.std.stdmap import STD_PREFIX
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["SiteIndex"]
@@ -74,10 +75,12 @@ Site(module='h', call=0, what='output', path='[0]'))
         verb: str = "captured",
         empty_hint: str = "nothing is held",
         default_call: Literal["first", "last"] = "last",
+        std: Mapping[str, str] | None = None,
     ) -> None:
         ordered = list(dict.fromkeys(sites))  # leaves are offered in the order they were held
         self._sites = set(ordered)
         self._aliases: Mapping[str, str] = aliases if aliases is not None else {}
+        self._std: Mapping[str, str] = std if std is not None else {}  # canonical name -> site text
         self._notes: Mapping[str, str] = notes if notes is not None else {}
         self._verb = verb
         self._empty_hint = empty_hint
@@ -104,6 +107,8 @@ Site(module='h', call=0, what='output', path='[0]'))
             return key
         if not isinstance(key, str):
             raise SpecError(f"a site key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
+        if key.startswith(STD_PREFIX):
+            return self.resolve(self._std_site(key), whole=whole)
         literal = self._literal_name(key)
         if literal is not None:  # a module whose name holds '#' or ':', named as it is
             return self._literal_module(key, literal, whole=whole)
@@ -120,6 +125,23 @@ Site(module='h', call=0, what='output', path='[0]'))
         if op_leaf is not None:
             return self._resolve_op(key, module, match["call"], *op_leaf, whole=whole)
         return self._resolve_parts(key, module, match["call"], what, path, whole=whole)
+
+    def _std_site(self, key: str) -> str:
+        """The site text a canonical key (``"std:blocks.3.resid_post"``) was held under."""
+        text = self._std.get(key[len(STD_PREFIX) :])
+        if text is not None:
+            return text
+        names = list(self._std)
+        close = difflib.get_close_matches(key[len(STD_PREFIX) :], names, n=3, cutoff=0.6)
+        if not names:
+            hint = "nothing was selected by a canonical name: select 'std:...' names when capturing"
+        else:
+            hint = "canonical names held: " + ", ".join(STD_PREFIX + n for n in (close or names[:8]))
+        raise SiteNotFoundError(
+            f"canonical site {key!r} was not {self._verb}; {hint}",
+            key=key,
+            candidates=tuple(STD_PREFIX + n for n in close),
+        )
 
     def every_call(self, key: str | Site) -> list[Site]:
         """The site ``key`` names in every call of its module, in call order (a call index in

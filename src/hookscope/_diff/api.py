@@ -16,6 +16,7 @@ from torch import nn
 from hookscope._capture import Cache, capture
 from hookscope._core.names import call_label, unwrapped_modules
 from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.std import expand_std, known_std_map
 from hookscope._core.tree import map_tensors
 from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics
@@ -49,6 +50,9 @@ def compare_models(
     (autocast, compile), whose own root is no counterpart of anything.
     """
     _check_tolerances(rtol, atol)
+    if match == "std":  # pair the modules carrying the same canonical name (two architectures)
+        match, std_layers = std_pairs(ensure_module(a), ensure_module(b))
+        layers = std_layers if layers is None else layers
     modules_a = _modules(ensure_module(a), layers)
     modules_b = unwrapped_modules(ensure_module(b))  # a wrapper's held module: its calls are the wrapper's
     pairs = None if match == "order" else name_pairs([n for n, _ in modules_a], [n for n, _ in modules_b], match)
@@ -217,11 +221,27 @@ def _blame(which: str) -> Iterator[None]:
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
         return unwrapped_modules(model)
-    chosen: Any = list(layers) if isinstance(layers, (list, tuple)) else layers
+    chosen: Any = expand_std(model, list(layers) if isinstance(layers, (list, tuple)) else [layers], "module")[0]
     kept = {
         id(module) for _, module in unwrapped_modules(model)
     }  # a wrapper's held module: its calls are the wrapper's
     return [(name, module) for name, module in select(model, chosen) if id(module) in kept]
+
+
+def std_pairs(a: nn.Module, b: nn.Module) -> tuple[Callable[[str], str | None], list[Selector]]:
+    """``match="std"``: a's module for each canonical name that a module carries in both models,
+    paired with b's (``{a's name: b's name}``), and a's modules to compare."""
+    std_a, std_b = known_std_map(a), known_std_map(b)
+    pairs: dict[str, str] = {}
+    for name, site in std_a.items():
+        other = std_b.sites.get(name)
+        if site.module is not None and other is not None and other.module is not None:
+            pairs.setdefault(site.module, other.module)
+    if not pairs:
+        raise SpecError(
+            f"match='std' found no canonical name a module carries in both models ({std_a.family} and {std_b.family})"
+        )
+    return pairs.get, list(pairs)
 
 
 def _check_tolerances(rtol: float, atol: float) -> None:
@@ -316,9 +336,11 @@ class DiffFunction:
         ``max|a - b| <= atol + rtol * max|a|``; the call's inputs are compared too, so
         :meth:`Diff.first_divergence` can tell a layer that introduced a difference from one that
         was handed it. Sites are paired ``match="name"`` (default), by a mapping of name patterns
-        (``{"model.layers.*": "transformer.h.*"}``), by a function of a's names, or by execution
-        order (``"order"``, for the same structure under other names). ``layers`` limits the
-        comparison to a's modules a selector picks.
+        (``{"model.layers.*": "transformer.h.*"}``), by a function of a's names, by execution
+        order (``"order"``, for the same structure under other names), or by canonical name
+        (``"std"``, for two architectures: the modules carrying ``blocks.3.attn``, ``embed``,
+        ... in each, see :func:`hookscope.std_map`). ``layers`` limits the comparison to a's
+        modules a selector picks (``"std:..."`` selectors included).
 
         Models run once each under ``torch.no_grad()``, a first: its values are copied to
         ``keep_on`` (the CPU) as they are made, then b's are compared the moment they exist and
@@ -353,6 +375,8 @@ class DiffFunction:
                 raise SpecError("pass two models or two captures (Cache) to hs.diff, not one of each")
             if args or kwargs or inputs_b is not None:
                 raise SpecError("two captures are compared as they are: pass no inputs with them")
+            if match == "std":
+                raise SpecError("match='std' pairs the modules of two models; two captures are paired by their names")
             rtol, atol = _given(rtol, atol, [v.dtype for cache in (a, b) for v in cache.values()])
             return compare_caches(a, b, match=match, rtol=rtol, atol=atol)
         inputs = (args, {**kwargs, **(model_kwargs or {})})

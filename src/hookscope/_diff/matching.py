@@ -1,7 +1,8 @@
 """Which module of model b stands for which module of model a.
 
-By name (the default), by a mapping of name patterns, by a function of a's names, or by
-execution order (``"order"``, resolved while b runs: its k-th module call is a's k-th).
+By name (the default), by a mapping of name patterns, by a function of a's names, by
+execution order (``"order"``, resolved while b runs: its k-th module call is a's k-th), or by
+canonical name (``"std"``: the modules that carry ``blocks.3.attn`` in each architecture).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hookscope.errors import SpecError
 
 __all__ = ["Match", "name_pairs", "translate"]
 
-Match = Literal["name", "order"] | Mapping[str, str] | Callable[[str], str | None]
+Match = Literal["name", "order", "std"] | Mapping[str, str] | Callable[[str], str | None]
 
 
 def translate(patterns: Mapping[str, str]) -> Callable[[str], str]:

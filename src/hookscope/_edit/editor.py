@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
-from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf
+from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf, split_leaf_selector
 from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import SDPA, OpPattern, op_pattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.sites import CallTracker
+from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._edit.attention import edited_attention
 from hookscope._edit.context import EditContext, EditSide
@@ -77,15 +78,27 @@ class Editor(Scoped):
         self._tracker = CallTracker(self, feature="edit")
         plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
         op_plan: list[tuple[OpPattern, list[EditFn]]] = []
+        leaf_plan: dict[tuple[int, str], tuple[str, nn.Module, EditSide, list[tuple[EditFn, str | None]]]] = {}
         for selector, chosen in edits.items():
             functions = _functions(selector, chosen)
-            pattern = op_pattern(selector)
-            if pattern is not None:
-                op_plan.append((_checked_op_edit(pattern, functions, on), functions))
-                continue
-            for name, module in select(model, selector):
-                plan.setdefault(id(module), (name, module, []))[2].extend(functions)
+            targets, _ = expand_std(model, [selector], "write")  # "std:blocks.3.resid_mid" -> its sites
+            for target in targets:
+                pattern = op_pattern(target)
+                if pattern is not None:
+                    op_plan.append((_checked_op_edit(pattern, functions, on), functions))
+                    continue
+                split = split_leaf_selector(target)
+                if split is not None:  # "h.0:input[0]": this side and tensor, whatever on= says
+                    module_selector, what, path = split
+                    side: EditSide = "input" if what == "input" else "output"
+                    for name, module in select(model, module_selector):
+                        entry = leaf_plan.setdefault((id(module), side), (name, module, side, []))
+                        entry[3].extend(_at_path(functions, path, target))
+                    continue
+                for name, module in select(model, target):
+                    plan.setdefault(id(module), (name, module, []))[2].extend(functions)
         self._plan = list(plan.values())
+        self._leaf_plan = list(leaf_plan.values())
         self._op_patterns = [pattern for pattern, _ in op_plan]
         self._ops = OpSelectors(model, self._op_patterns, owner="edit", error=EditError) if op_plan else None
         self._op_targets = [_targets(fns, "output") for _, fns in op_plan]
@@ -99,15 +112,17 @@ class Editor(Scoped):
         # Counted per pass, from 0 each time (so compiled code sees the same values on every
         # pass and is not recompiled), and added to the earlier passes' when the next one starts.
         self._applied = dict.fromkeys((name for name, _, _ in self._plan), 0)
+        self._applied.update(dict.fromkeys((name for name, _, _, _ in self._leaf_plan), 0))
         self._forward_calls: dict[str, int] = {}  # calls per module in the last forward pass
         self._applied.update(dict.fromkeys(self._op_keys.values(), 0))
         self._earlier = dict.fromkeys(self._applied, 0)
         self._op_counts = {key: len(op_plan[key[0]][1]) for key in self._op_keys}
+        sided = [(name, module, on, _targets(fns, on)) for name, module, fns in self._plan] + self._leaf_plan
         specs = [
-            HookSpec(name, module, "forward", self._output_hook(name, fns), with_kwargs=True, fitted=True)
-            if on == "output"
-            else HookSpec(name, module, "forward_pre", self._input_hook(name, fns), with_kwargs=True, fitted=True)
-            for name, module, fns in self._plan
+            HookSpec(name, module, "forward", self._output_hook(name, targets), with_kwargs=True, fitted=True)
+            if side == "output"
+            else HookSpec(name, module, "forward_pre", self._input_hook(name, targets), with_kwargs=True, fitted=True)
+            for name, module, side, targets in sided
         ]
         counted = self._ops.modules if self._ops is not None else []  # a watched module called alone is a pass
         self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, count=counted, restore_mode=False)
@@ -123,8 +138,8 @@ class Editor(Scoped):
             remove_through(self._group, self.remove)  # hs.remove_all(model) takes both groups off
             remove_through(self._watcher._group, self.remove)
 
-    def _output_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
-        current, want, targets = self._tracker.current, self._want, _targets(fns, "output")
+    def _output_hook(self, name: str, targets: list[tuple[EditFn, str | None]]) -> Callable[..., Any]:
+        current, want = self._tracker.current, self._want
         applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
         refuse = self._refuse_unplaceable_replay
 
@@ -143,8 +158,8 @@ class Editor(Scoped):
 
         return edit_output
 
-    def _input_hook(self, name: str, fns: list[EditFn]) -> Callable[..., Any]:
-        current, want, targets = self._tracker.current, self._want, _targets(fns, "input")
+    def _input_hook(self, name: str, targets: list[tuple[EditFn, str | None]]) -> Callable[..., Any]:
+        current, want = self._tracker.current, self._want
         applied, tracker, foreign = self._applied, self._tracker, self._tracker.foreign
         refuse = self._refuse_unplaceable_replay
 
@@ -224,6 +239,7 @@ class Editor(Scoped):
         """The modules edited, in model order, with how many edits each; then the op sites
         (``h.0.attn:op[softmax#0] (1 edit)``), one per op selector and module it selects."""
         counted = [(module_label(name), len(fns)) for name, _, fns in self._plan]
+        counted += [(f"{module_label(name)}:{side}", len(targets)) for name, _, side, targets in self._leaf_plan]
         counted += [(key, self._op_counts[pair]) for pair, key in self._op_keys.items()]
         return [f"{site} ({count} edit{'s' if count != 1 else ''})" for site, count in counted]
 
@@ -236,6 +252,7 @@ class Editor(Scoped):
         the edit changed nothing there.
         """
         shown = {name: module_label(name) for name, _, _ in self._plan}
+        shown.update({name: module_label(name) for name, _, _, _ in self._leaf_plan})
         return {shown.get(key, key): self._earlier[key] + count for key, count in self._applied.items()}
 
     def remove(self) -> None:
@@ -289,6 +306,18 @@ def _targets(fns: list[EditFn], side: EditSide) -> list[tuple[EditFn, str | None
             wanted = parse_leaf(wanted, side, shown=f"path={wanted!r}", hint=f"; to edit {other}")
         targets.append((fn, wanted))
     return targets
+
+
+def _at_path(functions: list[EditFn], path: str, selector: str) -> list[tuple[EditFn, str | None]]:
+    """The edits of a leaf selector (``"h.0:output[0]"``), each at the selector's tensor; an edit
+    naming a path of its own as well is refused (two answers to one question)."""
+    for fn in functions:
+        if getattr(fn, "path", None) is not None:
+            raise SpecError(
+                f"{selector!r} names its tensor, and the edit {fn!r} names path={fn.path!r} too "  # type: ignore[attr-defined]
+                "(one place to say it): select the module alone, or leave path= out"
+            )
+    return [(fn, path or None) for fn in functions]
 
 
 def _apply(

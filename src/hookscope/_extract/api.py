@@ -33,6 +33,7 @@ from torch import nn
 from hookscope._core.attach import HookGroup
 from hookscope._core.op_sites import op_pattern
 from hookscope._core.select import Selector, describe_selector, ensure_module
+from hookscope._core.std import expand_std
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, differences, model_identity
 from hookscope._extract.data import Batch, IndexedSource, Source, make_source
@@ -121,7 +122,9 @@ def extract(
     """
     ensure_module(model)
     config = ExtractConfig.build(options, opts)
-    _refuse_op_selectors(layers)
+    given: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    expanded, std_names = expand_std(model, given, "read")  # "std:blocks.*.resid_post" -> site selectors
+    _refuse_op_selectors(expanded)
     zarr_module()
     target = target_of(out)
     ranks = resolve_ranks(config.rank, config.world_size)
@@ -138,7 +141,7 @@ def extract(
             "one, or tensors); this data is a stream that only one process can read in order"
         )
     run_on = config.torch_device or _model_device(model)
-    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    selectors: list[Selector] = expanded
     captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options, mask=TokenMask())
     job = _Job(
         model=model,
@@ -154,7 +157,8 @@ def extract(
     )
     recorded = {
         "model": model_identity(model, config.model_spec),
-        "layers": [_layer_text(s) for s in selectors],
+        "layers": [_layer_text(s) for s in given],
+        **({"std": {name: text for text, name in std_names.items()}} if std_names else {}),
         **config.recorded(),
         "reduce": captures.reductions,
         "rows": source.rows,

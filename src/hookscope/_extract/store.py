@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hookscope._core.sites import Site
 from hookscope._extract.layout import Layout, SiteLayout
 from hookscope._extract.verify import damaged_chunks, describe, missing_chunk, present_chunks
 from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
@@ -321,6 +322,9 @@ class Store:
         return isinstance(key, str) and key in self._by_key
 
     def __getitem__(self, key: str) -> StoreArray:
+        std = self.meta.get("config", {}).get("std")
+        if isinstance(key, str) and key.startswith("std:") and isinstance(std, dict) and key[4:] in std:
+            key = str(Site.parse(std[key[4:]]))  # a canonical name the extraction was given: its site
         layout = self._by_key.get(key)
         if layout is None:
             raise self._not_found(key)

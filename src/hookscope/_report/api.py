@@ -15,6 +15,7 @@ from torch import nn
 from hookscope._capture import capture
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
+from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves
 from hookscope._grads import GradMonitor, watch_grads
 from hookscope._report import sections
@@ -78,6 +79,8 @@ def report(
     model = ensure_module(model)
     layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
     layers = None if layers is None else given_selectors((), layers, feature="report")
+    if layers is not None:  # "std:blocks.*" -> the modules carrying those canonical names
+        layers = expand_std(model, list(layers) if isinstance(layers, (list, tuple)) else [layers], "module")[0]
     path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")

@@ -38,6 +38,7 @@ from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, given_selectors, select
 from hookscope._core.sites import Site
+from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
@@ -547,6 +548,7 @@ def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> 
     if layers is None:
         return named_modules(model)
     selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
+    selectors = expand_std(model, selectors, "module")[0]  # "std:blocks.*" -> the modules carrying them
     if not selectors:
         raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
     return select(model, selectors)  # a union, each module once, in model order

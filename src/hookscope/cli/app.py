@@ -164,6 +164,13 @@ def layers_command(
             show_default=False,
         ),
     ] = None,
+    std: Annotated[
+        bool,
+        typer.Option(
+            "--std",
+            help="Also print the canonical names (std:blocks.3.resid_post, ...) and the site each is on this model.",
+        ),
+    ] = False,
 ) -> None:
     """List every module of MODEL: name, class, own parameters, and calls in one forward pass."""
     from hookscope.cli.sample import SampleRun, build_model
@@ -175,6 +182,8 @@ def layers_command(
         raise SpecError("--ops lists the op sites a forward pass ran, and --no-run runs none; drop one")
     if ops_in and not ops:
         raise SpecError("--ops-in chooses whose op sites --ops lists; add --ops")
+    if no_run and std:
+        raise SpecError("--std checks the canonical names on a forward pass, and --no-run runs none; drop one")
     chosen: Any = _selectors(ops_in) if ops_in else ops
     net = build_model(model, dtype)
     if no_run:
@@ -189,7 +198,7 @@ def layers_command(
         typer.echo(str(hs.layers(net)))
         return
     typer.echo(sample.describe_input())
-    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, ops=chosen, **kwargs))))
+    typer.echo(str(sample.run(lambda net, args, kwargs: hs.layers(net, *args, ops=chosen, std=std, **kwargs))))
 
 
 @app.command("capture")

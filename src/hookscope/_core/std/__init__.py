@@ -1,0 +1,13 @@
+"""Canonical names: one set of site names across transformer architectures (``"std:..."``).
+
+:func:`~hookscope._core.std.registry.std_map` resolves them on a model from a family table
+(:mod:`~hookscope._core.std.families`) or the structural detector
+(:mod:`~hookscope._core.std.detect`), checked on one forward
+(:mod:`~hookscope._core.std.resolve`); :func:`~hookscope._core.std.registry.expand_std` turns
+``"std:"`` selectors into the site selectors every feature already takes.
+"""
+
+from hookscope._core.std.registry import expand_std, known_std_map, std_map
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite, is_std_selector
+
+__all__ = ["STD_PREFIX", "StdMap", "StdSite", "expand_std", "is_std_selector", "known_std_map", "std_map"]

@@ -1,0 +1,174 @@
+"""The structural detector: a family table read off a model no table knows.
+
+It finds the block list (a ``ModuleList`` or ``Sequential`` of one class whose blocks hold an
+attention module), then names each role inside a block by what the modules are: an attention
+module by its class or attribute name (``attn``, ``attention``), the MLP (``mlp``, ``ffn``,
+``feed_forward``, ``experts``), the norms (classes named ``*Norm*``) in the order they are
+registered, the MLP's activation and its last linear layer; around the blocks, the largest
+embedding, a position embedding, the last norm and a head whose width is the vocabulary.
+
+Where the values flow is not guessed: the resolver checks the proposal on one forward (the
+residual identities of :mod:`~hookscope._core.std.resolve`), first as a pre-norm block, then
+as a post-norm one, and a role the detector could not place is a missing name with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from hookscope._core.names import named_modules
+from hookscope._core.std.spec import Block, Family, Layout, Stack
+from hookscope.errors import StdMapError
+
+__all__ = ["detect_family"]
+
+_ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
+_CROSS = re.compile(r"cross|encoder_attn|encdec", re.IGNORECASE)
+_MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
+_ACT = re.compile(r"act|gelu|relu|silu|swish|tanh|sigmoid|activation", re.IGNORECASE)
+_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU)
+
+
+def detect_family(model: nn.Module, layout: Layout = "pre") -> Family:
+    """A :class:`Family` for ``model`` from its structure (see the module docstring), with
+    blocks read as ``layout``; a model without a block list is a ``StdMapError`` saying so."""
+    named = named_modules(model)
+    lists = _block_lists(named)
+    if not lists:
+        raise StdMapError(
+            f"no block list in this {type(model).__name__}: canonical names need a ModuleList or Sequential of "
+            "blocks of one class, each holding an attention module (a class or attribute named attn/attention)",
+            family="detected",
+            check="no block list",
+        )
+    stacks = tuple(_stack(named, path, _prefix(path, lists), layout) for path in lists)
+    return Family("detected", (), stacks, unembed=_unembed(named, lists))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+
+
+def _is_attention(name: str, module: nn.Module) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return bool(_ATTENTION.search(leaf) or _ATTENTION.search(type(module).__name__)) and not _is_norm(module)
+
+
+def _block_lists(named: list[tuple[str, nn.Module]]) -> list[str]:
+    """The paths of the lists of blocks, outermost first; a list inside a block is not one."""
+    found: list[str] = []
+    for name, module in named:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        if any(name.startswith(outer + ".") for outer in found):
+            continue
+        children = list(module)
+        if len({type(child) for child in children}) != 1:
+            continue
+        first = f"{name}.0" if name else "0"
+        inside = [(n, m) for n, m in named if n.startswith(first + ".")]
+        if any(_is_attention(n, m) for n, m in inside):
+            found.append(name)
+    return found
+
+
+def _prefix(path: str, lists: list[str]) -> str:
+    if len(lists) == 1:
+        return ""
+    for word in ("encoder", "decoder", "text", "vision"):
+        if word in path.lower():
+            return word
+    raise StdMapError(
+        f"several block lists ({', '.join(map(repr, lists))}) and no encoder/decoder in their names: the detector "
+        "cannot tell the stacks apart",
+        family="detected",
+        check="several block lists",
+    )
+
+
+def _relative(block: str, name: str) -> str:
+    return name[len(block) + 1 :]
+
+
+def _outermost(found: list[str]) -> list[str]:
+    return [name for name in found if not any(name != other and name.startswith(other + ".") for other in found)]
+
+
+def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str, layout: Layout) -> Stack:
+    block = f"{path}.0" if path else "0"
+    inside = [(n, m) for n, m in named if n.startswith(block + ".")]
+    attention = _outermost([n for n, m in inside if _is_attention(n, m)])
+    attn = next((n for n in attention if not _CROSS.search(n.rsplit(".", 1)[-1])), None)
+    cross = next((n for n in attention if n != attn and _CROSS.search(n.rsplit(".", 1)[-1])), None)
+    within = [a for a in (attn, cross) if a]
+    mlps = _outermost(
+        [n for n, m in inside if _MLP.search(n.rsplit(".", 1)[-1] + type(m).__name__) and not _under(n, within)]
+    )
+    mlp = mlps[0] if mlps else None
+    norms = [n for n, m in inside if _is_norm(m) and not _under(n, [*within, *mlps])]
+    ln1 = norms[0] if norms else None
+    ln_cross = norms[1] if cross and len(norms) >= 3 else None
+    ln2 = norms[-1] if len(norms) >= 2 else None
+    act = proj = None
+    if mlp is not None:
+        in_mlp = [(n, m) for n, m in inside if n.startswith(mlp + ".")]
+        act = next((n for n, m in in_mlp if isinstance(m, _ACTIVATIONS) or _ACT.search(type(m).__name__)), None)
+        linears = [n for n, m in in_mlp if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+        proj = linears[-1] if linears else None
+
+    def rel(name: str | None) -> str | None:
+        return _relative(block, name) if name else None
+
+    roles = Block(
+        ln1=rel(ln1),
+        attn=rel(attn),
+        ln2=rel(ln2),
+        mlp=rel(mlp),
+        act=rel(act),
+        mlp_proj=rel(proj),
+        cross_attn=rel(cross),
+        ln_cross=rel(ln_cross),
+        layout=layout,
+    )
+    embed, pos_embed = _embeddings(named, path)
+    return Stack(prefix, path, roles, embed=embed, pos_embed=pos_embed, ln_final=_final_norm(named, path))
+
+
+def _under(name: str, parents: list[str]) -> bool:
+    return any(name == parent or name.startswith(parent + ".") for parent in parents)
+
+
+def _embeddings(named: list[tuple[str, nn.Module]], path: str) -> tuple[str | None, str | None]:
+    """The largest embedding before the blocks, and one named for positions."""
+    before: list[tuple[str, nn.Embedding]] = []
+    for name, module in named:
+        if name == path:
+            break
+        if isinstance(module, nn.Embedding):
+            before.append((name, module))
+    positions = [n for n, _ in before if re.search(r"pos|wpe", n.rsplit(".", 1)[-1], re.IGNORECASE)]
+    tokens = sorted((m.num_embeddings, n) for n, m in before if n not in positions)
+    return (tokens[-1][1] if tokens else None), (positions[0] if positions else None)
+
+
+def _final_norm(named: list[tuple[str, nn.Module]], path: str) -> str | None:
+    """The first norm registered after the block list, outside it."""
+    seen = False
+    for name, module in named:
+        if name == path:
+            seen = True
+            continue
+        if seen and not name.startswith(path + ".") and _is_norm(module):
+            return name
+    return None
+
+
+def _unembed(named: list[tuple[str, nn.Module]], lists: list[str]) -> str | None:
+    """A linear head outside the blocks as wide as the largest embedding's vocabulary."""
+    vocab = max((m.num_embeddings for _, m in named if isinstance(m, nn.Embedding)), default=None)
+    for name, module in reversed(named):
+        if isinstance(module, nn.Linear) and module.out_features == vocab and not _under(name, lists):
+            return name
+    return None

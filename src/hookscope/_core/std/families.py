@@ -1,0 +1,438 @@
+"""The family tables: one :class:`~hookscope._core.std.spec.Family` per architecture.
+
+Data only. Each path is checked on the model when the map is made (a module that is not there,
+or that never runs, makes its canonical names unavailable with the reason, never wrong), and
+the values are checked against each other on one forward (:mod:`~hookscope._core.std.validate`).
+Alternatives separated by ``|`` cover renames between transformers versions; the first present
+wins. Tables are looked up by ``config.model_type``.
+"""
+
+from __future__ import annotations
+
+from hookscope._core.std.spec import Block, Family, Stack
+
+__all__ = ["FAMILIES", "family_of"]
+
+_ROTARY = "rotary position embedding: positions are applied inside attention, not added as a module's output"
+_RELATIVE = "relative position biases inside attention: no position embedding is added to the stream"
+_ALIBI = "ALiBi position biases inside attention: no position embedding is added to the stream"
+
+# Llama and the families that copied its layer: input_layernorm, self_attn, post_attention_layernorm, mlp.
+_LLAMA_BLOCK = Block(
+    ln1="input_layernorm",
+    attn="self_attn",
+    ln2="post_attention_layernorm",
+    mlp="mlp",
+    act="mlp.act_fn",
+    mlp_proj="mlp.down_proj",
+)
+_LLAMA = Stack("", "layers", _LLAMA_BLOCK, embed="embed_tokens", ln_final="norm", no_pos_embed=_ROTARY)
+
+# Gemma 2 and 3 norm both sides of each sublayer: what is added is the post-norm's output.
+_GEMMA2 = Stack(
+    "",
+    "layers",
+    Block(
+        ln1="input_layernorm",
+        attn="self_attn",
+        attn_out="post_attention_layernorm",
+        ln2="pre_feedforward_layernorm",
+        mlp="mlp",
+        mlp_out="post_feedforward_layernorm",
+        act="mlp.act_fn",
+        mlp_proj="mlp.down_proj",
+    ),
+    embed="embed_tokens",
+    ln_final="norm",
+    no_pos_embed=_ROTARY,
+)
+
+_BERT = Stack(
+    "",
+    "encoder.layer",
+    Block(
+        ln1="attention.output.LayerNorm",
+        attn="attention.self",
+        attn_out="attention.output.dense",
+        ln2="output.LayerNorm",
+        mlp_out="output.dense",
+        act="intermediate.intermediate_act_fn",
+        mlp_proj="output.dense",
+        layout="post",
+    ),
+    embed="embeddings.word_embeddings",
+    pos_embed="embeddings.position_embeddings",
+)
+
+
+def _t5(prefix: str, cross: bool) -> Stack:
+    ff = "layer.2" if cross else "layer.1"
+    return Stack(
+        prefix,
+        f"{prefix}.block",
+        Block(
+            ln1="layer.0.layer_norm",
+            attn="layer.0.SelfAttention",
+            resid_mid="layer.0",
+            ln_cross="layer.1.layer_norm" if cross else None,
+            cross_attn="layer.1.EncDecAttention" if cross else None,
+            resid_mid_cross="layer.1" if cross else None,
+            ln2=f"{ff}.layer_norm",
+            mlp=f"{ff}.DenseReluDense",
+            act=f"{ff}.DenseReluDense.act",
+            mlp_proj=f"{ff}.DenseReluDense.wo",
+        ),
+        embed=f"{prefix}.embed_tokens",
+        ln_final=f"{prefix}.final_layer_norm",
+        no_pos_embed=_RELATIVE,
+    )
+
+
+def _bart_like(prefix: str, cross: bool, layout: str, ln_final: str | None, embed: str | None = None) -> Stack:
+    block = Block(
+        ln1="self_attn_layer_norm",
+        attn="self_attn",
+        ln_cross="encoder_attn_layer_norm" if cross else None,
+        cross_attn="encoder_attn" if cross else None,
+        ln2="final_layer_norm",
+        mlp_out="fc2",
+        act="activation_fn",
+        mlp_proj="fc2",
+        layout="post" if layout == "post" else "pre",
+    )
+    return Stack(
+        prefix,
+        f"{prefix}.layers",
+        block,
+        embed=embed if embed is not None else f"{prefix}.embed_tokens",
+        pos_embed=f"{prefix}.embed_positions",
+        ln_final=ln_final,
+        no_embed="an audio front end (conv1, conv2) makes the stream: blocks.0.resid_pre is its first value",
+    )
+
+
+_CLIP_BLOCK = Block(
+    ln1="layer_norm1", attn="self_attn", ln2="layer_norm2", mlp="mlp", act="mlp.activation_fn", mlp_proj="mlp.fc2"
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "GPT-2",
+        ("gpt2",),
+        (
+            Stack(
+                "",
+                "h",
+                Block(ln1="ln_1", attn="attn", ln2="ln_2", mlp="mlp", act="mlp.act", mlp_proj="mlp.c_proj"),
+                embed="wte",
+                pos_embed="wpe",
+                ln_final="ln_f",
+            ),
+        ),
+    ),
+    Family(
+        "GPT-NeoX",
+        ("gpt_neox",),
+        (
+            Stack(
+                "",
+                "layers",
+                Block(
+                    ln1="input_layernorm",
+                    attn="attention",
+                    attn_out="post_attention_dropout",
+                    ln2="post_attention_layernorm",
+                    mlp="mlp",
+                    mlp_out="post_mlp_dropout",
+                    act="mlp.act",
+                    mlp_proj="mlp.dense_4h_to_h",
+                    layout="parallel",
+                    why_parallel="use_parallel_residual=True: attention and the MLP both read the block's input",
+                ),
+                embed="embed_in",
+                ln_final="final_layer_norm",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+        unembed="embed_out|lm_head",
+    ),
+    Family(
+        "GPT-J",
+        ("gptj",),
+        (
+            Stack(
+                "",
+                "h",
+                Block(ln1="ln_1", attn="attn", mlp="mlp", act="mlp.act", mlp_proj="mlp.fc_out", layout="parallel"),
+                embed="wte",
+                ln_final="ln_f",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+    ),
+    Family(
+        "OPT",
+        ("opt",),
+        (
+            Stack(
+                "",
+                "decoder.layers",
+                Block(
+                    ln1="self_attn_layer_norm",
+                    attn="self_attn",
+                    ln2="final_layer_norm",
+                    mlp_out="fc2",
+                    act="activation_fn",
+                    mlp_proj="fc2",
+                ),
+                embed="decoder.embed_tokens",
+                pos_embed="decoder.embed_positions",
+                ln_final="decoder.final_layer_norm",
+            ),
+        ),
+    ),
+    Family("Llama", ("llama",), (_LLAMA,)),
+    Family("Mistral", ("mistral",), (_LLAMA,)),
+    Family("Qwen2", ("qwen2",), (_LLAMA,)),
+    Family("Qwen3", ("qwen3",), (_LLAMA,)),
+    Family("Gemma", ("gemma",), (_LLAMA,)),
+    Family("Gemma 2", ("gemma2",), (_GEMMA2,)),
+    Family("Gemma 3", ("gemma3_text", "gemma3"), (_GEMMA2,)),
+    Family(
+        "Mixtral",
+        ("mixtral",),
+        (
+            Stack(
+                "",
+                "layers",
+                Block(
+                    ln1="input_layernorm",
+                    attn="self_attn",
+                    ln2="post_attention_layernorm",
+                    mlp="mlp|block_sparse_moe",
+                    router="mlp.gate|block_sparse_moe.gate",
+                ),
+                embed="embed_tokens",
+                ln_final="norm",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+        notes=("mlp.pre and mlp.post are per expert: the experts run fused, so they are not one value",),
+    ),
+    Family(
+        "Phi-3",
+        ("phi3",),
+        (
+            Stack(
+                "",
+                "layers",
+                Block(
+                    ln1="input_layernorm",
+                    attn="self_attn",
+                    attn_out="resid_attn_dropout",
+                    ln2="post_attention_layernorm",
+                    mlp="mlp",
+                    mlp_out="resid_mlp_dropout",
+                    act="mlp.activation_fn",
+                    mlp_proj="mlp.down_proj",
+                ),
+                embed="embed_tokens",
+                ln_final="norm",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+    ),
+    Family(
+        "Phi",
+        ("phi",),
+        (
+            Stack(
+                "",
+                "layers",
+                Block(
+                    ln1="input_layernorm",
+                    attn="self_attn",
+                    mlp="mlp",
+                    act="mlp.activation_fn",
+                    mlp_proj="mlp.fc2",
+                    layout="parallel",
+                ),
+                embed="embed_tokens",
+                ln_final="final_layernorm",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+    ),
+    Family(
+        "Falcon",
+        ("falcon",),
+        (
+            Stack(
+                "",
+                "h",
+                Block(
+                    ln1="input_layernorm|ln_attn",
+                    attn="self_attention",
+                    ln2="ln_mlp|post_attention_layernorm",
+                    mlp="mlp",
+                    act="mlp.act",
+                    mlp_proj="mlp.dense_4h_to_h",
+                    layout="parallel",
+                ),
+                embed="word_embeddings",
+                ln_final="ln_f",
+                no_pos_embed=_ROTARY,
+            ),
+        ),
+    ),
+    Family(
+        "BLOOM",
+        ("bloom",),
+        (
+            Stack(
+                "",
+                "h",
+                Block(
+                    ln1="input_layernorm",
+                    attn="self_attention",
+                    attn_out="self_attention.dense",
+                    resid_mid="self_attention",
+                    ln2="post_attention_layernorm",
+                    mlp="mlp",
+                    mlp_out="mlp.dense_4h_to_h",
+                    act="mlp.gelu_impl",
+                    mlp_proj="mlp.dense_4h_to_h",
+                ),
+                embed="word_embeddings",
+                ln_final="ln_f",
+                no_pos_embed=_ALIBI,
+            ),
+        ),
+    ),
+    Family("BERT", ("bert",), (_BERT,), unembed="cls.predictions"),
+    Family("RoBERTa", ("roberta", "xlm-roberta"), (_BERT,), unembed="lm_head"),
+    Family(
+        "DistilBERT",
+        ("distilbert",),
+        (
+            Stack(
+                "",
+                "transformer.layer",
+                Block(
+                    ln1="sa_layer_norm",
+                    attn="attention",
+                    ln2="output_layer_norm",
+                    mlp="ffn",
+                    act="ffn.activation",
+                    mlp_proj="ffn.lin2",
+                    layout="post",
+                ),
+                embed="embeddings.word_embeddings",
+                pos_embed="embeddings.position_embeddings",
+            ),
+        ),
+        unembed="vocab_projector",
+    ),
+    Family("T5", ("t5", "mt5", "umt5"), (_t5("encoder", False), _t5("decoder", True))),
+    Family(
+        "BART",
+        ("bart", "mbart"),
+        (
+            _bart_like("encoder", False, "post", "encoder.layer_norm"),
+            _bart_like("decoder", True, "post", "decoder.layer_norm"),
+        ),
+    ),
+    Family(
+        "Whisper",
+        ("whisper",),
+        (
+            _bart_like("encoder", False, "pre", "encoder.layer_norm", embed=""),
+            _bart_like("decoder", True, "pre", "decoder.layer_norm"),
+        ),
+        unembed="proj_out",
+    ),
+    Family(
+        "ViT",
+        ("vit",),
+        (
+            Stack(
+                "",
+                "layers|encoder.layer",
+                Block(
+                    ln1="layernorm_before",
+                    attn="attention.attention|attention",
+                    attn_out="attention",
+                    ln2="layernorm_after",
+                    mlp="mlp",
+                    mlp_out="mlp|output.dense",
+                    act="mlp.activation_fn|intermediate.intermediate_act_fn",
+                    mlp_proj="mlp.fc2|output.dense",
+                ),
+                embed="embeddings",
+                ln_final="layernorm",
+                no_pos_embed="position embeddings are a parameter added inside embed",
+            ),
+        ),
+        unembed=None,
+    ),
+    Family(
+        "CLIP text",
+        ("clip_text_model",),
+        (
+            Stack(
+                "",
+                "encoder.layers",
+                _CLIP_BLOCK,
+                embed="embeddings.token_embedding",
+                pos_embed="embeddings.position_embedding",
+                ln_final="final_layer_norm",
+            ),
+        ),
+        unembed=None,
+    ),
+    Family(
+        "CLIP vision",
+        ("clip_vision_model",),
+        (
+            Stack(
+                "",
+                "encoder.layers",
+                _CLIP_BLOCK,
+                embed="embeddings",
+                pos_embed="embeddings.position_embedding",
+                ln_final="post_layernorm",
+            ),
+        ),
+        unembed=None,
+    ),
+    Family(
+        "CLIP",
+        ("clip",),
+        (
+            Stack(
+                "text",
+                "text_model.encoder.layers",
+                _CLIP_BLOCK,
+                embed="text_model.embeddings.token_embedding",
+                pos_embed="text_model.embeddings.position_embedding",
+                ln_final="text_model.final_layer_norm",
+            ),
+            Stack(
+                "vision",
+                "vision_model.encoder.layers",
+                _CLIP_BLOCK,
+                embed="vision_model.embeddings",
+                pos_embed="vision_model.embeddings.position_embedding",
+                ln_final="vision_model.post_layernorm",
+            ),
+        ),
+        unembed=None,
+    ),
+)
+
+_BY_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+
+
+def family_of(model_type: str | None) -> Family | None:
+    """The table for a ``config.model_type``, or None for an architecture no table knows."""
+    return _BY_TYPE.get(model_type) if model_type else None

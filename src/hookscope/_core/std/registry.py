@@ -1,0 +1,167 @@
+"""Make, keep and use a model's canonical map: ``std_map`` and the expansion of ``"std:"`` selectors.
+
+A map is made once per model (one small forward, see :mod:`~hookscope._core.std.resolve`) and
+kept beside the model, weakly, until the model's modules change: every feature that meets a
+``"std:..."`` selector asks here, and only the first pays for the forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from torch import nn
+
+from hookscope._core.names import named_modules
+from hookscope._core.select import ensure_module
+from hookscope._core.std.detect import detect_family
+from hookscope._core.std.families import family_of
+from hookscope._core.std.resolve import resolve_family
+from hookscope._core.std.sample import sample_input
+from hookscope._core.std.spec import Layout
+from hookscope._core.std.stdmap import StdMap, StdSite, is_std_selector
+from hookscope.errors import SpecError, StdMapError
+
+__all__ = ["expand_std", "known_std_map", "std_map"]
+
+_MAPS: weakref.WeakKeyDictionary[nn.Module, tuple[int, StdMap]] = weakref.WeakKeyDictionary()
+
+Use = Literal["read", "write", "module"]
+
+
+def std_map(model: nn.Module, *args: Any, family: str | None = "auto", **kwargs: Any) -> StdMap:
+    """The canonical names of ``model``'s sites, resolved on the model and checked on one forward.
+
+    One set of names across architectures: ``blocks.3.resid_post`` is ``transformer.h.3``'s
+    hidden state on GPT-2 and ``model.layers.3``'s on Llama, so one script runs on both. Any
+    selector ``"std:NAME"`` (globs: ``*`` is one dotted part) works wherever hookscope takes a
+    selector. The names: ``embed``, ``pos_embed``, ``blocks.{i}`` and, in each block,
+    ``resid_pre``, ``ln1``, ``attn`` (what attention adds to the residual),
+    ``attn.q|k|v|scores|pattern|z``, ``resid_mid``, ``ln2``, ``mlp``, ``mlp.pre``, ``mlp.post``,
+    ``mlp.router`` (mixtures of experts), ``resid_post``; then ``ln_final`` and ``unembed``;
+    encoder-decoder models prefix ``encoder.`` and ``decoder.``, and decoder blocks add
+    ``ln_cross``, ``cross_attn`` (and its sub-sites) and ``resid_mid_cross``.
+
+    Args:
+        model: a transformers model of a known family, or any model with a list of blocks.
+        *args, **kwargs: an example input for the check forward; a transformers model needs
+            none (a tiny one is made from its config).
+        family: ``"auto"``: the family table for ``config.model_type``, else the structural
+            detector; None: the structural detector always.
+
+    The map is kept for the model (until its modules change), so later ``"std:"`` selectors
+    cost nothing; calling again with an input checks again.
+
+    >>> import hookscope as hs, transformers  # doctest: +SKIP
+    >>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2))  # doctest: +SKIP
+    >>> hs.std_map(model)["blocks.1.resid_post"].read  # doctest: +SKIP
+    'transformer.h.1:output[0]'
+    """
+    ensure_module(model)
+    if family not in ("auto", None):
+        raise SpecError(
+            f"family={family!r}: expected 'auto' (a family table, else the detector) or None (the detector)"
+        )
+    inputs = (args, kwargs) if args or kwargs else _sample(model)
+    resolved = _make(model, family, inputs)
+    _MAPS[model] = (_signature(model), resolved)
+    return resolved
+
+
+def known_std_map(model: nn.Module) -> StdMap:
+    """The map kept for ``model``, made now (from a sample input) when there is none or the
+    model's modules changed since; a model that needs an example input says so."""
+    kept = _MAPS.get(model)
+    if kept is not None and kept[0] == _signature(model):
+        return kept[1]
+    return std_map(model)
+
+
+def expand_std(model: nn.Module, selectors: Sequence[Any], use: Use = "read") -> tuple[list[Any], dict[str, str]]:
+    """``selectors`` with each ``"std:..."`` one replaced by the selectors it stands for (lists
+    opened up), and ``{site text: canonical name}`` for them. ``use``: ``"read"`` (capture,
+    extract), ``"write"`` (edit) or ``"module"`` (trace, gradients: the module carrying it).
+
+    Selectors without ``"std:"`` pass through untouched, and the model is not run for them.
+    """
+    if not _has_std(selectors):
+        return list(selectors), {}
+    std = known_std_map(model)
+    expanded: list[Any] = []
+    names: dict[str, str] = {}
+    for selector in selectors:
+        if isinstance(selector, (list, tuple)):
+            inner, inner_names = expand_std(model, selector, use)
+            expanded.append(type(selector)(inner) if isinstance(selector, tuple) else inner)
+            names.update(inner_names)
+            continue
+        if not is_std_selector(selector):
+            expanded.append(selector)
+            continue
+        for site in std.expand(selector):
+            text = _text(site, use)
+            expanded.append(text)
+            names.setdefault(text, site.name)
+    return expanded, names
+
+
+def _text(site: StdSite, use: Use) -> str:
+    if use == "read":
+        return site.read
+    if use == "write":
+        return site.write
+    if site.module is None:
+        raise StdMapError(
+            f"canonical site 'std:{site.name}' ({site.read}) is not a module's output, and this feature works per "
+            "module: select it in hs.capture or hs.extract, or pick a name a module returns (blocks.*, *.attn, "
+            "*.mlp, *.ln1, *.resid_post)",
+            check=site.name,
+        )
+    return site.module
+
+
+def _has_std(selectors: Sequence[Any]) -> bool:
+    return any(_has_std(s) if isinstance(s, (list, tuple)) else is_std_selector(s) for s in selectors)
+
+
+def _sample(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    inputs = sample_input(model)
+    if inputs is None:
+        raise StdMapError(
+            f"canonical names need one forward to be checked, and hookscope cannot make an input for a "
+            f"{type(model).__name__}: call hs.std_map(model, example_input) once first (the map is kept for the model)",
+            check="no sample input",
+        )
+    return (), inputs
+
+
+def _make(model: nn.Module, family: str | None, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> StdMap:
+    """The family table's map; else (no table, or one that no longer fits: a renamed or
+    re-nested copy) the detector's, read as pre-norm blocks, then as post-norm ones."""
+    table = family_of(getattr(getattr(model, "config", None), "model_type", None)) if family == "auto" else None
+    failures: list[StdMapError] = []
+    if table is not None:
+        try:
+            return resolve_family(model, table, inputs)
+        except StdMapError as error:
+            failures.append(error)
+    readings: list[StdMap] = []
+    layouts: tuple[Layout, ...] = ("pre", "post")
+    for layout in layouts:
+        try:
+            readings.append(resolve_family(model, detect_family(model, layout), inputs))
+        except StdMapError as error:
+            failures.append(error)
+            if error.check in ("no block list", "several block lists"):
+                break
+    if readings:
+        return max(readings, key=len)  # the reading that places the most names
+    first = failures[0]
+    detector = failures[-1] if len(failures) > 1 else None
+    message = str(first) if detector is None or detector is first else f"{first}; the structural detector: {detector}"
+    raise StdMapError(message, family=first.family, check=first.check)
+
+
+def _signature(model: nn.Module) -> int:
+    return hash(tuple((name, type(module)) for name, module in named_modules(model)))

@@ -1,0 +1,439 @@
+"""Turn a family table into a checked :class:`~hookscope._core.std.stdmap.StdMap` on one model.
+
+Three steps, one screen each: :func:`_plan` finds every role's module on the model (a role whose
+module is absent becomes a missing name with the reason); :func:`~hookscope._core.std.observe.observe`
+runs one forward with hooks on those modules; :func:`_resolve` names each canonical site in
+hookscope's site grammar and checks the values against each other, so a table that no longer
+fits the model is a clear :class:`~hookscope.errors.StdMapError`, never silently wrong names.
+
+The checks (``rtol`` 1e-4 relative to the values' scale; the shapes exactly):
+every ``resid_*`` is ``(batch, seq, d_model)``; ``resid_post[i]`` is ``resid_pre[i+1]``;
+in a sequential block ``resid_mid == resid_pre + attn`` and ``resid_post == resid_mid + mlp``
+(with ``resid_mid_cross`` between them in a decoder); in a parallel block
+``resid_post == resid_pre + attn + mlp``; after a post-norm sublayer the norm's input is the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hookscope._core.names import escape_name, named_modules
+from hookscope._core.op_sites import SDPA
+from hookscope._core.std.observe import Seen, observe, values_close
+from hookscope._core.std.spec import Block, Family, Stack
+from hookscope._core.std.stdmap import StdMap, StdSite
+from hookscope.errors import StdMapError
+
+__all__ = ["ATTN_SUBS", "BLOCK_NAMES", "resolve_family"]
+
+#: The attention sub-sites, as ``blocks.{i}.attn.{sub}`` (and ``cross_attn.{sub}``).
+ATTN_SUBS = ("q", "k", "v", "scores", "pattern", "z")
+#: The canonical names of one block, in the order a table prints them.
+BLOCK_NAMES = (
+    "resid_pre", "ln1", "attn", *(f"attn.{s}" for s in ATTN_SUBS), "resid_mid",
+    "ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross",
+    "ln2", "mlp", "mlp.pre", "mlp.post", "mlp.router", "resid_post",
+)  # fmt: skip
+
+
+@dataclass
+class _BlockPlan:
+    """One block's modules, by role, as full module names (None: absent, with ``why``)."""
+
+    name: str
+    roles: dict[str, str | None]
+    why: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def core(self) -> str:
+        """The module whose own code adds the residual: the block, or the module inside a
+        wrapper that holds the attention (a re-nested copy)."""
+        attn = self.roles["attn"]
+        parent = attn.rpartition(".")[0] if attn else ""
+        return parent if parent.startswith(self.name) else self.name
+
+
+@dataclass
+class _StackPlan:
+    stack: Stack
+    blocks: list[_BlockPlan]
+    around: dict[str, str | None]  # embed, pos_embed, ln_final
+    why: dict[str, str] = field(default_factory=dict)
+
+
+_ROLE_FIELDS = (
+    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "act", "mlp_proj", "router",
+    "cross_attn", "cross_attn_out", "ln_cross", "resid_mid", "resid_mid_cross",
+)  # fmt: skip
+
+
+def resolve_family(model: nn.Module, family: Family, inputs: tuple[tuple[object, ...], dict[str, object]]) -> StdMap:
+    """The checked canonical map of ``model`` by ``family``'s table, from one forward on ``inputs``."""
+    names = {name for name, _ in named_modules(model)}
+    stacks = [_plan(names, family, stack) for stack in family.stacks]
+    unembed = _find(names, "", family.unembed)
+    watched_blocks = [b.core for s in stacks for b in s.blocks if b.roles["resid_mid"] is None]
+    attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
+    modules = {m for s in stacks for m in _modules_of(s)} | ({unembed} if unembed else set())
+    seen = observe(model, sorted(modules), watched_blocks, attention, inputs)
+    return _resolve(family, stacks, unembed, seen)
+
+
+def _find(names: set[str], prefix: str, path: str | None) -> str | None:
+    """The first alternative of ``path`` (``"a|b"``) that is a module under ``prefix``."""
+    if not path:
+        return None
+    for alternative in path.split("|"):
+        full = f"{prefix}.{alternative}" if prefix else alternative
+        if full in names:
+            return full
+    return None
+
+
+def _base_prefix(names: set[str], family: Family, stack: Stack) -> str:
+    """Where the table's paths start: the model's base below a task head (``transformer``,
+    ``model``), found as the prefix of the block list."""
+    for alternative in stack.blocks.split("|"):
+        found = sorted((n for n in names if n == alternative or n.endswith("." + alternative)), key=len)
+        if found:
+            return found[0][: -len(alternative)].rstrip(".")
+    listed = ", ".join(repr(a) for a in stack.blocks.split("|"))
+    raise StdMapError(
+        f"the {family.name} table's block list {listed} is not in this model: the installed transformers may have "
+        "renamed it; pass family=None to hs.std_map to use the structural detector",
+        family=family.name,
+    )
+
+
+def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
+    base = _base_prefix(names, family, stack)
+    blocks_path = _find(names, base, stack.blocks)
+    assert blocks_path is not None  # _base_prefix found it
+    blocks = []
+    index = 0
+    while f"{blocks_path}.{index}" in names:
+        block_name = f"{blocks_path}.{index}"
+        roles = {role: _find(names, block_name, getattr(stack.block, role)) for role in _ROLE_FIELDS}
+        why = {
+            role: f"{family.name} blocks of this model have no {getattr(stack.block, role)!r} module"
+            for role in _ROLE_FIELDS
+            if getattr(stack.block, role) and roles[role] is None
+        }
+        missing_core = [role for role in ("ln1", "attn") if getattr(stack.block, role) and roles[role] is None]
+        if missing_core and family.model_types:  # a table whose core roles are gone: renamed or re-nested
+            raise StdMapError(
+                f"the {family.name} table's {missing_core[0]} module {getattr(stack.block, missing_core[0])!r} is not "
+                f"in block {block_name!r}",
+                family=family.name,
+                check=f"no {missing_core[0]}",
+            )
+        blocks.append(_BlockPlan(block_name, roles, why))
+        index += 1
+    around = {
+        "embed": _find(names, base, stack.embed),
+        "pos_embed": _find(names, base, stack.pos_embed),
+        "ln_final": _find(names, base, stack.ln_final),
+    }
+    why = {
+        "embed": stack.no_embed,
+        "pos_embed": stack.no_pos_embed,
+        "ln_final": f"{family.name} has no norm after the last block (each post-norm block ends in its own)"
+        if family.model_types
+        else "the structural detector found no norm after the last block",
+    }
+    return _StackPlan(stack, blocks, around, why)
+
+
+def _modules_of(stack: _StackPlan) -> list[str]:
+    found = [m for m in stack.around.values() if m]
+    for block in stack.blocks:
+        found.append(block.name)
+        found += [m for m in block.roles.values() if m]
+    return found
+
+
+def _resolve(family: Family, stacks: list[_StackPlan], unembed: str | None, seen: Seen) -> StdMap:
+    sites: dict[str, StdSite] = {}
+    missing: dict[str, str] = {}
+    checks: list[str] = []
+    for stack in stacks:
+        _StackResolver(family, stack, seen, sites, missing, checks).run()
+    if unembed and seen.ran(unembed):
+        sites["unembed"] = seen.site("unembed", unembed, "output")
+    else:
+        missing["unembed"] = (
+            f"the model has no head ({family.unembed!r} is not in it): build the model with its language-model head"
+            if family.unembed
+            else f"{family.name} has no unembedding"
+            if family.model_types
+            else "the structural detector found no linear head as wide as the vocabulary"
+        )
+    return StdMap(family.name, sites, missing, tuple(checks))
+
+
+class _StackResolver:
+    """Names and checks one stack's canonical sites (see the module docstring for the checks)."""
+
+    def __init__(
+        self,
+        family: Family,
+        stack: _StackPlan,
+        seen: Seen,
+        sites: dict[str, StdSite],
+        missing: dict[str, str],
+        checks: list[str],
+    ) -> None:
+        self.family, self.plan, self.seen = family, stack, seen
+        self.sites, self.missing, self.checks = sites, missing, checks
+        self.prefix = f"{stack.stack.prefix}." if stack.stack.prefix else ""
+        self.block: Block = stack.stack.block
+
+    def run(self) -> None:
+        for role in ("embed", "pos_embed"):
+            self._module_site(role, self.plan.around[role], "output", self.plan.why[role])
+        width: torch.Size | None = None
+        previous: torch.Tensor | None = None
+        for index, block in enumerate(self.plan.blocks):
+            if not self.seen.ran(block.name):
+                raise self._error(f"block {block.name!r} did not run in the check forward", block.name)
+            pre, post = self.seen.input(block.name), self.seen.output(block.name)
+            for label, value in (("resid_pre", pre), ("resid_post", post)):
+                if value.dim() != 3 or (width is not None and value.shape != width):
+                    raise self._error(
+                        f"{label} of block {index} ({block.name!r}) has shape {tuple(value.shape)}, expected "
+                        f"(batch, seq, d_model){' ' + str(tuple(width)) if width is not None else ''}",
+                        block.name,
+                    )
+                width = value.shape
+            if previous is not None and not torch.equal(previous, pre):
+                raise self._error(f"resid_post of block {index - 1} is not resid_pre of block {index}", block.name)
+            previous = post
+            self._block(index, block)
+        self.checks.append(
+            f"{self.prefix}blocks: every resid_* is (batch, seq, d_model); resid_post[i] == resid_pre[i+1]"
+        )
+        self._module_site("ln_final", self.plan.around["ln_final"], "output", self.plan.why["ln_final"])
+
+    def _name(self, role: str, index: int | None = None) -> str:
+        return f"{self.prefix}blocks.{index}.{role}" if index is not None else f"{self.prefix}{role}"
+
+    def _module_site(self, role: str, module: str | None, side: str, why: str, index: int | None = None) -> bool:
+        name = self._name(role, index)
+        if module is None:
+            self.missing[name] = why
+            return False
+        if not self.seen.ran(module):
+            self.missing[name] = "its module did not run in the check forward (its weights are used directly)"
+            return False
+        self.sites[name] = self.seen.site(name, module, side)
+        return True
+
+    def _block(self, index: int, block: _BlockPlan) -> None:
+        roles, why = block.roles, block.why
+        name = f"{self.prefix}blocks.{index}"
+        self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
+        self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
+        self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._shared_norm()), index)
+        has_attn = self._module_site(
+            "attn", roles["attn_out"] or roles["attn"], "output", why.get("attn", self._unfound("attn")), index
+        )
+        self._attention_subs(f"{name}.attn", roles["attn"])
+        mid = self._residual_mid(index, block, has_attn)
+        self._cross(index, block, mid)
+        self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._shared_norm()), index)
+        has_mlp = self._module_site(
+            "mlp", roles["mlp_out"] or roles["mlp"], "output", why.get("mlp", self._unfound("mlp")), index
+        )
+        self._mlp_parts(index, block)
+        self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")
+        self._check_mlp(index, block, has_mlp)
+
+    def _shared_norm(self) -> str:
+        if not self.family.model_types:
+            return (
+                "the structural detector found one norm in a block (ln1): attention and the MLP read it, "
+                "or its norms are not classes named *Norm*"
+            )
+        return f"{self.family.name} blocks: attention and the MLP read one norm (ln1)"
+
+    def _unfound(self, role: str) -> str:
+        """Why a role has no module: the table has none, or the detector could not place one."""
+        if self.family.model_types:
+            return f"{self.family.name} blocks have no {role} module"
+        words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention"}
+        return f"the structural detector found no {role} module in a block (a class or attribute named {words[role]})"
+
+    def _attention_subs(self, name: str, attn: str | None) -> None:
+        if attn is None:
+            for sub in ATTN_SUBS:
+                self.missing[f"{name}.{sub}"] = "no attention module"
+            return
+        ops = self.seen.ops_of(attn)
+        for sub in ATTN_SUBS:
+            full = f"{name}.{sub}"
+            if SDPA in ops:
+                text = f"{escape_name(attn)}:attn.{sub}"
+                self.sites[full] = StdSite(full, text, text, None, "attn")
+            elif sub == "pattern" and "softmax" in ops:
+                text = f"{escape_name(attn)}:op[softmax#0]"  # eager attention: its softmax is the pattern
+                self.sites[full] = StdSite(full, text, text, None, "op")
+            else:
+                self.missing[full] = (
+                    f"the attention module does not call {SDPA} (eager or fused attention): attention sub-sites read "
+                    "that call; load a transformers model with attn_implementation='sdpa'"
+                )
+
+    def _residual_mid(self, index: int, block: _BlockPlan, has_attn: bool) -> torch.Tensor | None:
+        """Name ``resid_mid`` and return its value, or None where it is not defined."""
+        name = f"{self.prefix}blocks.{index}.resid_mid"
+        pre = self.seen.input(block.name)
+        attn = self._value(self.sites.get(f"{self.prefix}blocks.{index}.attn"))
+        if not has_attn or attn is None:
+            self.missing[name] = "no attention output to add"
+            return None
+        expected = pre + attn
+        explicit = block.roles["resid_mid"]
+        if explicit is not None or self.block.layout == "post":
+            module = explicit if explicit is not None else block.roles["ln1"]
+            if module is None:
+                raise self._error("a post-norm block without ln1", block.name)
+            if self.block.layout == "post":
+                self._expect(
+                    self.seen.input(module), expected, f"ln1's input is resid_pre + attn (block {index})", block.name
+                )
+            else:
+                self._expect(
+                    self.seen.output(module), expected, f"resid_mid == resid_pre + attn (block {index})", block.name
+                )
+            self.sites[name] = self.seen.site(name, module, "output")
+            return self.seen.output(module)
+        op = self.seen.find_op(block.core, expected)
+        if op is None:
+            self.missing[name] = (
+                self.block.why_parallel
+                if self.block.layout == "parallel"
+                else ("no op of the block's own code returns resid_pre + attn")
+            )
+            return None
+        self._checked("resid_mid == resid_pre + attn (an add in the block's own code)")
+        self.sites[name] = self._op_site(name, block.core, op, block.roles["ln_cross"] or block.roles["ln2"])
+        return self.seen.op_value(block.core, op)
+
+    def _op_site(self, name: str, block: str, op: str, next_norm: str | None) -> StdSite:
+        """A residual add inside the block's code: edited at the op; read at the next norm's
+        input where that is the same value (a module boundary costs less than watching ops)."""
+        write = f"{escape_name(block)}:op[{op}]"
+        value = self.seen.op_value(block, op)
+        if next_norm is not None and self.seen.ran(next_norm) and torch.equal(self.seen.input(next_norm), value):
+            read = self.seen.site(name, next_norm, "input")
+            return StdSite(name, read.read, write, None, "input")
+        return StdSite(name, write, write, None, "op")
+
+    def _cross(self, index: int, block: _BlockPlan, mid: torch.Tensor | None) -> None:
+        name = f"{self.prefix}blocks.{index}"
+        roles = block.roles
+        if roles["cross_attn"] is None:
+            for role in ("ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross"):
+                self.missing[f"{name}.{role}"] = "no cross-attention (only decoders of encoder-decoder models have one)"
+            self._after_attention = mid
+            return
+        self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
+        self._module_site("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "output", "", index)
+        self._attention_subs(f"{name}.cross_attn", roles["cross_attn"])
+        cross = self._value(self.sites.get(f"{name}.cross_attn"))
+        full = f"{name}.resid_mid_cross"
+        if mid is None or cross is None:
+            self.missing[full] = "resid_mid is not defined"
+            self._after_attention = None
+            return
+        expected = mid + cross
+        explicit = roles["resid_mid_cross"]
+        if explicit is not None or self.block.layout == "post":
+            module = explicit if explicit is not None else roles["ln_cross"]
+            assert module is not None
+            value = (
+                self.seen.input(module)
+                if self.block.layout == "post" and explicit is None
+                else self.seen.output(module)
+            )
+            self._expect(value, expected, f"resid_mid_cross == resid_mid + cross_attn (block {index})", block.name)
+            self.sites[full] = self.seen.site(full, module, "output")
+            self._after_attention = self.seen.output(module)
+            return
+        op = self.seen.find_op(block.core, expected)
+        if op is None:
+            raise self._error(f"no op of the block returns resid_mid + cross_attn (block {index})", block.name)
+        self.sites[full] = self._op_site(full, block.core, op, roles["ln2"])
+        self._after_attention = self.seen.op_value(block.core, op)
+
+    def _mlp_parts(self, index: int, block: _BlockPlan) -> None:
+        roles, why = block.roles, block.why
+        moe = roles["router"] is not None
+        fused = "the experts run fused: there is no one value before or after the activation"
+        no_act = why.get("act", "no activation module in the MLP (a class named *Act*, GELU, ReLU, SiLU, Tanh)")
+        no_proj = why.get("mlp_proj", "no output projection in the MLP (a Linear or Conv1D)")
+        self._module_site("mlp.pre", roles["act"], "input", fused if moe else no_act, index)
+        self._module_site("mlp.post", roles["mlp_proj"], "input", fused if moe else no_proj, index)
+        self._module_site("mlp.router", roles["router"], "output", "not a mixture of experts", index)
+
+    def _check_mlp(self, index: int, block: _BlockPlan, has_mlp: bool) -> None:
+        if not has_mlp:
+            return
+        name = f"{self.prefix}blocks.{index}"
+        mlp = self._value(self.sites[f"{name}.mlp"])
+        assert mlp is not None
+        post = self.seen.output(block.name)
+        if mlp.shape != post.shape and mlp.numel() == post.numel():
+            mlp = mlp.reshape(post.shape)  # an MLP run on (batch * seq, d) rows (OPT)
+        if self.block.layout == "post":
+            ln2 = block.roles["ln2"]
+            if ln2 is None or self._after_attention is None:
+                raise self._error("a post-norm block without ln2", block.name)
+            self._expect(
+                self.seen.input(ln2),
+                self._after_attention + mlp,
+                f"ln2's input is resid_mid + mlp (block {index})",
+                block.name,
+            )
+            self._expect(self.seen.output(ln2), post, f"resid_post is ln2's output (block {index})", block.name)
+            return
+        if self._after_attention is not None:
+            self._expect(
+                post, self._after_attention + mlp, f"resid_post == resid_mid + mlp (block {index})", block.name
+            )
+            return
+        attn = self._value(self.sites.get(f"{name}.attn"))
+        if attn is None:
+            raise self._error("a block without attention", block.name)
+        self._expect(
+            post,
+            self.seen.input(block.name) + attn + mlp,
+            f"resid_post == resid_pre + attn + mlp (block {index}, parallel)",
+            block.name,
+        )
+
+    def _value(self, site: StdSite | None) -> torch.Tensor | None:
+        return None if site is None else self.seen.value_of(site)
+
+    def _expect(self, got: torch.Tensor, expected: torch.Tensor, check: str, block: str) -> None:
+        if got.shape != expected.shape or not values_close(got, expected):
+            raise self._error(f"check failed: {check}", block)
+        self._checked(check.split(" (block")[0])
+
+    def _checked(self, check: str) -> None:
+        if check not in self.checks:
+            self.checks.append(check)
+
+    def _error(self, what: str, block: str) -> StdMapError:
+        return StdMapError(
+            f"the {self.family.name} canonical map does not fit this model: {what} (at {block!r}); the installed "
+            "transformers may have changed the architecture's code: pass family=None to hs.std_map to use the "
+            "structural detector, or report it",
+            family=self.family.name,
+            check=what,
+        )
+
+    _after_attention: torch.Tensor | None = None

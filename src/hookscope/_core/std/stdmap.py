@@ -1,0 +1,232 @@
+"""A resolved map of canonical names: what each name is on one model, and what is missing and why.
+
+:class:`StdMap` is what :func:`~hookscope._core.std.registry.std_map` returns and what every
+feature reads when it meets a ``"std:..."`` selector. Each :class:`StdSite` names the value in
+hookscope's own site grammar twice: ``read`` (what a capture or an extraction keeps: a module
+boundary where one carries the value, the cheapest way to it) and ``write`` (what an edit
+changes so that the rest of the forward sees it: for a residual add inside a block's code, the
+add itself, an op site). ``module`` is the module whose output carries the value, for the
+features that work per module (trace, gradients, diff), or None where no module's output is it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hookscope.errors import SelectionError
+
+__all__ = ["STD_PREFIX", "StdMap", "StdSite", "is_std_selector", "std_pattern"]
+
+#: Canonical selectors start with this: ``"std:blocks.*.resid_post"``.
+STD_PREFIX = "std:"
+
+SiteKind = Literal["module", "output", "input", "op", "attn"]
+
+
+def is_std_selector(selector: object) -> bool:
+    """True for a ``"std:..."`` selector text."""
+    return isinstance(selector, str) and selector.startswith(STD_PREFIX)
+
+
+def std_pattern(selector: str) -> str:
+    """The canonical name or pattern of a ``"std:..."`` selector (``"blocks.*.attn"``)."""
+    return selector[len(STD_PREFIX) :] if selector.startswith(STD_PREFIX) else selector
+
+
+@dataclass(frozen=True)
+class StdSite:
+    """One canonical name resolved on one model.
+
+    Attributes:
+        name: the canonical name, ``"blocks.3.resid_post"``.
+        read: the selector a capture or an extraction uses, ``"transformer.h.3:output[0]"``.
+        write: the selector an edit uses (the same, or the op site of a residual add).
+        module: the module whose output is the value (trace, gradients, diff), or None.
+        kind: what ``read`` names: a whole module, one output or input tensor, an op, an
+            attention sub-site.
+    """
+
+    name: str
+    read: str
+    write: str
+    module: str | None
+    kind: SiteKind
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """A canonical pattern matches part by part: ``*`` stands for one dotted part, so
+    ``blocks.*`` is the blocks and ``blocks.*.attn.*`` their attention sub-sites."""
+    parts, name_parts = pattern.split("."), name.split(".")
+    return len(parts) == len(name_parts) and all(
+        fnmatch.fnmatchcase(part, want) for part, want in zip(name_parts, parts, strict=True)
+    )
+
+
+@dataclass(frozen=True)
+class StdMap(Mapping[str, StdSite]):
+    """Canonical names resolved on one model, checked on one forward.
+
+    A mapping ``{canonical name: StdSite}`` in model order; :attr:`missing` holds each name the
+    architecture does not define, with the reason. ``print(std)`` shows the map as a table.
+
+    Attributes:
+        family: the family table used (``"GPT-2"``), or ``"detected"`` for the structural detector.
+        sites: the resolved names.
+        missing: ``{canonical name: why it is not defined here}``.
+        checks: the checks the forward passed, as sentences.
+    """
+
+    family: str
+    sites: dict[str, StdSite]
+    missing: dict[str, str] = field(default_factory=dict)
+    checks: tuple[str, ...] = ()
+
+    def __getitem__(self, name: str) -> StdSite:
+        name = std_pattern(name)
+        site = self.sites.get(name)
+        if site is not None:
+            return site
+        raise self._miss(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and std_pattern(name) in self.sites
+
+    def get(self, name: str, default: StdSite | None = None) -> StdSite | None:  # type: ignore[override]
+        """The site of a canonical name, or ``default`` where this model does not define it."""
+        return self.sites.get(std_pattern(name), default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def expand(self, selector: str) -> list[StdSite]:
+        """The sites a canonical name or pattern names, in map order; one that names nothing is a
+        :class:`~hookscope.errors.SelectionError` saying why (not defined here, or a typo).
+
+        >>> site = StdSite("blocks.0.attn", "h.0.attn", "h.0.attn", "h.0.attn", "module")
+        >>> std = StdMap("demo", {"blocks.0.attn": site})
+        >>> [site.read for site in std.expand("std:blocks.*.attn")]
+        ['h.0.attn']
+        """
+        pattern = std_pattern(selector)
+        if not any(char in pattern for char in "*?["):
+            return [self[pattern]]
+        found = [site for name, site in self.sites.items() if _matches(pattern, name)]
+        if found:
+            return found
+        raise self._miss(pattern)
+
+    def name_of(self, read: str) -> str | None:
+        """The canonical name whose ``read`` selector is ``read``, if any (a reverse lookup)."""
+        for name, site in self.sites.items():
+            if site.read == read:
+                return name
+        return None
+
+    def _miss(self, pattern: str) -> SelectionError:
+        shown = STD_PREFIX + pattern
+        missing = [(name, why) for name, why in self.missing.items() if _matches(pattern, name) or name == pattern]
+        if missing:
+            name, why = missing[0]
+            more = f" (and {len(missing) - 1} more like it)" if len(missing) > 1 else ""
+            return SelectionError(
+                f"canonical site {shown!r} is not defined for this {self.family} model: {name}{more}: {why}",
+                selector=shown,
+            )
+        generic = sorted({_generic(name) for name in self.sites})
+        close = difflib.get_close_matches(_generic(pattern), generic, n=3, cutoff=0.6)
+        hint = (
+            "did you mean " + " or ".join(repr(STD_PREFIX + c) for c in close) + "?"
+            if close
+            else "hs.std_map(model) prints every canonical name of this model"
+        )
+        return SelectionError(
+            f"canonical site {shown!r} names nothing on this {self.family} model ({len(self.sites)} canonical "
+            f"sites, blocks numbered from 0); {hint}",
+            selector=shown,
+            suggestions=tuple(STD_PREFIX + c for c in close),
+        )
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    def table(self) -> str:
+        """The map as text: one row per canonical name, each block's names once with ``{i}`` for
+        the block number (a block that differs is shown in full), then the names not defined
+        here, one row per reason."""
+        rows: list[tuple[str, str]] = []
+        shown_generic: set[tuple[str, str, str]] = set()
+        for site in self.sites.values():
+            generic = _numbered(site)
+            if generic is None:
+                rows.append((site.name, _described(site.read, site.write)))
+                continue
+            name, read, write = generic
+            if (name, read, write) in shown_generic:
+                continue
+            shown_generic.add((name, read, write))
+            rows.append((name, _described(read, write)))
+        blocks = sorted({int(part) for n in self.sites for part in n.split(".")[1:2] if part.isdigit()})
+        width = max((len(name) for name, _ in rows), default=4)
+        count = f"{len(blocks)} blocks, " if blocks else ""
+        lines = [
+            f"canonical sites of a {self.family} model ({count}{len(self.sites)} names; select them as 'std:NAME')"
+        ]
+        lines += [f"  {name:<{width}}  {text}" for name, text in rows]
+        reasons: dict[str, list[str]] = {}
+        for name, why in self.missing.items():
+            reasons.setdefault(why, []).append(_generic(name))
+        if reasons:
+            lines.append("not defined here:")
+            for why, names in reasons.items():
+                lines.append(f"  {_short_list(list(dict.fromkeys(names)))}: {why}")
+        return "\n".join(lines)
+
+
+def _described(read: str, write: str) -> str:
+    return read if write == read else f"{read}   (edits: {write})"
+
+
+_BLOCK = re.compile(r"^((?:[a-z]+\.)?blocks)\.(\d+)(\..+)?$")
+
+
+def _numbered(site: StdSite) -> tuple[str, str, str] | None:
+    """``(blocks.{i}.attn, h.{i}.attn:output[0], ...)`` for a block's site, where the block's
+    number appears once in its module path; None for a site outside the blocks."""
+    found = _BLOCK.match(site.name)
+    if found is None:
+        return None
+    number = found.group(2)
+    pattern = re.compile(rf"(?<=\.){number}(?=[.:#]|$)")
+    read, write = pattern.subn("{i}", site.read, count=1), pattern.subn("{i}", site.write, count=1)
+    if read[1] != 1 or write[1] != 1:
+        return None
+    return f"{found.group(1)}.{{i}}{found.group(3) or ''}", read[0], write[0]
+
+
+def _short_list(names: list[str]) -> str:
+    """Names sharing a stem written once: ``blocks.*.cross_attn, blocks.*.cross_attn.{q,k,v}``."""
+    out: list[str] = []
+    for name in names:
+        stem, _, last = name.rpartition(".")
+        if out and stem and out[-1].startswith(stem + ".") and "." in out[-1]:
+            previous = out[-1]
+            head, _, tail = previous.rpartition(".")
+            if head == stem:
+                tail = tail.strip("{}")
+                out[-1] = f"{stem}.{{{tail},{last}}}"
+                continue
+        out.append(name)
+    return ", ".join(out)
+
+
+def _generic(name: str) -> str:
+    """``blocks.3.attn`` -> ``blocks.*.attn``: the name with its block number as a pattern."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
