@@ -261,7 +261,7 @@ def test_trace_and_gradients_take_module_valued_names_and_refuse_the_rest() -> N
     model, x = gpt2(), tokens()
     trace = hs.trace(model, x, layers=["std:blocks.*.attn"])
     assert [row.name for row in trace.rows] == ["transformer.h.0.attn", "transformer.h.1.attn"]
-    with pytest.raises(hs.StdMapError, match="not a module's output"):
+    with pytest.raises(hs.SelectionError, match="not a module's output"):
         hs.trace(model, x, layers="std:blocks.0.resid_pre")
     model.train()
     with hs.watch_grads(model, "std:blocks.*.mlp") as monitor:
@@ -313,3 +313,25 @@ def test_the_report_draws_the_modules_of_canonical_names(tmp_path: Path) -> None
     path = hs.report(model, x, out=tmp_path / "r.html", layers="std:blocks.*.mlp")
     text = Path(path).read_text()
     assert "transformer.h.1.mlp" in text
+
+
+def test_two_names_on_one_site_both_read_and_a_bad_example_is_a_hookscope_error() -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100
+    )
+    bert = transformers.BertModel(config).eval()
+    with hs.capture(bert, "std:blocks.0.ln1", "std:blocks.0.resid_mid") as cap, torch.no_grad():
+        bert(tokens())
+    assert torch.equal(cap.cache["std:blocks.0.ln1"], cap.cache["std:blocks.0.resid_mid"])
+    with pytest.raises(hs.StdMapError, match="check forward"):
+        hs.std_map(gpt2(), torch.zeros(2, 3, 4))
+
+
+def test_a_switched_attention_implementation_makes_a_new_map() -> None:
+    model = llama()
+    assert hs.std_map(model)["blocks.0.attn.pattern"].read.endswith(":attn.pattern")
+    model.set_attn_implementation("eager")
+    with hs.capture(model, "std:blocks.0.attn.pattern") as cap, torch.no_grad():
+        model(tokens())
+    assert cap.cache.meta["std"]["blocks.0.attn.pattern"].endswith(":op[softmax#0]")

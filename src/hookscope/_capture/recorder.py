@@ -106,7 +106,7 @@ class Capture(Scoped):
         self._selected, self._leaves = select_leaves(model, selectors_of_modules) if selectors_of_modules else ([], {})
         meta = _describe(model, selectors, options)
         if std_names:
-            meta["std"] = {name: text for text, name in std_names.items()}
+            meta["std"] = dict(std_names)
         chosen = {id(module) for _, module in [*self._selected, *(self._ops.modules if self._ops else [])]}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen

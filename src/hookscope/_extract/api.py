@@ -158,7 +158,7 @@ def extract(
     recorded = {
         "model": model_identity(model, config.model_spec),
         "layers": [_layer_text(s) for s in given],
-        **({"std": {name: text for text, name in std_names.items()}} if std_names else {}),
+        **({"std": dict(std_names)} if std_names else {}),
         **config.recorded(),
         "reduce": captures.reductions,
         "rows": source.rows,

@@ -18,6 +18,7 @@ from hookscope._core.names import escape_name, named_modules
 from hookscope._core.ops import OpWatcher
 from hookscope._core.std.stdmap import StdSite
 from hookscope._core.tree import call_leaves, flatten_tensors
+from hookscope.errors import StdMapError
 
 __all__ = ["Seen", "observe", "values_close"]
 
@@ -93,7 +94,14 @@ def observe(
         model.eval()
         args, kwargs = inputs
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(*args, **kwargs)
+            try:
+                model(*args, **kwargs)
+            except Exception as error:  # a bad example input: say so, in hookscope's words
+                raise StdMapError(
+                    f"the check forward of the canonical map failed on the example input ({type(error).__name__}: "
+                    f"{error}); pass an input the model takes: hs.std_map(model, example_input)",
+                    check="check forward failed",
+                ) from error
         if watcher is not None:
             seen._op_names = {name: dict(ops) for name, ops in watcher.seen.items()}
     finally:

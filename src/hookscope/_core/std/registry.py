@@ -21,7 +21,7 @@ from hookscope._core.std.resolve import resolve_family
 from hookscope._core.std.sample import sample_input
 from hookscope._core.std.spec import Layout
 from hookscope._core.std.stdmap import StdMap, StdSite, is_std_selector
-from hookscope.errors import SpecError, StdMapError
+from hookscope.errors import SelectionError, SpecError, StdMapError
 
 __all__ = ["expand_std", "known_std_map", "std_map"]
 
@@ -80,8 +80,9 @@ def known_std_map(model: nn.Module) -> StdMap:
 
 def expand_std(model: nn.Module, selectors: Sequence[Any], use: Use = "read") -> tuple[list[Any], dict[str, str]]:
     """``selectors`` with each ``"std:..."`` one replaced by the selectors it stands for (lists
-    opened up), and ``{site text: canonical name}`` for them. ``use``: ``"read"`` (capture,
-    extract), ``"write"`` (edit) or ``"module"`` (trace, gradients: the module carrying it).
+    opened up), and ``{canonical name: site text}`` for them (two names may share one site).
+    ``use``: ``"read"`` (capture, extract), ``"write"`` (edit) or ``"module"`` (trace,
+    gradients: the module carrying it).
 
     Selectors without ``"std:"`` pass through untouched, and the model is not run for them.
     """
@@ -101,8 +102,9 @@ def expand_std(model: nn.Module, selectors: Sequence[Any], use: Use = "read") ->
             continue
         for site in std.expand(selector):
             text = _text(site, use)
-            expanded.append(text)
-            names.setdefault(text, site.name)
+            if text not in expanded:
+                expanded.append(text)
+            names.setdefault(site.name, text)
     return expanded, names
 
 
@@ -112,11 +114,11 @@ def _text(site: StdSite, use: Use) -> str:
     if use == "write":
         return site.write
     if site.module is None:
-        raise StdMapError(
+        raise SelectionError(
             f"canonical site 'std:{site.name}' ({site.read}) is not a module's output, and this feature works per "
             "module: select it in hs.capture or hs.extract, or pick a name a module returns (blocks.*, *.attn, "
             "*.mlp, *.ln1, *.resid_post)",
-            check=site.name,
+            selector=f"std:{site.name}",
         )
     return site.module
 
@@ -164,4 +166,9 @@ def _make(model: nn.Module, family: str | None, inputs: tuple[tuple[Any, ...], d
 
 
 def _signature(model: nn.Module) -> int:
-    return hash(tuple((name, type(module)) for name, module in named_modules(model)))
+    """What the map depends on: the module structure and the config (an attention
+    implementation or a residual layout switched after the map was made)."""
+    config: Any = getattr(model, "config", None)
+    settings = repr(sorted(config.to_dict().items())) if config is not None and hasattr(config, "to_dict") else ""
+    attention = getattr(config, "_attn_implementation", None)
+    return hash((tuple((name, type(module)) for name, module in named_modules(model)), settings, attention))
