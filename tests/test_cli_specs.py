@@ -431,3 +431,22 @@ def test_help_states_the_hf_config_grammar(capsys: pytest.CaptureFixture[str]) -
     assert "hf-config:<model_type>/<head>?key=value&..." in text
     assert "hidden_sizes=[16,32]" in text
     assert "causal-lm" in text
+
+
+@pytest.mark.transformers
+def test_sample_input_feeds_a_speech_model_its_features_and_decoder_start_tokens() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=7, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    assert hs.default_input_shape(model) == (1, 8, 32)  # the convolutions halve 32 frames to 16 positions
+    args, kwargs = hs.sample_input(model)
+    assert args == ()
+    assert kwargs["input_features"].shape == (1, 8, 32)
+    assert kwargs["decoder_input_ids"].tolist() == [[7, 7, 7, 7]]
+    with torch.no_grad():
+        assert model(**kwargs).logits.shape == (1, 4, 100)
+    assert make_input(model, None)[1]["input_features"].shape == (1, 8, 32)  # the command line's too

@@ -113,6 +113,15 @@ _GEMMA2_REF = _causal(
 )
 _CLIP_REF = Ref("", "encoder.layers.{i}", ("layer_norm2", "input"), "layer_norm1", "layer_norm2")
 
+# BERT and RoBERTa blocks, named by hand: post-norm, resid_mid is the attention sublayer's norm.
+_BERT_REF = Ref(
+    "",
+    "encoder.layer.{i}",
+    ("attention.output.LayerNorm", "output"),
+    "attention.output.LayerNorm",
+    "output.LayerNorm",
+)
+
 FAMILIES: dict[str, Spec] = {
     "gpt2": Spec(
         "GPT2Config",
@@ -203,15 +212,7 @@ FAMILIES: dict[str, Spec] = {
         "BertModel",
         _BERT_LIKE,
         "post",
-        (
-            Ref(
-                "",
-                "encoder.layer.{i}",
-                ("attention.output.LayerNorm", "output"),
-                "attention.output.LayerNorm",
-                "output.LayerNorm",
-            ),
-        ),
+        (_BERT_REF,),
         use_cache=False,
     ),
     "roberta": Spec(
@@ -219,15 +220,7 @@ FAMILIES: dict[str, Spec] = {
         "RobertaModel",
         _BERT_LIKE,
         "post",
-        (
-            Ref(
-                "",
-                "encoder.layer.{i}",
-                ("attention.output.LayerNorm", "output"),
-                "attention.output.LayerNorm",
-                "output.LayerNorm",
-            ),
-        ),
+        (_BERT_REF,),
         use_cache=False,
     ),
     "distilbert": Spec(

@@ -16,6 +16,7 @@ from hookscope import edits, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
+from hookscope._core.samples import default_input_shape, sample_input
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.std import StdMap, StdSite, std_map
@@ -135,6 +136,7 @@ __all__ = [
     "attached",
     "capture",
     "check_output_path",
+    "default_input_shape",
     "detect_nonfinite",
     "diff",
     "dtype_name",
@@ -156,6 +158,7 @@ __all__ = [
     "run_with_capture",
     "run_with_edits",
     "run_with_trace",
+    "sample_input",
     "save_tensors",
     "select",
     "std_map",

@@ -125,8 +125,13 @@ class Cache(Mapping[str, torch.Tensor]):
         ``cache["std:blocks.3.resid_post"]`` reads one, and saved files keep the names.
         """
         std = self.meta.get("std")
-        names = std if isinstance(std, dict) else {}
-        return {name: self[STD_PREFIX + name] for name in names if STD_PREFIX + name in self}
+        found: dict[str, torch.Tensor] = {}
+        for name in std if isinstance(std, dict) else {}:
+            try:
+                found[name] = self[STD_PREFIX + name]
+            except SiteNotFoundError:  # selected, but its module never ran in this pass
+                continue
+        return found
 
     def sites(self) -> list[Site]:
         """Every site held, in the order the values were captured."""

@@ -15,8 +15,8 @@ from torch import nn
 
 from hookscope._capture import Cache, capture
 from hookscope._core.names import call_label, unwrapped_modules
-from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.std import expand_std, known_std_map
+from hookscope._core.select import Selector, ensure_module
+from hookscope._core.std import known_std_map, select_std
 from hookscope._core.tree import map_tensors
 from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics
@@ -221,11 +221,10 @@ def _blame(which: str) -> Iterator[None]:
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
         return unwrapped_modules(model)
-    chosen: Any = expand_std(model, list(layers) if isinstance(layers, (list, tuple)) else [layers], "module")[0]
     kept = {
         id(module) for _, module in unwrapped_modules(model)
     }  # a wrapper's held module: its calls are the wrapper's
-    return [(name, module) for name, module in select(model, chosen) if id(module) in kept]
+    return [(name, module) for name, module in select_std(model, layers) if id(module) in kept]
 
 
 def std_pairs(a: nn.Module, b: nn.Module) -> tuple[Callable[[str], str | None], list[Selector]]:

@@ -76,29 +76,22 @@ class Editor(Scoped):
         self._side: EditSide = on
         self._handled: BaseException | None = None
         self._tracker = CallTracker(self, feature="edit")
-        plan: dict[int, tuple[str, nn.Module, list[EditFn]]] = {}
+        # Per module and side: the edits with the tensor each asks for (None: the first).
+        plan: dict[tuple[int, EditSide], tuple[str, nn.Module, EditSide, list[tuple[EditFn, str | None]]]] = {}
         op_plan: list[tuple[OpPattern, list[EditFn]]] = []
-        leaf_plan: dict[tuple[int, str], tuple[str, nn.Module, EditSide, list[tuple[EditFn, str | None]]]] = {}
         for selector, chosen in edits.items():
             functions = _functions(selector, chosen)
-            targets, _ = expand_std(model, [selector], "write")  # "std:blocks.3.resid_mid" -> its sites
-            for target in targets:
+            for target in expand_std(model, selector, "write")[0]:  # "std:blocks.3.resid_mid" -> its sites
                 pattern = op_pattern(target)
                 if pattern is not None:
                     op_plan.append((_checked_op_edit(pattern, functions, on), functions))
                     continue
                 split = split_leaf_selector(target)
-                if split is not None:  # "h.0:input[0]": this side and tensor, whatever on= says
-                    module_selector, what, path = split
-                    side: EditSide = "input" if what == "input" else "output"
-                    for name, module in select(model, module_selector):
-                        entry = leaf_plan.setdefault((id(module), side), (name, module, side, []))
-                        entry[3].extend(_at_path(functions, path, target))
-                    continue
-                for name, module in select(model, target):
-                    plan.setdefault(id(module), (name, module, []))[2].extend(functions)
+                side: EditSide = on if split is None else "input" if split[1] == "input" else "output"
+                targets = _targets(functions, on) if split is None else _at_path(functions, split[2], target)
+                for name, module in select(model, target if split is None else split[0]):
+                    plan.setdefault((id(module), side), (name, module, side, []))[3].extend(targets)
         self._plan = list(plan.values())
-        self._leaf_plan = list(leaf_plan.values())
         self._op_patterns = [pattern for pattern, _ in op_plan]
         self._ops = OpSelectors(model, self._op_patterns, owner="edit", error=EditError) if op_plan else None
         self._op_targets = [_targets(fns, "output") for _, fns in op_plan]
@@ -111,18 +104,16 @@ class Editor(Scoped):
         }
         # Counted per pass, from 0 each time (so compiled code sees the same values on every
         # pass and is not recompiled), and added to the earlier passes' when the next one starts.
-        self._applied = dict.fromkeys((name for name, _, _ in self._plan), 0)
-        self._applied.update(dict.fromkeys((name for name, _, _, _ in self._leaf_plan), 0))
+        self._applied = dict.fromkeys((name for name, _, _, _ in self._plan), 0)
         self._forward_calls: dict[str, int] = {}  # calls per module in the last forward pass
         self._applied.update(dict.fromkeys(self._op_keys.values(), 0))
         self._earlier = dict.fromkeys(self._applied, 0)
         self._op_counts = {key: len(op_plan[key[0]][1]) for key in self._op_keys}
-        sided = [(name, module, on, _targets(fns, on)) for name, module, fns in self._plan] + self._leaf_plan
         specs = [
             HookSpec(name, module, "forward", self._output_hook(name, targets), with_kwargs=True, fitted=True)
             if side == "output"
             else HookSpec(name, module, "forward_pre", self._input_hook(name, targets), with_kwargs=True, fitted=True)
-            for name, module, side, targets in sided
+            for name, module, side, targets in self._plan
         ]
         counted = self._ops.modules if self._ops is not None else []  # a watched module called alone is a pass
         self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, count=counted, restore_mode=False)
@@ -238,8 +229,10 @@ class Editor(Scoped):
     def sites(self) -> list[str]:
         """The modules edited, in model order, with how many edits each; then the op sites
         (``h.0.attn:op[softmax#0] (1 edit)``), one per op selector and module it selects."""
-        counted = [(module_label(name), len(fns)) for name, _, fns in self._plan]
-        counted += [(f"{module_label(name)}:{side}", len(targets)) for name, _, side, targets in self._leaf_plan]
+        counted = [
+            (module_label(name) if side == self._side else f"{module_label(name)}:{side}", len(targets))
+            for name, _, side, targets in self._plan
+        ]
         counted += [(key, self._op_counts[pair]) for pair, key in self._op_keys.items()]
         return [f"{site} ({count} edit{'s' if count != 1 else ''})" for site, count in counted]
 
@@ -251,8 +244,7 @@ class Editor(Scoped):
         A module at 0 was selected but never ran (or ran only in calls ``calls=`` left out):
         the edit changed nothing there.
         """
-        shown = {name: module_label(name) for name, _, _ in self._plan}
-        shown.update({name: module_label(name) for name, _, _, _ in self._leaf_plan})
+        shown = {name: module_label(name) for name, _, _, _ in self._plan}
         return {shown.get(key, key): self._earlier[key] + count for key, count in self._applied.items()}
 
     def remove(self) -> None:

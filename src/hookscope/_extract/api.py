@@ -32,6 +32,7 @@ from torch import nn
 
 from hookscope._core.attach import HookGroup
 from hookscope._core.op_sites import op_pattern
+from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module
 from hookscope._core.std import expand_std
 from hookscope._core.tree import map_tensors
@@ -123,7 +124,7 @@ def extract(
     ensure_module(model)
     config = ExtractConfig.build(options, opts)
     given: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
-    expanded, std_names = expand_std(model, given, "read")  # "std:blocks.*.resid_post" -> site selectors
+    expanded, std_names = expand_std(model, layers, "read")  # "std:blocks.*.resid_post" -> site selectors
     _refuse_op_selectors(expanded)
     zarr_module()
     target = target_of(out)
@@ -140,7 +141,7 @@ def extract(
             f"{ranks.world_size} processes need data they can index by row (a map-style Dataset, a DataLoader over "
             "one, or tensors); this data is a stream that only one process can read in order"
         )
-    run_on = config.torch_device or _model_device(model)
+    run_on = config.torch_device or model_device(model)
     selectors: list[Selector] = expanded
     captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options, mask=TokenMask())
     job = _Job(
@@ -532,13 +533,6 @@ def _site_text(site: dict[str, Any]) -> str:
 def _layer_text(selector: object) -> str:
     """A selector as the store records it: names, globs and regexes as written, others described."""
     return selector if isinstance(selector, str) else describe_selector(selector)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        if not tensor.is_meta:
-            return tensor.device
-    return torch.device("cpu")
 
 
 def _refuse_op_selectors(layers: object) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from hookscope._core.sites import Site
+from hookscope._core.std.stdmap import is_std_selector, std_pattern
 from hookscope._extract.layout import Layout, SiteLayout
 from hookscope._extract.verify import damaged_chunks, describe, missing_chunk, present_chunks
 from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
@@ -323,8 +324,8 @@ class Store:
 
     def __getitem__(self, key: str) -> StoreArray:
         std = self.meta.get("config", {}).get("std")
-        if isinstance(key, str) and key.startswith("std:") and isinstance(std, dict) and key[4:] in std:
-            key = str(Site.parse(std[key[4:]]))  # a canonical name the extraction was given: its site
+        if is_std_selector(key) and isinstance(std, dict) and std_pattern(key) in std:
+            key = str(Site.parse(std[std_pattern(key)]))  # a canonical name the extraction was given: its site
         layout = self._by_key.get(key)
         if layout is None:
             raise self._not_found(key)

@@ -31,9 +31,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope._core.attach import remove_through
 from hookscope._core.names import call_label, named_modules, named_parameters
-from hookscope._core.select import Selector, ensure_module, given_selectors, select
+from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import in_backward
-from hookscope._core.std import expand_std
+from hookscope._core.std import select_std
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._grads.records import GradRecord, GradStep, GradWhat
 from hookscope._grads.replay import Replay, checkpoint_context
@@ -389,8 +389,7 @@ def _note_alive(step: _Step, key: tuple[str, int], output: torch.Tensor) -> None
 def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[str, nn.Module]]:
     if not selectors:
         return [(name, module) for name, module in named_modules(model) if name]
-    chosen = expand_std(model, list(selectors), "module")[0]  # "std:blocks.*" -> the modules carrying them
-    return select(model, chosen)  # a union, each module once, in model order
+    return select_std(model, list(selectors))  # a union, each module once, in model order ("std:" names too)
 
 
 def _refuse_offloaded(parameters: list[tuple[str, nn.Parameter]]) -> None:

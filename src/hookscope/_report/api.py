@@ -80,7 +80,7 @@ def report(
     layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
     layers = None if layers is None else given_selectors((), layers, feature="report")
     if layers is not None:  # "std:blocks.*" -> the modules carrying those canonical names
-        layers = expand_std(model, list(layers) if isinstance(layers, (list, tuple)) else [layers], "module")[0]
+        layers = expand_std(model, layers, "module")[0]
     path = html_path(out)
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")

@@ -36,9 +36,9 @@ from hookscope._core.names import ROOT_LABEL, named_modules
 from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
-from hookscope._core.select import Selector, ensure_module, given_selectors, select
+from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
-from hookscope._core.std import expand_std
+from hookscope._core.std import select_std
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
@@ -547,11 +547,9 @@ def trace(
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     if layers is None:
         return named_modules(model)
-    selectors: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
-    selectors = expand_std(model, selectors, "module")[0]  # "std:blocks.*" -> the modules carrying them
-    if not selectors:
+    if isinstance(layers, (list, tuple)) and not layers:
         raise SpecError("layers=[] traces nothing; leave layers=None to trace every module")
-    return select(model, selectors)  # a union, each module once, in model order
+    return select_std(model, layers)  # a union, each module once, in model order ("std:" names too)
 
 
 def _every_op(traced: list[tuple[str, nn.Module]], layers: Selector | Sequence[Selector] | None) -> list[OpPattern]:

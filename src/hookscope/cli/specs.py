@@ -45,8 +45,6 @@ FORMS = (
     "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or "
     "'hf-config:<model_type>[/<head>][?key=value&...]'"
 )
-DEFAULT_SEQUENCE_LENGTH = 16
-DECODER_LENGTH = 4  # the decoder input of an encoder-decoder model: a few start tokens
 
 
 def _small_cnn() -> nn.Module:
@@ -128,63 +126,24 @@ def load_attribute(spec: str, *, kind: str = "model", forms: str = FORMS) -> tup
 def make_input(
     model: nn.Module, shape: str | None, *, dtype: str | None = None, seed: int = 0
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A random sample input for ``model`` as ``(args, kwargs)``, for ``model(*args, **kwargs)``.
-
-    transformers models are recognised by their ``main_input_name`` (read with ``getattr``, so
-    transformers is never imported here): token models get ``input_ids`` in ``[0, vocab_size)``
-    (and encoder-decoder ones a few ``decoder_input_ids`` start tokens),
-    vision models ``pixel_values``; a model with a ``sample_input(shape, seed=)`` method (the
-    demo's shapes classifier) makes its own; any other model gets one positional tensor. ``shape=None``
-    picks a default where the model says enough about itself, else raises ``SpecError``. The
-    values come from a generator seeded with ``seed``, so the same command sees the same input.
-    """
-    config = getattr(model, "config", None)
-    main_input = getattr(model, "main_input_name", None)
-    vocab_size = getattr(config, "vocab_size", None)
-    vocab_size = vocab_size if isinstance(vocab_size, int) else 0
-    is_tokens = main_input == "input_ids" and vocab_size > 0
-    size = parse_shape(shape) if shape is not None else _default_shape(model, config, main_input, is_tokens)
-    generator = torch.Generator().manual_seed(seed)
-    if is_tokens:
-        if len(size) != 2:
-            raise SpecError(
-                f"input shape {size} has {len(size)} dimensions; {type(model).__name__} takes token ids of "
-                "shape batch x sequence; pass e.g. --input-shape 1x16"
-            )
-        tokens = {"input_ids": torch.randint(0, vocab_size, size, generator=generator)}
-        return (), {**tokens, **_decoder_input(model, config, size)}
-    maker = getattr(model, "sample_input", None)
-    values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
-    if dtype is not None:
-        values = values.to(hs.parse_dtype(dtype))
-    if main_input == "pixel_values":
-        return (), {"pixel_values": values}
-    return (values,), {}
+    """A random sample input for ``model`` as ``(args, kwargs)``: :func:`hookscope.sample_input`
+    of the ``--input-shape`` text, or of the model's default (the demo CNN's is here). A model
+    without a default is asked for ``--input-shape``."""
+    size = parse_shape(shape) if shape is not None else _example_shape(model) or hs.default_input_shape(model)
+    if size is None:
+        raise SpecError(
+            f"no default input for {type(model).__name__}: it declares no example_input_shape; "
+            "pass --input-shape, e.g. 1x3x224x224"
+        )
+    return hs.sample_input(model, size, seed=seed, dtype=None if dtype is None else hs.parse_dtype(dtype))
 
 
-def _decoder_input(model: nn.Module, config: object, size: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """``decoder_input_ids`` for an encoder-decoder model (T5, BART, ...), else nothing.
-
-    Such a model refuses to run on ``input_ids`` alone, and no ``--input-shape`` can supply a
-    second input, so the sample gets ``DECODER_LENGTH`` (at most the encoder's length) copies of
-    the decoder's start token. Only a model whose forward takes ``decoder_input_ids`` gets them.
-    """
-    if getattr(config, "is_encoder_decoder", False) is not True:
-        return {}
-    try:
-        takes = "decoder_input_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if not takes:
-        return {}
-    generation = getattr(model, "generation_config", None)  # where transformers 5 keeps the start token
-    candidates = (
-        getattr(config, "decoder_start_token_id", None),
-        getattr(generation, "decoder_start_token_id", None),
-        getattr(config, "pad_token_id", None),  # what T5 starts its decoder with
-    )
-    start = next((value for value in candidates if isinstance(value, int)), 0)
-    return {"decoder_input_ids": torch.full((size[0], min(DECODER_LENGTH, size[1])), start, dtype=torch.long)}
+def _example_shape(model: nn.Module) -> tuple[int, ...] | None:
+    """The shape the command line knows for a model class that declares none (the demo CNN)."""
+    for cls in type(model).__mro__:
+        if f"{cls.__module__}.{cls.__qualname__}" in _EXAMPLE_SHAPES:
+            return _EXAMPLE_SHAPES[f"{cls.__module__}.{cls.__qualname__}"]
+    return None
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -424,23 +383,3 @@ def _value(text: str) -> Any:
     if text.lower() in ("null", "none"):
         return None
     return text
-
-
-def _default_shape(model: nn.Module, config: object, main_input: object, is_tokens: bool) -> tuple[int, ...]:
-    declared = getattr(type(model), "example_input_shape", None)
-    if declared is not None:
-        return tuple(declared)
-    for cls in type(model).__mro__:
-        if f"{cls.__module__}.{cls.__qualname__}" in _EXAMPLE_SHAPES:
-            return _EXAMPLE_SHAPES[f"{cls.__module__}.{cls.__qualname__}"]
-    if is_tokens:  # stay within the position table of a small model
-        limit = getattr(config, "max_position_embeddings", None)
-        return (1, min(DEFAULT_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else DEFAULT_SEQUENCE_LENGTH)
-    channels, image_size = getattr(config, "num_channels", None), getattr(config, "image_size", None)
-    if main_input == "pixel_values" and isinstance(channels, int) and image_size is not None:
-        height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)[:2]
-        return (1, channels, int(height), int(width))
-    raise SpecError(
-        f"no default input for {type(model).__name__}: it declares no example_input_shape; "
-        "pass --input-shape, e.g. 1x3x224x224"
-    )

@@ -8,8 +8,9 @@ registered, the MLP's activation and its last linear layer; around the blocks, t
 embedding, a position embedding, the last norm and a head whose width is the vocabulary.
 
 Where the values flow is not guessed: the resolver checks the proposal on one forward (the
-residual identities of :mod:`~hookscope._core.std.resolve`), first as a pre-norm block, then
-as a post-norm one, and a role the detector could not place is a missing name with the reason.
+residual identities of :mod:`~hookscope._core.std.resolve`), read both as pre-norm and as
+post-norm blocks, keeping the reading that places more names; a role the detector could not
+place is a missing name with the reason.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 from torch import nn
 
 from hookscope._core.names import named_modules
-from hookscope._core.std.spec import Block, Family, Layout, Stack
+from hookscope._core.std.spec import Block, Family, Stack
 from hookscope.errors import StdMapError
 
 __all__ = ["detect_family"]
@@ -31,9 +32,10 @@ _ACT = re.compile(r"act|gelu|relu|silu|swish|tanh|sigmoid|activation", re.IGNORE
 _ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU)
 
 
-def detect_family(model: nn.Module, layout: Layout = "pre") -> Family:
+def detect_family(model: nn.Module) -> Family:
     """A :class:`Family` for ``model`` from its structure (see the module docstring), with
-    blocks read as ``layout``; a model without a block list is a ``StdMapError`` saying so."""
+    blocks read as pre-norm until the resolver tries both readings; a model without a block list
+    is a ``StdMapError`` saying so."""
     named = named_modules(model)
     lists = _block_lists(named)
     if not lists:
@@ -43,7 +45,7 @@ def detect_family(model: nn.Module, layout: Layout = "pre") -> Family:
             family="detected",
             check="no block list",
         )
-    stacks = tuple(_stack(named, path, _prefix(path, lists), layout) for path in lists)
+    stacks = tuple(_stack(named, path, _prefix(path, lists)) for path in lists)
     return Family("detected", (), stacks, unembed=_unembed(named, lists))
 
 
@@ -96,7 +98,7 @@ def _outermost(found: list[str]) -> list[str]:
     return [name for name in found if not any(name != other and name.startswith(other + ".") for other in found)]
 
 
-def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str, layout: Layout) -> Stack:
+def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     block = f"{path}.0" if path else "0"
     inside = [(n, m) for n, m in named if n.startswith(block + ".")]
     attention = _outermost([n for n, m in inside if _is_attention(n, m)])
@@ -130,7 +132,6 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str, layout: L
         mlp_proj=rel(proj),
         cross_attn=rel(cross),
         ln_cross=rel(ln_cross),
-        layout=layout,
     )
     embed, pos_embed = _embeddings(named, path)
     return Stack(prefix, path, roles, embed=embed, pos_embed=pos_embed, ln_final=_final_norm(named, path))

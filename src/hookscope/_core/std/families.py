@@ -2,12 +2,15 @@
 
 Data only. Each path is checked on the model when the map is made (a module that is not there,
 or that never runs, makes its canonical names unavailable with the reason, never wrong), and
-the values are checked against each other on one forward (:mod:`~hookscope._core.std.validate`).
+the values are checked against each other on one forward (:mod:`~hookscope._core.std.resolve`).
 Alternatives separated by ``|`` cover renames between transformers versions; the first present
 wins. Tables are looked up by ``config.model_type``.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 from hookscope._core.std.spec import Block, Family, Stack
 
@@ -28,23 +31,15 @@ _LLAMA_BLOCK = Block(
 )
 _LLAMA = Stack("", "layers", _LLAMA_BLOCK, embed="embed_tokens", ln_final="norm", no_pos_embed=_ROTARY)
 
+
+def _llama_like(**changes: Any) -> Stack:
+    """The Llama layer with some roles elsewhere: a family that copied it and changed a part."""
+    return replace(_LLAMA, block=replace(_LLAMA_BLOCK, **changes))
+
+
 # Gemma 2 and 3 norm both sides of each sublayer: what is added is the post-norm's output.
-_GEMMA2 = Stack(
-    "",
-    "layers",
-    Block(
-        ln1="input_layernorm",
-        attn="self_attn",
-        attn_out="post_attention_layernorm",
-        ln2="pre_feedforward_layernorm",
-        mlp="mlp",
-        mlp_out="post_feedforward_layernorm",
-        act="mlp.act_fn",
-        mlp_proj="mlp.down_proj",
-    ),
-    embed="embed_tokens",
-    ln_final="norm",
-    no_pos_embed=_ROTARY,
+_GEMMA2 = _llama_like(
+    attn_out="post_attention_layernorm", ln2="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm"
 )
 
 _BERT = Stack(
@@ -111,225 +106,196 @@ def _bart_like(prefix: str, cross: bool, layout: str, ln_final: str | None, embe
     )
 
 
-_CLIP_BLOCK = Block(
-    ln1="layer_norm1", attn="self_attn", ln2="layer_norm2", mlp="mlp", act="mlp.activation_fn", mlp_proj="mlp.fc2"
-)
+def _clip(prefix: str, *, vision: bool = False) -> Stack:
+    """CLIP's text or vision tower; ``prefix`` names it inside a two-tower ``CLIPModel``."""
+    base = f"{prefix}_model." if prefix else ""
+    return Stack(
+        prefix,
+        f"{base}encoder.layers",
+        Block(
+            ln1="layer_norm1",
+            attn="self_attn",
+            ln2="layer_norm2",
+            mlp="mlp",
+            act="mlp.activation_fn",
+            mlp_proj="mlp.fc2",
+        ),
+        embed=f"{base}embeddings" if vision else f"{base}embeddings.token_embedding",
+        pos_embed=f"{base}embeddings.position_embedding",
+        ln_final=f"{base}post_layernorm" if vision else f"{base}final_layer_norm",
+    )
+
+
+def _one(name: str, model_types: tuple[str, ...], stack: Stack, unembed: str | None = "lm_head") -> Family:
+    """A family with one stack of blocks (decoder-only or encoder-only)."""
+    return Family(name, model_types, (stack,), unembed=unembed)
+
 
 FAMILIES: tuple[Family, ...] = (
-    Family(
+    _one(
         "GPT-2",
         ("gpt2",),
-        (
-            Stack(
-                "",
-                "h",
-                Block(ln1="ln_1", attn="attn", ln2="ln_2", mlp="mlp", act="mlp.act", mlp_proj="mlp.c_proj"),
-                embed="wte",
-                pos_embed="wpe",
-                ln_final="ln_f",
-            ),
+        Stack(
+            "",
+            "h",
+            Block(ln1="ln_1", attn="attn", ln2="ln_2", mlp="mlp", act="mlp.act", mlp_proj="mlp.c_proj"),
+            embed="wte",
+            pos_embed="wpe",
+            ln_final="ln_f",
         ),
     ),
-    Family(
+    _one(
         "GPT-NeoX",
         ("gpt_neox",),
-        (
-            Stack(
-                "",
-                "layers",
-                Block(
-                    ln1="input_layernorm",
-                    attn="attention",
-                    attn_out="post_attention_dropout",
-                    ln2="post_attention_layernorm",
-                    mlp="mlp",
-                    mlp_out="post_mlp_dropout",
-                    act="mlp.act",
-                    mlp_proj="mlp.dense_4h_to_h",
-                    layout="parallel",
-                    why_parallel="use_parallel_residual=True: attention and the MLP both read the block's input",
-                ),
-                embed="embed_in",
-                ln_final="final_layer_norm",
-                no_pos_embed=_ROTARY,
+        Stack(
+            "",
+            "layers",
+            Block(
+                ln1="input_layernorm",
+                attn="attention",
+                attn_out="post_attention_dropout",
+                ln2="post_attention_layernorm",
+                mlp="mlp",
+                mlp_out="post_mlp_dropout",
+                act="mlp.act",
+                mlp_proj="mlp.dense_4h_to_h",
+                layout="parallel",
+                why_parallel="use_parallel_residual=True: attention and the MLP both read the block's input",
             ),
+            embed="embed_in",
+            ln_final="final_layer_norm",
+            no_pos_embed=_ROTARY,
         ),
         unembed="embed_out|lm_head",
     ),
-    Family(
+    _one(
         "GPT-J",
         ("gptj",),
-        (
-            Stack(
-                "",
-                "h",
-                Block(ln1="ln_1", attn="attn", mlp="mlp", act="mlp.act", mlp_proj="mlp.fc_out", layout="parallel"),
-                embed="wte",
-                ln_final="ln_f",
-                no_pos_embed=_ROTARY,
-            ),
+        Stack(
+            "",
+            "h",
+            Block(ln1="ln_1", attn="attn", mlp="mlp", act="mlp.act", mlp_proj="mlp.fc_out", layout="parallel"),
+            embed="wte",
+            ln_final="ln_f",
+            no_pos_embed=_ROTARY,
         ),
     ),
-    Family(
+    _one(
         "OPT",
         ("opt",),
-        (
-            Stack(
-                "",
-                "decoder.layers",
-                Block(
-                    ln1="self_attn_layer_norm",
-                    attn="self_attn",
-                    ln2="final_layer_norm",
-                    mlp_out="fc2",
-                    act="activation_fn",
-                    mlp_proj="fc2",
-                ),
-                embed="decoder.embed_tokens",
-                pos_embed="decoder.embed_positions",
-                ln_final="decoder.final_layer_norm",
+        Stack(
+            "",
+            "decoder.layers",
+            Block(
+                ln1="self_attn_layer_norm",
+                attn="self_attn",
+                ln2="final_layer_norm",
+                mlp_out="fc2",
+                act="activation_fn",
+                mlp_proj="fc2",
             ),
+            embed="decoder.embed_tokens",
+            pos_embed="decoder.embed_positions",
+            ln_final="decoder.final_layer_norm",
         ),
     ),
-    Family("Llama", ("llama",), (_LLAMA,)),
-    Family("Mistral", ("mistral",), (_LLAMA,)),
-    Family("Qwen2", ("qwen2",), (_LLAMA,)),
-    Family("Qwen3", ("qwen3",), (_LLAMA,)),
-    Family("Gemma", ("gemma",), (_LLAMA,)),
-    Family("Gemma 2", ("gemma2",), (_GEMMA2,)),
-    Family("Gemma 3", ("gemma3_text", "gemma3"), (_GEMMA2,)),
-    Family(
+    _one("Llama", ("llama",), _LLAMA),
+    _one("Mistral", ("mistral",), _LLAMA),
+    _one("Qwen2", ("qwen2",), _LLAMA),
+    _one("Qwen3", ("qwen3",), _LLAMA),
+    _one("Gemma", ("gemma",), _LLAMA),
+    _one("Gemma 2", ("gemma2",), _GEMMA2),
+    _one("Gemma 3", ("gemma3_text", "gemma3"), _GEMMA2),
+    _one(
         "Mixtral",
         ("mixtral",),
-        (
-            Stack(
-                "",
-                "layers",
-                Block(
-                    ln1="input_layernorm",
-                    attn="self_attn",
-                    ln2="post_attention_layernorm",
-                    mlp="mlp|block_sparse_moe",
-                    router="mlp.gate|block_sparse_moe.gate",
-                ),
-                embed="embed_tokens",
-                ln_final="norm",
-                no_pos_embed=_ROTARY,
-            ),
-        ),
-        notes=("mlp.pre and mlp.post are per expert: the experts run fused, so they are not one value",),
+        _llama_like(mlp="mlp|block_sparse_moe", act=None, mlp_proj=None, router="mlp.gate|block_sparse_moe.gate"),
     ),
-    Family(
+    _one(
         "Phi-3",
         ("phi3",),
-        (
-            Stack(
-                "",
-                "layers",
-                Block(
-                    ln1="input_layernorm",
-                    attn="self_attn",
-                    attn_out="resid_attn_dropout",
-                    ln2="post_attention_layernorm",
-                    mlp="mlp",
-                    mlp_out="resid_mlp_dropout",
-                    act="mlp.activation_fn",
-                    mlp_proj="mlp.down_proj",
-                ),
-                embed="embed_tokens",
-                ln_final="norm",
-                no_pos_embed=_ROTARY,
-            ),
-        ),
+        _llama_like(attn_out="resid_attn_dropout", mlp_out="resid_mlp_dropout", act="mlp.activation_fn"),
     ),
-    Family(
+    _one(
         "Phi",
         ("phi",),
-        (
-            Stack(
-                "",
-                "layers",
-                Block(
-                    ln1="input_layernorm",
-                    attn="self_attn",
-                    mlp="mlp",
-                    act="mlp.activation_fn",
-                    mlp_proj="mlp.fc2",
-                    layout="parallel",
-                ),
-                embed="embed_tokens",
-                ln_final="final_layernorm",
-                no_pos_embed=_ROTARY,
+        Stack(
+            "",
+            "layers",
+            Block(
+                ln1="input_layernorm",
+                attn="self_attn",
+                mlp="mlp",
+                act="mlp.activation_fn",
+                mlp_proj="mlp.fc2",
+                layout="parallel",
             ),
+            embed="embed_tokens",
+            ln_final="final_layernorm",
+            no_pos_embed=_ROTARY,
         ),
     ),
-    Family(
+    _one(
         "Falcon",
         ("falcon",),
-        (
-            Stack(
-                "",
-                "h",
-                Block(
-                    ln1="input_layernorm|ln_attn",
-                    attn="self_attention",
-                    ln2="ln_mlp|post_attention_layernorm",
-                    mlp="mlp",
-                    act="mlp.act",
-                    mlp_proj="mlp.dense_4h_to_h",
-                    layout="parallel",
-                ),
-                embed="word_embeddings",
-                ln_final="ln_f",
-                no_pos_embed=_ROTARY,
+        Stack(
+            "",
+            "h",
+            Block(
+                ln1="input_layernorm|ln_attn",
+                attn="self_attention",
+                ln2="ln_mlp|post_attention_layernorm",
+                mlp="mlp",
+                act="mlp.act",
+                mlp_proj="mlp.dense_4h_to_h",
+                layout="parallel",
             ),
+            embed="word_embeddings",
+            ln_final="ln_f",
+            no_pos_embed=_ROTARY,
         ),
     ),
-    Family(
+    _one(
         "BLOOM",
         ("bloom",),
-        (
-            Stack(
-                "",
-                "h",
-                Block(
-                    ln1="input_layernorm",
-                    attn="self_attention",
-                    attn_out="self_attention.dense",
-                    resid_mid="self_attention",
-                    ln2="post_attention_layernorm",
-                    mlp="mlp",
-                    mlp_out="mlp.dense_4h_to_h",
-                    act="mlp.gelu_impl",
-                    mlp_proj="mlp.dense_4h_to_h",
-                ),
-                embed="word_embeddings",
-                ln_final="ln_f",
-                no_pos_embed=_ALIBI,
+        Stack(
+            "",
+            "h",
+            Block(
+                ln1="input_layernorm",
+                attn="self_attention",
+                attn_out="self_attention.dense",
+                resid_mid="self_attention",
+                ln2="post_attention_layernorm",
+                mlp="mlp",
+                mlp_out="mlp.dense_4h_to_h",
+                act="mlp.gelu_impl",
+                mlp_proj="mlp.dense_4h_to_h",
             ),
+            embed="word_embeddings",
+            ln_final="ln_f",
+            no_pos_embed=_ALIBI,
         ),
     ),
-    Family("BERT", ("bert",), (_BERT,), unembed="cls.predictions"),
-    Family("RoBERTa", ("roberta", "xlm-roberta"), (_BERT,), unembed="lm_head"),
-    Family(
+    _one("BERT", ("bert",), _BERT, unembed="cls.predictions"),
+    _one("RoBERTa", ("roberta", "xlm-roberta"), _BERT, unembed="lm_head"),
+    _one(
         "DistilBERT",
         ("distilbert",),
-        (
-            Stack(
-                "",
-                "transformer.layer",
-                Block(
-                    ln1="sa_layer_norm",
-                    attn="attention",
-                    ln2="output_layer_norm",
-                    mlp="ffn",
-                    act="ffn.activation",
-                    mlp_proj="ffn.lin2",
-                    layout="post",
-                ),
-                embed="embeddings.word_embeddings",
-                pos_embed="embeddings.position_embeddings",
+        Stack(
+            "",
+            "transformer.layer",
+            Block(
+                ln1="sa_layer_norm",
+                attn="attention",
+                ln2="output_layer_norm",
+                mlp="ffn",
+                act="ffn.activation",
+                mlp_proj="ffn.lin2",
+                layout="post",
             ),
+            embed="embeddings.word_embeddings",
+            pos_embed="embeddings.position_embeddings",
         ),
         unembed="vocab_projector",
     ),
@@ -351,83 +317,31 @@ FAMILIES: tuple[Family, ...] = (
         ),
         unembed="proj_out",
     ),
-    Family(
+    _one(
         "ViT",
         ("vit",),
-        (
-            Stack(
-                "",
-                "layers|encoder.layer",
-                Block(
-                    ln1="layernorm_before",
-                    attn="attention.attention|attention",
-                    attn_out="attention",
-                    ln2="layernorm_after",
-                    mlp="mlp",
-                    mlp_out="mlp|output.dense",
-                    act="mlp.activation_fn|intermediate.intermediate_act_fn",
-                    mlp_proj="mlp.fc2|output.dense",
-                ),
-                embed="embeddings",
-                ln_final="layernorm",
-                no_pos_embed="position embeddings are a parameter added inside embed",
+        Stack(
+            "",
+            "layers|encoder.layer",
+            Block(
+                ln1="layernorm_before",
+                attn="attention.attention|attention",
+                attn_out="attention",
+                ln2="layernorm_after",
+                mlp="mlp",
+                mlp_out="mlp|output.dense",
+                act="mlp.activation_fn|intermediate.intermediate_act_fn",
+                mlp_proj="mlp.fc2|output.dense",
             ),
+            embed="embeddings",
+            ln_final="layernorm",
+            no_pos_embed="position embeddings are a parameter added inside embed",
         ),
         unembed=None,
     ),
-    Family(
-        "CLIP text",
-        ("clip_text_model",),
-        (
-            Stack(
-                "",
-                "encoder.layers",
-                _CLIP_BLOCK,
-                embed="embeddings.token_embedding",
-                pos_embed="embeddings.position_embedding",
-                ln_final="final_layer_norm",
-            ),
-        ),
-        unembed=None,
-    ),
-    Family(
-        "CLIP vision",
-        ("clip_vision_model",),
-        (
-            Stack(
-                "",
-                "encoder.layers",
-                _CLIP_BLOCK,
-                embed="embeddings",
-                pos_embed="embeddings.position_embedding",
-                ln_final="post_layernorm",
-            ),
-        ),
-        unembed=None,
-    ),
-    Family(
-        "CLIP",
-        ("clip",),
-        (
-            Stack(
-                "text",
-                "text_model.encoder.layers",
-                _CLIP_BLOCK,
-                embed="text_model.embeddings.token_embedding",
-                pos_embed="text_model.embeddings.position_embedding",
-                ln_final="text_model.final_layer_norm",
-            ),
-            Stack(
-                "vision",
-                "vision_model.encoder.layers",
-                _CLIP_BLOCK,
-                embed="vision_model.embeddings",
-                pos_embed="vision_model.embeddings.position_embedding",
-                ln_final="vision_model.post_layernorm",
-            ),
-        ),
-        unembed=None,
-    ),
+    _one("CLIP text", ("clip_text_model",), _clip(""), unembed=None),
+    _one("CLIP vision", ("clip_vision_model",), _clip("", vision=True), unembed=None),
+    Family("CLIP", ("clip",), (_clip("text"), _clip("vision", vision=True)), unembed=None),
 )
 
 _BY_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}

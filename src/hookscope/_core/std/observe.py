@@ -31,7 +31,6 @@ class Seen:
         self._outputs: dict[str, tuple[str, torch.Tensor]] = {}
         self._ops: dict[str, list[tuple[str, torch.Tensor]]] = {}
         self._op_names: dict[str, dict[str, int]] = {}
-        self._by_read: dict[str, torch.Tensor] = {}
 
     def ran(self, module: str) -> bool:
         return module in self._outputs or module in self._inputs
@@ -44,13 +43,9 @@ class Seen:
 
     def site(self, name: str, module: str, side: str) -> StdSite:
         """The site of the first tensor ``module`` takes (``side="input"``) or returns."""
-        path, value = (self._inputs if side == "input" else self._outputs)[module]
+        path, _ = (self._inputs if side == "input" else self._outputs)[module]
         read = f"{escape_name(module)}:{side}{path}"
-        self._by_read[read] = value
         return StdSite(name, read, read, module if side == "output" else None, "input" if side == "input" else "output")
-
-    def value_of(self, site: StdSite) -> torch.Tensor | None:
-        return self._by_read.get(site.read)
 
     def ops_of(self, module: str) -> dict[str, int]:
         return self._op_names.get(module, {})

@@ -14,16 +14,17 @@ from typing import Any, Literal
 from torch import nn
 
 from hookscope._core.names import named_modules
-from hookscope._core.select import ensure_module
+from hookscope._core.params import model_device, model_float_dtype
+from hookscope._core.samples import sample_input
+from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.std.detect import detect_family
 from hookscope._core.std.families import family_of
 from hookscope._core.std.resolve import resolve_family
-from hookscope._core.std.sample import sample_input
-from hookscope._core.std.spec import Layout
 from hookscope._core.std.stdmap import StdMap, StdSite, is_std_selector
+from hookscope._core.tree import map_tensors
 from hookscope.errors import SelectionError, SpecError, StdMapError
 
-__all__ = ["expand_std", "known_std_map", "std_map"]
+__all__ = ["expand_std", "known_std_map", "select_std", "std_map"]
 
 _MAPS: weakref.WeakKeyDictionary[nn.Module, tuple[int, StdMap]] = weakref.WeakKeyDictionary()
 
@@ -78,20 +79,23 @@ def known_std_map(model: nn.Module) -> StdMap:
     return std_map(model)
 
 
-def expand_std(model: nn.Module, selectors: Sequence[Any], use: Use = "read") -> tuple[list[Any], dict[str, str]]:
-    """``selectors`` with each ``"std:..."`` one replaced by the selectors it stands for (lists
-    opened up), and ``{canonical name: site text}`` for them (two names may share one site).
-    ``use``: ``"read"`` (capture, extract), ``"write"`` (edit) or ``"module"`` (trace,
-    gradients: the module carrying it).
+def expand_std(
+    model: nn.Module, selectors: Selector | Sequence[Selector], use: Use = "read"
+) -> tuple[list[Any], dict[str, str]]:
+    """``selectors`` (one, or a list) with each ``"std:..."`` one replaced by the selectors it
+    stands for, lists opened up, and ``{canonical name: site text}`` for them (two names may
+    share one site). ``use``: ``"read"`` (capture, extract), ``"write"`` (edit) or ``"module"``
+    (trace, gradients: the module carrying it).
 
     Selectors without ``"std:"`` pass through untouched, and the model is not run for them.
     """
-    if not _has_std(selectors):
-        return list(selectors), {}
+    given: Sequence[Any] = selectors if isinstance(selectors, (list, tuple)) else [selectors]
+    if not _has_std(given):
+        return list(given), {}
     std = known_std_map(model)
     expanded: list[Any] = []
     names: dict[str, str] = {}
-    for selector in selectors:
+    for selector in given:
         if isinstance(selector, (list, tuple)):
             inner, inner_names = expand_std(model, selector, use)
             expanded.append(type(selector)(inner) if isinstance(selector, tuple) else inner)
@@ -106,6 +110,13 @@ def expand_std(model: nn.Module, selectors: Sequence[Any], use: Use = "read") ->
                 expanded.append(text)
             names.setdefault(site.name, text)
     return expanded, names
+
+
+def select_std(model: nn.Module, selectors: Selector | Sequence[Selector]) -> list[tuple[str, nn.Module]]:
+    """:func:`~hookscope._core.select.select`, also taking ``"std:..."`` names for the modules
+    whose outputs they are: what the features that work per module (trace, gradients, diff)
+    select with."""
+    return select(model, expand_std(model, selectors, "module")[0])
 
 
 def _text(site: StdSite, use: Use) -> str:
@@ -128,41 +139,39 @@ def _has_std(selectors: Sequence[Any]) -> bool:
 
 
 def _sample(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    inputs = sample_input(model)
-    if inputs is None:
+    """The model's default sample input (:func:`~hookscope._core.samples.sample_input`), on its
+    device and in its float dtype; a model without one is asked for an example."""
+    try:
+        inputs = sample_input(model, dtype=model_float_dtype(model))
+    except SpecError:
         raise StdMapError(
             f"canonical names need one forward to be checked, and hookscope cannot make an input for a "
             f"{type(model).__name__}: call hs.std_map(model, example_input) once first (the map is kept for the model)",
             check="no sample input",
-        )
-    return (), inputs
+        ) from None
+    device = model_device(model)
+    args, kwargs = inputs
+    return tuple(map_tensors(lambda t: t.to(device), args)), map_tensors(lambda t: t.to(device), kwargs)
 
 
 def _make(model: nn.Module, family: str | None, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> StdMap:
     """The family table's map; else (no table, or one that no longer fits: a renamed or
-    re-nested copy) the detector's, read as pre-norm blocks, then as post-norm ones."""
+    re-nested copy) the detector's."""
     table = family_of(getattr(getattr(model, "config", None), "model_type", None)) if family == "auto" else None
-    failures: list[StdMapError] = []
+    table_error: StdMapError | None = None
     if table is not None:
         try:
             return resolve_family(model, table, inputs)
         except StdMapError as error:
-            failures.append(error)
-    readings: list[StdMap] = []
-    layouts: tuple[Layout, ...] = ("pre", "post")
-    for layout in layouts:
-        try:
-            readings.append(resolve_family(model, detect_family(model, layout), inputs))
-        except StdMapError as error:
-            failures.append(error)
-            if error.check in ("no block list", "several block lists"):
-                break
-    if readings:
-        return max(readings, key=len)  # the reading that places the most names
-    first = failures[0]
-    detector = failures[-1] if len(failures) > 1 else None
-    message = str(first) if detector is None or detector is first else f"{first}; the structural detector: {detector}"
-    raise StdMapError(message, family=first.family, check=first.check)
+            table_error = error
+    try:  # the detector cannot tell pre-norm from post-norm blocks by names: the values decide
+        return resolve_family(model, detect_family(model), inputs, layouts=("pre", "post"))
+    except StdMapError as error:
+        if table_error is None:
+            raise
+        raise StdMapError(
+            f"{table_error}; the structural detector: {error}", family=table_error.family, check=table_error.check
+        ) from error
 
 
 def _signature(model: nn.Module) -> int:

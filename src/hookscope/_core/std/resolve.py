@@ -15,6 +15,7 @@ in a sequential block ``resid_mid == resid_pre + attn`` and ``resid_post == resi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,20 +24,14 @@ from torch import nn
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
 from hookscope._core.std.observe import Seen, observe, values_close
-from hookscope._core.std.spec import Block, Family, Stack
+from hookscope._core.std.spec import Block, Family, Layout, Stack
 from hookscope._core.std.stdmap import StdMap, StdSite
 from hookscope.errors import StdMapError
 
-__all__ = ["ATTN_SUBS", "BLOCK_NAMES", "resolve_family"]
+__all__ = ["ATTN_SUBS", "resolve_family"]
 
 #: The attention sub-sites, as ``blocks.{i}.attn.{sub}`` (and ``cross_attn.{sub}``).
 ATTN_SUBS = ("q", "k", "v", "scores", "pattern", "z")
-#: The canonical names of one block, in the order a table prints them.
-BLOCK_NAMES = (
-    "resid_pre", "ln1", "attn", *(f"attn.{s}" for s in ATTN_SUBS), "resid_mid",
-    "ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross",
-    "ln2", "mlp", "mlp.pre", "mlp.post", "mlp.router", "resid_post",
-)  # fmt: skip
 
 
 @dataclass
@@ -70,8 +65,19 @@ _ROLE_FIELDS = (
 )  # fmt: skip
 
 
-def resolve_family(model: nn.Module, family: Family, inputs: tuple[tuple[object, ...], dict[str, object]]) -> StdMap:
-    """The checked canonical map of ``model`` by ``family``'s table, from one forward on ``inputs``."""
+def resolve_family(
+    model: nn.Module,
+    family: Family,
+    inputs: tuple[tuple[object, ...], dict[str, object]],
+    *,
+    layouts: Sequence[Layout] = (),
+) -> StdMap:
+    """The checked canonical map of ``model`` by ``family``'s table, from one forward on ``inputs``.
+
+    ``layouts``: read the blocks each of these ways instead of as the table says (the structural
+    detector cannot tell pre-norm from post-norm by names) and keep the reading that places the
+    most names; the one forward serves every reading.
+    """
     names = {name for name, _ in named_modules(model)}
     stacks = [_plan(names, family, stack) for stack in family.stacks]
     unembed = _find(names, "", family.unembed)
@@ -79,7 +85,18 @@ def resolve_family(model: nn.Module, family: Family, inputs: tuple[tuple[object,
     attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
     modules = {m for s in stacks for m in _modules_of(s)} | ({unembed} if unembed else set())
     seen = observe(model, sorted(modules), watched_blocks, attention, inputs)
-    return _resolve(family, stacks, unembed, seen)
+    readings: list[StdMap] = []
+    failure: StdMapError | None = None
+    chosen: Sequence[Layout | None] = layouts or [None]
+    for layout in chosen:
+        try:
+            readings.append(_resolve(family, stacks, unembed, seen, layout))
+        except StdMapError as error:
+            failure = error
+    if not readings:
+        assert failure is not None
+        raise failure
+    return max(readings, key=len)
 
 
 def _find(names: set[str], prefix: str, path: str | None) -> str | None:
@@ -93,13 +110,13 @@ def _find(names: set[str], prefix: str, path: str | None) -> str | None:
     return None
 
 
-def _base_prefix(names: set[str], family: Family, stack: Stack) -> str:
-    """Where the table's paths start: the model's base below a task head (``transformer``,
-    ``model``), found as the prefix of the block list."""
+def _block_list(names: set[str], family: Family, stack: Stack) -> tuple[str, str]:
+    """The model's base below a task head (``transformer``, ``model``), where the table's paths
+    start, and the block list's full name: the shortest name that ends in the table's path."""
     for alternative in stack.blocks.split("|"):
         found = sorted((n for n in names if n == alternative or n.endswith("." + alternative)), key=len)
         if found:
-            return found[0][: -len(alternative)].rstrip(".")
+            return found[0][: -len(alternative)].rstrip("."), found[0]
     listed = ", ".join(repr(a) for a in stack.blocks.split("|"))
     raise StdMapError(
         f"the {family.name} table's block list {listed} is not in this model: the installed transformers may have "
@@ -109,9 +126,7 @@ def _base_prefix(names: set[str], family: Family, stack: Stack) -> str:
 
 
 def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
-    base = _base_prefix(names, family, stack)
-    blocks_path = _find(names, base, stack.blocks)
-    assert blocks_path is not None  # _base_prefix found it
+    base, blocks_path = _block_list(names, family, stack)
     blocks = []
     index = 0
     while f"{blocks_path}.{index}" in names:
@@ -123,7 +138,7 @@ def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
             if getattr(stack.block, role) and roles[role] is None
         }
         missing_core = [role for role in ("ln1", "attn") if getattr(stack.block, role) and roles[role] is None]
-        if missing_core and family.model_types:  # a table whose core roles are gone: renamed or re-nested
+        if missing_core and not family.detected:  # a table whose core roles are gone: renamed or re-nested
             raise StdMapError(
                 f"the {family.name} table's {missing_core[0]} module {getattr(stack.block, missing_core[0])!r} is not "
                 f"in block {block_name!r}",
@@ -140,9 +155,9 @@ def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
     why = {
         "embed": stack.no_embed,
         "pos_embed": stack.no_pos_embed,
-        "ln_final": f"{family.name} has no norm after the last block (each post-norm block ends in its own)"
-        if family.model_types
-        else "the structural detector found no norm after the last block",
+        "ln_final": "the structural detector found no norm after the last block"
+        if family.detected
+        else f"{family.name} has no norm after the last block (each post-norm block ends in its own)",
     }
     return _StackPlan(stack, blocks, around, why)
 
@@ -155,21 +170,23 @@ def _modules_of(stack: _StackPlan) -> list[str]:
     return found
 
 
-def _resolve(family: Family, stacks: list[_StackPlan], unembed: str | None, seen: Seen) -> StdMap:
+def _resolve(
+    family: Family, stacks: list[_StackPlan], unembed: str | None, seen: Seen, layout: Layout | None
+) -> StdMap:
     sites: dict[str, StdSite] = {}
     missing: dict[str, str] = {}
     checks: list[str] = []
     for stack in stacks:
-        _StackResolver(family, stack, seen, sites, missing, checks).run()
+        _StackResolver(family, stack, seen, sites, missing, checks, layout).run()
     if unembed and seen.ran(unembed):
         sites["unembed"] = seen.site("unembed", unembed, "output")
     else:
         missing["unembed"] = (
             f"the model has no head ({family.unembed!r} is not in it): build the model with its language-model head"
-            if family.unembed
-            else f"{family.name} has no unembedding"
-            if family.model_types
+            if family.unembed and not family.detected
             else "the structural detector found no linear head as wide as the vocabulary"
+            if family.detected
+            else f"{family.name} has no unembedding"
         )
     return StdMap(family.name, sites, missing, tuple(checks))
 
@@ -185,11 +202,13 @@ class _StackResolver:
         sites: dict[str, StdSite],
         missing: dict[str, str],
         checks: list[str],
+        layout: Layout | None,
     ) -> None:
         self.family, self.plan, self.seen = family, stack, seen
         self.sites, self.missing, self.checks = sites, missing, checks
         self.prefix = f"{stack.stack.prefix}." if stack.stack.prefix else ""
         self.block: Block = stack.stack.block
+        self.layout: Layout = layout or self.block.layout
 
     def run(self) -> None:
         for role in ("embed", "pos_embed"):
@@ -237,22 +256,22 @@ class _StackResolver:
         self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
         self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
         self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._shared_norm()), index)
-        has_attn = self._module_site(
+        self._module_site(
             "attn", roles["attn_out"] or roles["attn"], "output", why.get("attn", self._unfound("attn")), index
         )
         self._attention_subs(f"{name}.attn", roles["attn"])
-        mid = self._residual_mid(index, block, has_attn)
-        self._cross(index, block, mid)
+        mid = self._residual_mid(index, block)
+        before_mlp = self._cross(index, block, mid)
         self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._shared_norm()), index)
-        has_mlp = self._module_site(
+        self._module_site(
             "mlp", roles["mlp_out"] or roles["mlp"], "output", why.get("mlp", self._unfound("mlp")), index
         )
         self._mlp_parts(index, block)
         self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")
-        self._check_mlp(index, block, has_mlp)
+        self._check_mlp(index, block, before_mlp)
 
     def _shared_norm(self) -> str:
-        if not self.family.model_types:
+        if self.family.detected:
             return (
                 "the structural detector found one norm in a block (ln1): attention and the MLP read it, "
                 "or its norms are not classes named *Norm*"
@@ -261,7 +280,7 @@ class _StackResolver:
 
     def _unfound(self, role: str) -> str:
         """Why a role has no module: the table has none, or the detector could not place one."""
-        if self.family.model_types:
+        if not self.family.detected:
             return f"{self.family.name} blocks have no {role} module"
         words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention"}
         return f"the structural detector found no {role} module in a block (a class or attribute named {words[role]})"
@@ -286,40 +305,79 @@ class _StackResolver:
                     "that call; load a transformers model with attn_implementation='sdpa'"
                 )
 
-    def _residual_mid(self, index: int, block: _BlockPlan, has_attn: bool) -> torch.Tensor | None:
+    def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""
         name = f"{self.prefix}blocks.{index}.resid_mid"
-        pre = self.seen.input(block.name)
-        attn = self._value(self.sites.get(f"{self.prefix}blocks.{index}.attn"))
-        if not has_attn or attn is None:
+        attn = self._value(f"{self.prefix}blocks.{index}.attn")
+        if attn is None:
             self.missing[name] = "no attention output to add"
             return None
-        expected = pre + attn
-        explicit = block.roles["resid_mid"]
-        if explicit is not None or self.block.layout == "post":
-            module = explicit if explicit is not None else block.roles["ln1"]
-            if module is None:
-                raise self._error("a post-norm block without ln1", block.name)
-            if self.block.layout == "post":
-                self._expect(
-                    self.seen.input(module), expected, f"ln1's input is resid_pre + attn (block {index})", block.name
-                )
-            else:
-                self._expect(
-                    self.seen.output(module), expected, f"resid_mid == resid_pre + attn (block {index})", block.name
-                )
-            self.sites[name] = self.seen.site(name, module, "output")
-            return self.seen.output(module)
+        roles = block.roles
+        mid = self._after_add(
+            name, index, block, self.seen.input(block.name), attn, roles["resid_mid"], roles["ln1"],
+            roles["ln_cross"] or roles["ln2"], "resid_mid == resid_pre + attn",
+        )  # fmt: skip
+        if mid is None:
+            parallel = self.layout == "parallel"
+            self.missing[name] = self.block.why_parallel if parallel else "no op of the block's own code returns it"
+        return mid
+
+    def _cross(self, index: int, block: _BlockPlan, mid: torch.Tensor | None) -> torch.Tensor | None:
+        """Name a decoder block's cross-attention sites; return the stream entering the MLP."""
+        name = f"{self.prefix}blocks.{index}"
+        roles = block.roles
+        if roles["cross_attn"] is None:
+            for role in ("ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross"):
+                self.missing[f"{name}.{role}"] = "no cross-attention (only decoders of encoder-decoder models have one)"
+            return mid
+        self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
+        self._module_site("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "output", "", index)
+        self._attention_subs(f"{name}.cross_attn", roles["cross_attn"])
+        cross = self._value(f"{name}.cross_attn")
+        full = f"{name}.resid_mid_cross"
+        if mid is None or cross is None:
+            self.missing[full] = "resid_mid is not defined"
+            return None
+        after = self._after_add(
+            full, index, block, mid, cross, roles["resid_mid_cross"], roles["ln_cross"], roles["ln2"],
+            "resid_mid_cross == resid_mid + cross_attn",
+        )  # fmt: skip
+        if after is None:
+            raise self._error(f"no op of the block returns resid_mid + cross_attn (block {index})", block.name)
+        return after
+
+    def _after_add(
+        self,
+        name: str,
+        index: int,
+        block: _BlockPlan,
+        before: torch.Tensor,
+        added: torch.Tensor,
+        module: str | None,
+        norm: str | None,
+        next_norm: str | None,
+        check: str,
+    ) -> torch.Tensor | None:
+        """Name the stream after one sublayer's add and return its value (None: no add found).
+
+        Where the add happens decides the site: inside a sublayer module (``module``: T5's
+        sublayers, BLOOM's attention), its output; in a post-norm block, the sublayer's
+        ``norm``, whose input is the sum; else an add in the block's own code, found by value.
+        """
+        expected = before + added
+        if module is not None or self.layout == "post":
+            carrier = module if module is not None else norm
+            if carrier is None:
+                raise self._error(f"a post-norm block without a norm after the add ({check})", block.name)
+            summed = self.seen.output(carrier) if module is not None else self.seen.input(carrier)
+            self._expect(summed, expected, f"{check} (block {index})", block.name)
+            self.sites[name] = self.seen.site(name, carrier, "output")
+            return self.seen.output(carrier)
         op = self.seen.find_op(block.core, expected)
         if op is None:
-            self.missing[name] = (
-                self.block.why_parallel
-                if self.block.layout == "parallel"
-                else ("no op of the block's own code returns resid_pre + attn")
-            )
             return None
-        self._checked("resid_mid == resid_pre + attn (an add in the block's own code)")
-        self.sites[name] = self._op_site(name, block.core, op, block.roles["ln_cross"] or block.roles["ln2"])
+        self._checked(f"{check} (an add in the block's own code)")
+        self.sites[name] = self._op_site(name, block.core, op, next_norm)
         return self.seen.op_value(block.core, op)
 
     def _op_site(self, name: str, block: str, op: str, next_norm: str | None) -> StdSite:
@@ -332,43 +390,6 @@ class _StackResolver:
             return StdSite(name, read.read, write, None, "input")
         return StdSite(name, write, write, None, "op")
 
-    def _cross(self, index: int, block: _BlockPlan, mid: torch.Tensor | None) -> None:
-        name = f"{self.prefix}blocks.{index}"
-        roles = block.roles
-        if roles["cross_attn"] is None:
-            for role in ("ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross"):
-                self.missing[f"{name}.{role}"] = "no cross-attention (only decoders of encoder-decoder models have one)"
-            self._after_attention = mid
-            return
-        self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
-        self._module_site("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "output", "", index)
-        self._attention_subs(f"{name}.cross_attn", roles["cross_attn"])
-        cross = self._value(self.sites.get(f"{name}.cross_attn"))
-        full = f"{name}.resid_mid_cross"
-        if mid is None or cross is None:
-            self.missing[full] = "resid_mid is not defined"
-            self._after_attention = None
-            return
-        expected = mid + cross
-        explicit = roles["resid_mid_cross"]
-        if explicit is not None or self.block.layout == "post":
-            module = explicit if explicit is not None else roles["ln_cross"]
-            assert module is not None
-            value = (
-                self.seen.input(module)
-                if self.block.layout == "post" and explicit is None
-                else self.seen.output(module)
-            )
-            self._expect(value, expected, f"resid_mid_cross == resid_mid + cross_attn (block {index})", block.name)
-            self.sites[full] = self.seen.site(full, module, "output")
-            self._after_attention = self.seen.output(module)
-            return
-        op = self.seen.find_op(block.core, expected)
-        if op is None:
-            raise self._error(f"no op of the block returns resid_mid + cross_attn (block {index})", block.name)
-        self.sites[full] = self._op_site(full, block.core, op, roles["ln2"])
-        self._after_attention = self.seen.op_value(block.core, op)
-
     def _mlp_parts(self, index: int, block: _BlockPlan) -> None:
         roles, why = block.roles, block.why
         moe = roles["router"] is not None
@@ -379,44 +400,36 @@ class _StackResolver:
         self._module_site("mlp.post", roles["mlp_proj"], "input", fused if moe else no_proj, index)
         self._module_site("mlp.router", roles["router"], "output", "not a mixture of experts", index)
 
-    def _check_mlp(self, index: int, block: _BlockPlan, has_mlp: bool) -> None:
-        if not has_mlp:
+    def _check_mlp(self, index: int, block: _BlockPlan, before_mlp: torch.Tensor | None) -> None:
+        """Check the MLP's add: ``resid_post`` (or, post-norm, ln2's input) is ``before_mlp + mlp``;
+        a parallel block (no stream between the sublayers) adds both to ``resid_pre``."""
+        mlp = self._value(f"{self.prefix}blocks.{index}.mlp")
+        if mlp is None:
             return
-        name = f"{self.prefix}blocks.{index}"
-        mlp = self._value(self.sites[f"{name}.mlp"])
-        assert mlp is not None
         post = self.seen.output(block.name)
         if mlp.shape != post.shape and mlp.numel() == post.numel():
             mlp = mlp.reshape(post.shape)  # an MLP run on (batch * seq, d) rows (OPT)
-        if self.block.layout == "post":
+        if self.layout == "post":
             ln2 = block.roles["ln2"]
-            if ln2 is None or self._after_attention is None:
+            if ln2 is None or before_mlp is None:
                 raise self._error("a post-norm block without ln2", block.name)
             self._expect(
-                self.seen.input(ln2),
-                self._after_attention + mlp,
-                f"ln2's input is resid_mid + mlp (block {index})",
-                block.name,
+                self.seen.input(ln2), before_mlp + mlp, f"ln2's input is resid_mid + mlp (block {index})", block.name
             )
             self._expect(self.seen.output(ln2), post, f"resid_post is ln2's output (block {index})", block.name)
-            return
-        if self._after_attention is not None:
-            self._expect(
-                post, self._after_attention + mlp, f"resid_post == resid_mid + mlp (block {index})", block.name
-            )
-            return
-        attn = self._value(self.sites.get(f"{name}.attn"))
-        if attn is None:
-            raise self._error("a block without attention", block.name)
-        self._expect(
-            post,
-            self.seen.input(block.name) + attn + mlp,
-            f"resid_post == resid_pre + attn + mlp (block {index}, parallel)",
-            block.name,
-        )
+        elif before_mlp is not None:
+            self._expect(post, before_mlp + mlp, f"resid_post == resid_mid + mlp (block {index})", block.name)
+        else:
+            attn = self._value(f"{self.prefix}blocks.{index}.attn")
+            if attn is None:
+                raise self._error("a block without attention", block.name)
+            parallel = self.seen.input(block.name) + attn + mlp
+            self._expect(post, parallel, f"resid_post == resid_pre + attn + mlp (block {index}, parallel)", block.name)
 
-    def _value(self, site: StdSite | None) -> torch.Tensor | None:
-        return None if site is None else self.seen.value_of(site)
+    def _value(self, name: str) -> torch.Tensor | None:
+        """The value of a site named for a module's output (``attn``, ``mlp``), if resolved."""
+        site = self.sites.get(name)
+        return None if site is None or site.module is None else self.seen.output(site.module)
 
     def _expect(self, got: torch.Tensor, expected: torch.Tensor, check: str, block: str) -> None:
         if got.shape != expected.shape or not values_close(got, expected):
@@ -435,5 +448,3 @@ class _StackResolver:
             family=self.family.name,
             check=what,
         )
-
-    _after_attention: torch.Tensor | None = None

@@ -11,7 +11,7 @@ same :class:`Block` for a model no table knows. Paths are dotted module names as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Block", "Family", "Layout", "Stack"]
@@ -105,4 +105,8 @@ class Family:
     model_types: tuple[str, ...]
     stacks: tuple[Stack, ...]
     unembed: str | None = "lm_head"
-    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def detected(self) -> bool:
+        """True for a table the structural detector read off a model (it has no model type)."""
+        return not self.model_types

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -123,13 +124,6 @@ class StdMap(Mapping[str, StdSite]):
             return found
         raise self._miss(pattern)
 
-    def name_of(self, read: str) -> str | None:
-        """The canonical name whose ``read`` selector is ``read``, if any (a reverse lookup)."""
-        for name, site in self.sites.items():
-            if site.read == read:
-                return name
-        return None
-
     def _miss(self, pattern: str) -> SelectionError:
         shown = STD_PREFIX + pattern
         missing = [(name, why) for name, why in self.missing.items() if _matches(pattern, name) or name == pattern]
@@ -173,7 +167,7 @@ class StdMap(Mapping[str, StdSite]):
                 continue
             shown_generic.add((name, read, write))
             rows.append((name, _described(read, write)))
-        blocks = sorted({int(part) for n in self.sites for part in n.split(".")[1:2] if part.isdigit()})
+        blocks = {found.group(1, 2) for n in self.sites if (found := _BLOCK.match(n)) is not None}
         width = max((len(name) for name, _ in rows), default=4)
         count = f"{len(blocks)} blocks, " if blocks else ""
         lines = [
@@ -212,19 +206,16 @@ def _numbered(site: StdSite) -> tuple[str, str, str] | None:
 
 
 def _short_list(names: list[str]) -> str:
-    """Names sharing a stem written once: ``blocks.*.cross_attn, blocks.*.cross_attn.{q,k,v}``."""
-    out: list[str] = []
-    for name in names:
-        stem, _, last = name.rpartition(".")
-        if out and stem and out[-1].startswith(stem + ".") and "." in out[-1]:
-            previous = out[-1]
-            head, _, tail = previous.rpartition(".")
-            if head == stem:
-                tail = tail.strip("{}")
-                out[-1] = f"{stem}.{{{tail},{last}}}"
-                continue
-        out.append(name)
-    return ", ".join(out)
+    """Neighbours sharing a stem written once: ``blocks.*.cross_attn.{q,k,v}``."""
+    parts = []
+    for stem, group in itertools.groupby(names, key=lambda name: name.rpartition(".")[0]):
+        lasts = [name.rpartition(".")[2] for name in group]
+        parts.append(
+            f"{stem}.{{{','.join(lasts)}}}"
+            if stem and len(lasts) > 1
+            else ", ".join(f"{stem}.{last}" if stem else last for last in lasts)
+        )
+    return ", ".join(parts)
 
 
 def _generic(name: str) -> str:
