@@ -12,7 +12,7 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
-from hookscope import edits, plots
+from hookscope import edits, methods, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
@@ -150,6 +150,7 @@ __all__ = [
     "load",
     "load_tensors",
     "map_tensors",
+    "methods",
     "open_store",
     "parse_dtype",
     "plots",

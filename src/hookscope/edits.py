@@ -30,9 +30,23 @@ from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
 from hookscope._edit.context import EditContext
 from hookscope._edit.part import Part
+from hookscope._edit.splice import Splice, topk_latents
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
-__all__ = ["Edit", "add", "clamp", "mean", "noise", "patch", "replace", "scale", "zero"]
+__all__ = [
+    "Edit",
+    "Splice",
+    "add",
+    "clamp",
+    "mean",
+    "noise",
+    "patch",
+    "replace",
+    "scale",
+    "splice",
+    "topk_latents",
+    "zero",
+]
 
 
 class Edit:
@@ -291,3 +305,44 @@ def mean(cache: Any, *, path: str | None = None, **part: Any) -> Edit:
 def patch(cache: Any, *, path: str | None = None, **part: Any) -> Edit:
     """Activation patching: the value captured at the same site and call in another run (``cache``)."""
     return Patch(cache, **_options(path, part))
+
+
+def splice(sae: Any, *, keep_error: bool = False, path: str | None = None) -> Splice:
+    """Replace the value by its SAE reconstruction, ``sae.decode(sae.encode(x))``, keeping the latents.
+
+    ``sae`` is any object with ``encode`` and ``decode`` (an ``nn.Module`` of your own, a SAELens
+    ``SAE``); it is neither moved nor cast: a value of another dtype or device is cast to the
+    SAE's (its first floating parameter's) and the reconstruction cast back.
+
+    Args:
+        sae: the sparse autoencoder; anything without callable ``encode``/``decode`` is a
+            :class:`~hookscope.errors.SpecError`.
+        keep_error: add the reconstruction error back as a constant, ``recon + (x - recon).detach()``:
+            the value downstream is ``x`` (up to float rounding), and the gradient still reaches the
+            latents (as if the error were fixed) and, through the SAE, what comes before the site.
+        path: which tensor of a structured value, as for every edit (``"output[0]"``).
+
+    The returned :class:`~hookscope._edit.splice.Splice` keeps the latents of the latest pass in
+    ``splice.latents`` (``{site: latents}``, detached; ``.last``), passes them through
+    ``splice.hook_point`` (an ``nn.Identity``: a forward hook there sees them with their graph and
+    may replace them), and makes ``hs.extract`` reductions with ``splice.topk(k)``. A decode of
+    another shape than the site's is an :class:`~hookscope.errors.EditError` naming the site.
+
+    >>> import torch, hookscope as hs
+    >>> class SAE(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.enc, self.dec = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+    ...     def encode(self, x):
+    ...         return torch.relu(self.enc(x))
+    ...     def decode(self, z):
+    ...         return self.dec(z)
+    >>> model, sae = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()), SAE()
+    >>> spliced = hs.edits.splice(sae, keep_error=True)
+    >>> x = torch.ones(2, 3)
+    >>> with hs.edit(model, {"0": spliced}):
+    ...     out = model(x)
+    >>> torch.allclose(out, model(x)), list(spliced.latents), spliced.latents.last.shape
+    (True, ['0#0:output'], torch.Size([2, 8]))
+    """
+    return Splice(sae, keep_error=keep_error, path=path)

@@ -11,5 +11,6 @@ from hookscope._capture.attn_sites import attention_values
 from hookscope._capture.cache import Cache, load
 from hookscope._capture.options import CaptureOptions
 from hookscope._capture.recorder import Capture, capture, run_with_capture
+from hookscope._capture.stack import Stacked
 
-__all__ = ["Cache", "Capture", "CaptureOptions", "attention_values", "capture", "load", "run_with_capture"]
+__all__ = ["Cache", "Capture", "CaptureOptions", "Stacked", "attention_values", "capture", "load", "run_with_capture"]

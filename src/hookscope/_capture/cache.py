@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._capture.stack import Stacked
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
 from hookscope._core.std.stdmap import STD_PREFIX
@@ -64,8 +65,15 @@ class Cache(Mapping[str, torch.Tensor]):
         self._versions: dict[Site, int | None] = dict(versions or {})
         self.meta: dict[str, Any] = dict(meta or {})
         self._index: SiteIndex | None = None
+        self._hint = (
+            "the cache is empty (did the forward run inside the capture, on the thread that made it? "
+            "forwards on other threads are not captured)"
+        )
         self._empty: dict[str, str] = {}
         self._overflowed: dict[str, int] = {}
+        self._grads: dict[Site, torch.Tensor] = {}
+        self._no_grad: dict[Site, str] = {}
+        self._grad_versions: dict[Site, int | None] = {}
 
     # -- filled by the recorder while a forward runs ------------------------------------------
 
@@ -77,7 +85,22 @@ class Cache(Mapping[str, torch.Tensor]):
     def _drop(self, site: Site) -> None:
         self._entries.pop(site, None)
         self._versions.pop(site, None)
+        self._grads.pop(site, None)
+        self._grad_versions.pop(site, None)
+        self._no_grad.pop(site, None)
         self._index = None
+
+    def _add_grad(self, site: Site, grad: torch.Tensor) -> None:
+        """A backward reached ``site``: keep its gradient, summed with an earlier backward's (as
+        ``.grad`` accumulates); a grad of a site dropped since (``calls="last"``) is not kept."""
+        if site not in self._entries:
+            return
+        previous = self._grads.get(site)
+        self._grads[site] = grad if previous is None else previous + grad
+        self._grad_versions[site] = _grad_version(self._grads[site])
+
+    def _note_no_grad(self, site: Site, why: str) -> None:
+        self._no_grad[site] = why
 
     def _get(self, site: Site) -> torch.Tensor | None:
         return self._entries.get(site)
@@ -132,6 +155,48 @@ class Cache(Mapping[str, torch.Tensor]):
             except SiteNotFoundError:  # selected, but its module never ran in this pass
                 continue
         return found
+
+    @property
+    def grad(self) -> Cache:
+        """The gradients of the kept values (``capture(..., grads=True)``), read like the values:
+        ``cache.grad["h.3"]`` has ``cache["h.3"]``'s shape. Filled when a backward reaches each
+        value (``loss.backward()`` after the forward, or ``run_with_capture(..., backward=metric)``);
+        a second backward adds to them, as ``.grad`` does.
+
+        >>> import hookscope as hs
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> with hs.capture(model, "0", grads=True) as cap:
+        ...     model(torch.ones(1, 3)).pow(2).sum().backward()
+        >>> torch.equal(cap.cache.grad["0"], 2 * cap.cache["0"])
+        True
+        """
+        notes: dict[str, str] = {}
+        for site in self._entries:
+            if site not in self._grads:
+                why = self._no_grad.get(site, _NO_BACKWARD)
+                notes.setdefault(site.module, f"no gradient reached {str(site)!r}: {why}")
+        in_order = {site: self._grads[site] for site in self._entries if site in self._grads}  # capture order
+        grads = Cache(in_order, meta=self.meta, versions=self._grad_versions)
+        grads._empty = notes
+        grads._hint = (
+            "no gradient was kept: capture with grads=True, and run a backward after the forward "
+            "(loss.backward(), or run_with_capture(..., backward=metric))"
+        )
+        return grads
+
+    def stack(self, pattern: str) -> Stacked:
+        """The values matching ``pattern`` as one tensor with a labelled first axis:
+        ``values, labels = cache.stack("std:blocks.*.resid_post")`` (canonical names, map order)
+        or ``cache.stack("transformer.h.*")`` (a glob over :meth:`short_names`, capture order).
+
+        >>> cache = Cache({Site("h.0"): torch.zeros(2), Site("h.1"): torch.ones(2)})
+        >>> values, labels = cache.stack("h.*")
+        >>> values.shape, labels
+        (torch.Size([2, 2]), ['h.0', 'h.1'])
+        """
+        from hookscope._capture.stack import stack
+
+        return stack(self, pattern)
 
     def sites(self) -> list[Site]:
         """Every site held, in the order the values were captured."""
@@ -217,8 +282,7 @@ class Cache(Mapping[str, torch.Tensor]):
                 std=std if isinstance(std, dict) else None,
                 notes=self._empty,
                 verb="captured",
-                empty_hint="the cache is empty (did the forward run inside the capture, on the thread that made it? "
-                "forwards on other threads are not captured)",
+                empty_hint=self._hint,
             )
         return self._index
 
@@ -249,6 +313,16 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def _repr_html_(self) -> str:
         return self._table().html()
+
+
+_NO_BACKWARD = (
+    "no backward has reached it since the forward (call loss.backward(), or give run_with_capture a "
+    "backward= metric), or the metric does not depend on it"
+)
+
+
+def _grad_version(grad: torch.Tensor) -> int | None:
+    return None if grad.is_inference() else grad._version
 
 
 def load(path: str | os.PathLike[str]) -> Cache:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from hookscope._capture.cache import Cache, tensor_bytes
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
@@ -56,6 +57,7 @@ class Keeper:
         budget: int | None,
         last_call_only: bool,
         meta: dict[str, Any],
+        grads: bool = False,
     ) -> None:
         self._detach = detach
         self._reduce = reduce
@@ -66,7 +68,11 @@ class Keeper:
         self._budget = budget
         self._last_call_only = last_call_only
         self._meta = meta
+        self._grads = grads
         self.cache = Cache(meta=meta)
+        #: ``grads=True``: where each kept value sits in autograd's graph, as it was when kept
+        #: (an in-place write later makes a new node; this edge stays on the kept value's).
+        self.grad_edges: list[GradientEdge] = []
         self._bytes = 0
         self._watched: dict[int, list[Site]] = {}
         self._guards = copy == "auto"  # watch values and copy them before a write (else: copy now, or never)
@@ -84,6 +90,7 @@ class Keeper:
         """Begin a new forward pass: a new cache, nothing watched, the budget full (unless the
         earlier passes' caches are kept too: then the budget spans them all)."""
         self.cache = Cache(meta=self._meta)
+        self.grad_edges = []
         if refill_budget:
             self._bytes = 0
         self._watched.clear()
@@ -208,6 +215,8 @@ class Keeper:
         if owned:  # made by _prepared in compiled code: reduced, cast and moved already
             self._charge(site, tensor_bytes(tensor))
             self.cache._put(site, tensor, _version(tensor))
+            if self._grads:
+                self.cache._note_no_grad(site, "it was kept inside torch.compile'd code: capture the eager model")
             return
         value = tensor.detach() if self._detach else tensor
         if self._reduce is not None:
@@ -223,6 +232,40 @@ class Keeper:
         if not fresh:
             value = self._owned(site, value, tensor)
         self.cache._put(site, value, _version(value))
+        if self._grads:
+            self._keep_grad(site, tensor, fresh)
+
+    def _keep_grad(self, site: Site, tensor: torch.Tensor, fresh: bool) -> None:
+        """``grads=True``: put the gradient with respect to ``tensor``, as it is now, into this
+        pass's cache when a backward reaches it. A tensor hook stays on the node that made this
+        version, so an in-place write later does not change whose gradient it gets."""
+        cache = self.cache
+        if not tensor.requires_grad or fresh:  # fresh: recomputed for the capture, off the model's path
+            cache._note_no_grad(
+                site,
+                "it was recomputed from the kernel's arguments for the capture (the model never used it): "
+                "take gradients at :attn.q, :attn.k, :attn.v or :attn.z"
+                if fresh
+                else "it is not in autograd's graph: it was made with gradients off (torch.no_grad(), "
+                "inference_mode(), or inside a block checkpointed with use_reentrant=True, whose forward runs "
+                "without them: use use_reentrant=False) or from inputs and weights that do not require grad"
+                if not torch.is_grad_enabled()
+                else "it is not in autograd's graph: it was made from inputs and weights that do not require grad "
+                "(frozen weights: requires_grad_(False))",
+            )
+            return
+        dtype, device = self._dtype, self._device
+
+        def keep_grad(grad: torch.Tensor) -> None:
+            kept = grad.detach()
+            if dtype is not None and kept.is_floating_point():
+                kept = kept.to(dtype)
+            if device is not None:
+                kept = kept.to(device)
+            cache._add_grad(site, kept)
+
+        tensor.register_hook(keep_grad)  # type: ignore[no-untyped-call]
+        self.grad_edges.append(get_gradient_edge(tensor))
 
     def _prepared(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """In compiled code: the value as it will be kept (detached or not, reduced, cast, moved),

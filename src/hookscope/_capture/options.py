@@ -53,7 +53,11 @@ class CaptureOptions(Options):
       ``.data``, ``untyped_storage()``, numpy or DLPack does not, and goes unseen: use
       ``"auto"`` for models that write that way);
     - ``passes``: ``"latest"`` (each forward replaces the cache) or ``"all"`` (every pass's
-      cache is kept, ``capture.passes``).
+      cache is kept, ``capture.passes``);
+    - ``grads``: also keep, per call, the gradient of whatever is differentiated later (a
+      ``loss.backward()``, or ``run_with_capture(..., backward=metric)``) with respect to each
+      kept value, as ``cache.grad[site]``, at every size; a value changed in place after it was
+      kept still gets the gradient of the value as kept. Not with ``reduce``.
 
     >>> opts = CaptureOptions(keep="both", dtype="bf16", calls="first")
     >>> opts.sides, opts.torch_dtype
@@ -77,9 +81,10 @@ class CaptureOptions(Options):
     copy: CopyMode = "auto"
     passes: Passes = "latest"
     overflow: Overflow = "warn"
+    grads: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("detach", "stop"):
+        for flag in ("detach", "stop", "grads"):
             if not isinstance(getattr(self, flag), bool):
                 raise SpecError(f"{flag}={getattr(self, flag)!r} is a capture option and takes True or False")
         if self.copy not in ("auto", True, False) or (isinstance(self.copy, int) and not isinstance(self.copy, bool)):
@@ -90,6 +95,11 @@ class CaptureOptions(Options):
             raise SpecError(
                 "stop=True cannot keep calls='last': the last call is known only when the forward ends; "
                 "use calls='first', a call index, or stop=False"
+            )
+        if self.grads and self.reduce is not None:
+            raise SpecError(
+                f"grads=True cannot keep gradients of reduced values (reduce={self.reduce!r}): the model never "
+                "used the reduced value; capture without reduce, and reduce the values and gradients afterwards"
             )
         overflow_choice(self.overflow)
         parse_reduction(self.reduce)  # refused now, not in the first hook

@@ -15,6 +15,7 @@ that was changed after capture.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -123,6 +124,7 @@ class Capture(Scoped):
             "budget": options.budget,
             "last_call_only": options.calls == "last",
             "meta": meta,
+            "grads": options.grads,
         }
         self._keeper = Keeper(**self._keeper_options)
         # Thread (the object, kept alive: a finished thread's ident is reused) -> (device, keeper).
@@ -558,6 +560,10 @@ def capture(
     ends the forward once every selected module has been captured (its first call, or the
     chosen index): the rest of the model does not run, and ``model(x)`` inside the ``with``
     block ends the block. A later in-place op never changes a kept value (see ``copy``).
+    ``grads=True`` also keeps the gradient with respect to each kept value once a backward
+    reaches it (``cache.grad["fc"]``, after ``loss.backward()``; ``run_with_capture(...,
+    backward=metric)`` runs both), the gradient of the value as kept even if an in-place op
+    changed it afterwards.
     Each call of the model is a pass and starts a new cache; ``passes="all"`` keeps every
     pass's cache (``capture.passes``; ``max_bytes`` then spans them all), for a loop that calls
     the model several times, such as ``generate``. A checkpointed block recomputing its forward
@@ -601,10 +607,24 @@ def run_with_capture(
     *args: Any,
     layers: Selector | Sequence[Selector],
     options: CaptureOptions | None = None,
+    backward: Callable[[Any], torch.Tensor] | None = None,
     model_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Cache]:
     """Run ``model(*args, **kwargs)`` once with a capture; return ``(output, cache)``.
+
+    ``backward=metric`` also runs one backward from ``metric(output)`` (a scalar; one value per
+    row is summed, so each row's gradients are its own metric's) and keeps the gradient with
+    respect to every captured value as ``cache.grad[site]`` (``grads=True`` is implied). The
+    backward reaches only the captured values: parameters' ``.grad`` are left as they were.
+
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    >>> x = torch.randn(3, 4)
+    >>> out, cache = run_with_capture(model, x, layers="1", backward=lambda out: out.sum())
+    >>> h = model[0](x).tanh().detach().requires_grad_()
+    >>> reference, = torch.autograd.grad(model[2](h).sum(), h)
+    >>> torch.allclose(cache.grad["1"], reference), model[0].weight.grad is None
+    (True, True)
 
     ``layers`` is one selector or a list of them; the options are :class:`CaptureOptions`'
     (:func:`capture`'s). Keyword arguments that are not options go to the model
@@ -631,7 +651,14 @@ def run_with_capture(
     """
     chosen, model_kw = CaptureOptions.split(kwargs)
     ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's
-    recorder = Capture(model, given_selectors((), layers, feature="capture"), CaptureOptions.build(options, chosen))
+    built = CaptureOptions.build(options, chosen)
+    if backward is not None:
+        if not callable(backward):
+            raise SpecError(f"backward={backward!r}: expected a function of the model's output returning a scalar")
+        if built.stop:
+            raise SpecError("backward= needs the model's output, and stop=True ends the forward before it: use one")
+        built = dataclasses.replace(built, grads=True)
+    recorder = Capture(model, given_selectors((), layers, feature="capture"), built)
     with recorder:
         try:
             output = model(*args, **{**model_kw, **(model_kwargs or {})})
@@ -639,4 +666,39 @@ def run_with_capture(
             if stopped.owner is not recorder:
                 raise
             output = None
+    if backward is not None:
+        _backward(backward, output, recorder._keeper.grad_edges)
     return output, recorder.cache
+
+
+def _backward(metric: Callable[[Any], torch.Tensor], output: Any, edges: list[Any]) -> None:
+    """Differentiate ``metric(output)`` with respect to the kept values only (their hooks keep
+    the gradients); a metric that is not a differentiable tensor is refused with the reason."""
+    value = metric(output)
+    if not isinstance(value, torch.Tensor):
+        raise SpecError(f"the backward metric returned {type(value).__name__}; expected a tensor (a scalar)")
+    if value.dim() > 1:
+        raise SpecError(
+            f"the backward metric returned shape {tuple(value.shape)}; expected a scalar or one value per row"
+        )
+    if not value.requires_grad:
+        raise CaptureError(
+            "the backward metric does not depend on anything in autograd's graph (run the model outside "
+            "torch.no_grad() and inference_mode(), with weights that require grad: frozen weights, "
+            "requires_grad_(False), leave nothing to differentiate)"
+        )
+    if not edges:
+        raise CaptureError(
+            "no captured value is in autograd's graph, so no gradient can be kept: run the model outside "
+            "torch.no_grad() and inference_mode(), and capture values the output depends on"
+        )
+    try:
+        torch.autograd.grad(value.sum(), edges, allow_unused=True)
+    except RuntimeError as error:
+        if "reentrant" not in str(error):
+            raise
+        raise CaptureError(
+            "backward= cannot reach values through a block checkpointed with use_reentrant=True (PyTorch allows "
+            "only .backward() there); checkpoint with use_reentrant=False "
+            "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+        ) from error

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 import hookscope as hs
 from hookscope.cli.diff_command import diff_command
+from hookscope.cli.methods_commands import lens_command, patch_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
 from hookscope.errors import (
     ConcurrentPassError,
@@ -489,6 +490,8 @@ def report_command(
 
 
 app.command("diff")(diff_command)
+app.command("patch")(patch_command)
+app.command("lens")(lens_command)
 
 
 @app.command("extract")

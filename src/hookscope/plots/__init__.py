@@ -9,7 +9,8 @@ touches pyplot's global state; save one with ``fig.savefig("grad_flow.png")``.
 - :func:`layer_stats`: mean, std, min and max of each layer's output along depth;
 - :func:`grad_flow`, :func:`grad_history`: gradients per layer, and over training steps;
 - :func:`diff_profile`: where two models part, the error of each site along depth;
-- :func:`attention`: an attention pattern as heatmaps, one per head, tokens on the axes.
+- :func:`attention`: an attention pattern as heatmaps, one per head, tokens on the axes;
+- :func:`effects`, :func:`lens`: a patching sweep's grid, a logit lens's tokens per layer.
 """
 
 from hookscope.plots.activations import feature_maps, histograms
@@ -17,5 +18,16 @@ from hookscope.plots.attention import attention
 from hookscope.plots.depth import layer_stats
 from hookscope.plots.diff import diff_profile
 from hookscope.plots.grads import grad_flow, grad_history
+from hookscope.plots.methods import effects, lens
 
-__all__ = ["attention", "diff_profile", "feature_maps", "grad_flow", "grad_history", "histograms", "layer_stats"]
+__all__ = [
+    "attention",
+    "diff_profile",
+    "effects",
+    "feature_maps",
+    "grad_flow",
+    "grad_history",
+    "histograms",
+    "layer_stats",
+    "lens",
+]

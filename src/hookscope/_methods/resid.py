@@ -1,0 +1,203 @@
+"""The residual stream as a stack: accumulated (the stream after each block) or decomposed (what
+each component wrote into it), and the model's final norm applied to either.
+
+Both read canonical names (``std:``), so one call works on GPT-2, Llama or any model the map
+knows. The decomposition is ``resid_pre`` of the first block (labelled ``embed``: whatever enters
+the blocks, position embeddings and embedding scales included), then each block's ``attn`` and
+``mlp`` (and, in encoder-decoder decoders, ``cross_attn``): the terms the blocks add, so they sum
+to the last ``resid_post``; the sum is checked, and blocks that normalise after each add
+(post-norm: BERT, BART) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._capture import Cache, Stacked, run_with_capture
+from hookscope._core.std import known_std_map
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap
+from hookscope._methods.runs import Inputs
+from hookscope.errors import SpecError
+
+__all__ = ["Stacked", "accumulated_resid", "apply_ln", "decompose_resid", "final_norm", "stack_std", "unembed"]
+
+
+def stack_std(cache: Cache, names: list[str]) -> Stacked:
+    """The values of canonical ``names`` in ``cache``, stacked along a new first axis."""
+    values = [cache[STD_PREFIX + name] for name in names]
+    shapes = {tuple(value.shape) for value in values}
+    if len(shapes) > 1:
+        raise SpecError(f"cannot stack {names[0]}..{names[-1]}: their shapes differ ({sorted(shapes)})")
+    return Stacked(torch.stack(values), list(names))
+
+
+def _blocks(std: StdMap, prefix: str) -> int:
+    count = 0
+    while f"{prefix}blocks.{count}.resid_pre" in std:
+        count += 1
+    if not count:
+        hint = ""
+        if not prefix and any(name.startswith(("encoder.blocks.", "decoder.blocks.")) for name in std):
+            hint = '; an encoder-decoder model: pass stack="decoder." (or "encoder.")'
+        raise SpecError(
+            f"this model's canonical map ({std.family}) has no {prefix}blocks.*.resid_pre: no residual stream{hint}"
+        )
+    return count
+
+
+def accumulated_resid(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    mid: bool = False,
+    apply_final_norm: bool = False,
+    stack: str = "",
+    model_kwargs: dict[str, Any] | None = None,
+) -> Stacked:
+    """The residual stream entering each block, then after the last: ``(blocks + 1, batch, seq, d_model)``.
+
+    ``mid=True`` adds each block's ``resid_mid`` (after attention) between them;
+    ``apply_final_norm=True`` puts each through the model's final norm, as the logit lens does.
+    ``stack="decoder."`` reads an encoder-decoder's decoder (``"encoder."`` its encoder).
+
+    Example::
+
+        resid, labels = hs.methods.accumulated_resid(gpt2, ids)
+        labels[:2], resid.shape            # ['blocks.0.resid_pre', 'blocks.1.resid_pre'], (13, 1, 8, 768)
+    """
+    std = known_std_map(model)
+    count = _blocks(std, stack)
+    names = []
+    for index in range(count):
+        names.append(f"{stack}blocks.{index}.resid_pre")
+        if mid:
+            names.append(f"{stack}blocks.{index}.resid_mid")
+    names.append(f"{stack}blocks.{count - 1}.resid_post")
+    stacked = stack_std(_captured(model, inputs, names, model_kwargs), names)
+    return apply_ln(stacked, model) if apply_final_norm else stacked
+
+
+def decompose_resid(
+    model: nn.Module, inputs: Any, *, stack: str = "", model_kwargs: dict[str, Any] | None = None
+) -> Stacked:
+    """What each component added to the residual stream: ``embed`` (the stream entering the first
+    block), then each block's ``attn`` and ``mlp``; they sum to the last ``resid_post`` (checked).
+
+    Example::
+
+        parts, labels = hs.methods.decompose_resid(gpt2, ids)
+        torch.testing.assert_close(parts.sum(0), cache["std:blocks.11.resid_post"])
+    """
+    std = known_std_map(model)
+    count = _blocks(std, stack)
+    names = [f"{stack}blocks.0.resid_pre"]
+    for index in range(count):
+        for part in ("attn", "cross_attn", "mlp"):
+            if f"{stack}blocks.{index}.{part}" in std:
+                names.append(f"{stack}blocks.{index}.{part}")
+    last = f"{stack}blocks.{count - 1}.resid_post"
+    cache = _captured(model, inputs, [*names, last], model_kwargs)
+    stacked = stack_std(cache, names)
+    final = cache[STD_PREFIX + last]
+    total = stacked.tensor.sum(0)
+    error = float((total - final).abs().max()) if total.shape == final.shape else float("inf")
+    if not error <= 1e-4 * max(1.0, float(final.abs().max())):
+        raise SpecError(
+            f"the components of {std.family}'s residual stream do not sum to {last} (max error {error:.3g}): its "
+            "blocks normalise after each add (post-norm) or add more than attention and the MLP; use "
+            "accumulated_resid, which reads the stream itself"
+        )
+    return Stacked(stacked.tensor, ["embed", *names[1:]])
+
+
+def _captured(model: nn.Module, inputs: Any, names: list[str], model_kwargs: dict[str, Any] | None) -> Cache:
+    given = Inputs.of(inputs, "inputs", model_kwargs)
+    with torch.no_grad():
+        _, cache = run_with_capture(
+            model, *given.args, layers=[STD_PREFIX + n for n in names], model_kwargs=given.kwargs
+        )
+    return cache
+
+
+def final_norm(model: nn.Module, stack: str = "", *, or_identity: bool = False) -> nn.Module:
+    """The model's final norm (``std:ln_final``), the module itself; with ``or_identity``, an
+    ``nn.Identity`` for a model the map says has none (post-norm stacks end in a block's own norm)."""
+    name = f"{stack}ln_final"
+    if or_identity and name in known_std_map(model).missing:
+        return nn.Identity()
+    return _module(model, name, "a final norm")
+
+
+def unembed(model: nn.Module, stack: str = "") -> nn.Module:
+    """The model's unembedding (``std:unembed``, the LM head), the module itself."""
+    return _module(model, f"{stack}unembed" if f"{stack}unembed" in known_std_map(model) else "unembed", "an LM head")
+
+
+def _module(model: nn.Module, name: str, what: str) -> nn.Module:
+    std = known_std_map(model)
+    site = std.get(name)
+    if site is None or site.module is None:
+        why = std.missing.get(name, "the map does not name it")
+        raise SpecError(
+            f"this model has no std:{name} ({why}); the logit lens and apply_ln need {what}: use a model with one "
+            "(a transformers ...ForCausalLM, not the bare ...Model; an encoder-decoder's decoder: stack='decoder.')"
+        )
+    return model.get_submodule(site.module)
+
+
+def apply_ln(stacked: Stacked, model: nn.Module, *, scale_of: torch.Tensor | None = None, stack: str = "") -> Stacked:
+    """The model's final norm applied to each slice of a stack.
+
+    Without ``scale_of`` each slice goes through the norm on its own (the accumulated stream, as
+    the logit lens reads it). With ``scale_of`` (the final residual the slices sum to) the norm is
+    applied as the linear map it is once its scale is fixed, with that residual's scale: the
+    slices then sum to ``ln_final(scale_of)`` minus the norm's bias, so each component's share of
+    the normalised stream (and, through the unembedding, of the logits) adds up. The linear part
+    is read from the norm module itself (its odd part, ``(norm(x) - norm(-x)) / 2``), so LayerNorm,
+    RMSNorm and variants with ``1 + weight`` are all taken as they compute.
+
+    Example::
+
+        parts, labels = hs.methods.decompose_resid(gpt2, ids)
+        normed = hs.methods.apply_ln(hs.methods.Stacked(parts, labels), gpt2, scale_of=parts.sum(0))
+        per_component = normed.tensor @ gpt2.lm_head.weight.T
+        # per_component.sum(0) + gpt2.transformer.ln_f.bias @ gpt2.lm_head.weight.T is the logits
+    """
+    norm = final_norm(model, stack)
+    values = stacked.tensor
+    with torch.no_grad():
+        if scale_of is None:
+            return Stacked(torch.stack([norm(value) for value in values]), stacked.labels)
+        return Stacked(linear_norm(norm, values, scale_of), stacked.labels)
+
+
+def linear_norm(norm: nn.Module, parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Each of ``parts`` (stacked on dim 0) through ``norm`` with the scale of ``total`` fixed.
+
+    A norm of the form ``weight * centre(x) / scale(x) + bias`` is linear in ``x`` once the scale
+    is fixed. The weight and whether it centres are read from the module on probes; the scale of
+    ``total`` from the module's own output, so ``eps`` and conventions are the module's.
+    """
+    width = total.shape[-1]
+    if width % 2:
+        raise SpecError(f"apply_ln(scale_of=...) reads the norm on probes of even width; d_model is {width}")
+    probe = torch.ones(width, device=total.device, dtype=total.dtype)
+    probe[1::2] = -1.0
+    probe = (probe - probe.mean()) * 1e3  # centred, no zero entry where width is even; scale ~1e3 hides eps
+    odd = (norm(probe) - norm(-probe)) / 2  # weight * probe / scale(probe)
+    probe_scale = probe.pow(2).mean().sqrt()
+    weight = odd * probe_scale / probe
+    shifted = norm(probe + 7.0)  # a centring norm ignores the shift
+    centres = bool(torch.allclose(shifted, norm(probe), atol=1e-4, rtol=1e-4))
+
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(-1, keepdim=True) if centres else x
+
+    linear_total = (norm(total) - norm(-total)) / 2  # weight * centre(total) / scale(total)
+    direction = weight * centred(total)
+    scale = (direction * direction).sum(-1, keepdim=True) / (direction * linear_total).sum(-1, keepdim=True)
+    normed: torch.Tensor = weight * centred(parts) / scale
+    return normed

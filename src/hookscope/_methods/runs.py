@@ -1,0 +1,134 @@
+"""The runs a method makes: its inputs (a tensor or a dict of keyword inputs), copied along the
+batch for batched patches, and the sites it reads and writes, resolved once per study.
+
+A method reads a site in one run and writes it in another; for most sites that is one place, but a
+canonical ``resid_mid`` is read at a norm's input and written at the residual ``add`` (an op site),
+so the two are kept apart here: :class:`PatchSite` holds both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._capture import Cache
+from hookscope._core.names import leaf_label
+from hookscope._core.op_sites import op_leaf_label
+from hookscope._core.sites import Site
+from hookscope._core.std import expand_std
+from hookscope._core.std.stdmap import STD_PREFIX
+from hookscope.errors import SiteNotFoundError, SpecError
+
+__all__ = ["Inputs", "PatchSite", "patch_sites"]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A model's input for one run: positional tensors and keyword inputs, ``rows`` along dim 0."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rows: int
+
+    @classmethod
+    def of(cls, given: Any, what: str, extra: dict[str, Any] | None = None) -> Inputs:
+        """``given``: a tensor (``model(tensor)``), a dict (``model(**dict)``) or a tuple of tensors."""
+        if isinstance(given, torch.Tensor):
+            args: tuple[Any, ...] = (given,)
+            kwargs: dict[str, Any] = {}
+        elif isinstance(given, dict):
+            args, kwargs = (), dict(given)
+        elif isinstance(given, tuple):
+            args, kwargs = given, {}
+        else:
+            raise SpecError(
+                f"{what}={type(given).__name__}: expected the model's input as a tensor (token ids), a dict of "
+                "keyword inputs (a tokenizer's batch) or a tuple of positional inputs"
+            )
+        kwargs.update(extra or {})
+        batched = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if not batched:
+            raise SpecError(f"{what} holds no tensor with a batch dimension")
+        return cls(args, kwargs, batched[0].shape[0])
+
+    def repeated(self, times: int) -> Inputs:
+        """The batch ``times`` over, one copy after another (copy ``j`` is rows ``j*rows ...``)."""
+        if times == 1:
+            return self
+
+        def copy(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == self.rows:
+                return value.repeat(times, *([1] * (value.dim() - 1)))
+            return value
+
+        return Inputs(
+            tuple(copy(v) for v in self.args), {k: copy(v) for k, v in self.kwargs.items()}, self.rows * times
+        )
+
+    def stacked(self, other: Inputs) -> Inputs | None:
+        """This batch, then ``other``'s, in one batch; None when they do not stack (another
+        structure, or a non-batch value that differs)."""
+        if len(self.args) != len(other.args) or self.kwargs.keys() != other.kwargs.keys():
+            return None
+        pairs = [*zip(self.args, other.args, strict=True), *((self.kwargs[k], other.kwargs[k]) for k in self.kwargs)]
+        joined = []
+        for mine, theirs in pairs:
+            if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+                batched = mine.dim() > 0 and mine.shape[0] == self.rows and theirs.shape[0] == other.rows
+                if batched and mine.shape[1:] == theirs.shape[1:] and mine.dtype == theirs.dtype:
+                    joined.append(torch.cat([mine, theirs]))
+                    continue
+                if mine.shape == theirs.shape and torch.equal(mine, theirs):
+                    joined.append(mine)
+                    continue
+                return None
+            if mine is not theirs and mine != theirs:
+                return None
+            joined.append(mine)
+        count = len(self.args)
+        return Inputs(
+            tuple(joined[:count]), dict(zip(self.kwargs, joined[count:], strict=True)), self.rows + other.rows
+        )
+
+    def run(self, model: nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class PatchSite:
+    """One site of a study: its label (a canonical name where given one), where a capture reads
+    its value, and the selector an edit writes it with."""
+
+    label: str
+    read: Site
+    write: str
+
+
+def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) -> list[PatchSite]:
+    """The sites ``selectors`` name on ``model``, in the order ``cache`` (a capture of them) holds
+    them: one per captured site, a ``std:`` pattern once per canonical name it covers."""
+    given = [selectors] if isinstance(selectors, str) else list(selectors)
+    _, writes = expand_std(model, given, "write")
+    std = cache.meta.get("std") or {}
+    by_site: dict[Site, str] = {}
+    for name in std:
+        try:
+            by_site.setdefault(cache.resolve(STD_PREFIX + name), name)
+        except SiteNotFoundError:  # selected, but never ran in this run: no row for it
+            continue
+    found = []
+    shown = cache.short_names()  # "shared" for a module's only site; "shared#1:output" where it has several
+    for site in cache.sites():
+        name = by_site.get(site)
+        if name is not None:
+            found.append(PatchSite(name, site, writes[name]))
+            continue
+        label = op_leaf_label(site.op, site.what, site.path) if site.op else leaf_label(site.what, site.path)
+        found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}"))
+    if not found:
+        raise SpecError(f"sites={selectors!r} selected nothing that ran in the clean run")
+    return found

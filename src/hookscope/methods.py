@@ -1,0 +1,57 @@
+"""The methods researchers run every day, on any model, in one call each.
+
+- **Metrics** score an output with one value per row: :func:`logit_diff`, :func:`logprob`,
+  :func:`kl_to`, :func:`loss`, or any function of the output.
+- **Patching**: :func:`patch_sweep` patches every site × position (× head) on its own, many
+  patches per forward; :func:`attribution_patch` estimates the same grid from one backward and
+  flags the cells where the estimate is wrong (``verify=``). Both return :class:`Effects`.
+- **Logit lens**: :func:`logit_lens` reads every layer's residual stream through the model's final
+  norm and unembedding (a tuned lens with ``translators=``).
+- **The residual stream**: :func:`accumulated_resid`, :func:`decompose_resid` (summing to the
+  last ``resid_post``) and :func:`apply_ln`; ``cache.stack(pattern)`` stacks any captured values.
+
+Gradients with respect to captured values are part of capture: ``hs.capture(..., grads=True)``
+and ``hs.run_with_capture(..., backward=metric)`` fill ``cache.grad``.
+
+>>> import torch, hookscope as hs
+>>> hs.methods.logit_diff(2, 1)(torch.tensor([[[0.0, 2.0, 5.0]]]))
+tensor([3.])
+"""
+
+from __future__ import annotations
+
+from hookscope._capture import Stacked
+from hookscope._methods import (
+    Disagreement,
+    Effects,
+    Lens,
+    Metric,
+    accumulated_resid,
+    apply_ln,
+    attribution_patch,
+    decompose_resid,
+    kl_to,
+    logit_diff,
+    logit_lens,
+    logprob,
+    loss,
+    patch_sweep,
+)
+
+__all__ = [
+    "Disagreement",
+    "Effects",
+    "Lens",
+    "Metric",
+    "Stacked",
+    "accumulated_resid",
+    "apply_ln",
+    "attribution_patch",
+    "decompose_resid",
+    "kl_to",
+    "logit_diff",
+    "logit_lens",
+    "logprob",
+    "loss",
+    "patch_sweep",
+]
