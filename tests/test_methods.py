@@ -133,7 +133,9 @@ def naive_sweep(
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-@pytest.mark.parametrize("rows", [2, 64])  # 2 x 6 x 32 floats is 1.5 KiB; 64 rows is 48 KiB, 96 KiB with the graph
+@pytest.mark.parametrize(
+    "rows", [2, 64]
+)  # 2 x 6 x 32 floats: 1.5 KiB; 64 x 12 x 32: 96 KiB, over the 64 KiB copy threshold
 def test_grads_equal_autograd_on_block_inputs(name: str, rows: int) -> None:
     model = MODELS[name]()
     ids = torch.randint(0, VOCAB, (rows, 6 if rows == 2 else 12), generator=torch.Generator().manual_seed(rows))
@@ -717,3 +719,49 @@ def test_logit_lens_of_an_encoder_decoders_decoder() -> None:
         torch.testing.assert_close(lens.logits[-1], model(**inputs).logits)
     with pytest.raises(hs.SpecError, match='stack="decoder."'):
         hs.methods.decompose_resid(model, inputs)
+
+
+def test_a_metric_made_for_the_inputs_rows_alone_still_sweeps() -> None:
+    """A metric that indexes the input's own rows cannot read the stacked clean+corrupted run: two runs."""
+    model = gpt2()
+    clean, corrupted = prompts()
+    correct = torch.tensor([3, 4])
+    metric = hs.methods.logit_diff(correct, 5)
+
+    def rows_of_the_input(output: Any) -> torch.Tensor:
+        return output.logits[torch.arange(2), -1, correct] - output.logits[:, -1, 5]
+
+    expected = hs.methods.patch_sweep(model, clean, corrupted, metric=metric)
+    got = hs.methods.patch_sweep(model, clean, corrupted, metric=rows_of_the_input, batch_rows=2)
+    torch.testing.assert_close(got.values, expected.values, rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_weights_stay_frozen_when_thawing_fails() -> None:
+    model = gpt2().requires_grad_(False)
+    with torch.inference_mode():
+        weight = model.transformer.h[1].mlp.c_fc.weight.detach().clone()
+    model.transformer.h[1].mlp.c_fc.weight = nn.Parameter(weight, requires_grad=False)
+    clean, corrupted = prompts()
+    with pytest.raises(RuntimeError):
+        hs.methods.attribution_patch(model, clean, corrupted, metric=hs.methods.logit_diff(3, 5))
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_inputs_with_a_broadcast_position_ids_and_a_list_input() -> None:
+    model = gpt2()
+    clean, corrupted = prompts()
+    metric = hs.methods.logit_diff(3, 5)
+    positions = torch.arange(6)[None]
+    expected = hs.methods.patch_sweep(model, clean, corrupted, metric=metric)
+    given = hs.methods.patch_sweep(
+        model,
+        {"position_ids": positions, "input_ids": clean},
+        {"position_ids": positions, "input_ids": corrupted},
+        metric=metric,
+    )
+    torch.testing.assert_close(given.values, expected.values, rtol=1e-4, atol=1e-5)
+    from hookscope._methods.runs import Inputs
+
+    mask = torch.ones(2, 6)
+    one = Inputs.of({"input_ids": clean, "extra": [mask]}, "clean")
+    assert one.stacked(Inputs.of({"input_ids": corrupted, "extra": [mask.clone()]}, "corrupted")) is None

@@ -3,9 +3,11 @@ patches and compares.
 
 A metric is called on the model's output (a tensor of logits, a ``ModelOutput`` with ``.logits``,
 or a tuple whose first element is the logits) and returns one value per row, shape ``(batch,)``.
-One value per row, not a mean, is what lets a patching sweep run many patches in one batched
-forward and still score each patch on its own rows. Any function of the output is a metric too;
-one that returns a scalar is scored one forward at a time.
+One value per row, not a mean, is what lets a patching sweep run many patches in one
+batched forward and still score each patch on its own rows; so a row's value must depend on
+that row alone (a value centred on the batch mean would mix the rows of different patches).
+Any function of the output is a metric too; one that returns a scalar is scored one forward
+at a time.
 
 Positions: ``position=-1`` (default) reads the last position; an int reads that position in every
 row, a 1-D integer tensor one position per row, and a boolean ``(batch, seq)`` mask the mean over

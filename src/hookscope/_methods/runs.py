@@ -53,7 +53,11 @@ class Inputs:
         batched = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor) and v.dim() > 0]
         if not batched:
             raise SpecError(f"{what} holds no tensor with a batch dimension")
-        return cls(args, kwargs, batched[0].shape[0])
+        # The rows: of the token ids where given, else the largest leading dim (a (1, seq)
+        # position_ids broadcasts over the batch, it is not one).
+        main = kwargs.get("input_ids")
+        rows = main.shape[0] if isinstance(main, torch.Tensor) and main.dim() > 0 else max(v.shape[0] for v in batched)
+        return cls(args, kwargs, int(rows))
 
     def repeated(self, times: int) -> Inputs:
         """The batch ``times`` over, one copy after another (copy ``j`` is rows ``j*rows ...``)."""
@@ -86,7 +90,7 @@ class Inputs:
                     joined.append(mine)
                     continue
                 return None
-            if mine is not theirs and mine != theirs:
+            if mine is not theirs and not _same_plain_value(mine, theirs):
                 return None
             joined.append(mine)
         count = len(self.args)
@@ -96,6 +100,15 @@ class Inputs:
 
     def run(self, model: nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
+
+
+def _same_plain_value(mine: Any, theirs: Any) -> bool:
+    """Equal non-tensor inputs (flags, numbers, strings); a container of tensors is never
+    taken as equal (its comparison is ambiguous), so such inputs run apart."""
+    try:
+        return bool(mine == theirs)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,10 @@ def _joint_runs(
     scored: list[torch.Tensor] = []
 
     def base_metric(output: Any) -> torch.Tensor:
-        values = metric(output)
+        try:
+            values = metric(output)
+        except Exception as error:  # a metric made for the input's rows alone: two runs tell the real error
+            raise _NotPerRow from error
         if not isinstance(values, torch.Tensor) or values.shape != (both.rows,):
             raise _NotPerRow
         scored.append(values.detach())
@@ -225,12 +228,14 @@ def _differentiable(model: nn.Module, wanted: bool) -> Iterator[None]:
     graph to take activation gradients from: let them require grad for this run only. The
     backward reaches the captured values alone, so no weight gradient is computed or kept."""
     frozen = [p for p in model.parameters() if wanted and p.is_floating_point() and not p.requires_grad]
-    for parameter in frozen:
-        parameter.requires_grad_(True)
+    thawed: list[nn.Parameter] = []
     try:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+            thawed.append(parameter)
         yield
     finally:
-        for parameter in frozen:
+        for parameter in thawed:
             parameter.requires_grad_(False)
 
 
@@ -321,7 +326,8 @@ def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Te
     """The metric (mean over the input's rows) of each cell patched on its own, batched.
 
     A cell whose source value equals the patched run's own value, bit for bit, changes nothing:
-    its score is the patched run's, without a forward. In a causal model every position before
+    its score is the patched run's, without a forward (exact, up to the rounding by which a
+    kernel's result may differ between batch sizes). In a causal model every position before
     the first changed token is such a cell, at every layer, and so is every unchanged position
     at the first block; skipping them is exact, and often most of a sweep's work.
     """
