@@ -23,7 +23,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hookscope"
 
 FOUNDATION = {"hookscope.errors", "hookscope._version"}
-FEATURES = {"_capture", "_trace", "_grads", "_edit", "_extract", "_diff", "_report", "_hooks", "_layers", "_methods"}
+FEATURES = {
+    "_capture",
+    "_trace",
+    "_grads",
+    "_edit",
+    "_extract",
+    "_diff",
+    "_report",
+    "_hooks",
+    "_layers",
+    "_methods",
+    "_monitor",
+}
 #: Public modules a feature may use as any user would (their package roots, not their internals).
 PUBLIC_FEATURE_MODULES = {"hookscope.edits", "hookscope.plots"}
 #: Public modules besides the package root, which the CLI may import.

@@ -27,10 +27,12 @@ from hookscope._extract import ExtractConfig, Store, StoreArray, extract, open_s
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
+from hookscope._monitor import CsvSink, JsonLinesSink, Monitor, MonitorFlag, MonitorStep, TensorBoardSink, monitor
 from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.files import check_output_path
 from hookscope._shared.histogram import Histogram
+from hookscope._shared.precision import Precision
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
 from hookscope._trace import (
     NonFiniteRow,
@@ -80,6 +82,7 @@ __all__ = [
     "CaptureOptions",
     "CastOverflowWarning",
     "ConcurrentPassError",
+    "CsvSink",
     "DataError",
     "Diff",
     "DiffRow",
@@ -99,15 +102,20 @@ __all__ = [
     "HookGroup",
     "HookSpec",
     "HookscopeError",
+    "JsonLinesSink",
     "Layer",
     "LayerTable",
     "MissingDependencyError",
+    "Monitor",
+    "MonitorFlag",
+    "MonitorStep",
     "NonFiniteDetector",
     "NonFiniteError",
     "NonFiniteRow",
     "OutputPathError",
     "OutputWriteError",
     "PairingWarning",
+    "Precision",
     "RunningStats",
     "SelectionError",
     "Selector",
@@ -126,6 +134,7 @@ __all__ = [
     "StoreIndexError",
     "StoreRepairWarning",
     "StoreWriteError",
+    "TensorBoardSink",
     "TensorInfo",
     "Trace",
     "TraceOptions",
@@ -151,6 +160,7 @@ __all__ = [
     "load_tensors",
     "map_tensors",
     "methods",
+    "monitor",
     "open_store",
     "parse_dtype",
     "plots",

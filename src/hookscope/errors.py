@@ -259,6 +259,7 @@ class NonFiniteError(HookscopeError, FloatingPointError):
         nan: int | None = None,
         posinf: int | None = None,
         neginf: int | None = None,
+        step: int | None = None,
     ) -> None:
         super().__init__(message)
         self.module = module
@@ -268,6 +269,7 @@ class NonFiniteError(HookscopeError, FloatingPointError):
         self.nan = nan
         self.posinf = posinf
         self.neginf = neginf
+        self.step = step  # the training step, where a monitor saw it (hs.monitor, the callbacks)
 
 
 class EditError(HookscopeError, ValueError):

@@ -6,18 +6,21 @@ measured once; ``timing`` holds the per-call clock and peak-memory counter; ``no
 the lighter detector that raises at the first module making a NaN/Inf.
 """
 
+from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
 from hookscope._trace.options import TraceOptions
 from hookscope._trace.recorder import Tracer, run_with_trace, trace, tracing
 from hookscope._trace.result import Trace
 from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
 
 __all__ = [
+    "NonFiniteDetector",
     "NonFiniteRow",
     "TensorInfo",
     "Trace",
     "TraceOptions",
     "TraceRow",
     "Tracer",
+    "detect_nonfinite",
     "run_with_trace",
     "trace",
     "tracing",

@@ -1,0 +1,313 @@
+"""``hs.monitor``: gradient and activation statistics, precision health and a NaN/Inf tripwire for
+a training loop, in two lines: ``with hs.monitor(model, ...) as mon:`` and ``mon.step()``.
+
+It composes what exists: :func:`hookscope.watch_grads` for gradients (per layer and per parameter),
+:func:`hookscope.detect_nonfinite` for the forward's first NaN/Inf, and its own forward hooks
+(:mod:`~hookscope._monitor.watch`) for activation statistics and precision health. Attaching is once;
+a step costs nothing on the host until :meth:`Monitor.step`, which reads the step with a few
+transfers on a logged step and none on the others (``every=N``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._core.attach import HookGroup, Scoped, remove_through
+from hookscope._core.select import Selector, ensure_module
+from hookscope._core.std import known_std_map, select_std
+from hookscope._grads import GradMonitor, GradStep, watch_grads
+from hookscope._monitor.sinks import as_sink
+from hookscope._monitor.watch import LayerRead, LayerWatch
+from hookscope._shared.precision import precision_target
+from hookscope._trace import NonFiniteDetector, detect_nonfinite
+from hookscope.errors import HookscopeError, NonFiniteError, SpecError, StdMapError
+
+__all__ = ["Monitor", "MonitorFlag", "MonitorStep", "monitor"]
+
+
+@dataclass(frozen=True)
+class MonitorFlag:
+    """Something a step showed that deserves a look: ``"layer blocks.3 loses 4.1% of its gradient
+    to underflow in bfloat16 (step 12)"``."""
+
+    step: int
+    layer: str
+    kind: str  # "grad_underflow", "act_underflow", "grad_overflow", "act_overflow"
+    value: float
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class MonitorStep:
+    """One logged step: its index, every scalar by name, and its flags."""
+
+    step: int
+    scalars: dict[str, float]
+    flags: list[MonitorFlag] = field(default_factory=list)
+    grads: GradStep | None = None
+
+
+class Monitor(Scoped):
+    """The hooks of :func:`monitor`; ``step()`` once per optimiser step, after the backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Selector | Sequence[Selector] | None,
+        *,
+        grads: bool,
+        params: bool,
+        activations: bool,
+        precision: str | torch.dtype | None,
+        tripwire: bool,
+        every: int,
+        sinks: Sequence[Any],
+        names: str,
+        flag_above: float,
+    ) -> None:
+        ensure_module(model)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SpecError(f"every={every!r} is not a positive whole number of steps; 1 logs every step")
+        if names not in ("std", "modules"):
+            raise SpecError(f"names={names!r}: expected 'std' (canonical names where the model has them) or 'modules'")
+        self._target = precision_target(precision)
+        self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if params else []
+        self._every = every
+        self._flag_above = flag_above
+        self._index = 0
+        self._chosen = _layers(model, layers)
+        self._names = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
+        self._sinks = [as_sink(sink) for sink in sinks]
+        self.steps: list[MonitorStep] = []
+        self._grads: GradMonitor | None = None
+        self._tripwire: NonFiniteDetector | None = None
+        self._watch = LayerWatch(model, self._chosen, activations, self._target)
+        parts: list[Any] = []
+        try:
+            self._group = self._watch.attach()
+            parts.append(self._watch)
+            if grads:
+                chosen = [name for name, _ in self._chosen]
+                self._grads = watch_grads(model, layers=chosen, params=False, activations=True, every=every)
+                parts.append(self._grads)
+            if tripwire:
+                self._tripwire = detect_nonfinite(model)
+                parts.append(self._tripwire)
+        except BaseException:
+            for part in parts:
+                part.remove()
+            raise
+        for part in parts[1:]:
+            remove_through(part._group, self.remove)
+        remove_through(self._group, self.remove)
+
+    @property
+    def group(self) -> HookGroup:
+        return self._group
+
+    def step(self) -> MonitorStep | None:
+        """Close the training step: read it (on a logged step), write the scalars to the sinks,
+        and raise :class:`~hookscope.NonFiniteError` if a gradient held a NaN/Inf (the tripwire).
+
+        Returns the :class:`MonitorStep`, or None on a step ``every`` skips.
+        """
+        index = self._index
+        self._index += 1
+        logged = index % self._every == 0
+        self._watch.recording = self._index % self._every == 0  # hooks of the next step
+        grad_step = self._grads.step() if self._grads is not None else None
+        if not logged:
+            return None
+        layers = self._watch.read()
+        scalars = self._scalars(layers, grad_step)
+        scalars.update(self._parameter_scalars())
+        result = MonitorStep(index, scalars, self._flags(index, layers), grad_step)
+        self.steps.append(result)
+        for sink in self._sinks:
+            sink.write(index, scalars)
+        if grad_step is not None:
+            self._check_grads(index, grad_step)
+        return result
+
+    def _scalars(self, layers: dict[str, LayerRead], grad_step: GradStep | None) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for name, read in layers.items():
+            shown = self._names.get(name, name)
+            if read.stats is not None:
+                scalars[f"act/mean_abs/{shown}"] = read.stats.abs_mean
+                scalars[f"act/max_abs/{shown}"] = max(abs(read.stats.min), abs(read.stats.max))
+                scalars[f"act/std/{shown}"] = read.stats.std
+            for side, measured in (("act", read.act_precision), ("grad", read.grad_precision)):
+                if measured is not None:
+                    for metric, value in measured.as_dict().items():
+                        scalars[f"precision/{side}/{metric}/{shown}"] = value
+        for record in grad_step.records if grad_step is not None else []:
+            if record.what == "grad_output" and record.path in ("", "[0]"):
+                shown = self._names.get(record.module, record.module)
+                suffix = "" if record.call == 0 else f"#{record.call}"
+                scalars[f"grad/norm/{shown}{suffix}"] = record.norm
+                scalars[f"grad/max_abs/{shown}{suffix}"] = record.max_abs
+        return scalars
+
+    def _parameter_scalars(self) -> dict[str, float]:
+        """Every trainable parameter's gradient norm and its ratio to the weight's norm: one
+        stack of norms per device, one transfer each."""
+        named = [(name, p, p.grad) for name, p in self._params if p.grad is not None]
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        for name, parameter, grad in named:
+            by_device.setdefault(grad.device, []).append((name, parameter, grad))
+        scalars: dict[str, float] = {}
+        for group in by_device.values():
+            pairs = [
+                torch.stack(
+                    [torch.linalg.vector_norm(g.detach().float()), torch.linalg.vector_norm(p.detach().float())]
+                )
+                for _, p, g in group
+            ]
+            norms = torch.stack(pairs).tolist()
+            for (name, _, _), (grad_norm, weight_norm) in zip(group, norms, strict=True):
+                scalars[f"param_grad/norm/{name}"] = grad_norm
+                scalars[f"param_grad/ratio/{name}"] = grad_norm / weight_norm if weight_norm else math.nan
+        return scalars
+
+    def _flags(self, index: int, layers: dict[str, LayerRead]) -> list[MonitorFlag]:
+        flags = []
+        for name, read in layers.items():
+            shown = self._names.get(name, name)
+            for side, measured in (("act", read.act_precision), ("grad", read.grad_precision)):
+                if measured is None:
+                    continue
+                noun = "gradient" if side == "grad" else "output"
+                for kind, value, loss in (
+                    ("underflow", measured.underflow, "underflow"),
+                    ("overflow", measured.overflow, "overflow"),
+                ):
+                    if value > self._flag_above:
+                        flags.append(
+                            MonitorFlag(
+                                index, shown, f"{side}_{kind}", value,
+                                f"layer {shown} loses {100 * value:.1f}% of its {noun} to {loss} in "
+                                f"{measured.dtype} (step {index})",
+                            )
+                        )  # fmt: skip
+        return flags
+
+    def _check_grads(self, index: int, grad_step: GradStep) -> None:
+        """The backward tripwire: the first gradient (in backward order) holding a NaN/Inf."""
+        bad = [r for r in grad_step.records if r.what != "param" and not r.finite]
+        if not bad:
+            return
+        first = min(bad, key=lambda r: math.inf if r.order is None else r.order)
+        shown = self._names.get(first.module, first.module)
+        raise NonFiniteError(
+            f"step {index}: the gradient of {shown!r} ({first.class_name}, call {first.call}) holds "
+            f"{first.nan} NaN and {first.inf} Inf values, the first in backward order; the layers after it in the "
+            "forward got finite gradients",
+            module=first.module,
+            call=first.call,
+            what=first.what,
+            path=first.path,
+            nan=first.nan,
+            step=index,
+        )
+
+    def remove(self) -> None:
+        """Remove every hook and close the sinks. Safe to call twice."""
+        try:
+            for part in (self._tripwire, self._grads):
+                if part is not None:
+                    part.remove()
+            self._watch.remove()
+        finally:
+            sinks, self._sinks = self._sinks, []
+            for sink in sinks:
+                close = getattr(sink, "close", None)
+                if callable(close):
+                    close()
+
+    def __exit__(self, *exc_info: object) -> bool | None:
+        if len(exc_info) > 1 and isinstance(exc_info[1], NonFiniteError) and exc_info[1].step is None:
+            exc_info[1].step = self._index  # a forward NaN: name the step it came in
+        return super().__exit__(*exc_info)
+
+
+def _layers(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
+    """The layers given, or by default the blocks (``std:blocks.*``) where the model has a map,
+    else every module that holds parameters of its own."""
+    if layers is not None:
+        return select_std(model, layers)
+    try:
+        return select_std(model, "std:blocks.*")
+    except HookscopeError:
+        owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        if not owners:
+            raise SpecError("the model holds no parameters of its own modules: name the layers to monitor") from None
+        return owners
+
+
+def _logged_names(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """Module name -> canonical name where the map names the module itself (``blocks.3``)."""
+    try:
+        std = known_std_map(model)
+    except (StdMapError, HookscopeError):
+        return {name: name for name, _ in chosen}
+    by_module = {site.module: name for name, site in std.items() if site.kind == "module" and site.module}
+    return {name: by_module.get(name, name) for name, _ in chosen}
+
+
+def monitor(
+    model: nn.Module,
+    layers: Selector | Sequence[Selector] | None = None,
+    *,
+    grads: bool = True,
+    params: bool = True,
+    activations: bool = True,
+    precision: str | torch.dtype | None = None,
+    tripwire: bool = True,
+    every: int = 1,
+    sinks: Sequence[Any] = (),
+    names: str = "std",
+    flag_above: float = 0.01,
+) -> Monitor:
+    """Watch a training loop: per-layer gradient and activation statistics, per-parameter gradient
+    norms, precision health, and a NaN/Inf tripwire; logged to sinks once per logged step.
+
+    Args:
+        layers: the layers to watch (selectors); default the blocks (``std:blocks.*``), or every
+            module with parameters of its own for a model without a canonical map.
+        grads, params, activations: gradient statistics per layer, per parameter, and activation
+            statistics per layer (``act/mean_abs``, ``act/max_abs``, ``act/std``).
+        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"float8_e5m2"``: what that format
+            loses of each layer's output and of its gradient, per step (underflow, subnormal,
+            overflow fractions and the dynamic range in octaves), flagged above ``flag_above``.
+        tripwire: stop at the first NaN/Inf: in the forward, ``model(x)`` raises
+            :class:`~hookscope.NonFiniteError` naming the module; in the backward, ``step()`` does,
+            naming the first gradient in backward order, with ``error.step``.
+        every: log every N-th step; other steps' hooks return at once and cross to the host never.
+        sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
+            ``write(step, scalars)``.
+        names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
+
+    Example::
+
+        with hs.monitor(model, precision="bf16", sinks=["metrics.jsonl"]) as mon:
+            for batch in loader:
+                loss = model(**batch).loss
+                loss.backward()
+                mon.step()                    # after backward, before zero_grad
+                optimizer.step(); optimizer.zero_grad()
+        mon.steps[-1].flags                   # "layer blocks.3 loses 4.1% of its gradient to underflow ..."
+    """
+    return Monitor(
+        model, layers, grads=grads, params=params, activations=activations, precision=precision,
+        tripwire=tripwire, every=every, sinks=sinks, names=names, flag_above=flag_above,
+    )  # fmt: skip

@@ -1,0 +1,128 @@
+"""Activation statistics and precision health of chosen layers, kept on the device step by step.
+
+One forward hook per layer: on a step that is logged it summarises the layer's output (its first
+floating tensor) with :func:`~hookscope._shared.stats.raw_stats`, counts what the chosen
+low-precision format would lose of it (:func:`~hookscope._shared.precision.raw_precision`),
+and, when the forward runs with grad, puts a tensor hook on that output to count the same of its
+gradient. Nothing crosses to the host until :meth:`LayerWatch.read`, once per logged step;
+micro-batches of one step (gradient accumulation) merge. On a step that is not logged every hook
+returns after one check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._core.attach import HookGroup, HookSpec
+from hookscope._core.tree import flatten_tensors
+from hookscope._shared.precision import Precision, raw_precision, read_precision
+from hookscope._shared.stats import RawStats, Stats, merge_raw, raw_stats, read_stats
+
+__all__ = ["LayerRead", "LayerWatch"]
+
+
+@dataclass
+class _Kept:
+    stats: RawStats | None = None
+    act_precision: torch.Tensor | None = None
+    grad_precision: torch.Tensor | None = None
+
+
+@dataclass
+class LayerRead:
+    """One layer's numbers for one step."""
+
+    stats: Stats | None
+    act_precision: Precision | None
+    grad_precision: Precision | None
+
+
+@dataclass
+class LayerWatch:
+    """The hooks and the step's on-device values; :meth:`read` reads them all at once."""
+
+    model: nn.Module
+    layers: Sequence[tuple[str, nn.Module]]
+    activations: bool
+    precision: torch.dtype | None
+    recording: bool = True
+    _kept: dict[str, _Kept] = field(default_factory=dict)
+    _group: HookGroup | None = None
+
+    def attach(self) -> HookGroup:
+        specs = [HookSpec(name, module, "forward", self._hook(name), fitted=True) for name, module in self.layers]
+        self._group = HookGroup(self.model, specs, owner="monitor", restore_mode=False)
+        return self._group
+
+    def _hook(self, name: str) -> Any:
+        def watch(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not self.recording:
+                return
+            tensor = _first_floating(output)
+            if tensor is None:
+                return
+            kept = self._kept.setdefault(name, _Kept())
+            if self.activations:
+                raw = raw_stats(tensor)
+                kept.stats = raw if kept.stats is None else merge_raw(kept.stats, raw)
+            if self.precision is not None:
+                kept.act_precision = _merged(kept.act_precision, raw_precision(tensor, self.precision))
+                if tensor.requires_grad:
+                    tensor.register_hook(self._grad_hook(kept))  # type: ignore[no-untyped-call]
+
+        return watch
+
+    def _grad_hook(self, kept: _Kept) -> Any:
+        target = self.precision
+
+        def on_grad(grad: torch.Tensor) -> None:
+            kept.grad_precision = _merged(kept.grad_precision, raw_precision(grad, target))
+
+        return on_grad
+
+    def read(self) -> dict[str, LayerRead]:
+        """The step's numbers by layer (few transfers), and a fresh step."""
+        kept, self._kept = self._kept, {}
+        names = list(kept)
+        stats = read_stats([kept[n].stats for n in names if kept[n].stats is not None])  # type: ignore[misc]
+        raws = [
+            (n, side, raw)
+            for n in names
+            for side, raw in (("act", kept[n].act_precision), ("grad", kept[n].grad_precision))
+            if raw is not None
+        ]
+        precisions = read_precision(
+            [raw for _, _, raw in raws], [self.precision] * len(raws) if self.precision else None
+        )
+        by_key = {(n, side): p for (n, side, _), p in zip(raws, precisions, strict=True)}
+        stat_iter = iter(stats)
+        found = {}
+        for n in names:
+            measured = next(stat_iter) if kept[n].stats is not None else None
+            found[n] = LayerRead(measured, by_key.get((n, "act")), by_key.get((n, "grad")))
+        return found
+
+    def remove(self) -> None:
+        if self._group is not None:
+            self._group.remove()
+
+
+def _first_floating(output: Any) -> torch.Tensor | None:
+    for _, tensor in flatten_tensors(output, ""):
+        if tensor.is_floating_point():
+            return tensor
+    return None
+
+
+def _merged(previous: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Two micro-batches' precision counts: counts add, the smallest minimum, the largest maximum."""
+    if previous is None:
+        return new
+    return torch.cat(
+        [previous[:5] + new[:5], torch.minimum(previous[5:6], new[5:6]), torch.maximum(previous[6:], new[6:])]
+    )

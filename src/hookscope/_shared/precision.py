@@ -1,0 +1,146 @@
+"""Precision health: how much of a tensor a low-precision format loses, counted on the device.
+
+For a tensor and a target format (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``;
+by default the tensor's own), the tensor is cast to the target the way training casts it (round
+to nearest, as ``Tensor.to`` does) and compared with itself:
+
+- **underflow**: non-zero values the cast turns into zero;
+- **subnormal**: values the cast keeps only as subnormals (below the smallest normal number,
+  with fewer significant bits than the format has);
+- **overflow**: finite values beyond the largest finite number, which the cast turns into
+  +-inf (float16, e5m2) or clamps to the largest value (e4m3fn saturates);
+- **zeros**: values that are zero before the cast (ReLU's zeros are not a precision loss);
+- **dynamic range**: ``log2(max |y| / min non-zero |y|)`` of the cast values, the octaves used
+  (bfloat16 spans about 254, float16 about 40, e4m3fn about 17).
+
+Everything stays on the device in one small vector per tensor (:func:`raw_precision`) until
+:func:`read_precision` reads many at once, so a hook pays a cast and a few reductions, no sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hookscope._shared.dtypes import parse_dtype
+from hookscope.errors import SpecError
+
+__all__ = ["LOW_PRECISION", "Precision", "precision_target", "raw_precision", "read_precision"]
+
+#: The formats precision health knows; each is a floating dtype of this torch.
+LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+_FIELDS = ("count", "zeros", "underflow", "subnormal", "overflow", "min_abs", "max_abs")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What casting one tensor to ``dtype`` loses; fractions are of the tensor's finite values.
+
+    >>> p = read_precision([raw_precision(torch.tensor([1e-30, 0.0, 1.0, 7e4]), torch.float16)])[0]
+    >>> p.underflow, p.overflow, p.zeros
+    (0.25, 0.25, 0.25)
+    """
+
+    dtype: str
+    count: int  # finite values looked at
+    zeros: float
+    underflow: float
+    subnormal: float
+    overflow: float
+    dynamic_range: float  # log2(max |y| / min non-zero |y|); NaN when no value is non-zero
+
+    def as_dict(self) -> dict[str, float]:
+        """The fractions and the range, by name (what a logger writes per layer)."""
+        return {
+            "zeros": self.zeros,
+            "underflow": self.underflow,
+            "subnormal": self.subnormal,
+            "overflow": self.overflow,
+            "dynamic_range": self.dynamic_range,
+        }
+
+
+def precision_target(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The target format of ``dtype`` (``"bf16"``, ``torch.float16``, ``"fp8"`` for e4m3fn), or None."""
+    if dtype is None:
+        return None
+    if dtype in ("fp8", "float8"):
+        return torch.float8_e4m3fn
+    parsed: object
+    try:
+        parsed = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    except SpecError:
+        parsed = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(parsed, torch.dtype) or str(parsed).removeprefix("torch.") not in LOW_PRECISION:
+        raise SpecError(
+            f"precision={dtype!r} is not a low-precision format; expected one of {', '.join(LOW_PRECISION)} "
+            "(or 'bf16', 'fp16', 'fp8')"
+        )
+    return parsed
+
+
+def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The counts of :class:`Precision` for ``tensor`` cast to ``dtype``, on the tensor's device:
+    a float64 vector (float32 on devices without float64) read later by :func:`read_precision`."""
+    target = dtype or tensor.dtype
+    if not target.is_floating_point:
+        raise SpecError(f"precision health reads floating values; {target} is not a floating format")
+    values = tensor.detach().reshape(-1)
+    x = values if values.dtype == torch.float64 else values.float()
+    y = x.to(target).to(x.dtype)
+    info = torch.finfo(target)
+    finite = torch.isfinite(x)  # masks, not indexing: no sync inside a hook
+    x_abs, y_abs = x.abs(), y.abs()
+    kept = finite & torch.isfinite(y)
+    inf = torch.tensor(math.inf, dtype=x.dtype, device=x.device)
+    counts = torch.stack(
+        [
+            finite.sum(),
+            (finite & (x == 0)).sum(),
+            (finite & (x != 0) & (y == 0)).sum(),
+            (finite & (y_abs > 0) & (y_abs < info.smallest_normal)).sum(),
+            (finite & (x_abs > info.max)).sum(),
+        ]
+    ).to(x.dtype)
+    extremes = torch.stack([torch.where(kept & (y_abs > 0), y_abs, inf).amin(), torch.where(kept, y_abs, 0.0).amax()])
+    accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
+    return torch.cat([counts, extremes]).to(accumulate)
+
+
+def read_precision(raws: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[Precision]:
+    """Read many raw vectors with one transfer per device; ``dtypes`` names each one's target."""
+    if not raws:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for index, raw in enumerate(raws):
+        by_device.setdefault(raw.device, []).append(index)
+    rows: list[list[float]] = [[] for _ in raws]
+    for indices in by_device.values():
+        for index, row in zip(indices, torch.stack([raws[i] for i in indices]).cpu().tolist(), strict=True):
+            rows[index] = row
+    found = []
+    for index, row in enumerate(rows):
+        values = dict(zip(_FIELDS, row, strict=True))
+        count = values["count"]
+        low, high = values["min_abs"], values["max_abs"]
+        dtype = str(dtypes[index]).removeprefix("torch.") if dtypes is not None else ""
+        found.append(
+            Precision(
+                dtype=dtype,
+                count=int(count),
+                zeros=_share(values["zeros"], count),
+                underflow=_share(values["underflow"], count),
+                subnormal=_share(values["subnormal"], count),
+                overflow=_share(values["overflow"], count),
+                dynamic_range=math.log2(high / low) if 0 < low < math.inf and high > 0 else math.nan,
+            )
+        )
+    return found
+
+
+def _share(part: float, count: float) -> float:
+    return part / count if count else math.nan

@@ -1,0 +1,221 @@
+"""hs.monitor in a plain training loop: statistics against torch.autograd and a float64 recount,
+the NaN/Inf tripwire at the step and layer it happens, sinks read back, no hook left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope._shared.precision import raw_precision, read_precision
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 64
+
+
+def gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(step))
+
+
+# -- precision health against a float64 recount ------------------------------------------------------
+
+
+def recount(values: np.ndarray, dtype: torch.dtype) -> dict[str, float]:
+    """The same fractions by thresholds in float64 (no cast): round to nearest below half the
+    smallest subnormal is zero; below the smallest normal (less half a subnormal step) subnormal."""
+    info = torch.finfo(dtype)
+    smallest = info.smallest_normal * info.eps  # the smallest subnormal
+    magnitude = np.abs(values)
+    finite = np.isfinite(values)
+    count = finite.sum()
+    return {
+        "zeros": float(((values == 0) & finite).sum() / count),
+        "underflow": float(((magnitude > 0) & (magnitude < smallest / 2) & finite).sum() / count),
+        "subnormal": float(
+            ((magnitude > smallest / 2) & (magnitude < info.smallest_normal - smallest / 2) & finite).sum() / count
+        ),
+        "overflow": float(((magnitude > info.max) & finite).sum() / count),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_precision_counts_equal_a_float64_recount(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    exponents = torch.empty(20000, dtype=torch.float64).uniform_(-140, 20, generator=generator)
+    signs = torch.where(torch.rand(20000, generator=generator) < 0.5, -1.0, 1.0).double()
+    values = signs * torch.pow(2.0, exponents)
+    values[::97] = 0.0
+    values[5] = math.inf  # not counted: the tripwire's business
+    measured = read_precision([raw_precision(values.float(), dtype)], [dtype])[0]
+    expected = recount(values.float().double().numpy(), dtype)
+    for name, value in expected.items():
+        assert getattr(measured, name) == pytest.approx(value, abs=1e-4), name
+    assert measured.count == 19999
+    cast = values.float().to(dtype).double().abs()
+    kept = cast[torch.isfinite(cast) & (cast > 0)]
+    assert measured.dynamic_range == pytest.approx(math.log2(float(kept.max() / kept.min())))
+
+
+def test_precision_of_an_already_low_precision_tensor_and_bad_formats() -> None:
+    values = torch.tensor([0.0, 1.0, 1e-40, 2.0], dtype=torch.float32).to(torch.bfloat16)
+    measured = read_precision([raw_precision(values)], [torch.bfloat16])[0]
+    assert measured.zeros == 0.25 and measured.underflow == 0.0  # noqa: PT018
+    assert measured.subnormal == 0.25  # 1e-40 is a bfloat16 subnormal
+    with pytest.raises(hs.SpecError, match="not a low-precision format"):
+        hs.monitor(nn.Linear(2, 2), precision="float32")
+
+
+# -- a training loop -------------------------------------------------------------------------------------
+
+
+def keep_grad(grads: list[torch.Tensor], index: int) -> Any:
+    def keep(grad: torch.Tensor) -> None:
+        grads[index] = grad.clone()
+
+    return keep
+
+
+def keep_first(kept: list[torch.Tensor]) -> Any:
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        kept.append(output[0] if isinstance(output, tuple) else output)
+
+    return keep
+
+
+def test_logged_gradient_norms_equal_autograd(tmp_path: Path) -> None:
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    kept: dict[int, dict[str, float]] = {}
+    block_grads: dict[int, list[float]] = {}
+    sink = tmp_path / "metrics.jsonl"
+    with hs.monitor(model, sinks=[sink, tmp_path / "metrics.csv"], every=2) as mon:
+        for step in range(5):
+            outputs: list[torch.Tensor] = []
+            handles = [block.register_forward_hook(keep_first(outputs)) for block in model.transformer.h]
+            loss = model(batch(step), labels=batch(step)).loss
+            for handle in handles:
+                handle.remove()
+            grads: list[torch.Tensor] = [torch.empty(0)] * len(outputs)
+            for index, output in enumerate(outputs):  # the reference: raw tensor hooks, filled by this backward
+                output.register_hook(keep_grad(grads, index))
+            loss.backward()
+            kept[step] = {n: float(p.grad.double().norm()) for n, p in model.named_parameters() if p.grad is not None}
+            block_grads[step] = [float(g.double().norm()) for g in grads]
+            logged = mon.step()
+            assert (logged is None) == (step % 2 == 1)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [s.step for s in mon.steps] == [0, 2, 4]
+    for logged in mon.steps:
+        scalars = logged.scalars
+        for name, norm in kept[logged.step].items():
+            assert scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-5)
+        for index, norm in enumerate(block_grads[logged.step]):
+            assert scalars[f"grad/norm/blocks.{index}"] == pytest.approx(norm, rel=1e-5)
+    rows = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 2, 4]
+    assert rows[1]["grad/norm/blocks.1"] == pytest.approx(mon.steps[1].scalars["grad/norm/blocks.1"])
+    csv_rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert csv_rows[0] == "step,name,value" and len(csv_rows) == 1 + sum(len(s.scalars) for s in mon.steps)  # noqa: PT018
+
+
+def test_precision_health_flags_gradient_underflow_in_fp16() -> None:
+    model = gpt2()
+    with hs.monitor(model, precision="fp16", grads=False, params=False) as mon:
+        loss = model(batch(0), labels=batch(0)).loss * 1e-6  # a loss scale far too small for float16
+        loss.backward()
+        logged = mon.step()
+    assert logged is not None
+    underflow = logged.scalars["precision/grad/underflow/blocks.0"]
+    assert underflow > 0.5
+    flags = [flag for flag in logged.flags if flag.kind == "grad_underflow"]
+    assert {flag.layer for flag in flags} == {"blocks.0", "blocks.1", "blocks.2"}
+    assert f"loses {100 * underflow:.1f}% of its gradient to underflow in float16 (step 0)" in str(flags[0])
+    assert logged.scalars["precision/act/underflow/blocks.0"] == 0.0
+
+
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, poison: dict[str, bool], at: int, reached: list[int]
+) -> None:
+    """Ten monitored steps; ``poison["on"]`` at step ``at``."""
+    with hs.monitor(model) as mon:
+        for step in range(10):
+            poison["on"] = step == at
+            reached.append(step)
+            model(batch(step), labels=batch(step)).loss.backward()
+            mon.step()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_the_tripwire_stops_at_the_step_and_layer_of_a_forward_nan() -> None:
+    model = gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    poison = {"on": False}
+    handle = model.transformer.h[1].mlp.register_forward_hook(
+        lambda m, a, out: out * math.nan if poison["on"] else None
+    )
+    reached = []
+    try:
+        with pytest.raises(hs.NonFiniteError) as caught:
+            train(model, optimizer, poison, 7, reached)
+    finally:
+        handle.remove()
+    assert reached[-1] == 7
+    assert caught.value.module == "transformer.h.1.mlp" and caught.value.step == 7  # noqa: PT018
+
+
+def test_the_tripwire_names_the_first_gradient_that_turns_nan() -> None:
+    model = gpt2()
+    poison = {"on": False}
+
+    def inject(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if poison["on"] and hidden.requires_grad:
+            hidden.register_hook(lambda grad: grad * math.nan)
+
+    handle = model.transformer.h[2].register_forward_hook(inject)
+    reached: list[int] = []
+    try:
+        with pytest.raises(hs.NonFiniteError, match="step 3: the gradient of 'blocks.2'") as caught:
+            train(model, torch.optim.SGD(model.parameters(), lr=0.0), poison, 3, reached)
+    finally:
+        handle.remove()
+    assert reached[-1] == 3
+    assert caught.value.step == 3
+    assert caught.value.module == "transformer.h.2"
+
+
+def test_a_plain_model_without_a_map_monitors_its_parametrised_modules() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with hs.monitor(model, names="modules") as mon:
+        model(torch.randn(5, 4)).sum().backward()
+        logged = mon.step()
+    assert logged is not None
+    assert {"grad/norm/0", "grad/norm/2", "act/mean_abs/0", "param_grad/norm/0.weight"} <= set(logged.scalars)
+    torch.testing.assert_close(logged.scalars["param_grad/norm/2.weight"], float(model[2].weight.grad.double().norm()))
+    with pytest.raises(hs.SpecError, match="every="):
+        hs.monitor(model, every=0)
+
+    with pytest.raises(hs.SpecError, match="sink"):
+        hs.monitor(model, sinks=["metrics.txt"])
