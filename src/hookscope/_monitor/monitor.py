@@ -11,21 +11,24 @@ transfers on a logged step and none on the others (``every=N``).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, Scoped, remove_through
+from hookscope._core.attach import HookGroup, Scoped, WrapSpec, remove_through
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.std import known_std_map, select_std
+from hookscope._core.tree import map_tensors
 from hookscope._grads import GradMonitor, GradStep, watch_grads
 from hookscope._monitor.sinks import as_sink
 from hookscope._monitor.watch import LayerRead, LayerWatch
 from hookscope._shared.precision import precision_target
-from hookscope._trace import NonFiniteDetector, detect_nonfinite
+from hookscope._trace import NonFiniteDetector, detect_nonfinite, trace
 from hookscope.errors import HookscopeError, NonFiniteError, SpecError, StdMapError
 
 __all__ = ["Monitor", "MonitorFlag", "MonitorStep", "monitor"]
@@ -73,17 +76,23 @@ class Monitor(Scoped):
         sinks: Sequence[Any],
         names: str,
         flag_above: float,
+        trip_dir: str | os.PathLike[str] | None = None,
+        start: int = 0,
     ) -> None:
         ensure_module(model)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SpecError(f"every={every!r} is not a positive whole number of steps; 1 logs every step")
         if names not in ("std", "modules"):
             raise SpecError(f"names={names!r}: expected 'std' (canonical names where the model has them) or 'modules'")
+        self._trip_dir = None if trip_dir is None else Path(trip_dir)
+        self._last_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.tripped: NonFiniteError | None = None
+        self._model_ref = model
         self._target = precision_target(precision)
         self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if params else []
         self._every = every
         self._flag_above = flag_above
-        self._index = 0
+        self._index = start
         self._chosen = _layers(model, layers)
         self._names = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
         self._sinks = [as_sink(sink) for sink in sinks]
@@ -93,7 +102,7 @@ class Monitor(Scoped):
         self._watch = LayerWatch(model, self._chosen, activations, self._target)
         parts: list[Any] = []
         try:
-            self._group = self._watch.attach()
+            self._group = self._watch.attach(WrapSpec("", model, "call", self._guarded))
             parts.append(self._watch)
             if grads:
                 chosen = [name for name, _ in self._chosen]
@@ -114,12 +123,15 @@ class Monitor(Scoped):
     def group(self) -> HookGroup:
         return self._group
 
-    def step(self) -> MonitorStep | None:
+    def step(self, step: int | None = None) -> MonitorStep | None:
         """Close the training step: read it (on a logged step), write the scalars to the sinks,
         and raise :class:`~hookscope.NonFiniteError` if a gradient held a NaN/Inf (the tripwire).
 
-        Returns the :class:`MonitorStep`, or None on a step ``every`` skips.
+        ``step`` numbers the step as the loop does (a Trainer's ``global_step``); by default the
+        monitor counts from 0. Returns the :class:`MonitorStep`, or None on a step ``every`` skips.
         """
+        if step is not None:
+            self._index = step
         index = self._index
         self._index += 1
         logged = index % self._every == 0
@@ -135,8 +147,35 @@ class Monitor(Scoped):
         for sink in self._sinks:
             sink.write(index, scalars)
         if grad_step is not None:
-            self._check_grads(index, grad_step)
+            try:
+                self._check_grads(index, grad_step)
+            except NonFiniteError as error:
+                self._trip(error)
+                raise
         return result
+
+    # -- the tripwire ------------------------------------------------------------------------------
+
+    def _guarded(self, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Around the model's call: keep a reference to the batch (for the trip's files), and on
+        a forward NaN/Inf name the step, keep the evidence and, if asked, let go of every hook."""
+        self._last_batch = (args, kwargs)
+        try:
+            return inner(*args, **kwargs)
+        except NonFiniteError as error:
+            if error.step is None:
+                error.step = self._index
+            self._trip(error)
+            raise
+
+    def _trip(self, error: NonFiniteError) -> None:
+        if self.tripped is not None:
+            return
+        self.tripped = error
+        self.remove()  # the run stops here; a loop the monitor does not enclose (a Trainer's) keeps no hook
+        if self._trip_dir is not None and self._last_batch is not None:
+            saved = save_evidence(self._model_ref, self._trip_dir, error, *self._last_batch)
+            _note(error, f"hookscope kept the batch and a trace of it: {', '.join(map(str, saved))}")
 
     def _scalars(self, layers: dict[str, LayerRead], grad_step: GradStep | None) -> dict[str, float]:
         scalars: dict[str, float] = {}
@@ -240,6 +279,35 @@ class Monitor(Scoped):
         return super().__exit__(*exc_info)
 
 
+def save_evidence(
+    model: nn.Module, folder: Path, error: NonFiniteError, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Path]:
+    """The offending batch (``nonfinite_step{N}_batch.pt``) and a trace of the model on it
+    (``..._trace.csv``: every call's shapes and value ranges, the first NaN/Inf marked)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"nonfinite_step{error.step if error.step is not None else 'unknown'}"
+    batch = stem.with_name(stem.name + "_batch.pt")
+    detached = map_tensors(lambda t: t.detach().cpu(), {"args": list(args), "kwargs": kwargs})
+    torch.save(detached, batch)
+    saved = [batch]
+    try:
+        with torch.no_grad():
+            found = trace(model, *args, model_kwargs=kwargs)
+        table = stem.with_name(stem.name + "_trace.csv")
+        found.to_csv(table)
+        saved.append(table)
+    except Exception as failure:
+        _note(error, f"the trace of the offending batch failed too: {failure}")
+    return saved
+
+
+def _note(error: BaseException, text: str) -> None:
+    """``error.add_note(text)`` where Python has it (3.11 on)."""
+    add_note = getattr(error, "add_note", None)
+    if callable(add_note):
+        add_note(text)
+
+
 def _layers(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
     """The layers given, or by default the blocks (``std:blocks.*``) where the model has a map,
     else every module that holds parameters of its own."""
@@ -277,6 +345,8 @@ def monitor(
     sinks: Sequence[Any] = (),
     names: str = "std",
     flag_above: float = 0.01,
+    trip_dir: str | os.PathLike[str] | None = None,
+    start: int = 0,
 ) -> Monitor:
     """Watch a training loop: per-layer gradient and activation statistics, per-parameter gradient
     norms, precision health, and a NaN/Inf tripwire; logged to sinks once per logged step.
@@ -291,11 +361,16 @@ def monitor(
             overflow fractions and the dynamic range in octaves), flagged above ``flag_above``.
         tripwire: stop at the first NaN/Inf: in the forward, ``model(x)`` raises
             :class:`~hookscope.NonFiniteError` naming the module; in the backward, ``step()`` does,
-            naming the first gradient in backward order, with ``error.step``.
+            naming the first gradient in backward order, with ``error.step``. A trip takes every
+            hook off before the error leaves, so a loop the monitor does not enclose (a
+            Trainer's) keeps none.
         every: log every N-th step; other steps' hooks return at once and cross to the host never.
         sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
             ``write(step, scalars)``.
         names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
+        trip_dir: where a trip keeps its evidence: the offending batch and a trace of the model
+            on it (every call's shapes and value ranges), named by step.
+        start: the number of the first step (a resumed run's), for the logs and ``error.step``.
 
     Example::
 
@@ -310,4 +385,5 @@ def monitor(
     return Monitor(
         model, layers, grads=grads, params=params, activations=activations, precision=precision,
         tripwire=tripwire, every=every, sinks=sinks, names=names, flag_above=flag_above,
+        trip_dir=trip_dir, start=start,
     )  # fmt: skip

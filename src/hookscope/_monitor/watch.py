@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec
+from hookscope._core.attach import HookGroup, HookSpec, WrapSpec
 from hookscope._core.tree import flatten_tensors
 from hookscope._shared.precision import Precision, raw_precision, read_precision
 from hookscope._shared.stats import RawStats, Stats, merge_raw, raw_stats, read_stats
@@ -54,9 +54,10 @@ class LayerWatch:
     _kept: dict[str, _Kept] = field(default_factory=dict)
     _group: HookGroup | None = None
 
-    def attach(self) -> HookGroup:
+    def attach(self, *wraps: WrapSpec) -> HookGroup:
+        """Attach the layer hooks (and ``wraps``, the monitor's own wrapper of the model's call)."""
         specs = [HookSpec(name, module, "forward", self._hook(name), fitted=True) for name, module in self.layers]
-        self._group = HookGroup(self.model, specs, owner="monitor", restore_mode=False)
+        self._group = HookGroup(self.model, specs, owner="monitor", restore_mode=False, wraps=wraps)
         return self._group
 
     def _hook(self, name: str) -> Any:

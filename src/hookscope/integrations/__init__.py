@@ -1,0 +1,4 @@
+"""Integrations with training frameworks; each module imports its framework only when used.
+
+- :mod:`hookscope.integrations.hf`: ``HookscopeCallback`` for the transformers ``Trainer``.
+"""

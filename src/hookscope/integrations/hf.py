@@ -1,0 +1,100 @@
+"""``HookscopeCallback``: :func:`hookscope.monitor` inside the transformers ``Trainer``.
+
+Attached once, at ``on_train_begin``; each optimiser step is read at ``on_pre_optimizer_step``
+(after every micro-batch's backward and the gradient clipping, before the optimiser and
+``zero_grad``), so gradient accumulation gives one record per optimiser step with the
+micro-batches merged; removed at ``on_train_end``. A NaN/Inf stops training with
+:class:`hookscope.NonFiniteError` naming the module, call and step (``error.step`` is the
+Trainer's ``global_step``), after saving the offending batch and a trace of it to
+``output_dir`` (default: the Trainer's), and with every hook already removed.
+
+>>> from hookscope.integrations.hf import HookscopeCallback
+>>> HookscopeCallback(precision="bf16", every=10)
+HookscopeCallback(every=10, precision='bf16', sinks=0)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hookscope as hs
+from hookscope._shared.optional import require
+
+__all__ = ["HookscopeCallback"]
+
+_transformers = require("transformers", purpose="hookscope.integrations.hf", package="transformers")
+
+
+class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,name-defined]
+    """Gradient and activation statistics, precision health and the NaN/Inf tripwire for ``Trainer``.
+
+    The options are :func:`hookscope.monitor`'s (``layers``, ``grads``, ``params``,
+    ``activations``, ``precision``, ``tripwire``, ``every``, ``sinks``, ``names``,
+    ``flag_above``); ``output_dir`` is where a trip keeps its evidence (default: the Trainer's
+    ``output_dir``). ``callback.steps`` holds every logged step, ``callback.flags`` every flag.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=data,
+                          callbacks=[HookscopeCallback(precision="bf16", sinks=["out/metrics.jsonl"])])
+        trainer.train()
+    """
+
+    def __init__(
+        self,
+        layers: Any = None,
+        *,
+        output_dir: str | os.PathLike[str] | None = None,
+        every: int = 1,
+        precision: str | torch.dtype | None = None,
+        sinks: Sequence[Any] = (),
+        **options: Any,
+    ) -> None:
+        self.layers = layers
+        self.output_dir = output_dir
+        self.every = every
+        self.precision = precision
+        self.sinks = list(sinks)
+        self.options = options
+        self.monitor: hs.Monitor | None = None
+        self.steps: list[hs.MonitorStep] = []
+
+    @property
+    def flags(self) -> list[hs.MonitorFlag]:
+        """Every flag raised so far (precision losses above the threshold), in step order."""
+        return [flag for step in self.steps for flag in step.flags]
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is None:
+            raise hs.SpecError("HookscopeCallback needs the Trainer's model (on_train_begin got none)")
+        if self.monitor is not None:
+            self.monitor.remove()  # a second train() call: attach afresh
+        self.monitor = hs.monitor(
+            model,
+            self.layers,
+            every=self.every,
+            precision=self.precision,
+            sinks=self.sinks,
+            trip_dir=Path(self.output_dir or args.output_dir),
+            start=state.global_step,  # a resumed run numbers its steps on
+            **self.options,
+        )
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None or not self.monitor.live:
+            return
+        logged = self.monitor.step(step=state.global_step)
+        if logged is not None:
+            self.steps.append(logged)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+
+    def __repr__(self) -> str:
+        return f"HookscopeCallback(every={self.every}, precision={self.precision!r}, sinks={len(self.sinks)})"
