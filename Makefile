@@ -25,12 +25,12 @@ $(VENV)/.torch: FORCE | $(BIN)/python
 
 $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
-	$(PIP) -e ".[demo]"
+	$(PIP) "$(TORCH)" -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
-	$(PIP) -e ".[dev]"
+	$(PIP) "$(TORCH)" -e ".[dev]"
 	touch $@
 
 demo: install

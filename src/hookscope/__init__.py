@@ -27,7 +27,17 @@ from hookscope._extract import ExtractConfig, Store, StoreArray, extract, open_s
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
-from hookscope._monitor import CsvSink, JsonLinesSink, Monitor, MonitorFlag, MonitorStep, TensorBoardSink, monitor
+from hookscope._monitor import (
+    CsvSink,
+    JsonLinesSink,
+    MLflowSink,
+    Monitor,
+    MonitorFlag,
+    MonitorStep,
+    TensorBoardSink,
+    WandbSink,
+    monitor,
+)
 from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.files import check_output_path
@@ -105,6 +115,7 @@ __all__ = [
     "JsonLinesSink",
     "Layer",
     "LayerTable",
+    "MLflowSink",
     "MissingDependencyError",
     "Monitor",
     "MonitorFlag",
@@ -141,6 +152,7 @@ __all__ = [
     "TraceRow",
     "Tracer",
     "UnsupportedModelError",
+    "WandbSink",
     "__version__",
     "attached",
     "capture",

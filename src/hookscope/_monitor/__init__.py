@@ -5,6 +5,17 @@
 """
 
 from hookscope._monitor.monitor import Monitor, MonitorFlag, MonitorStep, monitor
-from hookscope._monitor.sinks import CsvSink, JsonLinesSink, Sink, TensorBoardSink
+from hookscope._monitor.sinks import CsvSink, JsonLinesSink, MLflowSink, Sink, TensorBoardSink, WandbSink
 
-__all__ = ["CsvSink", "JsonLinesSink", "Monitor", "MonitorFlag", "MonitorStep", "Sink", "TensorBoardSink", "monitor"]
+__all__ = [
+    "CsvSink",
+    "JsonLinesSink",
+    "MLflowSink",
+    "Monitor",
+    "MonitorFlag",
+    "MonitorStep",
+    "Sink",
+    "TensorBoardSink",
+    "WandbSink",
+    "monitor",
+]

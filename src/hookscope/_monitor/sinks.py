@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from hookscope._shared.optional import require
 from hookscope.errors import SpecError
 
-__all__ = ["CsvSink", "JsonLinesSink", "Sink", "TensorBoardSink", "as_sink"]
+__all__ = ["CsvSink", "JsonLinesSink", "MLflowSink", "Sink", "TensorBoardSink", "WandbSink", "as_sink"]
 
 
 @runtime_checkable
@@ -96,6 +97,45 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbSink:
+    """``run.log(scalars, step=step)`` into a Weights & Biases run: the one given, the active
+    one (``wandb.run``), or one this sink starts with ``wandb.init(**init)`` and finishes on close.
+
+    Works offline (``WANDB_MODE=offline``): the run's files hold the history and summary.
+    """
+
+    def __init__(self, run: Any = None, **init: Any) -> None:
+        wandb = require("wandb", purpose="WandbSink", extra="wandb")
+        self._owned = run is None and wandb.run is None
+        self.run = run if run is not None else (wandb.run if wandb.run is not None else wandb.init(**init))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._owned:
+            self.run.finish()
+
+
+class MLflowSink:
+    """``mlflow.log_metrics(scalars, step=step)`` into the active MLflow run (one this sink starts
+    with ``mlflow.start_run(**start)`` when none is active, and ends on close). Names keep their
+    ``/``; a ``#`` (a module's later call) becomes ``_call`` (MLflow refuses it)."""
+
+    def __init__(self, **start: Any) -> None:
+        self._mlflow = require("mlflow", purpose="MLflowSink", extra="mlflow", package="mlflow-skinny")
+        self._owned = self._mlflow.active_run() is None
+        self.run = self._mlflow.active_run() or self._mlflow.start_run(**start)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        clean = {name.replace("#", "_call"): value for name, value in scalars.items() if math.isfinite(value)}
+        self._mlflow.log_metrics(clean, step=step, run_id=self.run.info.run_id)
+
+    def close(self) -> None:
+        if self._owned:
+            self._mlflow.end_run()
 
 
 def as_sink(given: Any) -> Sink:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import hookscope as hs
 from hookscope._shared.optional import require
+from hookscope.integrations._options import MonitorSettings
 
 __all__ = ["HookscopeCallback"]
 
@@ -55,12 +55,7 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
         sinks: Sequence[Any] = (),
         **options: Any,
     ) -> None:
-        self.layers = layers
-        self.output_dir = output_dir
-        self.every = every
-        self.precision = precision
-        self.sinks = list(sinks)
-        self.options = options
+        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
         self.monitor: hs.Monitor | None = None
         self.steps: list[hs.MonitorStep] = []
 
@@ -74,16 +69,7 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
             raise hs.SpecError("HookscopeCallback needs the Trainer's model (on_train_begin got none)")
         if self.monitor is not None:
             self.monitor.remove()  # a second train() call: attach afresh
-        self.monitor = hs.monitor(
-            model,
-            self.layers,
-            every=self.every,
-            precision=self.precision,
-            sinks=self.sinks,
-            trip_dir=Path(self.output_dir or args.output_dir),
-            start=state.global_step,  # a resumed run numbers its steps on
-            **self.options,
-        )
+        self.monitor = self.settings.start(model, args.output_dir, state.global_step)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or not self.monitor.live:
@@ -97,4 +83,4 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
             self.monitor.remove()
 
     def __repr__(self) -> str:
-        return f"HookscopeCallback(every={self.every}, precision={self.precision!r}, sinks={len(self.sinks)})"
+        return f"HookscopeCallback({self.settings!r})"

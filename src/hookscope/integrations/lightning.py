@@ -1,0 +1,89 @@
+"""``HookscopeCallback``: :func:`hookscope.monitor` inside a Lightning ``Trainer``.
+
+Attached at ``on_train_start`` to the ``LightningModule``; each optimiser step is read at
+``on_before_optimizer_step`` (every micro-batch's backward done, ``accumulate_grad_batches``
+merged, before the optimiser and ``zero_grad``); removed at ``on_train_end`` and in
+``on_exception``. A NaN/Inf stops training with :class:`hookscope.NonFiniteError` naming the
+module and ``error.step`` (the Trainer's ``global_step``), after saving the batch and a trace to
+``output_dir`` (default: the Trainer's ``default_root_dir``).
+
+>>> from hookscope.integrations.lightning import HookscopeCallback
+>>> HookscopeCallback(every=5)
+HookscopeCallback(every=5, precision=None, sinks=0)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import hookscope as hs
+from hookscope._shared.optional import require
+from hookscope.integrations._options import MonitorSettings
+
+__all__ = ["HookscopeCallback"]
+
+_pl = require("lightning.pytorch", purpose="hookscope.integrations.lightning", extra="lightning", package="lightning")
+
+
+class HookscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
+    """Gradient and activation statistics, precision health and the NaN/Inf tripwire for Lightning.
+
+    The options are :func:`hookscope.monitor`'s; ``callback.steps`` holds every logged step.
+    With ``log_to_lightning=True`` (default) each logged step's scalars also go to the Trainer's
+    loggers (``logger.log_metrics``), so TensorBoard, wandb, MLflow or CSV loggers configured on
+    the Trainer receive them.
+
+    Example::
+
+        trainer = lightning.Trainer(max_steps=100, callbacks=[HookscopeCallback(precision="bf16")])
+        trainer.fit(module, loader)
+    """
+
+    def __init__(
+        self,
+        layers: Any = None,
+        *,
+        output_dir: str | os.PathLike[str] | None = None,
+        every: int = 1,
+        precision: str | torch.dtype | None = None,
+        sinks: Sequence[Any] = (),
+        log_to_lightning: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
+        self.log_to_lightning = log_to_lightning
+        self.monitor: hs.Monitor | None = None
+        self.steps: list[hs.MonitorStep] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+        self.monitor = self.settings.start(pl_module, trainer.default_root_dir, trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.monitor is None or not self.monitor.live:
+            return
+        logged = self.monitor.step(step=trainer.global_step)
+        if logged is None:
+            return
+        self.steps.append(logged)
+        if self.log_to_lightning and trainer.loggers:
+            finite = {name: value for name, value in logged.scalars.items() if value == value}
+            for logger in trainer.loggers:
+                logger.log_metrics(finite, step=logged.step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+
+    def __repr__(self) -> str:
+        return f"HookscopeCallback({self.settings!r})"

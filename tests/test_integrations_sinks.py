@@ -1,0 +1,139 @@
+"""Real sinks and a real Lightning Trainer: wandb offline run files, an MLflow file store, and
+Lightning's CSV logger, each read back and compared with the monitor's own values."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+pytestmark = [pytest.mark.slow]
+
+
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def train(model: nn.Module, steps: int, sinks: list[Any]) -> hs.Monitor:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with hs.monitor(model, sinks=sinks, names="modules") as mon:
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=generator)
+            model(x).pow(2).mean().backward()
+            mon.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    return mon
+
+
+def test_wandb_offline_run_files_hold_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = hs.WandbSink(project="hookscope-test", dir=str(tmp_path))
+    run_dir = Path(sink.run.dir)  # .../offline-run-*/files
+    mon = train(tiny(), 3, [sink])  # the monitor closes the sink: the run it started finishes
+    assert wandb.run is None
+    (history_file,) = run_dir.parent.glob("run-*.wandb")
+    history = {row["_step"]: row for row in wandb_history(history_file)}
+    assert sorted(history) == [0, 1, 2]
+    for step in mon.steps:
+        for name in ("grad/norm/0", "param_grad/norm/2.weight", "act/mean_abs/0"):
+            assert history[step.step][name] == pytest.approx(step.scalars[name])
+
+
+def wandb_history(path: Path) -> list[dict[str, Any]]:
+    """The history rows of an offline run file, read without wandb's reader: the file is a 7-byte
+    header, then LevelDB-log records (crc32c, length, type; 32 KiB blocks) of ``Record`` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, position, pending = path.read_bytes(), 32768, 7, b""
+    rows = []
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind == 0 and length == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
+    return rows
+
+
+def test_mlflow_file_store_holds_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store, kept for tests and offline use
+    mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
+    try:
+        sink = hs.MLflowSink(run_name="hookscope-test")
+        run_id = sink.run.info.run_id
+        mon = train(tiny(), 3, [sink])
+        history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "param_grad/norm/0.weight")
+        assert [m.step for m in history] == [0, 1, 2]
+        for metric, step in zip(history, mon.steps, strict=True):
+            assert metric.value == pytest.approx(step.scalars["param_grad/norm/0.weight"])
+    finally:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.set_tracking_uri("")
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # Lightning's own use of a torch API
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")  # a 64-row data set needs none
+def test_the_lightning_callback_logs_each_optimiser_step(tmp_path: Path) -> None:
+    lightning = pytest.importorskip("lightning.pytorch")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    class Regressor(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny()
+            self.norms: dict[int, float] = {}
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # the reference, read by hand
+            self.norms[self.trainer.global_step] = float(self.net[0].weight.grad.double().norm())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    callback = HookscopeCallback(every=2, names="modules")
+    logger = lightning.loggers.CSVLogger(str(tmp_path))
+    module = Regressor()
+    trainer = lightning.Trainer(
+        max_steps=6, accumulate_grad_batches=2, callbacks=[callback], logger=logger, accelerator="cpu",
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    assert [step.step for step in callback.steps] == [0, 2, 4]
+    for step in callback.steps:
+        assert step.scalars["param_grad/norm/net.0.weight"] == pytest.approx(module.norms[step.step], rel=1e-6)
+    assert not callback.monitor.live
+    logged = (Path(logger.log_dir) / "metrics.csv").read_text()
+    assert "param_grad/norm/net.0.weight" in logged.splitlines()[0]
