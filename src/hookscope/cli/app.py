@@ -23,6 +23,7 @@ import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.methods_commands import lens_command, patch_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
+from hookscope.cli.train_check import train_check_command
 from hookscope.errors import (
     ConcurrentPassError,
     DataError,
@@ -490,6 +491,7 @@ def report_command(
 
 
 app.command("diff")(diff_command)
+app.command("train-check")(train_check_command)
 app.command("patch")(patch_command)
 app.command("lens")(lens_command)
 
