@@ -219,3 +219,45 @@ def test_a_plain_model_without_a_map_monitors_its_parametrised_modules() -> None
 
     with pytest.raises(hs.SpecError, match="sink"):
         hs.monitor(model, sinks=["metrics.txt"])
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # Dynamo's
+def test_a_compiled_model_logs_what_the_eager_one_does() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(6, 4)
+    with hs.monitor(eager, names="modules") as mon:
+        eager(x).pow(2).mean().backward()
+        expected = mon.step()
+    eager.zero_grad()
+    compiled = torch.compile(eager)
+    with hs.monitor(compiled, names="modules") as mon:
+        compiled(x).pow(2).mean().backward()
+        got = mon.step()
+    assert expected is not None and got is not None  # noqa: PT018
+    for name in ("param_grad/norm/0.weight", "param_grad/norm/2.bias", "grad/norm/2", "act/mean_abs/0"):
+        assert got.scalars[name] == pytest.approx(expected.scalars[name], rel=1e-5), name
+
+
+def test_under_bf16_autocast_the_logged_norms_are_the_runs_own() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    expected = {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
+    model.zero_grad()
+    with hs.monitor(model, precision="bf16", names="modules") as mon:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        logged = mon.step()
+    assert logged is not None
+    for name, norm in expected.items():
+        assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-6)
+    assert logged.scalars["precision/act/underflow/0"] == 0.0  # already bfloat16: the cast loses nothing
+    assert 0 < logged.scalars["precision/grad/dynamic_range/0"] < 254

@@ -89,12 +89,13 @@ class Monitor(Scoped):
         self.tripped: NonFiniteError | None = None
         self._model_ref = model
         self._target = precision_target(precision)
-        self._params = [(name, p) for name, p in model.named_parameters() if p.requires_grad] if params else []
+        self._params = [(_unwrapped(n), p) for n, p in model.named_parameters() if p.requires_grad] if params else []
         self._every = every
         self._flag_above = flag_above
         self._index = start
         self._chosen = _layers(model, layers)
-        self._names = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
+        named = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
+        self._names = {module: _unwrapped(shown) for module, shown in named.items()}
         self._sinks = [as_sink(sink) for sink in sinks]
         self.steps: list[MonitorStep] = []
         self._grads: GradMonitor | None = None
@@ -102,7 +103,10 @@ class Monitor(Scoped):
         self._watch = LayerWatch(model, self._chosen, activations, self._target)
         parts: list[Any] = []
         try:
-            self._group = self._watch.attach(WrapSpec("", model, "call", self._guarded))
+            # The wrapper of the model's call sees the batch of a forward trip; a compiled model
+            # (its forward is Dynamo's) would run eagerly inside one, so it goes without.
+            wraps = () if hasattr(model, "_orig_mod") else (WrapSpec("", model, "call", self._guarded),)
+            self._group = self._watch.attach(*wraps)
             parts.append(self._watch)
             if grads:
                 chosen = [name for name, _ in self._chosen]
@@ -301,6 +305,11 @@ def save_evidence(
     return saved
 
 
+def _unwrapped(name: str) -> str:
+    """A name as the user's own model spells it: without ``torch.compile``'s ``_orig_mod.``."""
+    return name.removeprefix("_orig_mod.")
+
+
 def _note(error: BaseException, text: str) -> None:
     """``error.add_note(text)`` where Python has it (3.11 on)."""
     add_note = getattr(error, "add_note", None)
@@ -363,7 +372,9 @@ def monitor(
             :class:`~hookscope.NonFiniteError` naming the module; in the backward, ``step()`` does,
             naming the first gradient in backward order, with ``error.step``. A trip takes every
             hook off before the error leaves, so a loop the monitor does not enclose (a
-            Trainer's) keeps none.
+            Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
+            ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
+            check a run that trips eagerly.
         every: log every N-th step; other steps' hooks return at once and cross to the host never.
         sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
             ``write(step, scalars)``.
