@@ -126,11 +126,35 @@ def fsdp2(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def ddp_monitor(rank: int, world: int) -> dict[str, Any]:
+    """hs.monitor on a DDP model: names without DDP's ``module.``, norms of the averaged gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _blocks()
+    ddp = DistributedDataParallel(model)
+    x = _batch(rank)
+    local: dict[str, torch.Tensor] = {}
+    handle = model[3].weight.register_hook(lambda grad: local.setdefault("grad", grad.clone()))
+    with hs.monitor(ddp, layers=["1", "2"], names="modules") as mon:
+        ddp(x).square().sum().backward()
+        logged = mon.step()
+    handle.remove()
+    averaged = local["grad"].clone()
+    dist.all_reduce(averaged)
+    averaged /= world
+    assert logged is not None
+    return {
+        "norm": logged.scalars["param_grad/norm/3.weight"],
+        "averaged": float(averaged.norm()),
+        "names": sorted(name for name in logged.scalars if name.startswith("grad/norm/")),
+    }
+
+
 def every_check(rank: int, world: int) -> dict[str, Any]:
     """Every check in one pair of processes: spawning (imports, ~5 s on 2 cores) is paid once."""
     warnings.simplefilter("error")  # the parent's filterwarnings do not reach a spawned process
     warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed", UserWarning)
-    checks = [ddp_names_and_captures, ddp_gradients_are_the_averaged_ones, ddp_gpt2, fsdp2]
+    checks = [ddp_names_and_captures, ddp_gradients_are_the_averaged_ones, ddp_monitor, ddp_gpt2, fsdp2]
     return {check.__name__: check(rank, world) for check in checks}
 
 

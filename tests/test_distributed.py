@@ -54,6 +54,13 @@ def test_ddp_parameter_gradients_are_read_after_the_all_reduce(ranks: list[dict[
     assert close((first, second))
 
 
+def test_ddp_monitor_logs_the_averaged_gradients_under_the_models_own_names(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        found = rank["ddp_monitor"]
+        assert close((found["norm"], found["averaged"]))
+        assert found["names"] == ["grad/norm/1", "grad/norm/2"]
+
+
 def test_fsdp2_captures_the_ranks_batch(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         found = rank["fsdp2"]

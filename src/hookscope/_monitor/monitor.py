@@ -89,13 +89,16 @@ class Monitor(Scoped):
         self.tripped: NonFiniteError | None = None
         self._model_ref = model
         self._target = precision_target(precision)
-        self._params = [(_unwrapped(n), p) for n, p in model.named_parameters() if p.requires_grad] if params else []
         self._every = every
         self._flag_above = flag_above
         self._index = start
         self._chosen = _layers(model, layers)
         named = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
-        self._names = {module: _unwrapped(shown) for module, shown in named.items()}
+        prefix = _wrapper_prefix(model)
+        self._names = {module: shown.removeprefix(prefix) for module, shown in named.items()}
+        self._params = (
+            [(n.removeprefix(prefix), p) for n, p in model.named_parameters() if p.requires_grad] if params else []
+        )
         self._sinks = [as_sink(sink) for sink in sinks]
         self.steps: list[MonitorStep] = []
         self._grads: GradMonitor | None = None
@@ -305,9 +308,15 @@ def save_evidence(
     return saved
 
 
-def _unwrapped(name: str) -> str:
-    """A name as the user's own model spells it: without ``torch.compile``'s ``_orig_mod.``."""
-    return name.removeprefix("_orig_mod.")
+def _wrapper_prefix(model: nn.Module) -> str:
+    """What a wrapper puts before the user's own names: ``torch.compile``'s ``_orig_mod.``,
+    (Distributed)DataParallel's ``module.``; logged names leave it out, so a metric keeps its
+    name whether the run was wrapped or not."""
+    if hasattr(model, "_orig_mod"):
+        return "_orig_mod."
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return "module."
+    return ""
 
 
 def _note(error: BaseException, text: str) -> None:
