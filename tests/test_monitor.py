@@ -261,3 +261,26 @@ def test_under_bf16_autocast_the_logged_norms_are_the_runs_own() -> None:
         assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-6)
     assert logged.scalars["precision/act/underflow/0"] == 0.0  # already bfloat16: the cast loses nothing
     assert 0 < logged.scalars["precision/grad/dynamic_range/0"] < 254
+
+
+def test_histograms_on_request_reach_tensorboard(tmp_path: Path) -> None:
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(32, 4)
+    writer = tensorboard.SummaryWriter(str(tmp_path))
+    with hs.monitor(model, names="modules", histograms=True, sinks=[writer]) as mon:
+        model(x).sum().backward()
+        logged = mon.step()
+    assert logged is not None
+    histogram = logged.histograms["0"]
+    values = model[0](x).detach().double()
+    assert histogram.counted == values.numel()
+    assert histogram.low == pytest.approx(float(values.min())) and histogram.high == pytest.approx(float(values.max()))  # noqa: PT018
+    counts, _ = np.histogram(values.numpy(), bins=histogram.bins, range=(histogram.low, histogram.high))
+    assert np.abs(np.asarray(histogram.counts) - counts).sum() <= 2  # float32 bucket edges against float64 ones
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    events.Reload()
+    assert "act/0" in events.Tags()["histograms"]

@@ -27,6 +27,7 @@ from hookscope._core.tree import map_tensors
 from hookscope._grads import GradMonitor, GradStep, watch_grads
 from hookscope._monitor.sinks import as_sink
 from hookscope._monitor.watch import LayerRead, LayerWatch
+from hookscope._shared.histogram import Histogram
 from hookscope._shared.precision import precision_target
 from hookscope._trace import NonFiniteDetector, detect_nonfinite, trace
 from hookscope.errors import HookscopeError, NonFiniteError, SpecError, StdMapError
@@ -57,6 +58,7 @@ class MonitorStep:
     scalars: dict[str, float]
     flags: list[MonitorFlag] = field(default_factory=list)
     grads: GradStep | None = None
+    histograms: dict[str, Histogram] = field(default_factory=dict)  # by logged layer name, on request
 
 
 class Monitor(Scoped):
@@ -76,6 +78,7 @@ class Monitor(Scoped):
         sinks: Sequence[Any],
         names: str,
         flag_above: float,
+        histograms: bool = False,
         trip_dir: str | os.PathLike[str] | None = None,
         start: int = 0,
     ) -> None:
@@ -103,7 +106,7 @@ class Monitor(Scoped):
         self.steps: list[MonitorStep] = []
         self._grads: GradMonitor | None = None
         self._tripwire: NonFiniteDetector | None = None
-        self._watch = LayerWatch(model, self._chosen, activations, self._target)
+        self._watch = LayerWatch(model, self._chosen, activations, self._target, histograms)
         parts: list[Any] = []
         try:
             # The wrapper of the model's call sees the batch of a forward trip; a compiled model
@@ -149,10 +152,14 @@ class Monitor(Scoped):
         layers = self._watch.read()
         scalars = self._scalars(layers, grad_step)
         scalars.update(self._parameter_scalars())
-        result = MonitorStep(index, scalars, self._flags(index, layers), grad_step)
+        shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
+        result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
         for sink in self._sinks:
             sink.write(index, scalars)
+            write_histograms = getattr(sink, "write_histograms", None)
+            if shown and callable(write_histograms):
+                write_histograms(index, {f"act/{name}": h for name, h in shown.items()})
         if grad_step is not None:
             try:
                 self._check_grads(index, grad_step)
@@ -363,6 +370,7 @@ def monitor(
     sinks: Sequence[Any] = (),
     names: str = "std",
     flag_above: float = 0.01,
+    histograms: bool = False,
     trip_dir: str | os.PathLike[str] | None = None,
     start: int = 0,
 ) -> Monitor:
@@ -388,6 +396,9 @@ def monitor(
         sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
             ``write(step, scalars)``.
         names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
+        histograms: also a histogram of each layer's output per logged step (64 buckets of a
+            sample of at most 32,768 values, counted on the device): ``step.histograms``, and
+            the sinks that draw them (TensorBoard, wandb).
         trip_dir: where a trip keeps its evidence: the offending batch and a trace of the model
             on it (every call's shapes and value ranges), named by step.
         start: the number of the first step (a resumed run's), for the logs and ``error.step``.
@@ -405,5 +416,5 @@ def monitor(
     return Monitor(
         model, layers, grads=grads, params=params, activations=activations, precision=precision,
         tripwire=tripwire, every=every, sinks=sinks, names=names, flag_above=flag_above,
-        trip_dir=trip_dir, start=start,
+        histograms=histograms, trip_dir=trip_dir, start=start,
     )  # fmt: skip

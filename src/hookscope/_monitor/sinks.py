@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
 from hookscope.errors import SpecError
 
@@ -95,6 +98,20 @@ class TensorBoardSink:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def write_histograms(self, step: int, histograms: dict[str, Histogram]) -> None:
+        """Each histogram as TensorBoard's own (its buckets and bounds as counted)."""
+        for name, histogram in histograms.items():
+            if not histogram.counted:
+                continue
+            edges = histogram.edges
+            self.writer.add_histogram_raw(
+                name, min=histogram.low, max=histogram.high, num=histogram.counted,
+                sum=float((np.asarray(histogram.counts) * (edges[:-1] + edges[1:]) / 2).sum()),
+                sum_squares=float((np.asarray(histogram.counts) * ((edges[:-1] + edges[1:]) / 2) ** 2).sum()),
+                bucket_limits=edges[1:].tolist(), bucket_counts=list(histogram.counts), global_step=step,
+            )  # fmt: skip
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -112,7 +129,19 @@ class WandbSink:
         self.run = run if run is not None else (wandb.run if wandb.run is not None else wandb.init(**init))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
+        # Not committed yet: the step's histograms may follow; wandb commits a step when a later
+        # one is logged, or when the run finishes.
+        self.run.log(scalars, step=step, commit=False)
+
+    def write_histograms(self, step: int, histograms: dict[str, Histogram]) -> None:
+        """Each histogram as a ``wandb.Histogram`` of its buckets."""
+        wandb = require("wandb", purpose="WandbSink", extra="wandb")
+        shown = {
+            name: wandb.Histogram(np_histogram=(list(h.counts), h.edges.tolist()))
+            for name, h in histograms.items()
+            if h.counted
+        }
+        self.run.log(shown, step=step, commit=False)
 
     def close(self) -> None:
         if self._owned:

@@ -20,6 +20,7 @@ from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, WrapSpec
 from hookscope._core.tree import flatten_tensors
+from hookscope._shared.histogram import Histogram, RawHistogram, raw_histogram, read_histograms
 from hookscope._shared.precision import Precision, raw_precision, read_precision
 from hookscope._shared.stats import RawStats, Stats, merge_raw, raw_stats, read_stats
 
@@ -31,6 +32,7 @@ class _Kept:
     stats: RawStats | None = None
     act_precision: torch.Tensor | None = None
     grad_precision: torch.Tensor | None = None
+    histogram: RawHistogram | None = None  # of the step's last micro-batch (a sample, for a picture)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class LayerRead:
     stats: Stats | None
     act_precision: Precision | None
     grad_precision: Precision | None
+    histogram: Histogram | None = None
 
 
 @dataclass
@@ -50,6 +53,7 @@ class LayerWatch:
     layers: Sequence[tuple[str, nn.Module]]
     activations: bool
     precision: torch.dtype | None
+    histograms: bool = False
     recording: bool = True
     _kept: dict[str, _Kept] = field(default_factory=dict)
     _group: HookGroup | None = None
@@ -71,6 +75,8 @@ class LayerWatch:
             if self.activations:
                 raw = raw_stats(tensor)
                 kept.stats = raw if kept.stats is None else merge_raw(kept.stats, raw)
+            if self.histograms:
+                kept.histogram = raw_histogram(tensor)
             if self.precision is not None:
                 kept.act_precision = _merged(kept.act_precision, raw_precision(tensor, self.precision))
                 if tensor.requires_grad:
@@ -101,11 +107,18 @@ class LayerWatch:
             [raw for _, _, raw in raws], [self.precision] * len(raws) if self.precision else None
         )
         by_key = {(n, side): p for (n, side, _), p in zip(raws, precisions, strict=True)}
+        histograms = dict(
+            zip(
+                [n for n in names if kept[n].histogram is not None],
+                read_histograms([kept[n].histogram for n in names if kept[n].histogram is not None]),  # type: ignore[misc]
+                strict=True,
+            )
+        )
         stat_iter = iter(stats)
         found = {}
         for n in names:
             measured = next(stat_iter) if kept[n].stats is not None else None
-            found[n] = LayerRead(measured, by_key.get((n, "act")), by_key.get((n, "grad")))
+            found[n] = LayerRead(measured, by_key.get((n, "act")), by_key.get((n, "grad")), histograms.get(n))
         return found
 
     def remove(self) -> None:
