@@ -149,9 +149,10 @@ class Monitor(Scoped):
         grad_step = self._grads.step() if self._grads is not None else None
         if not logged:
             return None
-        layers = self._watch.read()
+        parameters, norms = self._parameter_norms()
+        layers, rows = self._watch.read(norms)
         scalars = self._scalars(layers, grad_step)
-        scalars.update(self._parameter_scalars())
+        scalars.update(self._parameter_scalars(parameters, rows))
         shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
         result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
@@ -211,25 +212,22 @@ class Monitor(Scoped):
                 scalars[f"grad/max_abs/{shown}{suffix}"] = record.max_abs
         return scalars
 
-    def _parameter_scalars(self) -> dict[str, float]:
-        """Every trainable parameter's gradient norm and its ratio to the weight's norm: one
-        stack of norms per device, one transfer each."""
+    def _parameter_norms(self) -> tuple[list[str], list[torch.Tensor]]:
+        """Every trainable parameter with a gradient, and ``[|g|, |w|]`` of each on its device
+        (read with the layers' numbers, in the same transfer)."""
         named = [(name, p, p.grad) for name, p in self._params if p.grad is not None]
-        by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-        for name, parameter, grad in named:
-            by_device.setdefault(grad.device, []).append((name, parameter, grad))
+        norms = [
+            torch.stack([torch.linalg.vector_norm(g.detach().float()), torch.linalg.vector_norm(p.detach().float())])
+            for _, p, g in named
+        ]
+        return [name for name, _, _ in named], norms
+
+    @staticmethod
+    def _parameter_scalars(names: list[str], rows: list[Any]) -> dict[str, float]:
         scalars: dict[str, float] = {}
-        for group in by_device.values():
-            pairs = [
-                torch.stack(
-                    [torch.linalg.vector_norm(g.detach().float()), torch.linalg.vector_norm(p.detach().float())]
-                )
-                for _, p, g in group
-            ]
-            norms = torch.stack(pairs).tolist()
-            for (name, _, _), (grad_norm, weight_norm) in zip(group, norms, strict=True):
-                scalars[f"param_grad/norm/{name}"] = grad_norm
-                scalars[f"param_grad/ratio/{name}"] = grad_norm / weight_norm if weight_norm else math.nan
+        for name, (grad_norm, weight_norm) in zip(names, rows, strict=True):
+            scalars[f"param_grad/norm/{name}"] = float(grad_norm)
+            scalars[f"param_grad/ratio/{name}"] = float(grad_norm / weight_norm) if weight_norm else math.nan
         return scalars
 
     def _flags(self, index: int, layers: dict[str, LayerRead]) -> list[MonitorFlag]:

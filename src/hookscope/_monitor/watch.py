@@ -4,7 +4,8 @@ One forward hook per layer: on a step that is logged it summarises the layer's o
 floating tensor) with :func:`~hookscope._shared.stats.raw_stats`, counts what the chosen
 low-precision format would lose of it (:func:`~hookscope._shared.precision.raw_precision`),
 and, when the forward runs with grad, puts a tensor hook on that output to count the same of its
-gradient. Nothing crosses to the host until :meth:`LayerWatch.read`, once per logged step;
+gradient. Nothing crosses to the host until :meth:`LayerWatch.read`, one transfer per device
+per logged step (with the monitor's own vectors);
 micro-batches of one step (gradient accumulation) merge. On a step that is not logged every hook
 returns after one check.
 """
@@ -15,14 +16,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, WrapSpec
 from hookscope._core.tree import flatten_tensors
-from hookscope._shared.histogram import Histogram, RawHistogram, raw_histogram, read_histograms
-from hookscope._shared.precision import Precision, raw_precision, read_precision
-from hookscope._shared.stats import RawStats, Stats, merge_raw, raw_stats, read_stats
+from hookscope._shared.histogram import Histogram, RawHistogram, parse_histogram, raw_histogram
+from hookscope._shared.precision import Precision, parse_precision, raw_precision
+from hookscope._shared.stats import RawStats, Stats, finalize, merge_raw, raw_stats
+from hookscope._shared.transfer import fetch
 
 __all__ = ["LayerRead", "LayerWatch"]
 
@@ -92,34 +95,44 @@ class LayerWatch:
 
         return on_grad
 
-    def read(self) -> dict[str, LayerRead]:
-        """The step's numbers by layer (few transfers), and a fresh step."""
+    def read(self, extra: Sequence[torch.Tensor] = ()) -> tuple[dict[str, LayerRead], list[np.ndarray]]:
+        """The step's numbers by layer, and ``extra`` vectors the caller adds (the parameters'
+        norms), all in one transfer per device; then a fresh step."""
         kept, self._kept = self._kept, {}
         names = list(kept)
-        stats = read_stats([kept[n].stats for n in names if kept[n].stats is not None])  # type: ignore[misc]
-        raws = [
-            (n, side, raw)
-            for n in names
-            for side, raw in (("act", kept[n].act_precision), ("grad", kept[n].grad_precision))
-            if raw is not None
-        ]
-        precisions = read_precision(
-            [raw for _, _, raw in raws], [self.precision] * len(raws) if self.precision else None
-        )
-        by_key = {(n, side): p for (n, side, _), p in zip(raws, precisions, strict=True)}
-        histograms = dict(
-            zip(
-                [n for n in names if kept[n].histogram is not None],
-                read_histograms([kept[n].histogram for n in names if kept[n].histogram is not None]),  # type: ignore[misc]
-                strict=True,
-            )
-        )
-        stat_iter = iter(stats)
+        vectors: list[torch.Tensor] = []
+        slots: dict[tuple[str, str], int] = {}
+        for n in names:
+            layer = kept[n]
+            stats_vector = layer.stats.vector if layer.stats is not None else None
+            histogram_vector = layer.histogram.vector if layer.histogram is not None else None
+            for kind, vector in (
+                ("stats", stats_vector),
+                ("act", layer.act_precision),
+                ("grad", layer.grad_precision),
+                ("histogram", histogram_vector),
+            ):
+                if vector is not None:
+                    slots[(n, kind)] = len(vectors)
+                    vectors.append(vector)
+        rows = fetch([*vectors, *extra])
         found = {}
         for n in names:
-            measured = next(stat_iter) if kept[n].stats is not None else None
-            found[n] = LayerRead(measured, by_key.get((n, "act")), by_key.get((n, "grad")), histograms.get(n))
-        return found
+            stats = precision = gradient = histogram = None
+            if (n, "stats") in slots:
+                raw = kept[n].stats
+                assert raw is not None
+                stats = finalize([raw.count], rows[slots[(n, "stats")]][None])[0]
+            if (n, "act") in slots:
+                precision = parse_precision(rows[slots[(n, "act")]], self.precision)
+            if (n, "grad") in slots:
+                gradient = parse_precision(rows[slots[(n, "grad")]], self.precision)
+            if (n, "histogram") in slots:
+                raw_histogram_ = kept[n].histogram
+                assert raw_histogram_ is not None
+                histogram = parse_histogram(rows[slots[(n, "histogram")]], raw_histogram_.total)
+            found[n] = LayerRead(stats, precision, gradient, histogram)
+        return found, rows[len(vectors) :]
 
     def remove(self) -> None:
         if self._group is not None:

@@ -30,9 +30,19 @@ import numpy as np
 import torch
 
 from hookscope._shared.stats import flat_values
+from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
-__all__ = ["BLOCK", "DEFAULT_BINS", "SAMPLE", "Histogram", "RawHistogram", "raw_histogram", "read_histograms"]
+__all__ = [
+    "BLOCK",
+    "DEFAULT_BINS",
+    "SAMPLE",
+    "Histogram",
+    "RawHistogram",
+    "parse_histogram",
+    "raw_histogram",
+    "read_histograms",
+]
 
 DEFAULT_BINS = 64
 #: At most this many values of a tensor are counted: 256 runs of :data:`BLOCK` values.
@@ -121,15 +131,12 @@ def _runs(values: torch.Tensor, sample: int) -> torch.Tensor:
 
 
 def read_histograms(raws: Sequence[RawHistogram]) -> list[Histogram]:
-    """Read many queued histograms with one device-to-host transfer per device (and bin count)."""
-    groups: dict[tuple[torch.device, int], list[int]] = {}
-    for index, raw in enumerate(raws):
-        groups.setdefault((raw.vector.device, raw.vector.numel()), []).append(index)
-    read: list[Histogram | None] = [None] * len(raws)
-    for indices in groups.values():
-        table = torch.stack([raws[i].vector for i in indices]).to(torch.float64).cpu().numpy()
-        for i, vector in zip(indices, table, strict=True):
-            counted = vector[2:].sum() > 0
-            low, high = (float(vector[0]), float(vector[1])) if counted else (float("nan"), float("nan"))
-            read[i] = Histogram(low, high, tuple(int(c) for c in vector[2:]), raws[i].total)
-    return [histogram for histogram in read if histogram is not None]
+    """Read many queued histograms with one device-to-host transfer per device."""
+    return [parse_histogram(row, raw.total) for row, raw in zip(fetch([raw.vector for raw in raws]), raws, strict=True)]
+
+
+def parse_histogram(vector: np.ndarray, total: int) -> Histogram:
+    """One :func:`raw_histogram` vector, on the host, as a :class:`Histogram`."""
+    counted = vector[2:].sum() > 0
+    low, high = (float(vector[0]), float(vector[1])) if counted else (float("nan"), float("nan"))
+    return Histogram(low, high, tuple(int(c) for c in vector[2:]), total)

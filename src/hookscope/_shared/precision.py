@@ -23,12 +23,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hookscope._shared.dtypes import parse_dtype
+from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
-__all__ = ["LOW_PRECISION", "Precision", "precision_target", "raw_precision", "read_precision"]
+__all__ = ["LOW_PRECISION", "Precision", "parse_precision", "precision_target", "raw_precision", "read_precision"]
 
 #: The formats precision health knows; each is a floating dtype of this torch.
 LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
@@ -113,33 +115,24 @@ def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
 
 def read_precision(raws: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[Precision]:
     """Read many raw vectors with one transfer per device; ``dtypes`` names each one's target."""
-    if not raws:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for index, raw in enumerate(raws):
-        by_device.setdefault(raw.device, []).append(index)
-    rows: list[list[float]] = [[] for _ in raws]
-    for indices in by_device.values():
-        for index, row in zip(indices, torch.stack([raws[i] for i in indices]).cpu().tolist(), strict=True):
-            rows[index] = row
-    found = []
-    for index, row in enumerate(rows):
-        values = dict(zip(_FIELDS, row, strict=True))
-        count = values["count"]
-        low, high = values["min_abs"], values["max_abs"]
-        dtype = str(dtypes[index]).removeprefix("torch.") if dtypes is not None else ""
-        found.append(
-            Precision(
-                dtype=dtype,
-                count=int(count),
-                zeros=_share(values["zeros"], count),
-                underflow=_share(values["underflow"], count),
-                subnormal=_share(values["subnormal"], count),
-                overflow=_share(values["overflow"], count),
-                dynamic_range=math.log2(high / low) if 0 < low < math.inf and high > 0 else math.nan,
-            )
-        )
-    return found
+    rows = fetch(raws)
+    return [parse_precision(row, dtypes[i] if dtypes is not None else None) for i, row in enumerate(rows)]
+
+
+def parse_precision(row: Sequence[float] | np.ndarray, dtype: torch.dtype | None = None) -> Precision:
+    """One :func:`raw_precision` vector, on the host, as :class:`Precision`."""
+    values = dict(zip(_FIELDS, (float(v) for v in row), strict=True))
+    count = values["count"]
+    low, high = values["min_abs"], values["max_abs"]
+    return Precision(
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
+        count=int(count),
+        zeros=_share(values["zeros"], count),
+        underflow=_share(values["underflow"], count),
+        subnormal=_share(values["subnormal"], count),
+        overflow=_share(values["overflow"], count),
+        dynamic_range=math.log2(high / low) if 0 < low < math.inf and high > 0 else math.nan,
+    )
 
 
 def _share(part: float, count: float) -> float:
