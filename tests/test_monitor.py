@@ -233,10 +233,14 @@ def test_a_compiled_model_logs_what_the_eager_one_does() -> None:
         eager(x).pow(2).mean().backward()
         expected = mon.step()
     eager.zero_grad()
+    torch._dynamo.reset()
     compiled = torch.compile(eager)
-    with hs.monitor(compiled, names="modules") as mon:
-        compiled(x).pow(2).mean().backward()
-        got = mon.step()
+    try:
+        with hs.monitor(compiled, names="modules") as mon:
+            compiled(x).pow(2).mean().backward()
+            got = mon.step()
+    finally:
+        torch._dynamo.reset()  # compiled code for Linear.forward would outlive the test (other tests' Linears)
     assert expected is not None and got is not None  # noqa: PT018
     for name in ("param_grad/norm/0.weight", "param_grad/norm/2.bias", "grad/norm/2", "act/mean_abs/0"):
         assert got.scalars[name] == pytest.approx(expected.scalars[name], rel=1e-5), name
@@ -284,3 +288,30 @@ def test_histograms_on_request_reach_tensorboard(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
     events.Reload()
     assert "act/0" in events.Tags()["histograms"]
+
+
+def test_one_transfer_per_logged_step_and_none_on_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every number of a logged step crosses in one fetch (one copy per device); skipped steps fetch nothing."""
+    import importlib
+
+    monitor_module = importlib.import_module(
+        "hookscope._monitor.monitor"
+    )  # the package exports a function of that name
+    grads_module = importlib.import_module("hookscope._grads.monitor")
+
+    calls: list[int] = []
+    fetch = monitor_module.fetch
+    monkeypatch.setattr(monitor_module, "fetch", lambda vectors: calls.append(len(vectors)) or fetch(vectors))
+    monkeypatch.setattr(grads_module, "read_stats", lambda raws: pytest.fail("watch_grads read on its own"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    per_step = []
+    with hs.monitor(model, names="modules", precision="bf16", histograms=True, every=2) as mon:
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            before = len(calls)
+            mon.step()
+            per_step.append(len(calls) - before)
+            model.zero_grad()
+    assert per_step == [1, 0, 1, 0]
+    assert len(mon.steps) == 2 and "grad/norm/2" in mon.steps[1].scalars  # noqa: PT018

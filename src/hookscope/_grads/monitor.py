@@ -21,7 +21,7 @@ gradients to the step's statistics.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,11 +223,14 @@ class GradMonitor(CallRecorder[_Module, _Open]):
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def step(self) -> GradStep | None:
+    def step(self, *, read_with: Callable[[Sequence[RawStats]], list[Stats]] | None = None) -> GradStep | None:
         """Close the current step: read its statistics and append them to :attr:`records`.
 
         Returns the step's :class:`GradStep`, or None on a step ``every`` skips and on a step
         in which no watched module ran with grad and no watched parameter has a gradient.
+        ``read_with`` reads the step's on-device statistics instead of
+        :func:`~hookscope._shared.stats.read_stats` (``hs.monitor`` reads them in the same
+        transfer as its own numbers); it is not called on a step that records nothing.
         """
         step, index = self._current, self._step_index
         self._current = _Step()
@@ -239,11 +242,17 @@ class GradMonitor(CallRecorder[_Module, _Open]):
         step.close()
         if not recorded or not (step.calls or (self._params and any(p.grad is not None for _, p in self._parameters))):
             return None
-        result = self._read(step, index)
+        result = self._read(step, index, read_with or read_stats)
         self._records.append(result)
         return result
 
-    def _read(self, step: _Step, index: int) -> GradStep:
+    def record_next(self, record: bool) -> None:
+        """Record the next step, or let its hooks return at once: for a caller (``hs.monitor``)
+        that decides itself which steps to log, instead of ``every``."""
+        self._recording = record
+        self.skipping = not record
+
+    def _read(self, step: _Step, index: int, read: Callable[[Sequence[RawStats]], list[Stats]]) -> GradStep:
         # One entry per site; the same site in several micro-batches (gradient accumulation,
         # several backward passes before step()) merges into one set of statistics.
         order = {slot: rank for rank, slot in enumerate(dict.fromkeys(step.fired))}
@@ -266,7 +275,7 @@ class GradMonitor(CallRecorder[_Module, _Open]):
                     raw = step.raws[slot] if known is None else merge_raw(known[1], step.raws[slot])
                     sites[key] = (call.class_name, raw, order.get(slot) if known is None else known[2])
         params = self._parameter_stats() if self._params else []
-        stats = read_stats([raw for _, raw, _ in sites.values()])
+        stats = read([raw for _, raw, _ in sites.values()])
         records = [
             GradRecord.of(index, name, class_name, call, what, path, measured, order=rank)  # type: ignore[arg-type]
             for ((name, call, what, path), (class_name, _, rank)), measured in zip(sites.items(), stats, strict=True)

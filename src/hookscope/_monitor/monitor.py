@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +30,8 @@ from hookscope._monitor.sinks import as_sink
 from hookscope._monitor.watch import LayerRead, LayerWatch
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.precision import precision_target
+from hookscope._shared.stats import RAW_FIELDS, RawStats, Stats, finalize
+from hookscope._shared.transfer import fetch
 from hookscope._trace import NonFiniteDetector, detect_nonfinite, trace
 from hookscope.errors import HookscopeError, NonFiniteError, SpecError, StdMapError
 
@@ -107,6 +110,7 @@ class Monitor(Scoped):
         self._grads: GradMonitor | None = None
         self._tripwire: NonFiniteDetector | None = None
         self._watch = LayerWatch(model, self._chosen, activations, self._target, histograms)
+        self._watch.recording = start % every == 0
         parts: list[Any] = []
         try:
             # The wrapper of the model's call sees the batch of a forward trip; a compiled model
@@ -116,7 +120,8 @@ class Monitor(Scoped):
             parts.append(self._watch)
             if grads:
                 chosen = [name for name, _ in self._chosen]
-                self._grads = watch_grads(model, layers=chosen, params=False, activations=True, every=every)
+                self._grads = watch_grads(model, layers=chosen, params=False, activations=True)
+                self._grads.record_next(start % every == 0)  # which steps record is the monitor's call
                 parts.append(self._grads)
             if tripwire:
                 self._tripwire = detect_nonfinite(model)
@@ -146,13 +151,30 @@ class Monitor(Scoped):
         self._index += 1
         logged = index % self._every == 0
         self._watch.recording = self._index % self._every == 0  # hooks of the next step
-        grad_step = self._grads.step() if self._grads is not None else None
         if not logged:
+            if self._grads is not None:
+                self._grads.step()  # closes the skipped step (its hooks returned at once)
+                self._grads.record_next(self._watch.recording)
             return None
         parameters, norms = self._parameter_norms()
-        layers, rows = self._watch.read(norms)
+        vectors, parse = self._watch.collect()
+        own = [*vectors, *norms]
+        rows: list[Any] = []
+
+        def read_with_ours(raws: Sequence[RawStats]) -> list[Stats]:  # one transfer for everything
+            rows.extend(fetch([raw.vector for raw in raws] + own))
+            return finalize([raw.count for raw in raws], _table(rows[: len(raws)]))[: len(raws)]
+
+        grad_step = None
+        if self._grads is not None:
+            grad_step = self._grads.step(read_with=read_with_ours)
+            self._grads.record_next(self._watch.recording)
+        if not rows:  # no gradient was recorded: our own numbers alone
+            rows.extend(fetch(own))
+        mine = rows[len(rows) - len(own) :]
+        layers = parse(mine[: len(vectors)])
         scalars = self._scalars(layers, grad_step)
-        scalars.update(self._parameter_scalars(parameters, rows))
+        scalars.update(self._parameter_scalars(parameters, mine[len(vectors) :]))
         shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
         result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
@@ -311,6 +333,11 @@ def save_evidence(
     except Exception as failure:
         _note(error, f"the trace of the offending batch failed too: {failure}")
     return saved
+
+
+def _table(rows: list[Any]) -> np.ndarray:
+    """Rows of :data:`~hookscope._shared.stats.RAW_FIELDS` as one table (possibly empty)."""
+    return np.stack(rows) if rows else np.empty((0, len(RAW_FIELDS)))
 
 
 def _wrapper_prefix(model: nn.Module) -> str:

@@ -12,7 +12,7 @@ returns after one check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,6 @@ from hookscope._core.tree import flatten_tensors
 from hookscope._shared.histogram import Histogram, RawHistogram, parse_histogram, raw_histogram
 from hookscope._shared.precision import Precision, parse_precision, raw_precision
 from hookscope._shared.stats import RawStats, Stats, finalize, merge_raw, raw_stats
-from hookscope._shared.transfer import fetch
 
 __all__ = ["LayerRead", "LayerWatch"]
 
@@ -95,9 +94,9 @@ class LayerWatch:
 
         return on_grad
 
-    def read(self, extra: Sequence[torch.Tensor] = ()) -> tuple[dict[str, LayerRead], list[np.ndarray]]:
-        """The step's numbers by layer, and ``extra`` vectors the caller adds (the parameters'
-        norms), all in one transfer per device; then a fresh step."""
+    def collect(self) -> tuple[list[torch.Tensor], Callable[[list[np.ndarray]], dict[str, LayerRead]]]:
+        """The step's on-device vectors, and the function that turns them, read, into numbers
+        by layer; the caller reads them with its own (one transfer per device). A fresh step."""
         kept, self._kept = self._kept, {}
         names = list(kept)
         vectors: list[torch.Tensor] = []
@@ -115,7 +114,11 @@ class LayerWatch:
                 if vector is not None:
                     slots[(n, kind)] = len(vectors)
                     vectors.append(vector)
-        rows = fetch([*vectors, *extra])
+        return vectors, lambda rows: self._parsed(kept, names, slots, rows)
+
+    def _parsed(
+        self, kept: dict[str, _Kept], names: list[str], slots: dict[tuple[str, str], int], rows: list[np.ndarray]
+    ) -> dict[str, LayerRead]:
         found = {}
         for n in names:
             stats = precision = gradient = histogram = None
@@ -132,7 +135,7 @@ class LayerWatch:
                 assert raw_histogram_ is not None
                 histogram = parse_histogram(rows[slots[(n, "histogram")]], raw_histogram_.total)
             found[n] = LayerRead(stats, precision, gradient, histogram)
-        return found, rows[len(vectors) :]
+        return found
 
     def remove(self) -> None:
         if self._group is not None:
