@@ -110,3 +110,15 @@ def test_a_nan_at_step_7_stops_training_at_step_7_naming_the_layer(tmp_path: Pat
     assert batch["kwargs"]["input_ids"].shape == (4, 8)
     assert "transformer.h.1.mlp" in (tmp_path / "nonfinite_step7_trace.csv").read_text()
     # the autouse fixture checks that no hook is left on the model after the raise
+
+
+def test_a_second_train_call_logs_again_to_the_same_sink_object(tmp_path: Path) -> None:
+    sink = hs.JsonLinesSink(tmp_path / "metrics.jsonl")
+    callback = HookscopeCallback(every=5, sinks=[sink])
+    trainer = transformers.Trainer(
+        model=model(), args=arguments(tmp_path, steps=5), train_dataset=Tokens(), callbacks=[callback]
+    )
+    trainer.train()
+    trainer.train()  # the sink is the caller's: still open
+    sink.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

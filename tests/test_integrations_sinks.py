@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,16 @@ def test_wandb_offline_run_files_hold_the_metrics(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = hs.WandbSink(project="hookscope-test", dir=str(tmp_path))
     run_dir = Path(sink.run.dir)  # .../offline-run-*/files
-    mon = train(tiny(), 3, [sink])  # the monitor closes the sink: the run it started finishes
+    mon = train(tiny(), 3, [sink])
+    sink.close()  # the sink's owner closes it: the run it started finishes
     assert wandb.run is None
     (history_file,) = run_dir.parent.glob("run-*.wandb")
-    history = {row["_step"]: row for row in wandb_history(history_file)}
+    history: dict[int, dict[str, Any]] = {}
+    for _ in range(50):  # wandb's service may still be writing the file after finish() returned: up to 10 s
+        history = {row["_step"]: row for row in wandb_history(history_file)}
+        if len(history) == 3:
+            break
+        time.sleep(0.2)
     assert sorted(history) == [0, 1, 2]
     for step in mon.steps:
         for name in ("grad/norm/0", "param_grad/norm/2.weight", "act/mean_abs/0"):
@@ -88,6 +95,7 @@ def test_mlflow_file_store_holds_every_step(tmp_path: Path, monkeypatch: pytest.
         sink = hs.MLflowSink(run_name="hookscope-test")
         run_id = sink.run.info.run_id
         mon = train(tiny(), 3, [sink])
+        sink.close()
         history = mlflow.tracking.MlflowClient().get_metric_history(run_id, "param_grad/norm/0.weight")
         assert [m.step for m in history] == [0, 1, 2]
         for metric, step in zip(history, mon.steps, strict=True):

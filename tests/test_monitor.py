@@ -53,7 +53,9 @@ def recount(values: np.ndarray, dtype: torch.dtype) -> dict[str, float]:
         "subnormal": float(
             ((magnitude > smallest / 2) & (magnitude < info.smallest_normal - smallest / 2) & finite).sum() / count
         ),
-        "overflow": float(((magnitude > info.max) & finite).sum() / count),
+        "overflow": float(
+            ((magnitude >= info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2) & finite).sum() / count
+        ),
     }
 
 
@@ -315,3 +317,72 @@ def test_one_transfer_per_logged_step_and_none_on_the_others(monkeypatch: pytest
             model.zero_grad()
     assert per_step == [1, 0, 1, 0]
     assert len(mon.steps) == 2 and "grad/norm/2" in mon.steps[1].scalars  # noqa: PT018
+
+
+# -- edges a review found -------------------------------------------------------------------------------
+
+
+def test_steps_numbered_by_the_caller_log_that_steps_own_numbers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with hs.monitor(model, names="modules", every=2, start=1) as mon:  # the loop counts from 1
+        for step in range(1, 6):
+            x = torch.full((3, 4), float(step))
+            kept: list[torch.Tensor] = []
+            handle = model[0].register_forward_hook(keep_first(kept))
+            model(x).sum().backward()
+            handle.remove()
+            logged = mon.step(step=step)
+            if logged is not None:
+                assert logged.scalars["act/mean_abs/0"] == pytest.approx(float(kept[0].detach().double().abs().mean()))
+                assert logged.grads is not None
+                assert logged.grads.step == step
+            model.zero_grad()
+    assert [s.step for s in mon.steps] == [2, 4]
+
+
+def test_an_evaluation_forward_between_steps_is_not_counted() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(5, 4)
+    with hs.monitor(model, names="modules") as mon:
+        model(x).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(7, 4) * 100)  # evaluation
+        logged = mon.step()
+    assert logged is not None
+    assert logged.scalars["act/mean_abs/0"] == pytest.approx(float(model[0](x).detach().double().abs().mean()))
+
+
+def test_a_failing_sink_does_not_hide_a_nan_gradient() -> None:
+    class Broken:
+        def write(self, step: int, scalars: dict[str, float]) -> None:
+            raise OSError("disk full")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    handle = model[0].register_forward_hook(lambda m, a, out: out.register_hook(lambda g: g * math.nan) and None)
+    try:
+        with pytest.raises(hs.NonFiniteError):
+            one_step(model, sinks=[Broken()])
+    finally:
+        handle.remove()
+
+
+def one_step(model: nn.Module, **options: Any) -> None:
+    with hs.monitor(model, names="modules", **options) as mon:
+        model(torch.randn(2, 4)).sum().backward()
+        mon.step()
+
+
+def test_precision_edges_empty_tensors_and_the_rounding_at_the_top() -> None:
+    values = torch.tensor([65519.0, 65521.0, 70000.0, 1.0])  # float16 max 65504, next step 32: 65520 rounds up
+    measured = read_precision([raw_precision(values, torch.float16)], [torch.float16])[0]
+    assert measured.overflow == 0.5
+    saturating = read_precision([raw_precision(torch.tensor([450.0, 470.0]), torch.float8_e4m3fn)])[0]
+    assert saturating.overflow == 0.5  # 450 rounds to 448; 470 is past 448 + 16 and is clamped
+    empty = read_precision([raw_precision(torch.empty(0), torch.bfloat16)])[0]
+    assert empty.count == 0 and math.isnan(empty.underflow)  # noqa: PT018
+    model = nn.Sequential(nn.Linear(4, 4))
+    with hs.monitor(model, names="modules", precision="bf16") as mon:
+        model(torch.randn(0, 4)).sum().backward()
+        assert mon.step() is not None

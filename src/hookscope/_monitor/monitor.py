@@ -10,6 +10,7 @@ transfers on a logged step and none on the others (``every=N``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -101,11 +102,13 @@ class Monitor(Scoped):
         self._chosen = _layers(model, layers)
         named = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
         prefix = _wrapper_prefix(model)
-        self._names = {module: shown.removeprefix(prefix) for module, shown in named.items()}
+        self._names = {module: shown.removeprefix(prefix) or "(root)" for module, shown in named.items()}
         self._params = (
             [(n.removeprefix(prefix), p) for n, p in model.named_parameters() if p.requires_grad] if params else []
         )
         self._sinks = [as_sink(sink) for sink in sinks]
+        # Sinks made here from paths are closed with the monitor; objects the caller passed are the caller's.
+        self._owned_sinks = [made for made, given in zip(self._sinks, sinks, strict=True) if made is not given]
         self.steps: list[MonitorStep] = []
         self._grads: GradMonitor | None = None
         self._tripwire: NonFiniteDetector | None = None
@@ -145,11 +148,13 @@ class Monitor(Scoped):
         ``step`` numbers the step as the loop does (a Trainer's ``global_step``); by default the
         monitor counts from 0. Returns the :class:`MonitorStep`, or None on a step ``every`` skips.
         """
+        if self.tripped is not None:
+            return None  # the run stopped at the trip; its hooks are gone
         if step is not None:
             self._index = step
         index = self._index
         self._index += 1
-        logged = index % self._every == 0
+        logged = self._watch.recording  # what this step's hooks did: its numbers are read, never carried over
         self._watch.recording = self._index % self._every == 0  # hooks of the next step
         if not logged:
             if self._grads is not None:
@@ -169,6 +174,10 @@ class Monitor(Scoped):
         if self._grads is not None:
             grad_step = self._grads.step(read_with=read_with_ours)
             self._grads.record_next(self._watch.recording)
+            if grad_step is not None:  # numbered as this monitor numbers its steps
+                grad_step = dataclasses.replace(
+                    grad_step, step=index, records=[dataclasses.replace(r, step=index) for r in grad_step.records]
+                )
         if not rows:  # no gradient was recorded: our own numbers alone
             rows.extend(fetch(own))
         mine = rows[len(rows) - len(own) :]
@@ -178,17 +187,17 @@ class Monitor(Scoped):
         shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
         result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
-        for sink in self._sinks:
-            sink.write(index, scalars)
-            write_histograms = getattr(sink, "write_histograms", None)
-            if shown and callable(write_histograms):
-                write_histograms(index, {f"act/{name}": h for name, h in shown.items()})
-        if grad_step is not None:
+        if grad_step is not None:  # the tripwire before the sinks: a failing sink must not hide a NaN
             try:
                 self._check_grads(index, grad_step)
             except NonFiniteError as error:
                 self._trip(error)
                 raise
+        for sink in self._sinks:
+            write_histograms = getattr(sink, "write_histograms", None)
+            if shown and callable(write_histograms):
+                write_histograms(index, {f"act/{name}": h for name, h in shown.items()})
+            sink.write(index, scalars)
         return result
 
     # -- the tripwire ------------------------------------------------------------------------------
@@ -196,7 +205,8 @@ class Monitor(Scoped):
     def _guarded(self, inner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Around the model's call: keep a reference to the batch (for the trip's files), and on
         a forward NaN/Inf name the step, keep the evidence and, if asked, let go of every hook."""
-        self._last_batch = (args, kwargs)
+        if torch.is_grad_enabled():  # a training forward, not an evaluation's
+            self._last_batch = (args, kwargs)
         try:
             return inner(*args, **kwargs)
         except NonFiniteError as error:
@@ -294,15 +304,16 @@ class Monitor(Scoped):
         )
 
     def remove(self) -> None:
-        """Remove every hook and close the sinks. Safe to call twice."""
+        """Remove every hook and close the sinks made from paths (a sink object passed in is
+        left open: its owner closes it). Safe to call twice."""
         try:
             for part in (self._tripwire, self._grads):
                 if part is not None:
                     part.remove()
             self._watch.remove()
         finally:
-            sinks, self._sinks = self._sinks, []
-            for sink in sinks:
+            owned, self._owned_sinks = self._owned_sinks, []
+            for sink in owned:
                 close = getattr(sink, "close", None)
                 if callable(close):
                     close()
@@ -366,6 +377,8 @@ def _layers(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> l
     try:
         return select_std(model, "std:blocks.*")
     except HookscopeError:
+        if hasattr(model, "config"):  # a transformers model: its map should resolve, and the error says why not
+            raise
         owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
         if not owners:
             raise SpecError("the model holds no parameters of its own modules: name the layers to monitor") from None
@@ -417,9 +430,12 @@ def monitor(
             Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
             ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
             check a run that trips eagerly.
-        every: log every N-th step; other steps' hooks return at once and cross to the host never.
-        sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
-            ``write(step, scalars)``.
+        every: log every N-th step (by the step numbers, from ``start``); other steps' hooks return
+            at once and cross to the host never. Only forwards under grad count (an evaluation's
+            forward between steps does not), and the backward tripwire checks logged steps.
+        sinks: paths (``.jsonl``, ``.csv``; closed with the monitor), a TensorBoard
+            ``SummaryWriter``, or objects with ``write(step, scalars)`` (left open: their
+            owner closes them, so one sink can serve several runs).
         names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
         histograms: also a histogram of each layer's output per logged step (64 buckets of a
             sample of at most 32,768 values, counted on the device): ``step.histograms``, and

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,7 +32,8 @@ class Sink(Protocol):
 
 
 class JsonLinesSink:
-    """One JSON object per logged step: ``{"step": 7, "grad/norm/blocks.0": 0.12, ...}``; NaN as null.
+    """One JSON object per logged step: ``{"step": 7, "grad/norm/blocks.0": 0.12, ...}``; NaN as
+    null, infinities as ``"inf"``/``"-inf"``.
 
     >>> import tempfile, json
     >>> path = Path(tempfile.mkdtemp()) / "m.jsonl"
@@ -46,12 +48,21 @@ class JsonLinesSink:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in scalars.items()}}
+        row = {"step": step, **{k: _json_number(v) for k, v in scalars.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def _json_number(value: float) -> float | str | None:
+    """JSON has no NaN or infinity: NaN is null, +-inf the strings ``"inf"`` and ``"-inf"``."""
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
 
 
 class CsvSink:
@@ -129,9 +140,7 @@ class WandbSink:
         self.run = run if run is not None else (wandb.run if wandb.run is not None else wandb.init(**init))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        # Not committed yet: the step's histograms may follow; wandb commits a step when a later
-        # one is logged, or when the run finishes.
-        self.run.log(scalars, step=step, commit=False)
+        self.run.log(scalars, step=step)  # commits the step (its histograms were logged first)
 
     def write_histograms(self, step: int, histograms: dict[str, Histogram]) -> None:
         """Each histogram as a ``wandb.Histogram`` of its buckets."""
@@ -151,7 +160,8 @@ class WandbSink:
 class MLflowSink:
     """``mlflow.log_metrics(scalars, step=step)`` into the active MLflow run (one this sink starts
     with ``mlflow.start_run(**start)`` when none is active, and ends on close). Names keep their
-    ``/``; a ``#`` (a module's later call) becomes ``_call`` (MLflow refuses it)."""
+    ``/``; ``#`` (a module's later call) becomes ``_call``, and any other character MLflow
+    refuses becomes ``_``."""
 
     def __init__(self, **start: Any) -> None:
         self._mlflow = require("mlflow", purpose="MLflowSink", extra="mlflow", package="mlflow-skinny")
@@ -159,12 +169,23 @@ class MLflowSink:
         self.run = self._mlflow.active_run() or self._mlflow.start_run(**start)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        clean = {name.replace("#", "_call"): value for name, value in scalars.items() if math.isfinite(value)}
+        clean = {_mlflow_name(name): value for name, value in scalars.items() if math.isfinite(value)}
         self._mlflow.log_metrics(clean, step=step, run_id=self.run.info.run_id)
 
     def close(self) -> None:
-        if self._owned:
+        active = self._mlflow.active_run()
+        if self._owned and active is not None and active.info.run_id == self.run.info.run_id:
             self._mlflow.end_run()
+
+
+def _mlflow_name(name: str) -> str:
+    """A metric name MLflow takes: letters, digits, ``_ - . / :`` and spaces; no empty last part.
+
+    >>> _mlflow_name("act/mean_abs/in+proj#1"), _mlflow_name("act/mean_abs/")
+    ('act/mean_abs/in_proj_call1', 'act/mean_abs/root')
+    """
+    cleaned = re.sub(r"[^\w\-./ :]", "_", name.replace("#", "_call"))
+    return cleaned + "root" if cleaned.endswith("/") else cleaned
 
 
 def as_sink(given: Any) -> Sink:

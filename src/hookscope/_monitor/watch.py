@@ -68,10 +68,10 @@ class LayerWatch:
 
     def _hook(self, name: str) -> Any:
         def watch(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self.recording:
+            if not self.recording or not torch.is_grad_enabled():  # an evaluation's forward is not the step's
                 return
             tensor = _first_floating(output)
-            if tensor is None:
+            if tensor is None or tensor.numel() == 0:
                 return
             kept = self._kept.setdefault(name, _Kept())
             if self.activations:
@@ -90,6 +90,8 @@ class LayerWatch:
         target = self.precision
 
         def on_grad(grad: torch.Tensor) -> None:
+            if grad.numel() == 0:
+                return
             kept.grad_precision = _merged(kept.grad_precision, raw_precision(grad, target))
 
         return on_grad

@@ -7,8 +7,8 @@ to nearest, as ``Tensor.to`` does) and compared with itself:
 - **underflow**: non-zero values the cast turns into zero;
 - **subnormal**: values the cast keeps only as subnormals (below the smallest normal number,
   with fewer significant bits than the format has);
-- **overflow**: finite values beyond the largest finite number, which the cast turns into
-  +-inf (float16, e5m2) or clamps to the largest value (e4m3fn saturates);
+- **overflow**: finite values from half a step above the largest finite number on, which the
+  cast turns into +-inf (float16, e5m2) or clamps to the largest value (e4m3fn saturates);
 - **zeros**: values that are zero before the cast (ReLU's zeros are not a precision loss);
 - **dynamic range**: ``log2(max |y| / min non-zero |y|)`` of the cast values, the octaves used
   (bfloat16 spans about 254, float16 about 40, e4m3fn about 17).
@@ -92,6 +92,9 @@ def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
     if not target.is_floating_point:
         raise SpecError(f"precision health reads floating values; {target} is not a floating format")
     values = tensor.detach().reshape(-1)
+    if values.numel() == 0:  # nothing to count: zeros, and no range (amin of nothing is an error)
+        accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
+        return torch.tensor([0.0] * 5 + [math.inf, 0.0], dtype=accumulate, device=tensor.device)
     x = values if values.dtype == torch.float64 else values.float()
     y = x.to(target).to(x.dtype)
     info = torch.finfo(target)
@@ -105,7 +108,7 @@ def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
             (finite & (x == 0)).sum(),
             (finite & (x != 0) & (y == 0)).sum(),
             (finite & (y_abs > 0) & (y_abs < info.smallest_normal)).sum(),
-            (finite & (x_abs > info.max)).sum(),
+            (finite & (~torch.isfinite(y) | (x_abs >= _overflow_threshold(info)))).sum(),
         ]
     ).to(x.dtype)
     extremes = torch.stack([torch.where(kept & (y_abs > 0), y_abs, inf).amin(), torch.where(kept, y_abs, 0.0).amax()])
@@ -133,6 +136,13 @@ def parse_precision(row: Sequence[float] | np.ndarray, dtype: torch.dtype | None
         overflow=_share(values["overflow"], count),
         dynamic_range=math.log2(high / low) if 0 < low < math.inf and high > 0 else math.nan,
     )
+
+
+def _overflow_threshold(info: torch.finfo) -> float:
+    """Where rounding stops at the largest finite value: half a step above it. Values from there
+    on become +-inf in IEEE formats, and are clamped (not rounded) by e4m3fn's saturating cast."""
+    top_step = 2.0 ** math.floor(math.log2(info.max)) * info.eps
+    return float(info.max + top_step / 2)
 
 
 def _share(part: float, count: float) -> float:

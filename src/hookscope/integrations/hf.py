@@ -74,7 +74,11 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or not self.monitor.live:
             return
-        logged = self.monitor.step(step=state.global_step)
+        try:
+            logged = self.monitor.step(step=state.global_step)
+        except BaseException:
+            self.monitor.remove()  # the Trainer calls no callback when training raises: let go here
+            raise
         if logged is not None:
             self.steps.append(logged)
 
