@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import STD_PREFIX, is_std_selector, std_pattern
+from hookscope._core.std.stdmap import STD_PREFIX, is_std_selector, std_matches, std_pattern
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Stacked", "stack"]
@@ -40,14 +40,6 @@ class _Values(Protocol):
     def short_names(self) -> dict[Site, str]: ...
 
 
-def _std_matches(pattern: str, name: str) -> bool:
-    """``*`` stands for one dotted part, as in ``std:`` selectors."""
-    parts, name_parts = pattern.split("."), name.split(".")
-    return len(parts) == len(name_parts) and all(
-        fnmatch.fnmatchcase(part, want) for part, want in zip(name_parts, parts, strict=True)
-    )
-
-
 def stack(cache: _Values, pattern: str) -> Stacked:
     """The values whose names match ``pattern``, stacked in capture order (canonical names: map order).
 
@@ -59,7 +51,7 @@ def stack(cache: _Values, pattern: str) -> Stacked:
     if is_std_selector(pattern):
         std = cache.meta.get("std")
         wanted = std_pattern(pattern)
-        labels = [name for name in (std if isinstance(std, dict) else {}) if _std_matches(wanted, name)]
+        labels = [name for name in (std if isinstance(std, dict) else {}) if std_matches(wanted, name)]
         values = []
         for name in labels:
             values.append(cache[STD_PREFIX + name])

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, Scoped, WrapSpec, remove_through
+from hookscope._core.attach import Scoped, WrapSpec, remove_through
+from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.std import known_std_map, select_std
 from hookscope._core.tree import map_tensors
@@ -101,11 +102,9 @@ class Monitor(Scoped):
         self._index = start
         self._chosen = _layers(model, layers)
         named = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
-        prefix = _wrapper_prefix(model)
-        self._names = {module: shown.removeprefix(prefix) or "(root)" for module, shown in named.items()}
-        self._params = (
-            [(n.removeprefix(prefix), p) for n, p in model.named_parameters() if p.requires_grad] if params else []
-        )
+        # Names as the core spells them: below a DDP or torch.compile wrapper, without its segment.
+        self._names = {module: shown or "(root)" for module, shown in named.items()}
+        self._params = [(n, p) for n, p in named_parameters(model) if p.requires_grad] if params else []
         self._sinks = [as_sink(sink) for sink in sinks]
         # Sinks made here from paths are closed with the monitor; objects the caller passed are the caller's.
         self._owned_sinks = [made for made, given in zip(self._sinks, sinks, strict=True) if made is not given]
@@ -136,10 +135,6 @@ class Monitor(Scoped):
         for part in parts[1:]:
             remove_through(part._group, self.remove)
         remove_through(self._group, self.remove)
-
-    @property
-    def group(self) -> HookGroup:
-        return self._group
 
     def step(self, step: int | None = None) -> MonitorStep | None:
         """Close the training step: read it (on a logged step), write the scalars to the sinks,
@@ -351,17 +346,6 @@ def _table(rows: list[Any]) -> np.ndarray:
     return np.stack(rows) if rows else np.empty((0, len(RAW_FIELDS)))
 
 
-def _wrapper_prefix(model: nn.Module) -> str:
-    """What a wrapper puts before the user's own names: ``torch.compile``'s ``_orig_mod.``,
-    (Distributed)DataParallel's ``module.``; logged names leave it out, so a metric keeps its
-    name whether the run was wrapped or not."""
-    if hasattr(model, "_orig_mod"):
-        return "_orig_mod."
-    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return "module."
-    return ""
-
-
 def _note(error: BaseException, text: str) -> None:
     """``error.add_note(text)`` where Python has it (3.11 on)."""
     add_note = getattr(error, "add_note", None)
@@ -379,7 +363,7 @@ def _layers(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> l
     except HookscopeError:
         if hasattr(model, "config"):  # a transformers model: its map should resolve, and the error says why not
             raise
-        owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        owners = [(n, m) for n, m in named_modules(model) if n and any(True for _ in m.parameters(recurse=False))]
         if not owners:
             raise SpecError("the model holds no parameters of its own modules: name the layers to monitor") from None
         return owners

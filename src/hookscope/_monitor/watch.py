@@ -23,7 +23,7 @@ from torch import nn
 from hookscope._core.attach import HookGroup, HookSpec, WrapSpec
 from hookscope._core.tree import flatten_tensors
 from hookscope._shared.histogram import Histogram, RawHistogram, parse_histogram, raw_histogram
-from hookscope._shared.precision import Precision, parse_precision, raw_precision
+from hookscope._shared.precision import Precision, merge_precision, parse_precision, raw_precision
 from hookscope._shared.stats import RawStats, Stats, finalize, merge_raw, raw_stats
 
 __all__ = ["LayerRead", "LayerWatch"]
@@ -80,7 +80,7 @@ class LayerWatch:
             if self.histograms:
                 kept.histogram = raw_histogram(tensor)
             if self.precision is not None:
-                kept.act_precision = _merged(kept.act_precision, raw_precision(tensor, self.precision))
+                kept.act_precision = merge_precision(kept.act_precision, raw_precision(tensor, self.precision))
                 if tensor.requires_grad:
                     tensor.register_hook(self._grad_hook(kept))  # type: ignore[no-untyped-call]
 
@@ -92,7 +92,7 @@ class LayerWatch:
         def on_grad(grad: torch.Tensor) -> None:
             if grad.numel() == 0:
                 return
-            kept.grad_precision = _merged(kept.grad_precision, raw_precision(grad, target))
+            kept.grad_precision = merge_precision(kept.grad_precision, raw_precision(grad, target))
 
         return on_grad
 
@@ -145,16 +145,9 @@ class LayerWatch:
 
 
 def _first_floating(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):  # the usual case: no walk of a structure
+        return output if output.is_floating_point() else None
     for _, tensor in flatten_tensors(output, ""):
         if tensor.is_floating_point():
             return tensor
     return None
-
-
-def _merged(previous: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """Two micro-batches' precision counts: counts add, the smallest minimum, the largest maximum."""
-    if previous is None:
-        return new
-    return torch.cat(
-        [previous[:5] + new[:5], torch.minimum(previous[5:6], new[5:6]), torch.maximum(previous[6:], new[6:])]
-    )

@@ -19,6 +19,7 @@ Everything stays on the device in one small vector per tensor (:func:`raw_precis
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,12 +31,21 @@ from hookscope._shared.dtypes import parse_dtype
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
-__all__ = ["LOW_PRECISION", "Precision", "parse_precision", "precision_target", "raw_precision", "read_precision"]
+__all__ = [
+    "LOW_PRECISION",
+    "Precision",
+    "merge_precision",
+    "parse_precision",
+    "precision_target",
+    "raw_precision",
+    "read_precision",
+]
 
 #: The formats precision health knows; each is a floating dtype of this torch.
 LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 _FIELDS = ("count", "zeros", "underflow", "subnormal", "overflow", "min_abs", "max_abs")
+_MIN = _FIELDS.index("min_abs")  # the counts come before it, the extremes from it
 
 
 @dataclass(frozen=True)
@@ -92,28 +102,41 @@ def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
     if not target.is_floating_point:
         raise SpecError(f"precision health reads floating values; {target} is not a floating format")
     values = tensor.detach().reshape(-1)
+    accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
     if values.numel() == 0:  # nothing to count: zeros, and no range (amin of nothing is an error)
-        accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
-        return torch.tensor([0.0] * 5 + [math.inf, 0.0], dtype=accumulate, device=tensor.device)
+        empty = torch.zeros(len(_FIELDS), dtype=accumulate, device=tensor.device)
+        empty[_MIN] = math.inf  # a fill on the device: no host-made tensor in a hook
+        return empty
     x = values if values.dtype == torch.float64 else values.float()
     y = x.to(target).to(x.dtype)
-    info = torch.finfo(target)
+    smallest_normal, overflow_from = _limits(target)
     finite = torch.isfinite(x)  # masks, not indexing: no sync inside a hook
     x_abs, y_abs = x.abs(), y.abs()
     kept = finite & torch.isfinite(y)
-    inf = torch.tensor(math.inf, dtype=x.dtype, device=x.device)
     counts = torch.stack(
         [
             finite.sum(),
             (finite & (x == 0)).sum(),
             (finite & (x != 0) & (y == 0)).sum(),
-            (finite & (y_abs > 0) & (y_abs < info.smallest_normal)).sum(),
-            (finite & (~torch.isfinite(y) | (x_abs >= _overflow_threshold(info)))).sum(),
+            (finite & (y_abs > 0) & (y_abs < smallest_normal)).sum(),
+            (finite & (~torch.isfinite(y) | (x_abs >= overflow_from))).sum(),
         ]
     ).to(x.dtype)
-    extremes = torch.stack([torch.where(kept & (y_abs > 0), y_abs, inf).amin(), torch.where(kept, y_abs, 0.0).amax()])
-    accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
+    extremes = torch.stack(
+        [torch.where(kept & (y_abs > 0), y_abs, math.inf).amin(), torch.where(kept, y_abs, 0.0).amax()]
+    )
     return torch.cat([counts, extremes]).to(accumulate)
+
+
+def merge_precision(previous: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Two tensors' :func:`raw_precision` vectors as one (micro-batches of a step): counts add,
+    the smallest minimum and the largest maximum; on the device."""
+    if previous is None:
+        return new
+    return torch.cat(
+        [previous[:_MIN] + new[:_MIN], torch.minimum(previous[_MIN : _MIN + 1], new[_MIN : _MIN + 1]),
+         torch.maximum(previous[_MIN + 1 :], new[_MIN + 1 :])]
+    )  # fmt: skip
 
 
 def read_precision(raws: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None) -> list[Precision]:
@@ -138,11 +161,14 @@ def parse_precision(row: Sequence[float] | np.ndarray, dtype: torch.dtype | None
     )
 
 
-def _overflow_threshold(info: torch.finfo) -> float:
-    """Where rounding stops at the largest finite value: half a step above it. Values from there
-    on become +-inf in IEEE formats, and are clamped (not rounded) by e4m3fn's saturating cast."""
+@functools.cache
+def _limits(dtype: torch.dtype) -> tuple[float, float]:
+    """The format's smallest normal number, and where rounding stops at its largest finite value:
+    half a step above it. Values from there on become +-inf in IEEE formats, and are clamped (not
+    rounded) by e4m3fn's saturating cast. Once per format, not once per hook call."""
+    info = torch.finfo(dtype)
     top_step = 2.0 ** math.floor(math.log2(info.max)) * info.eps
-    return float(info.max + top_step / 2)
+    return float(info.smallest_normal), float(info.max + top_step / 2)
 
 
 def _share(part: float, count: float) -> float:

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
 __all__ = [
@@ -211,13 +212,7 @@ def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
     exact extremes of integer tensors, when there are any); keeps the order."""
     if not raws:
         return []
-    by_device: dict[torch.device, list[int]] = {}
-    for index, raw in enumerate(raws):
-        by_device.setdefault(raw.vector.device, []).append(index)
-    table = np.empty((len(raws), len(RAW_FIELDS)), dtype=np.float64)
-    for indices in by_device.values():  # one device, one accumulator dtype: stack, then widen on the host
-        stacked = torch.stack([raws[i].vector for i in indices]) if len(indices) > 1 else raws[indices[0]].vector[None]
-        table[indices] = stacked.cpu().to(torch.float64).numpy()
+    table = np.stack(fetch([raw.vector for raw in raws]))  # one transfer per device
     extremes: dict[int, tuple[int, int]] = {}
     with_extremes = [i for i, raw in enumerate(raws) if raw.extremes is not None and raw.count]
     for device in {raws[i].vector.device for i in with_extremes}:

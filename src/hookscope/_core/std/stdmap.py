@@ -21,7 +21,7 @@ from typing import Literal
 
 from hookscope.errors import SelectionError
 
-__all__ = ["STD_PREFIX", "StdMap", "StdSite", "is_std_selector", "std_pattern"]
+__all__ = ["STD_PREFIX", "StdMap", "StdSite", "is_std_selector", "std_matches", "std_pattern"]
 
 #: Canonical selectors start with this: ``"std:blocks.*.resid_post"``.
 STD_PREFIX = "std:"
@@ -59,7 +59,7 @@ class StdSite:
     kind: SiteKind
 
 
-def _matches(pattern: str, name: str) -> bool:
+def std_matches(pattern: str, name: str) -> bool:
     """A canonical pattern matches part by part: ``*`` stands for one dotted part, so
     ``blocks.*`` is the blocks and ``blocks.*.attn.*`` their attention sub-sites."""
     parts, name_parts = pattern.split("."), name.split(".")
@@ -119,14 +119,14 @@ class StdMap(Mapping[str, StdSite]):
         pattern = std_pattern(selector)
         if not any(char in pattern for char in "*?["):
             return [self[pattern]]
-        found = [site for name, site in self.sites.items() if _matches(pattern, name)]
+        found = [site for name, site in self.sites.items() if std_matches(pattern, name)]
         if found:
             return found
         raise self._miss(pattern)
 
     def _miss(self, pattern: str) -> SelectionError:
         shown = STD_PREFIX + pattern
-        missing = [(name, why) for name, why in self.missing.items() if _matches(pattern, name) or name == pattern]
+        missing = [(name, why) for name, why in self.missing.items() if std_matches(pattern, name) or name == pattern]
         if missing:
             name, why = missing[0]
             more = f" (and {len(missing) - 1} more like it)" if len(missing) > 1 else ""
