@@ -150,12 +150,24 @@ def ddp_monitor(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def every_check(rank: int, world: int) -> dict[str, Any]:
+def extract_stats(rank: int, world: int, out: str) -> dict[str, Any]:
+    """A store written by 2 ranks: its merged statistics (every chunk's part, merged in chunk order)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5))
+    rows = torch.randn(70, 6, generator=torch.Generator().manual_seed(5))
+    store = hs.extract(model, rows, "0", out, batch_size=5, chunk_rows=10, progress=False)
+    return {"stats": store.meta["stats"], "row_index": store.row_index[:].tolist()}
+
+
+def every_check(rank: int, world: int, folder: str | None = None) -> dict[str, Any]:
     """Every check in one pair of processes: spawning (imports, ~5 s on 2 cores) is paid once."""
     warnings.simplefilter("error")  # the parent's filterwarnings do not reach a spawned process
     warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed", UserWarning)
     checks = [ddp_names_and_captures, ddp_gradients_are_the_averaged_ones, ddp_monitor, ddp_gpt2, fsdp2]
-    return {check.__name__: check(rank, world) for check in checks}
+    found = {check.__name__: check(rank, world) for check in checks}
+    if folder is not None:
+        found["extract_stats"] = extract_stats(rank, world, f"{folder}/stats.zarr")
+    return found
 
 
 def close(pair: tuple[float, float], rel: float = 1e-5) -> bool:

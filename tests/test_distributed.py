@@ -27,7 +27,23 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     folder: Path = tmp_path_factory.mktemp("ranks")
-    return run_ranks(every_check, folder)
+    return run_ranks(every_check, folder, str(folder))
+
+
+def test_store_statistics_merged_across_ranks_equal_one_process_bit_for_bit(
+    ranks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    import numpy as np
+
+    import hookscope as hs
+    from tests.dist_targets import extract_stats
+
+    one = extract_stats(0, 1, str(tmp_path / "one.zarr"))
+    assert ranks[0]["extract_stats"] == ranks[1]["extract_stats"] == one  # merged in chunk order, whoever wrote
+    values = hs.open_store(tmp_path / "one.zarr")["0"][:].astype(np.float64)
+    assert one["stats"]["0"]["count"] == 70
+    assert one["stats"]["0"]["mean"] == pytest.approx(values.mean(), rel=1e-12)
+    assert one["stats"]["0"]["std"] == pytest.approx(values.std(), rel=1e-12)
 
 
 def test_ddp_names_have_no_module_prefix_and_both_spellings_select(ranks: list[dict[str, Any]]) -> None:

@@ -31,7 +31,7 @@ def store_files(path: Path) -> dict[str, bytes]:
 
 
 def no_writer_thread() -> bool:
-    return not any(t.name == "hookscope-extract-writer" for t in threading.enumerate())
+    return not any(t.name.startswith(("hookscope-extract-writer", "hookscope-chunk")) for t in threading.enumerate())
 
 
 class Pairs(Dataset[tuple[torch.Tensor, int]]):
@@ -584,7 +584,7 @@ class FullDisk(zarr.storage.WrapperStore[Any]):
         self.room = room
 
     async def set(self, key: str, value: Any) -> None:
-        if "/c/" in key and not key.startswith("_hookscope"):
+        if "/c/" in key and not key.startswith("_"):  # the sites' chunks, not the manifest's or the row index's
             if self.room == 0:
                 raise OSError(28, "No space left on device")
             self.room -= 1

@@ -365,6 +365,7 @@ def test_metadata_that_lies_about_rows_or_shapes_is_refused_on_open(tmp_path: Pa
     hs.open_store(out)
 
     edit_json(out / "0" / "zarr.json", lambda r: r.update(shape=[1_000_000, 3]))
+    edit_json(out / "_rows" / "index" / "zarr.json", lambda r: r.update(shape=[1_000_000]))
     edit_json(out / "zarr.json", lambda r: r["attributes"]["hookscope"].update(rows=1_000_000))
     with pytest.raises(hs.StoreError, match=r"holds 1,000,000 rows in 250,000 chunks, but its manifest has \(3,\)"):
         hs.open_store(out)
@@ -377,6 +378,7 @@ def test_a_read_bigger_than_memory_is_refused_before_allocating(tmp_path: Path) 
     huge = 2**40
     chunks = huge // BATCH
     edit_json(out / "0" / "zarr.json", lambda r: r.update(shape=[huge, 3]))
+    edit_json(out / "_rows" / "index" / "zarr.json", lambda r: r.update(shape=[huge]))
     edit_json(out / "_hookscope" / "done" / "zarr.json", lambda r: r.update(shape=[chunks]))
     edit_json(out / "zarr.json", lambda r: r["attributes"]["hookscope"].update(rows=huge, chunks=chunks))
     store = hs.open_store(out)  # consistent lies: only reading can tell
@@ -466,7 +468,7 @@ def test_a_zarr_reader_sees_the_arrays_and_the_manifest_and_no_warning(tmp_path:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         group = zarr.open_group(out, mode="r")
-        assert sorted(group.keys()) == ["0", "_hookscope"]
+        assert sorted(group.keys()) == ["0", "_hookscope", "_rows"]
         assert np.array_equal(group["0"][:], reference(model, x))
 
 

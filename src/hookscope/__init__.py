@@ -23,7 +23,7 @@ from hookscope._core.std import StdMap, StdSite, std_map
 from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
-from hookscope._extract import ExtractConfig, Store, StoreArray, extract, open_store
+from hookscope._extract import ExtractConfig, SiteStats, Store, StoreArray, StoreLoader, extract, open_store
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
@@ -132,6 +132,7 @@ __all__ = [
     "Selector",
     "Site",
     "SiteNotFoundError",
+    "SiteStats",
     "SpecError",
     "StaleCompiledCodeWarning",
     "Stats",
@@ -143,6 +144,7 @@ __all__ = [
     "StoreBusyError",
     "StoreError",
     "StoreIndexError",
+    "StoreLoader",
     "StoreRepairWarning",
     "StoreWriteError",
     "TensorBoardSink",

@@ -30,11 +30,12 @@ from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
 from hookscope._edit.context import EditContext
 from hookscope._edit.part import Part
-from hookscope._edit.splice import Splice, topk_latents
+from hookscope._edit.splice import SparseTopk, Splice, topk_latents
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
 __all__ = [
     "Edit",
+    "SparseTopk",
     "Splice",
     "add",
     "clamp",

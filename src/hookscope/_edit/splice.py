@@ -31,7 +31,7 @@ from hookscope._core.sites import Site
 from hookscope._edit.context import EditContext
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
-__all__ = ["Latents", "Splice", "topk_latents"]
+__all__ = ["Latents", "SparseTopk", "Splice", "topk_latents"]
 
 
 class Latents(Mapping[str, torch.Tensor]):
@@ -154,11 +154,12 @@ class Splice:
             return recon + (value - recon).detach()
         return recon
 
-    def topk(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def topk(self, k: int) -> SparseTopk:
         """A ``reduce=`` function for ``hs.extract`` at the spliced site: the ``k`` largest latents of
-        each vector, packed in one float32 tensor ``(..., 2k)``: ``[..., :k]`` the values,
-        ``[..., k:]`` the latent indices (exact as float32 for SAEs under 2**24 latents; store
-        without ``dtype=``). ``hs.extract`` runs unedited, so these are the latents of the
+        each vector (a :class:`SparseTopk`), packed in one float32 tensor ``(..., 2k)``:
+        ``[..., :k]`` the values, ``[..., k:]`` the latent indices (exact as float32 for SAEs
+        under 2**24 latents). The store records it as sparse: ``store[site].dense()`` and
+        ``.sparse()`` read it back. ``hs.extract`` runs unedited, so these are the latents of the
         clean forward at that site, as the splice would compute them there.
 
         >>> import torch
@@ -167,8 +168,7 @@ class Splice:
         >>> Splice(sae).topk(1)(torch.tensor([[1.0, 3.0, 2.0]]))
         tensor([[30.,  1.]])
         """
-        _check_k(k)
-        return functools.partial(_packed_topk, self.sae, k=k)
+        return SparseTopk(functools.partial(_encode_placed, self.sae), k)
 
     def __repr__(self) -> str:
         parts = [type(self.sae).__name__] + (["keep_error=True"] if self.keep_error else [])
@@ -196,12 +196,52 @@ def topk_latents(latents: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return values, indices
 
 
-def _packed_topk(sae: Any, value: torch.Tensor, *, k: int) -> torch.Tensor:
-    """``topk_latents(sae.encode(value), k)`` as one float32 tensor ``(..., 2k)``: values, then indices."""
+class SparseTopk:
+    """A ``reduce=`` for ``hs.extract`` that stores sparse latents: the ``k`` largest of
+    ``encode(value)`` per vector, packed as one float32 tensor ``(..., 2k)`` (values, then indices).
+
+    A store of ``d_sae`` latents per token would be ``d_sae / 2k`` times larger dense (24576 latents
+    at k=64: 192 times). The store records the site as sparse (``k`` and the latents' width, learned
+    at the first batch), and reads it back dense (``store[site].dense(rows)``, ``(rows, ..., width)``)
+    or as a ``torch.sparse_coo_tensor`` (``store[site].sparse(rows)``). ``encode`` is any function
+    ``(..., d) -> (..., width)``: an SAE's, a transcoder's, a probe's; ``splice.topk(k)`` makes one
+    for a spliced SAE. Store it without ``dtype=``: a narrower float would round the indices.
+
+    >>> reduce = SparseTopk(lambda x: x * 10, k=1)
+    >>> reduce(torch.tensor([[1.0, 3.0, 2.0]])), reduce.sparse_latents
+    (tensor([[30.,  1.]]), (1, 3))
+    """
+
+    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], k: int) -> None:
+        _check_k(k)
+        if not callable(encode):
+            raise SpecError(f"SparseTopk(encode={encode!r}): expected a function tensor -> latents")
+        self.encode = encode
+        self.k = k
+        self.width: int | None = None  # the latents' width, known after the first call
+
+    @property
+    def sparse_latents(self) -> tuple[int, int | None]:
+        """``(k, width)``: what a store records of this reduction (``width`` None before the first call)."""
+        return self.k, self.width
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        latents = self.encode(value)
+        if not isinstance(latents, torch.Tensor) or latents.dim() == 0:
+            raise SpecError(f"SparseTopk: encode returned {_described(latents)}; expected latents (..., width)")
+        self.width = int(latents.shape[-1])
+        values, indices = topk_latents(latents, self.k)
+        return torch.cat([values.float(), indices.float()], dim=-1).to(value.device)
+
+    def __repr__(self) -> str:
+        return f"SparseTopk(k={self.k})"
+
+
+def _encode_placed(sae: Any, value: torch.Tensor) -> torch.Tensor:
+    """``sae.encode(value)`` in the dtype and on the device the SAE computes in."""
     dtype, device = _place_of(sae)
-    latents = sae.encode(value.to(dtype=dtype or value.dtype, device=device or value.device))
-    values, indices = topk_latents(latents, k)
-    return torch.cat([values.float(), indices.float()], dim=-1).to(value.device)
+    latents: torch.Tensor = sae.encode(value.to(dtype=dtype or value.dtype, device=device or value.device))
+    return latents
 
 
 def _place_of(sae: Any) -> tuple[torch.dtype | None, torch.device | None]:

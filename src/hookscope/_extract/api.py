@@ -34,6 +34,7 @@ from hookscope._core.attach import HookGroup
 from hookscope._core.op_sites import op_pattern
 from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module
+from hookscope._core.sites import Site
 from hookscope._core.std import expand_std
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, differences, model_identity
@@ -43,9 +44,10 @@ from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_ch
 from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope._extract.progress import ExtractProgress
+from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
 from hookscope._extract.reduce import TokenMask
-from hookscope._extract.store import Store, open_store, stored_layout
+from hookscope._extract.store import Store, merged_stats, open_store, stored_layout
 from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
 from hookscope._extract.writer import ChunkWriter, WriterThread
 from hookscope._extract.zarr_io import (
@@ -70,6 +72,10 @@ from hookscope.errors import DataError, SpecError, StoreError, StoreRepairWarnin
 __all__ = ["extract"]
 
 T = TypeVar("T")
+
+#: Chunks written at once to object storage: enough to hide a round trip of tens of milliseconds
+#: behind the forward, each holding one chunk buffer (8 MiB by default) until it lands.
+REMOTE_FLUSHERS = 8
 
 
 @with_options(ExtractConfig)
@@ -127,7 +133,7 @@ def extract(
     expanded, std_names = expand_std(model, layers, "read")  # "std:blocks.*.resid_post" -> site selectors
     _refuse_op_selectors(expanded)
     zarr_module()
-    target = target_of(out)
+    target = target_of(out, config.storage_options)
     ranks = resolve_ranks(config.rank, config.world_size)
     source = make_source(
         data,
@@ -155,6 +161,7 @@ def extract(
         mask_required=config.mask_required,
         progress=config.progress,
         compression_level=config.compression_level,
+        tokens=config.tokens,
     )
     recorded = {
         "model": model_identity(model, config.model_spec),
@@ -187,6 +194,7 @@ class _Job:
     mask_required: bool
     progress: bool | None
     compression_level: int | None
+    tokens: TokensOption = "auto"
 
     def step(self, name: str, work: Callable[[], T], *, main_only: bool = False) -> T:
         """Run ``work`` (on rank 0 alone with ``main_only``), then meet: a failure on any rank is raised on all."""
@@ -242,7 +250,7 @@ class _Job:
             checked = True
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
-        first, layout = self.step("on the first batch", lambda: self._layout(probe, reusable))
+        first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable))
         meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
@@ -251,7 +259,9 @@ class _Job:
             self.step("checking the stored chunks", lambda: self._check_stored(existing, repair=True))
         group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
         confirm = hold.confirm if self.ranks.is_main else None
-        rows = self.step("writing chunks", lambda: self._write(group, manifest, done, layout, first, confirm))
+        rows = self.step(
+            "writing chunks", lambda: self._write(group, manifest, done, layout, first, confirm, provenance)
+        )
         self.step(
             "completing the store", lambda: self._complete(group, manifest, layout, meta, rows, hold), main_only=True
         )
@@ -269,7 +279,7 @@ class _Job:
         group, manifest, done = self._manifest()
         stored = stored_layout(meta)
         mine = sorted(done)[self.ranks.rank :: self.ranks.world_size]
-        damage = damaged_chunks(group, stored.sites, manifest, mine, stored.chunk_rows)
+        damage = damaged_chunks(group, stored.arrays, manifest, mine, stored.chunk_rows)
         broken = sorted({found.chunk for found in damage})
         if isinstance(self.source, IndexedSource):
             intact = [chunk for chunk in mine if chunk not in broken]
@@ -310,7 +320,7 @@ class _Job:
         return group, manifest, manifest.done()
 
     def _opened(self) -> Store:
-        return open_store(self.target.store if self.target.path is None else self.target.path)
+        return open_store(self.target)
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -348,9 +358,16 @@ class _Job:
             )
         return meta
 
-    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[ProbeValues, Layout]:
-        """Run the first batch; its sites, row shapes and dtypes make the layout."""
+    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[ProbeValues, Layout, Provenance]:
+        """Run the first batch; its sites, row shapes and dtypes make the layout, its inputs the
+        provenance arrays."""
         inputs = map_tensors(lambda t: t.clone(), (probe.args, probe.kwargs))  # as they were before the forward
+        provenance = Provenance.plan(
+            Batch(probe.start, probe.rows, *inputs),
+            tokens=self.tokens,
+            mask_key=self.mask_key,
+            source_index=self.source.source_index,
+        )
         values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
         probe = Batch(probe.start, probe.rows, *inputs)
         if not values:
@@ -368,13 +385,29 @@ class _Job:
                 shape=tuple(value.shape[1:]),
                 dtype=dtype_name(value.dtype),
                 reduce=self.captures.reductions.get(site.module),
+                sparse=self._sparse(site, value),
             )
             for site, value in values.items()
         )
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        return ProbeValues(probe, values), Layout(sites, self.source.rows, batch, rows)
+        layout = Layout(sites, self.source.rows, batch, rows, provenance.arrays)
+        return ProbeValues(probe, values), layout, provenance
+
+    def _sparse(self, site: Site, value: torch.Tensor) -> dict[str, int] | None:
+        """``{"k", "width"}`` for a site reduced by a ``SparseTopk`` (stored packed, read back sparse)."""
+        found = getattr(self.captures.specs.get(site.module), "sparse_latents", None)
+        if found is None:
+            return None
+        k, width = found
+        if value.dtype != torch.float32 or value.shape[-1] != 2 * k or width is None:
+            raise SpecError(
+                f"site {str(site)!r}: sparse latents (k={k}) are stored as float32 (..., {2 * k}), values then "
+                f"indices, and the reduction gave {tuple(value.shape)} {dtype_name(value.dtype)}; extract them "
+                "without dtype= (a narrower float would round the indices)"
+            )
+        return {"k": int(k), "width": int(width)}
 
     def _make(self, existing: dict[str, Any] | None, layout: Layout, meta: dict[str, Any]) -> None:
         if existing is not None:
@@ -393,6 +426,7 @@ class _Job:
         layout: Layout,
         first: ProbeValues,
         confirm: Callable[[], None] | None,
+        provenance: Provenance,
     ) -> int:
         """Run and write this rank's chunks; return the rows the data held."""
         source = self.source
@@ -415,6 +449,7 @@ class _Job:
             owned=owned,
             label=self.target.label,
             confirm=confirm,
+            flushers=REMOTE_FLUSHERS if self.target.remote else 1,
         )
         name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
         shown = self.progress if self.ranks.is_main else False
@@ -435,6 +470,7 @@ class _Job:
                     reused=first,
                     on_batch=bar.advance,
                     skipped=None if isinstance(source, IndexedSource) else InputCheck(layout, manifest).see,
+                    provenance=provenance,
                 )
             except BaseException:
                 with contextlib.suppress(BaseException):  # the forward's error is the one to report
@@ -476,7 +512,8 @@ class _Job:
                 f"{len(missing)} of {chunks} chunks are not recorded as done (first: {missing[0]}); run the same "
                 "extraction again to write them"
             )
-        write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks})
+        stats = {name: found.to_json() for name, found in merged_stats(manifest, layout, chunks).items()}
+        write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks, "stats": stats})
 
 
 def _reusable_chunk_rows(existing: dict[str, Any] | None, batch_size: int) -> int | None:
@@ -495,6 +532,7 @@ def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[s
         "chunks": layout.chunks,
         "config": config,
         "sites": [site.to_json() for site in layout.sites],
+        "provenance": [array.to_json() for array in layout.extras],
         "versions": {
             "hookscope": __version__,
             "torch": torch.__version__,

@@ -193,6 +193,12 @@ class IndexedSource:
     def _index(self, row: int) -> int:
         return row if self.indices is None else int(self.indices[row])
 
+    def source_index(self, start: int, stop: int) -> torch.Tensor:
+        """The data set's indices of rows ``[start, stop)`` (int64)."""
+        if self.indices is None:
+            return torch.arange(start, stop, dtype=torch.int64)
+        return torch.as_tensor([int(self.indices[row]) for row in range(start, stop)], dtype=torch.int64)
+
     def probe(self) -> Batch:
         """The first batch, fetched here (no worker processes) to learn the layout."""
         assert self.rows is not None
@@ -268,6 +274,10 @@ class StreamSource:
     @property
     def batch_size(self) -> int:
         return self.probe().rows
+
+    def source_index(self, start: int, stop: int) -> torch.Tensor:
+        """A stream's rows are numbered by their place in it."""
+        return torch.arange(start, stop, dtype=torch.int64)
 
     def probe(self) -> Batch:
         """The first batch; :meth:`stream` yields it again without reading it twice."""

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hookscope._extract.zarr_io import MANIFEST_GROUP, WRITER_RECORD, Target, zarr_module
+from hookscope._extract.object_record import ObjectRecord
+from hookscope._extract.zarr_io import MANIFEST_GROUP, WRITER_RECORD, Target
 from hookscope.errors import StoreBusyError, StoreError
 
 __all__ = ["HEARTBEAT_S", "RECORD_KEY", "STALE_AFTER_S", "StoreHold", "describe_holder", "is_stale"]
@@ -72,6 +73,7 @@ class StoreHold:
         self._beat: threading.Thread | None = None
         self._made_folders: list[Path] = []
         self._lost_to: dict[str, Any] | None = None
+        self._object = ObjectRecord(target, RECORD_KEY) if target.path is None else None
 
     def __enter__(self) -> StoreHold:
         self.take()
@@ -197,10 +199,12 @@ class StoreHold:
                     f"out {self.target.label!r} cannot be written: {error}; choose a writable path"
                 ) from error
             return True
-        zarr = zarr_module()
-        buffer = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(body)
-        zarr.core.sync.sync(self.target.store.set_if_not_exists(RECORD_KEY, buffer))
-        found = self._read()  # an object store may not create exclusively: whoever's record is there wins
+        assert self._object is not None
+        if not self._object.create(body):
+            return False
+        if self._object.conditional:
+            return True
+        found = self._read()  # a store without conditional writes: whoever's record is there wins
         return found is not None and found.get("token") == self.token
 
     def _read(self) -> dict[str, Any] | None:
@@ -211,13 +215,11 @@ class StoreHold:
             except (FileNotFoundError, NotADirectoryError):  # no record; out is a file (refused later)
                 return None
         else:
-            zarr = zarr_module()
-            found = zarr.core.sync.sync(
-                self.target.store.get(RECORD_KEY, prototype=zarr.core.buffer.default_buffer_prototype())
-            )
-            if found is None:
+            assert self._object is not None
+            body, _ = self._object.read()
+            if body is None:
                 return None
-            text = found.to_bytes()
+            text = body
         try:
             record = json.loads(text)
         except ValueError:
@@ -234,23 +236,31 @@ class StoreHold:
             temporary.write_bytes(body)
             os.replace(temporary, path)
             return
-        zarr = zarr_module()
-        buffer = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(body)
-        zarr.core.sync.sync(self.target.store.set(RECORD_KEY, buffer))
+        assert self._object is not None
+        if not self._object.replace(body, if_etag=self._object.etag):  # taken over since: leave its record
+            self._lost_to = self._read() or {}
+            self._stop.set()
 
     def _delete(self, key: str) -> None:
         if self.target.path is not None:
             (self.target.path / key).unlink(missing_ok=True)
             return
-        zarr_module().core.sync.sync(self.target.store.delete(key))
+        assert self._object is not None
+        self._object.delete(if_etag=self._object.etag)  # only our own version
 
     def _remove_stale(self, found: dict[str, Any]) -> None:
         """Move the stale record ``found`` out of the way, and only it: a newcomer that moved a
         live record (another newcomer's, made meanwhile) puts it back. On a local disk the
         rename lets exactly one of two newcomers move a given record."""
         if self.target.path is None:
-            if self._read() == found:  # an object store: compare, then delete (a narrow window)
-                self._delete(RECORD_KEY)
+            assert self._object is not None
+            body, etag = self._object.read()
+            try:
+                now = json.loads(body) if body is not None else None
+            except ValueError:
+                now = {"unreadable": True}
+            if now == found:  # only the version read: with conditional deletes, one newcomer of two moves it
+                self._object.delete(if_etag=etag)
             return
         record = self.target.path / RECORD_KEY
         aside = self.target.path / MANIFEST_GROUP / f".writer.stale.{self.token}"

@@ -34,7 +34,7 @@ __all__ = [
 CHUNK_BYTES = 8 * 2**20
 #: ... and at most this many rows, so that a crash loses little and processes share the work.
 MAX_CHUNK_ROWS = 1024
-_RESERVED = "_hookscope"  # the group that holds the progress manifest
+_RESERVED = ("_hookscope", "_rows")  # the groups of the manifest and of the rows' provenance
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class SiteLayout:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name of the values, e.g. "bfloat16"
     reduce: str | None
+    #: ``{"k": k, "width": w}`` for sparse latents packed as ``(..., 2k)`` (values, then indices)
+    sparse: dict[str, int] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -70,6 +72,8 @@ class SiteLayout:
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
+        if self.sparse is None:
+            del record["sparse"]  # the records of dense sites stay as they were
         record["shape"] = list(self.shape)
         record["stored_dtype"] = str(self.stored)
         return record
@@ -83,6 +87,7 @@ class SiteLayout:
             shape=tuple(record["shape"]),
             dtype=record["dtype"],
             reduce=record["reduce"],
+            sparse=record.get("sparse"),
         )
 
     def check(self, value: torch.Tensor, rows: int, start: int) -> None:
@@ -112,6 +117,13 @@ class Layout:
     rows: int | None  # None: a stream whose end tells the number
     batch_size: int
     chunk_rows: int
+    #: Arrays written beside the sites, row for row (see ``hookscope._extract.provenance``).
+    extras: tuple[SiteLayout, ...] = ()
+
+    @property
+    def arrays(self) -> tuple[SiteLayout, ...]:
+        """Every array the writer fills: the sites', then the extras."""
+        return self.sites + self.extras
 
     @property
     def chunks(self) -> int | None:
@@ -165,9 +177,9 @@ def array_names(sites: Sequence[Site]) -> dict[Site, str]:
     """
     names = short_names(sites)
     for site, name in names.items():
-        if "/" in name or name.startswith("__") or name == _RESERVED:
+        if "/" in name or name.startswith("__") or name in _RESERVED:
             raise SpecError(
                 f"site {str(site)!r} cannot name an array ({name!r}): zarr names may not hold '/', start with "
-                f"'__' or be {_RESERVED!r}; rename the module"
+                f"'__' or be one of {', '.join(map(repr, _RESERVED))}; rename the module"
             )
     return names

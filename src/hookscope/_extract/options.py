@@ -18,6 +18,7 @@ from hookscope._capture import CaptureOptions
 from hookscope._core.sites import Calls, Keep
 from hookscope._extract.data import Inputs
 from hookscope._extract.pipeline import ReduceOption
+from hookscope._extract.provenance import TokensOption
 from hookscope._shared.dtypes import Overflow, overflow_choice, parse_device
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
@@ -37,14 +38,19 @@ class ExtractConfig(Options):
     reductions over dim 1 use only real tokens when a batch has an ``attention_mask``; None:
     never; a key: that batch key, required), ``chunk_rows`` (a multiple of the batch; default
     up to 1,024 rows or 8 MiB per chunk), ``compression_level`` (zstd, -7..22; None for none),
-    ``eval_mode`` (run in eval mode, restored after).
+    ``eval_mode`` (run in eval mode, restored after), ``tokens`` (``"auto"``: keep each row's token
+    ids beside its values when the batches carry some, ``input_ids`` or an integer first input;
+    True: required; False: never; each row's data index and padding mask are kept too, see
+    ``Store.row_index``).
 
     How it runs: ``device`` to put the inputs on (default: the model's), ``batch_size``
     (default 32) and ``num_workers`` for a data set, ``indices`` (rows of a map-style data set),
     ``inputs=lambda batch: (args, kwargs)``, ``progress`` (default: when standard error is a
     terminal), ``resume`` (continue a store a stopped run left), ``overwrite`` (replace one),
     ``model_spec`` (how the store names the model), ``rank`` / ``world_size`` (default: from
-    ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded).
+    ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded),
+    ``storage_options`` (for an ``out`` URL such as ``s3://bucket/feats.zarr``: the fsspec file
+    system's options, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``; not recorded).
 
     >>> ExtractConfig(dtype="bf16", reduce="mean:1").recorded()["dtype"]
     'bfloat16'
@@ -77,6 +83,8 @@ class ExtractConfig(Options):
     world_size: int | None = None
     command: str | None = None
     overflow: Overflow = "warn"
+    storage_options: dict[str, Any] | None = None
+    tokens: TokensOption = "auto"
 
     def __post_init__(self) -> None:
         for flag in ("resume", "overwrite", "eval_mode"):
@@ -94,6 +102,10 @@ class ExtractConfig(Options):
         self.capture_options  # noqa: B018 (keep, calls and dtype refused now, as a capture refuses them)
         parse_device(self.device)
         overflow_choice(self.overflow)
+        if self.tokens not in (True, False, "auto"):
+            raise SpecError(
+                f"tokens={self.tokens!r} is not 'auto' (keep token ids when the batches carry some), True or False"
+            )
 
     def recorded(self) -> dict[str, Any]:
         """What the store records of these options and a resumed run must match (reductions apart,
@@ -106,6 +118,7 @@ class ExtractConfig(Options):
             "mask": self.mask_key,
             "eval_mode": self.eval_mode,
             "compression_level": self.compression_level,
+            "tokens": self.tokens,
         }
 
     @property

@@ -27,6 +27,7 @@ from hookscope._core.tree import map_tensors
 from hookscope._extract.checksums import input_parts, regions
 from hookscope._extract.data import Batch
 from hookscope._extract.layout import Layout
+from hookscope._extract.provenance import Provenance
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._extract.writer import Work, WriterThread
 from hookscope._shared.dtypes import overflow_message
@@ -58,6 +59,8 @@ class SiteCaptures:
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
+        #: The reduction given for each module, as given (a ``SparseTopk`` says its sites are sparse).
+        self.specs = {name: spec for spec, members in groups for name, _ in members}
         if len(groups) == 1:  # one capture: it reads the selectors as given, leaf selectors included
             self._groups: list[tuple[Reduction | None, list[Selector]]] = [
                 (extraction_reduction(groups[0][0], mask), list(layers))
@@ -228,13 +231,15 @@ def run_batches(
     reused: ProbeValues | None,
     on_batch: Callable[[int], None],
     skipped: Callable[[Batch], None] | None = None,
+    provenance: Provenance | None = None,
 ) -> int:
     """Run every batch the writer still wants, hand its values on; return the rows the data held.
 
     ``reused`` holds a batch already run (the probe) and its values, handed on instead of run again;
     ``skipped`` sees each batch the writer does not want (a stream's rows a resumed store has:
     their checksums are checked). The checksum of each batch's input rows is taken before its
-    forward, so a model that writes into its inputs does not change it.
+    forward, so a model that writes into its inputs does not change it; so are its ``provenance``
+    rows (data index, tokens, mask), handed on after the sites' values.
     """
     sites = {Site.parse(site.site): site for site in layout.sites}
     copier = HostCopier()
@@ -257,11 +262,13 @@ def run_batches(
         values = reused.take(batch) if reused is not None else None
         if values is None:
             parts = input_parts(batch, cut)
+            kept = provenance.values(batch) if provenance is not None else []
             values = forward(model, batch, captures, device, mask_key, mask_required)
         else:  # the probe: its inputs as they were before its forward
             assert reused is not None
             parts = input_parts(reused.batch, cut)
-        ordered = _checked(values, sites, batch)
+            kept = provenance.values(reused.batch) if provenance is not None else []
+        ordered = _checked(values, sites, batch) + kept
         writer.submit(copier.work(batch.start, ordered, parts))
         on_batch(batch.rows)
     return end

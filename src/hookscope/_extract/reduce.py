@@ -59,6 +59,9 @@ def describe_reduction(spec: str | Reduction | None) -> str | None:
     """
     if spec is None or isinstance(spec, str):
         return ALIASES.get(spec, spec) if isinstance(spec, str) else None
+    sparse = getattr(spec, "sparse_latents", None)  # SparseTopk: its k and encoder tell it apart
+    if sparse is not None:
+        return f"sparse_topk(k={sparse[0]}, encode={describe_reduction(getattr(spec, 'encode', None))})"
     if isinstance(spec, functools.partial):
         return f"partial({describe_reduction(spec.func)}, args={spec.args!r}, keywords={spec.keywords!r})"
     module = getattr(spec, "__module__", "") or ""

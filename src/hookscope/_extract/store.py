@@ -12,17 +12,20 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from hookscope._core.sites import Site
 from hookscope._core.std.stdmap import is_std_selector, std_pattern
 from hookscope._extract.layout import Layout, SiteLayout
+from hookscope._extract.provenance import INDEX, MASK, TOKENS
+from hookscope._extract.running_stats import SiteStats, chunk_part, features, merge, summary
 from hookscope._extract.verify import damaged_chunks, describe, missing_chunk, present_chunks
 from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
@@ -31,7 +34,7 @@ from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
 from hookscope.errors import SiteNotFoundError, StoreError, StoreIndexError
 
-__all__ = ["Store", "StoreArray", "open_store"]
+__all__ = ["Store", "StoreArray", "merged_stats", "open_store"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,40 @@ class StoreArray:
         values = values.clone()
         values[torch.from_numpy(np.asarray(missing))] = torch.nan
         return values
+
+    def dense(self, index: Any = slice(None)) -> Tensor:
+        """Rows ``index`` of sparse latents (``hs.edits.SparseTopk``) as dense float32 ``(rows, ..., width)``:
+        zeros but for each vector's ``k`` kept latents."""
+        k, width = self._sparse_form()
+        packed = self.torch(index)
+        dense = torch.zeros((*packed.shape[:-1], width), dtype=torch.float32)
+        return dense.scatter_(-1, packed[..., k:].long(), packed[..., :k])
+
+    def sparse(self, index: Any = slice(None)) -> Tensor:
+        """Rows ``index`` of sparse latents as a ``torch.sparse_coo_tensor`` of shape ``(rows, ..., width)``
+        (coalesced: each vector's ``k`` latents)."""
+        k, width = self._sparse_form()
+        packed = self.torch(index)
+        lead = packed.shape[:-1]
+        grid = torch.stack(torch.meshgrid(*[torch.arange(n) for n in lead], indexing="ij"), dim=0) if lead else None
+        latents = packed[..., k:].long().reshape(-1)
+        if grid is None:
+            indices = latents.unsqueeze(0)
+        else:
+            where = grid.reshape(len(lead), -1).repeat_interleave(k, dim=1)
+            indices = torch.cat([where, latents.unsqueeze(0)], dim=0)
+        values = packed[..., :k].reshape(-1)
+        return torch.sparse_coo_tensor(indices, values, (*lead, width), check_invariants=False).coalesce()
+
+    def _sparse_form(self) -> tuple[int, int]:
+        sparse = self.layout.sparse
+        if sparse is None:
+            raise StoreError(
+                f"{self.name!r} holds dense values, not sparse latents; read it with store[{self.name!r}][rows] "
+                "(dense() and sparse() read sites stored with reduce=hs.edits.SparseTopk(...) or splice.topk(k))",
+                array=self.name,
+            )
+        return int(sparse["k"]), int(sparse["width"])
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """Row by row, reading one chunk at a time."""
@@ -276,7 +313,10 @@ class Store:
         self.target = target
         self.group = group
         self.meta = meta
-        self._layouts = list(checked_layout(target.label, group, meta).sites)
+        checked = checked_layout(target.label, group, meta)
+        self._layouts = list(checked.sites)
+        self._extras = {extra.name: extra for extra in checked.extras}
+        self._stats: dict[str, SiteStats] | None = None
         self._by_key: dict[str, SiteLayout] = {}
         self._present: dict[str, set[int]] = {}  # per array, the chunks whose file a read has seen
         for layout in self._layouts:
@@ -312,6 +352,60 @@ class Store:
     def done_chunks(self) -> set[int]:
         """The chunks recorded as written; every chunk of a complete store."""
         return Manifest(self.group).done()
+
+    # -- what each row is ---------------------------------------------------------------------
+
+    @property
+    def row_index(self) -> StoreArray:
+        """Each row's index in the data set it came from (``(N,)`` int64): the index picked with
+        ``indices=``, a stream's row number. ``store.tokens[i]`` and the data set's
+        ``dataset[store.row_index[i]]`` say what made row ``i``."""
+        found = self._extra(INDEX)
+        if found is None:
+            raise StoreError(
+                f"store {self.path!r} keeps no row index: it was made by an older hookscope; extract it again "
+                "(overwrite=True) to keep each row's provenance"
+            )
+        return found
+
+    @property
+    def tokens(self) -> StoreArray | None:
+        """The token ids each row was made from (``(N, seq)`` int64, ``-1`` past a shorter batch's
+        end); None when the data carried none (see ``tokens=`` of ``hs.extract``)."""
+        return self._extra(TOKENS)
+
+    @property
+    def attention_mask(self) -> StoreArray | None:
+        """Each row's padding mask (``(N, seq)`` bool, True for real tokens); None when the batches had none."""
+        return self._extra(MASK)
+
+    def _extra(self, name: str) -> StoreArray | None:
+        layout = self._extras.get(name)
+        if layout is None:
+            return None
+        return StoreArray(
+            self.group[name],
+            layout,
+            self._unwritten_rows(),
+            checks_files=True,
+            present=self._present.setdefault(name, set()),
+        )
+
+    @property
+    def stats(self) -> Mapping[str, SiteStats]:
+        """Each floating site's statistics, by array name: count, mean, std, min, max, norms, and per
+        feature (:class:`~hookscope.SiteStats`), over every stored vector with padding left out.
+
+        Kept while the store was written, so nothing of the data is read: they are merged from
+        the manifest's per-chunk parts (one small read); a complete store's scalars are in its
+        attributes too (``store.meta["stats"]``, for readers without hookscope). A partial
+        store's cover its done chunks.
+        """
+        if self._stats is None:
+            layout = stored_layout(self.meta, self.path)
+            chunks = self.meta.get("chunks") if self.complete else sorted(self.done_chunks())
+            self._stats = merged_stats(Manifest(self.group), layout, chunks if chunks is not None else [])
+        return self._stats
 
     def __len__(self) -> int:
         return self.rows
@@ -361,7 +455,7 @@ class Store:
         current = self.meta.get("format") != 1
         damage = damaged_chunks(
             self.group,
-            stored.sites,
+            stored.arrays,
             Manifest(self.group),
             sorted(self.done_chunks()),
             stored.chunk_rows,
@@ -382,6 +476,19 @@ class Store:
     def torch(self, key: str, index: Any = slice(None)) -> Tensor:
         """Rows ``index`` of site ``key`` as a tensor of the values' own dtype."""
         return self[key].torch(index)
+
+    def loader(self, sites: str | Sequence[str], batch_size: int, **options: Any) -> IterableDataset[Any]:
+        """Batches of ``sites`` for training, shuffled across the whole store: a
+        :class:`~hookscope.StoreLoader` (see it for the options).
+
+        Example::
+
+            for batch in store.loader("h.5", 4096, tokens=True, seed=0):   # (4096, d) token rows
+                sae_step(batch)
+        """
+        from hookscope._extract.loader import StoreLoader
+
+        return StoreLoader(self, sites, batch_size, **options)
 
     def _not_found(self, key: str) -> SiteNotFoundError:
         """The error for a key that names no array: the arrays it may have meant, in the message and as fields."""
@@ -458,7 +565,13 @@ def _hf_rows(path: str, names: tuple[str, ...]) -> Iterator[dict[str, Any]]:
             yield {name: values[offset] for name, values in block.items()}
 
 
-def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, verify: bool = False) -> Store:
+def open_store(
+    path: str | os.PathLike[str] | Any,
+    *,
+    partial: bool = False,
+    verify: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Store:
     """Open a store made by :func:`hookscope.extract` for reading.
 
     An incomplete store (a run that stopped part-way) raises ``StoreError`` naming how much is
@@ -470,6 +583,9 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, ver
     checks the chunks it touches; ``verify=True`` checks every chunk now (:meth:`Store.verify`:
     one read of the whole store).
 
+    ``path`` may be an fsspec URL (``"s3://bucket/feats.zarr"``, ``"gs://..."``) with
+    ``storage_options`` for its file system (endpoint, credentials), or a zarr store object.
+
     >>> import tempfile, torch
     >>> from torch import nn
     >>> import hookscope as hs
@@ -479,7 +595,7 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, ver
     >>> len(store), store.sites, store["0"][:2].shape
     (10, ['0'], (2, 3))
     """
-    target = target_of(path)
+    target = path if isinstance(path, Target) else target_of(path, storage_options)
     meta = read_meta(target)
     if not meta:
         what = "nothing" if meta is None else "a zarr store hookscope did not make"
@@ -505,6 +621,22 @@ def open_store(path: str | os.PathLike[str] | Any, *, partial: bool = False, ver
     if verify:
         store.verify()
     return store
+
+
+def merged_stats(manifest: Manifest, layout: Layout, chunks: int | Iterable[int]) -> dict[str, SiteStats]:
+    """Each site's statistics over ``chunks`` (a count: the first ones; or which), merged in chunk order."""
+    wanted = sorted(range(chunks) if isinstance(chunks, int) else chunks)
+    found = {}
+    for site in layout.sites:
+        array = manifest.stats_array(site.name)
+        if array is None:
+            continue
+        parts = np.asarray(array[:])
+        if wanted:
+            found[site.name] = summary(merge(parts[[c for c in wanted if c < len(parts)]]))
+        else:
+            found[site.name] = summary(merge([chunk_part(np.zeros((0, features(site.shape))))]))
+    return found
 
 
 def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:
@@ -540,7 +672,13 @@ def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:
         if not isinstance(layout.name, str) or not all(_whole(n, least=0) for n in layout.shape):
             raise damaged(f"the record of site {layout.name!r} is damaged: shape {list(layout.shape)}")
         layouts.append(layout)
-    return Layout(tuple(layouts), rows, batch_size, chunk_rows)
+    extras = []
+    for record in meta.get("provenance") or []:
+        try:
+            extras.append(SiteLayout.from_json(record))
+        except (KeyError, TypeError, ValueError) as error:
+            raise damaged(f"the record of a provenance array ({str(record)[:80]}) is damaged: {error}") from None
+    return Layout(tuple(layouts), rows, batch_size, chunk_rows, tuple(extras))
 
 
 def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
@@ -550,7 +688,7 @@ def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
     complete = meta.get("state") == "complete"
     if complete and layout.rows is None:
         raise StoreError(f"store {label!r} says it is complete but not how many rows it holds; it is damaged")
-    for site in layout.sites:
+    for site in layout.arrays:
         try:
             array = group[site.name]
             shape, chunks, dtype = tuple(array.shape), tuple(array.chunks), np.dtype(array.dtype)

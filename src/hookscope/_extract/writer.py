@@ -12,6 +12,7 @@ chunk to be written again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -23,8 +24,10 @@ import torch
 
 from hookscope._extract.checksums import combine, crc32c
 from hookscope._extract.layout import Layout
-from hookscope._extract.zarr_io import Manifest
-from hookscope._shared.bits import tensor_to_numpy
+from hookscope._extract.provenance import MASK
+from hookscope._extract.running_stats import chunk_part, vectors_of
+from hookscope._extract.zarr_io import Manifest, stats_widths
+from hookscope._shared.bits import bits_to_tensor, tensor_to_numpy
 from hookscope._shared.memory import ResidentWatch
 from hookscope._shared.units import format_bytes
 from hookscope.errors import StoreWriteError
@@ -52,6 +55,9 @@ class ChunkWriter:
     #: Raises if this run no longer holds the store (see ``holder.StoreHold.confirm``): called
     #: before each chunk is recorded, on the process that holds it.
     confirm: Callable[[], None] | None = None
+    #: Chunks written at once: 1 on a local disk; more on object storage, where each write waits
+    #: on the network rather than the disk (a stream, whose arrays grow, always writes one at a time).
+    flushers: int = 1
     bytes_written: int = 0
     _chunks: dict[int, _Chunk] = field(default_factory=dict)
     _free: list[list[np.ndarray]] = field(default_factory=list)
@@ -59,7 +65,12 @@ class ChunkWriter:
     def __post_init__(self) -> None:
         # every chunk gets its file, all-zero ones too (a run-time setting of zarr's, not stored
         # with the array): a done chunk without a file is then a lost chunk
-        self._arrays = [self.group[site.name].with_config({"write_empty_chunks": True}) for site in self.layout.sites]
+        self._arrays = [self.group[site.name].with_config({"write_empty_chunks": True}) for site in self.layout.arrays]
+        kept = stats_widths(self.layout)
+        self._stats = [(index, site) for index, site in enumerate(self.layout.sites) if site.name in kept]
+        masks = [index for index, array in enumerate(self.layout.arrays) if array.name == MASK]
+        self._mask = masks[0] if masks else None
+        self._pool = _FlushPool(self.flushers if self.layout.rows is not None else 1)
 
     def wants(self, start: int, stop: int) -> bool:
         """True if any row in ``[start, stop)`` belongs to a chunk this writer still has to write."""
@@ -88,32 +99,42 @@ class ChunkWriter:
                 self._flush(chunk, pending.filled)
 
     def finish(self, rows: int | None) -> None:
-        """Write the last, shorter chunk of a stream whose end (``rows``) only now is known."""
-        if self.layout.rows is not None or rows is None:
-            return
-        for chunk in sorted(self._chunks):
-            first, _ = self.layout.span(chunk)
-            if first + self._chunks[chunk].filled == rows:
-                self._flush(chunk, self._chunks[chunk].filled)
+        """Write the last, shorter chunk of a stream whose end (``rows``) only now is known, and wait
+        for every chunk being written."""
+        if self.layout.rows is None and rows is not None:
+            for chunk in sorted(self._chunks):
+                first, _ = self.layout.span(chunk)
+                if first + self._chunks[chunk].filled == rows:
+                    self._flush(chunk, self._chunks[chunk].filled)
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for the chunks being written; raise the first error one of them met."""
+        self._pool.drain()
 
     def unfinished(self) -> list[tuple[int, int, int]]:
         """``(chunk, rows filled, rows expected)`` for chunks begun and not written (the data ran short)."""
         return [(chunk, pending.filled, self.layout.rows_in(chunk)) for chunk, pending in sorted(self._chunks.items())]
 
     def _new_chunk(self, chunk: int) -> _Chunk:
-        arrays = (
-            self._free.pop()
-            if self._free
-            else [np.empty((self.layout.chunk_rows, *site.shape), dtype=site.stored) for site in self.layout.sites]
-        )
+        with self._pool.lock:
+            spare = self._free.pop() if self._free else None
+        arrays = spare or [
+            np.empty((self.layout.chunk_rows, *site.shape), dtype=site.stored) for site in self.layout.arrays
+        ]
         self._chunks[chunk] = made = _Chunk(arrays)  # fresh parts: a reused buffer's were combined
         return made
 
     def _flush(self, chunk: int, rows: int) -> None:
-        first = chunk * self.layout.chunk_rows
+        """Write ``chunk`` now, or hand it to the pool (waiting while ``flushers`` chunks are in flight)."""
         pending = self._chunks.pop(chunk)
+        self._pool.run(lambda: self._write_chunk(chunk, pending, rows))
+
+    def _write_chunk(self, chunk: int, pending: _Chunk, rows: int) -> None:
+        """Every site's chunk, then the manifest entry (on the writer thread or one of the pool's)."""
+        first = chunk * self.layout.chunk_rows
         digests = []
-        for site, array, buffer in zip(self.layout.sites, self._arrays, pending.arrays, strict=True):
+        for site, array, buffer in zip(self.layout.arrays, self._arrays, pending.arrays, strict=True):
             digests.append(crc32c(buffer[:rows]))
             try:
                 if array.shape[0] < first + rows:  # a stream: the arrays grow as chunks land
@@ -121,15 +142,28 @@ class ChunkWriter:
                 array[first : first + rows] = buffer[:rows]
             except Exception as error:
                 raise self._failure(chunk, rows, site.name, error) from error
-            self.bytes_written += buffer[:rows].nbytes
+        stats = self._chunk_stats(pending.arrays, rows)
         if self.confirm is not None:
             self.confirm()
         try:
-            self.manifest.mark(chunk, (combine(pending.input_parts), digests))
+            self.manifest.mark(chunk, (combine(pending.input_parts), digests), stats)
         except Exception as error:
             raise self._failure(chunk, rows, "the manifest", error) from error
-        self.done.add(chunk)
-        self._free.append(pending.arrays)
+        with self._pool.lock:
+            self.bytes_written += sum(buffer[:rows].nbytes for buffer in pending.arrays)
+            self.done.add(chunk)
+            self._free.append(pending.arrays)
+
+    def _chunk_stats(self, buffers: list[np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """Each floating site's part of the running statistics for this chunk, padding left out."""
+        mask = buffers[self._mask][:rows] if self._mask is not None else None
+        found = {}
+        for index, site in self._stats:
+            values = buffers[index][:rows]
+            if site.as_bits:
+                values = bits_to_tensor(values, site.torch_dtype).float().numpy()
+            found[site.name] = chunk_part(vectors_of(values, mask))
+        return found
 
     def _failure(self, chunk: int, rows: int, what: str, error: Exception) -> StoreWriteError:
         first = chunk * self.layout.chunk_rows
@@ -140,6 +174,51 @@ class ChunkWriter:
             f"({format_bytes(self.bytes_written)} written here): fix the cause (e.g. free disk space) and run the "
             "same extraction again to resume after them"
         )
+
+
+class _FlushPool:
+    """Runs chunk writes on up to ``size`` threads, at most ``size`` at a time (so at most that many
+    chunk buffers wait on the network); with ``size`` 1, on the caller's thread.
+
+    An error of one write is raised at the next ``run`` or at ``drain``; the writes already
+    started finish first, so whatever they recorded stays recorded.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(size)
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None
+
+    def run(self, write: Callable[[], None]) -> None:
+        self._raise()
+        if self.size == 1:
+            write()
+            return
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="hookscope-chunk")
+        self._slots.acquire()
+        self._threads.submit(write).add_done_callback(self._done)
+
+    def drain(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
+        self._raise()
+
+    def _done(self, future: concurrent.futures.Future[None]) -> None:
+        with self.lock:
+            error = future.exception()
+            if error is not None and self._error is None:
+                self._error = error
+        self._slots.release()
+
+    def _raise(self) -> None:
+        with self.lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 @dataclass
@@ -205,8 +284,10 @@ class WriterThread:
                 self.memory.check()  # trims free memory if resident memory drifted up (see hookscope._shared.memory)
             except BaseException as error:
                 self.error = error
-        if self.error is None:
-            try:
+        try:
+            if self.error is None:
                 self.writer.finish(self._rows)
-            except BaseException as error:
-                self.error = error
+            else:
+                self.writer.drain()  # the chunks already being written land and are recorded
+        except BaseException as error:
+            self.error = self.error or error

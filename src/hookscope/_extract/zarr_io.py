@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from hookscope._extract.layout import Layout
+from hookscope._extract.running_stats import part_width
 from hookscope._shared.optional import require
-from hookscope.errors import StoreError
+from hookscope.errors import MissingDependencyError, StoreError
 
 __all__ = [
     "FORMAT",
@@ -43,11 +44,13 @@ __all__ = [
     "zarr_module",
 ]
 
-FORMAT = 2  # 2: checksums per chunk, a CRC32C per chunk file, a writer record
+FORMAT = 2  # 2: checksums per chunk, a CRC32C per chunk file, a writer record (provenance and stats when present)
 READABLE_FORMATS = (1, 2)
 META_KEY = "hookscope"
 MANIFEST_GROUP = "_hookscope"
 WRITER_RECORD = "writer.json"  # in MANIFEST_GROUP: who writes the store now (see hookscope._extract.holder)
+STATS_GROUP = "stats"  # in MANIFEST_GROUP: each site's statistics per chunk (see hookscope._extract.running_stats)
+ROWS_GROUP = "_rows"  # the rows' provenance arrays (see hookscope._extract.provenance)
 
 
 def zarr_module() -> ModuleType:
@@ -57,22 +60,81 @@ def zarr_module() -> ModuleType:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a store goes: a local path (``path`` set) or any zarr store object."""
+    """Where a store goes: a local path (``path`` set), an fsspec URL (``url`` set: ``s3://``,
+    ``gs://``, ``memory://``, ...) or any zarr store object."""
 
     store: Any
     label: str
     path: Path | None
+    url: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        """True for a store on an fsspec file system (a URL): writes wait on a network, not a disk."""
+        return self.url is not None or type(self.store).__name__ == "FsspecStore"
 
 
-def target_of(out: Any) -> Target:
-    """A :class:`Target` for ``out``: a path (str or ``PathLike``) or a ``zarr.abc.store.Store``."""
+def target_of(out: Any, storage_options: dict[str, Any] | None = None) -> Target:
+    """A :class:`Target` for ``out``: a path (str or ``PathLike``), an fsspec URL, or a ``zarr.abc.store.Store``.
+
+    A URL goes through zarr's ``FsspecStore`` with ``storage_options`` (credentials, endpoint,
+    ...: those of the fsspec file system, e.g. s3fs's ``endpoint_url``, ``key``, ``secret``).
+    ``file://`` URLs are local paths.
+    """
     zarr = zarr_module()
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise StoreError(
+            f"storage_options={storage_options!r} is a {type(storage_options).__name__}; expected a dict of the "
+            "file system's options, e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
+        )
+    if isinstance(out, str) and _URL.match(out):
+        if out.startswith("file://"):
+            out = out[len("file://") :]
+        else:
+            return Target(_fsspec_store(out, storage_options), _shown_url(out), None, out)
+    if storage_options:
+        raise StoreError(
+            f"storage_options were given, but out={str(out)!r} is not a URL: they are for stores such as "
+            "'s3://bucket/feats.zarr'; drop them for a local path"
+        )
     if isinstance(out, (str, os.PathLike)):
         path = Path(out).expanduser()
         return Target(zarr.storage.LocalStore(path), str(path), path)
     if isinstance(out, zarr.abc.store.Store):
         return Target(out, repr(out), None)
-    raise StoreError(f"out={out!r} is a {type(out).__name__}; expected a path such as 'feats.zarr' or a zarr Store")
+    raise StoreError(
+        f"out={out!r} is a {type(out).__name__}; expected a path such as 'feats.zarr', a URL such as "
+        "'s3://bucket/feats.zarr', or a zarr Store"
+    )
+
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """zarr's ``FsspecStore`` for ``url``; a missing file-system package is named with its install line."""
+    zarr = zarr_module()
+    require("fsspec", purpose=f"a store at {_shown_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
+    protocol = url.split("://", 1)[0]
+    # no cached listings: other processes (torchrun ranks, a second writer) change the store under us
+    options = {"use_listings_cache": False, **(storage_options or {})}
+    try:
+        return zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=False)
+    except ImportError as error:
+        package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+        wanted = package.get(protocol, f"the fsspec implementation of {protocol}://")
+        raise MissingDependencyError(f"a store at {_shown_url(url)} needs {wanted}: pip install {wanted}") from error
+    except (TypeError, ValueError) as error:
+        raise StoreError(
+            f"out {_shown_url(url)!r} cannot be opened: {error}; check the URL and storage_options"
+        ) from error
+
+
+def _shown_url(url: str) -> str:
+    """The URL without credentials written into it (``s3://key:secret@bucket`` -> ``s3://bucket``)."""
+    scheme, rest = url.split("://", 1)
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
 
 
 def read_meta(target: Target) -> dict[str, Any] | None:
@@ -175,6 +237,8 @@ def check_only_ours(target: Target, meta: dict[str, Any]) -> list[str]:
     named = {site.get("name") for site in sites if isinstance(site, dict)} if isinstance(sites, list) else set()
     # the manifest group also holds the writer record, made before anything else, in any store
     ours = {"zarr.json", MANIFEST_GROUP} | ({n for n in named if isinstance(n, str)} if meta else set())
+    if meta.get("provenance"):
+        ours.add(ROWS_GROUP)
     entries = _entries(target)
     foreign = [e for e in entries if e not in ours and not _PARTIAL.search(e)]
     if foreign:
@@ -212,7 +276,7 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
         compressors = [zarr.codecs.ZstdCodec(level=compression_level)] if compression_level is not None else []
         compressors.append(zarr.codecs.Crc32cCodec())
         rows = layout.rows if layout.rows is not None else 0
-        for site in layout.sites:
+        for site in layout.arrays:
             group.create_array(
                 site.name,
                 shape=(rows, *site.shape),
@@ -225,7 +289,7 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
                 dimension_names=["row", *(f"{site.name}.{axis}" for axis in range(1, len(site.shape) + 1))],
                 attributes={META_KEY: site.to_json()},
             )
-        Manifest.create(group, layout.chunks or 0, len(layout.sites))
+        Manifest.create(group, layout.chunks or 0, len(layout.arrays), stats_widths(layout))
         write_meta(group, {**meta, "state": "writing"})
     except OSError as error:
         raise StoreError(f"out {target.label!r} cannot be written: {error}; choose a writable path") from error
@@ -253,26 +317,59 @@ def write_meta(group: Any, meta: dict[str, Any]) -> None:
     group.attrs.update({META_KEY: meta})
 
 
-class Manifest:
-    """Which chunks have landed, and their checksums.
+def stats_widths(layout: Layout) -> dict[str, int]:
+    """The sites whose running statistics a store keeps (floating values), and the width of a chunk's part."""
+    return {
+        site.name: part_width(site.shape)
+        for site in layout.sites
+        if site.torch_dtype.is_floating_point and site.sparse is None
+    }
 
-    ``done[c] == 1`` once every site's chunk ``c`` is written. ``digests[c]`` holds, for that
-    chunk, the CRC32C of the input rows that made it (column 0) and of each site's stored bytes
-    (columns 1..), written just before ``done[c]``; -1 where none was recorded (a store of
-    format 1). One element file per chunk in both, so each process writes only its own.
+
+class Manifest:
+    """Which chunks have landed, their checksums, and their statistics.
+
+    ``done[c] == 1`` once every array's chunk ``c`` is written. ``digests[c]`` holds, for that
+    chunk, the CRC32C of the input rows that made it (column 0) and of each array's stored bytes
+    (columns 1..: the sites', then the provenance arrays'), written just before ``done[c]``; -1
+    where none was recorded (a store of format 1). ``stats/<array>[c]`` holds the chunk's part of
+    a site's running statistics (see ``running_stats``). One element file per chunk in each, so
+    each process writes only its own.
     """
 
     def __init__(self, group: Any) -> None:
+        self.group = group
         self.array = group.get(f"{MANIFEST_GROUP}/done")  # None in a store cut short while being made
         self.digests = group.get(f"{MANIFEST_GROUP}/digests")  # None in a store of format 1
+        self._stats: dict[str, Any] = {}
 
     @staticmethod
-    def create(group: Any, chunks: int, sites: int) -> None:
+    def create(group: Any, chunks: int, arrays: int, stats: dict[str, int] | None = None) -> None:
         holder = group.require_group(MANIFEST_GROUP)  # its folder may exist already: it holds the writer record
         holder.create_array("done", shape=(chunks,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
         holder.create_array(
-            "digests", shape=(chunks, sites + 1), chunks=(1, sites + 1), dtype="int64", fill_value=-1, compressors=None
+            "digests",
+            shape=(chunks, arrays + 1),
+            chunks=(1, arrays + 1),
+            dtype="int64",
+            fill_value=-1,
+            compressors=None,
         )
+        for name, width in (stats or {}).items():
+            holder.create_array(
+                f"{STATS_GROUP}/{name}",
+                shape=(chunks, width),
+                chunks=(1, width),
+                dtype="float64",
+                fill_value=float("nan"),
+                compressors=None,
+            )
+
+    def stats_array(self, name: str) -> Any:
+        """The per-chunk statistics of array ``name``; None where the store keeps none."""
+        if name not in self._stats:
+            self._stats[name] = self.group.get(f"{MANIFEST_GROUP}/{STATS_GROUP}/{name}")
+        return self._stats[name]
 
     def done(self) -> set[int]:
         """The chunks recorded as done; an element that cannot be read counts as not done."""
@@ -301,10 +398,19 @@ class Manifest:
         known = [v if v >= 0 else None for v in row]
         return known[0], known[1:]
 
-    def mark(self, chunk: int, digests: tuple[int, list[int]] | None = None) -> None:
-        """Record ``chunk`` as done, after its ``(inputs, [site, ...])`` checksums; grows the manifest
-        for a stream whose length is not known."""
+    def mark(
+        self, chunk: int, digests: tuple[int, list[int]] | None = None, stats: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """Record ``chunk`` as done, after its ``(inputs, [array, ...])`` checksums and its sites'
+        statistics; grows the manifest for a stream whose length is not known."""
         assert self.array is not None, "the manifest is made with the store"
+        for name, part in (stats or {}).items():
+            found = self.stats_array(name)
+            if found is None:
+                continue
+            if chunk >= found.shape[0]:
+                found.resize((chunk + 1, found.shape[1]))
+            found[chunk] = part
         if chunk >= self.array.shape[0]:
             self.array.resize((chunk + 1,))
         if digests is not None and self.digests is not None:

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from typer.core import TyperGroup
@@ -520,8 +520,26 @@ def extract_command(
         ),
     ],
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="The zarr store to write, e.g. feats.zarr.", show_default=False)
+        str,
+        typer.Option(
+            "--out",
+            "-o",
+            help="The zarr store to write: a path (feats.zarr) or an fsspec URL (s3://bucket/feats.zarr).",
+            show_default=False,
+        ),
     ],
+    storage_options: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--storage-option",
+            help="KEY=VALUE for the file system of an --out URL (endpoint_url=..., key=..., anon=true); repeat.",
+            show_default=False,
+        ),
+    ] = None,
+    tokens: Annotated[
+        str,
+        typer.Option("--tokens", help="Keep each row's token ids: auto (when the data has some), yes, or no."),
+    ] = "auto",
     reduce: Annotated[
         list[str] | None,
         typer.Option(
@@ -584,6 +602,7 @@ def extract_command(
         distributed_job,
         interrupted_note,
         parse_reductions,
+        parse_storage_options,
         recorded,
         refused_first_batch,
         store_size,
@@ -592,8 +611,10 @@ def extract_command(
 
     level = None if compression.strip().lower() == "none" else _int_option("--compression-level", compression)
     reductions = parse_reductions(reduce or [])
+    storage = parse_storage_options(storage_options or [])
+    keep_tokens = _tokens_choice(tokens)
     command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
-    _on_interrupt(ctx, lambda: interrupted_note(out, command))
+    _on_interrupt(ctx, lambda: interrupted_note(out, command, storage))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
         net = build_model(model, model_dtype).to(run_on)
@@ -615,9 +636,11 @@ def extract_command(
             compression_level=level,
             model_spec=model,
             command=command,
+            storage_options=storage,
+            tokens=keep_tokens,
         )
 
-        kept = recorded(out) if resume and not overwrite else None  # what an earlier run left, to resume after
+        kept = recorded(out, storage) if resume and not overwrite else None  # what an earlier run left, to resume after
         if rank == 0 and kept is not None and kept.done and kept.done < kept.chunks:
             typer.echo(
                 f"resumed after {kept.done:,} chunks: {kept.done_rows:,} of {kept.rows:,} rows were recorded by an "
@@ -633,6 +656,13 @@ def extract_command(
                 f"wrote {_counted(len(store), 'row')} of {_counted(len(store.sites), 'site')} to {out} "
                 f"in {elapsed:.1f} s" + (f" ({size:,} bytes on disk)" if size is not None else "")
             )
+
+
+def _tokens_choice(text: str) -> bool | Literal["auto"]:
+    choice = {"auto": "auto", "yes": True, "true": True, "no": False, "false": False}.get(text.strip().lower())
+    if choice is None:
+        raise SpecError(f"--tokens {text!r} is not auto, yes or no")
+    return choice  # type: ignore[return-value]
 
 
 def _int_option(name: str, text: str) -> int:

@@ -7,6 +7,7 @@ cuda``, and leaves it again at the end.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ __all__ = [
     "every_module",
     "interrupted_note",
     "parse_reductions",
+    "parse_storage_options",
     "recorded",
     "refused_first_batch",
     "store_size",
@@ -88,8 +90,11 @@ def distributed_job(device: str | None) -> Iterator[tuple[int, torch.device]]:
         dist.destroy_process_group()
 
 
-def store_size(path: Path) -> int | None:
-    """Bytes on disk under ``path``; None when it is not a local directory (an ``s3://`` store)."""
+def store_size(out: str) -> int | None:
+    """Bytes on disk under ``out``; None when it is not a local directory (an ``s3://`` store)."""
+    if "://" in out and not out.startswith("file://"):
+        return None
+    path = Path(out.removeprefix("file://")).expanduser()
     if not path.is_dir():
         return None
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -142,7 +147,27 @@ class Recorded:
         return f"{self.done:,} of {self.chunks:,} chunks ({self.done_rows:,} of {self.rows:,} rows)"
 
 
-def recorded(out: Path) -> Recorded | None:
+def parse_storage_options(options: list[str]) -> dict[str, Any] | None:
+    """``--storage-option KEY=VALUE`` values as a dict; a value that reads as JSON (true, 3, null) is that.
+
+    >>> parse_storage_options(["endpoint_url=http://127.0.0.1:9000", "anon=true", "default_block_size=5242880"])
+    {'endpoint_url': 'http://127.0.0.1:9000', 'anon': True, 'default_block_size': 5242880}
+    """
+    found: dict[str, Any] = {}
+    for option in options:
+        key, equals, value = option.partition("=")
+        if not equals or not key.strip():
+            raise SpecError(
+                f"--storage-option {option!r} is not KEY=VALUE; e.g. --storage-option endpoint_url=http://127.0.0.1:9000"
+            )
+        try:
+            found[key.strip()] = json.loads(value)
+        except ValueError:
+            found[key.strip()] = value
+    return found or None
+
+
+def recorded(out: str, storage_options: dict[str, Any] | None = None) -> Recorded | None:
     """What the store at ``out`` holds now, read from its manifest; None when there is no store to read.
 
     Read by the command line after Ctrl-C and before a resumed run writes, so that it can say how
@@ -151,7 +176,7 @@ def recorded(out: Path) -> Recorded | None:
     import hookscope as hs
 
     try:
-        store = hs.open_store(out, partial=True)
+        store = hs.open_store(out, partial=True, storage_options=storage_options)
         done, rows, chunk_rows = store.done_chunks(), len(store), store.chunk_rows
     except Exception:  # nothing there yet, or cut short while being made: nothing recorded
         return None
@@ -159,9 +184,9 @@ def recorded(out: Path) -> Recorded | None:
     return Recorded(len(done), max(math.ceil(rows / chunk_rows), len(done)), done_rows, rows)
 
 
-def interrupted_note(out: Path, command: str) -> str:
+def interrupted_note(out: str, command: str, storage_options: dict[str, Any] | None = None) -> str:
     """The line after Ctrl-C: what the store kept, and the command that resumes after it."""
-    kept = recorded(out)
+    kept = recorded(out, storage_options)
     if kept is None or kept.done == 0:
         return (
             f"interrupted (Ctrl-C) before any chunk was recorded in {out}; run the same command again to start: "

@@ -1,0 +1,243 @@
+"""What a store keeps beside the values: each row's data index, tokens and padding mask; running
+statistics per site; sparse latents. Checked on real models against numpy float64 and raw hooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from tests.models import tiny_gpt2
+
+pytest.importorskip("zarr")
+
+VOCAB, SEQ, ROWS = 64, 10, 22
+
+
+def run(model: nn.Module, data: Any, layers: Any, out: Path | str, **options: Any) -> hs.Store:
+    return hs.extract(model, data, layers, out, progress=False, **options)
+
+
+def padded_tokens(rows: int = ROWS, seq: int = SEQ, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded token rows of real lengths 3..seq, as a tokenizer with padding=True gives them."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=generator)
+    lengths = torch.randint(3, seq + 1, (rows,), generator=generator)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def raw_outputs(model: nn.Module, name: str, data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The module's first output for every row, by a raw forward hook."""
+    kept: list[torch.Tensor] = []
+    handle = model.get_submodule(name).register_forward_hook(
+        lambda m, a, out: kept.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            model(**data)
+    finally:
+        handle.remove()
+    return kept[0]
+
+
+# -- provenance --------------------------------------------------------------------------------------
+
+
+@pytest.mark.transformers
+def test_tokens_mask_and_data_index_round_trip_with_the_rows(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), padded_tokens()
+    picked = list(range(ROWS - 1, -1, -2)) + list(range(0, ROWS, 2))  # every row once, out of order
+    store = run(model, data, "h.0", tmp_path / "f.zarr", batch_size=4, chunk_rows=8, indices=picked)
+    assert store.row_index[:].tolist() == picked
+    assert store.tokens is not None
+    assert store.attention_mask is not None
+    assert store.tokens.dtype == np.int64
+    assert store.attention_mask.dtype == np.bool_
+    assert np.array_equal(store.tokens[:], data["input_ids"][picked].numpy())
+    assert np.array_equal(store.attention_mask[:], data["attention_mask"][picked].bool().numpy())
+    # a latent's row goes back to its text: row i is data row row_index[i]
+    reference = raw_outputs(model, "h.0", {k: v[picked] for k, v in data.items()}).numpy()
+    assert np.array_equal(store["h.0"][:], reference)
+    assert sorted(store.sites) == ["h.0"]  # the provenance arrays are not sites
+
+
+def test_a_tensor_of_token_ids_is_kept_and_float_inputs_keep_only_the_index(tmp_path: Path) -> None:
+    embed = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 4))
+    ids = torch.randint(0, VOCAB, (12, 5), generator=torch.Generator().manual_seed(1))
+    store = run(embed, ids, "1", tmp_path / "ids.zarr", batch_size=4)
+    assert store.tokens is not None
+    assert np.array_equal(store.tokens[:], ids.numpy())
+    assert store.attention_mask is None
+    dense = run(nn.Sequential(nn.Linear(4, 3)), torch.randn(12, 4), "0", tmp_path / "x.zarr", batch_size=4)
+    assert dense.tokens is None
+    assert dense.attention_mask is None
+    assert dense.row_index[:].tolist() == list(range(12))
+    off = run(embed, ids, "1", tmp_path / "off.zarr", batch_size=4, tokens=False)
+    assert off.tokens is None
+    with pytest.raises(hs.SpecError, match="tokens=True, but the first batch has no token ids"):
+        run(nn.Sequential(nn.Linear(4, 3)), torch.randn(12, 4), "0", tmp_path / "y.zarr", tokens=True)
+
+
+def test_a_stream_numbers_its_rows_and_shorter_batches_are_padded(tmp_path: Path) -> None:
+    embed = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 4))
+    widths = [6, 6, 4]
+    batches = [
+        {"input": torch.randint(1, VOCAB, (3, width), generator=torch.Generator().manual_seed(i))}
+        for i, width in enumerate(widths)
+    ]
+    store = run(
+        embed,
+        batches,
+        "1",
+        tmp_path / "s.zarr",
+        reduce="mean:1",
+        inputs=lambda batch: ((batch["input"],), {}),
+    )
+    assert store.row_index[:].tolist() == list(range(9))
+    assert store.tokens is not None
+    kept = store.tokens[:]
+    assert np.array_equal(kept[:6], torch.cat([b["input"] for b in batches[:2]]).numpy())
+    assert np.array_equal(kept[6:, :4], batches[2]["input"].numpy())
+    assert (kept[6:, 4:] == -1).all()
+    longer = [batches[2], batches[0]]  # the first batch sets the width: a longer one cannot fit
+    with pytest.raises(hs.DataError, match=r"have 6 positions .* keeps 4, the first batch's: pad every batch"):
+        run(embed, longer, "1", tmp_path / "l.zarr", reduce="mean:1", inputs=lambda b: ((b["input"],), {}))
+
+
+# -- running statistics ------------------------------------------------------------------------------
+
+
+def numpy_stats(vectors: np.ndarray) -> dict[str, Any]:
+    exact = vectors.astype(np.float64)
+    norms = np.linalg.norm(exact, axis=1)
+    return {
+        "count": len(exact),
+        "mean": exact.mean(),
+        "std": exact.std(),
+        "min": exact.min(),
+        "max": exact.max(),
+        "norm_mean": norms.mean(),
+        "norm_rms": np.sqrt(np.square(norms).mean()),
+        "feature_mean": exact.mean(axis=0),
+        "feature_std": exact.std(axis=0),
+    }
+
+
+def assert_stats(found: hs.SiteStats, vectors: np.ndarray) -> None:
+    expected = numpy_stats(vectors)
+    assert found.count == expected["count"]
+    for key in ("mean", "std", "min", "max", "norm_mean", "norm_rms"):
+        assert getattr(found, key) == pytest.approx(expected[key], rel=1e-12, abs=1e-15), key
+    np.testing.assert_allclose(found.feature_mean, expected["feature_mean"], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(found.feature_std, expected["feature_std"], rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.transformers
+def test_running_statistics_equal_numpy_over_the_stored_tokens_without_padding(tmp_path: Path) -> None:
+    model, data = tiny_gpt2(), padded_tokens()
+    store = run(model, data, ["h.0", "h.1"], tmp_path / "f.zarr", batch_size=4, chunk_rows=8, reduce={"h.1": "last"})
+    mask = store.attention_mask
+    assert mask is not None
+    tokens = store["h.0"][:][mask[:]]  # (real tokens, d): padding left out
+    assert tokens.shape[0] == int(data["attention_mask"].sum()) < ROWS * SEQ
+    assert_stats(store.stats["h.0"], tokens)
+    assert_stats(store.stats["h.1"], store["h.1"][:])  # (N, d) rows: every row is a vector
+    # the scalars are in the attributes, readable without hookscope (zarr.json)
+    attributes = json.loads((tmp_path / "f.zarr" / "zarr.json").read_text())["attributes"]["hookscope"]
+    assert attributes["stats"]["h.0"]["count"] == tokens.shape[0]
+    assert attributes["stats"]["h.0"]["norm_rms"] == pytest.approx(store.stats["h.0"].norm_rms, rel=1e-15)
+
+
+def test_statistics_of_bfloat16_values_are_those_of_the_stored_values(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 5))
+    rows = torch.randn(40, 6, generator=torch.Generator().manual_seed(2))
+    store = run(model, rows, "0", tmp_path / "b.zarr", dtype="bfloat16", batch_size=8, chunk_rows=16)
+    stored = store["0"][:]  # bfloat16 read back exactly as float32
+    assert_stats(store.stats["0"], stored)
+    again = run(model, rows, "0", tmp_path / "b.zarr", dtype="bfloat16", batch_size=8, chunk_rows=16)
+    assert again.stats["0"].to_json() == store.stats["0"].to_json()  # complete: read back, not computed again
+
+
+def test_statistics_of_a_partial_store_cover_its_done_chunks(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(32, 4, generator=torch.Generator().manual_seed(6))
+
+    class StopsAt(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            if index == 20:
+                raise RuntimeError("unreadable row")
+            return rows[index]
+
+    with pytest.raises(RuntimeError, match="unreadable row"):
+        run(model, StopsAt(), "0", tmp_path / "p.zarr", batch_size=4, chunk_rows=8)
+    store = hs.open_store(tmp_path / "p.zarr", partial=True)
+    done = sorted(store.done_chunks())
+    assert done == [0, 1]
+    assert_stats(store.stats["0"], store["0"][:16])
+
+
+# -- sparse latents ----------------------------------------------------------------------------------
+
+
+class SAE(nn.Module):
+    def __init__(self, d: int = 32, latents: int = 96) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.enc, self.dec = nn.Linear(d, latents), nn.Linear(latents, d)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.enc(x))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.dec(z)
+
+
+@pytest.mark.transformers
+def test_sparse_latents_are_stored_compactly_and_read_back_dense_or_sparse(tmp_path: Path) -> None:
+    model, sae, k = tiny_gpt2(), SAE(), 5
+    data = padded_tokens(rows=8)
+    store = run(model, data, "h.1", tmp_path / "z.zarr", reduce=hs.edits.splice(sae).topk(k), batch_size=4)
+    array = store["h.1"]
+    assert array.layout.sparse == {"k": k, "width": 96}
+    assert array.shape == (8, SEQ, 2 * k)  # 2k floats a token, not 96
+    with torch.no_grad():
+        latents = sae.encode(raw_outputs(model, "h.1", data))
+    values, indices = latents.topk(k, dim=-1)
+    expected = torch.zeros_like(latents).scatter(-1, indices, values)
+    assert torch.equal(array.dense(), expected)
+    assert torch.equal(array.dense(slice(2, 5)), expected[2:5])
+    coo = array.sparse(slice(0, 3))
+    assert coo.is_sparse
+    assert coo.shape == (3, SEQ, 96)
+    assert coo._nnz() == 3 * SEQ * k
+    assert torch.equal(coo.to_dense(), expected[:3])
+    assert "h.1" not in store.stats  # packed indices are not values to average
+
+
+def test_sparse_topk_from_any_encoder_and_its_refusals(tmp_path: Path) -> None:
+    encoder = nn.Linear(3, 10)
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(12, 4, generator=torch.Generator().manual_seed(8))
+    reduce = hs.edits.SparseTopk(lambda x: encoder(x), k=2)
+    store = run(model, rows, "0", tmp_path / "s.zarr", reduce=reduce, batch_size=4)
+    with torch.no_grad():
+        latents = encoder(model(rows))
+    values, indices = latents.topk(2, dim=-1)
+    assert torch.equal(store["0"].dense(), torch.zeros_like(latents).scatter(-1, indices, values))
+    with pytest.raises(hs.SpecError, match=r"sparse latents \(k=2\) are stored as float32 .* without dtype="):
+        run(model, rows, "0", tmp_path / "h.zarr", reduce=reduce, dtype="float16")
+    plain = run(model, rows, "0", tmp_path / "p.zarr")
+    with pytest.raises(hs.StoreError, match="holds dense values, not sparse latents"):
+        plain["0"].dense()
+    with pytest.raises(hs.SpecError, match="k=0"):
+        hs.edits.SparseTopk(encoder, k=0)
