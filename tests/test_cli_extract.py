@@ -311,3 +311,21 @@ def test_progress_to_a_pipe_is_plain_lines(tmp_path: Path) -> None:
     quiet = subprocess.run([*command, "--overwrite"], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert quiet.returncode == 0, quiet.stderr
     assert "extract →" not in quiet.stderr  # not asked for, and no terminal: nothing
+
+
+def test_storage_options_and_tokens_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["extract", "demo:cnn", "--data", "random:8:3x32x32", "-l", "fc", "-b", "4"]
+    code, _, err = run_cli(capsys, *argv, "-o", str(tmp_path / "a.zarr"), "--storage-option", "endpoint_url")
+    assert code == 2
+    assert "--storage-option 'endpoint_url' is not KEY=VALUE" in err
+    code, _, err = run_cli(capsys, *argv, "-o", str(tmp_path / "b.zarr"), "--storage-option", "anon=true")
+    assert code == 2
+    assert "storage_options were given, but out=" in err
+    code, _, err = run_cli(capsys, *argv, "-o", str(tmp_path / "c.zarr"), "--tokens", "maybe")
+    assert code == 2
+    assert "--tokens 'maybe' is not auto, yes or no" in err
+    code, stdout, err = run_cli(capsys, *argv, "-o", "memory://cli/f.zarr", "--tokens", "no")
+    assert code == 0, err
+    assert "wrote 8 rows of 1 site to memory://cli/f.zarr" in stdout
+    assert "on disk" not in stdout
+    assert hs.open_store("memory://cli/f.zarr").meta["config"]["tokens"] is False

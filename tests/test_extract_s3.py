@@ -414,3 +414,38 @@ def test_storage_options_with_a_local_path_are_refused(tmp_path: Path) -> None:
     run(model, x, out)
     with pytest.raises(hs.StoreError, match="storage_options were given"):
         hs.open_store(out, storage_options=options)
+
+
+# -- the README's "At scale": the command line under torchrun to S3, read back for training ----------------
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.transformers
+def test_the_command_line_under_torchrun_writes_s3_and_the_loader_reads_every_token_once(
+    s3: S3Server,  # noqa: F811
+    url: str,
+    tmp_path: Path,
+) -> None:
+    model = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=32"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "hookscope", "extract", model, "--data", "random:48:16", "-l", "h.1", "-o", url]
+    command += ["-b", "8", "--chunk-rows", "8", "--no-progress", "--storage-option", f"endpoint_url={s3.endpoint}"]
+    launched = subprocess.run(
+        command, cwd=tmp_path, env=environment(s3), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    store = hs.open_store(url, storage_options=s3.storage_options)
+    values = store["h.1"][:]
+    assert values.shape == (48, 16, 32)
+    assert store.tokens is not None
+    assert store.stats["h.1"].count == 48 * 16
+    assert store.stats["h.1"].mean == pytest.approx(values.astype(np.float64).mean(), rel=1e-12)
+    seen = []
+    for rank in range(2):
+        loader = store.loader("h.1", 40, tokens=True, seed=0, rank=rank, world_size=2, with_rows=True)
+        for batch in loader:
+            rows, positions = batch["row"], batch["position"]
+            assert np.array_equal(batch["h.1"].numpy(), values[rows.numpy(), positions.numpy()])
+            seen += list(zip(rows.tolist(), positions.tolist(), strict=True))
+    assert sorted(seen) == [(row, position) for row in range(48) for position in range(16)]
