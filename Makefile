@@ -73,6 +73,7 @@ bench: install-dev
 	$(BIN)/python bench/bench_ops.py
 	$(BIN)/python bench/bench_methods.py
 	$(BIN)/python bench/bench_monitor.py
+	$(BIN)/python bench/bench_store.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \

@@ -322,6 +322,36 @@ def test_two_holds_on_one_s3_store_the_conditional_create_lets_one_win(s3: S3Ser
     assert not s3.fs().exists(record_key(url))
 
 
+def test_a_heartbeat_whose_reply_was_lost_renews_and_a_takeover_is_still_seen(s3: S3Server, url: str) -> None:  # noqa: F811
+    """A renewal that reached S3 but whose reply was lost leaves our own record at another version:
+    the next renewal's If-Match fails, and the holder must tell that from a takeover."""
+    hold = StoreHold(target_of(url, s3.storage_options), heartbeat_s=3600)
+    hold.take()
+    try:
+        ours = s3.fs().cat_file(record_key(url))
+        s3.fs().pipe_file(record_key(url), ours + b" ")  # our record, a version this process never saw
+        hold._write()  # If-Match fails; the record read back is ours: renewed from that version
+        assert hold._lost_to is None
+        hold.confirm()
+        assert json.loads(s3.fs().cat_file(record_key(url)))["token"] == hold.token
+        hold._write()  # and the next renewal succeeds from there
+        s3.fs().pipe_file(record_key(url), their_record())  # taken over meanwhile
+        hold._write()
+        with pytest.raises(hs.StoreBusyError, match="was taken over by another writer"):
+            hold.confirm()
+        assert json.loads(s3.fs().cat_file(record_key(url)))["token"] == "theirs"  # left as it was
+    finally:
+        hold.release()
+    assert json.loads(s3.fs().cat_file(record_key(url)))["token"] == "theirs"
+
+
+def test_a_missing_bucket_is_named_not_taken_for_another_writer(s3: S3Server) -> None:  # noqa: F811
+    model, x = model_and_rows()
+    with pytest.raises(hs.StoreError, match="check that the bucket exists") as refused:
+        run(model, x, "s3://no-such-bucket-here/f.zarr", storage_options=s3.storage_options)
+    assert not isinstance(refused.value, hs.StoreBusyError)
+
+
 def their_record(**fields: Any) -> bytes:
     now = time.time()
     record = {"host": "gpu-node-7", "pid": 1, "started": now, "heartbeat": now, "command": "their extract"}
@@ -406,14 +436,24 @@ def test_storage_options_with_a_local_path_are_refused(tmp_path: Path) -> None:
     model, x = model_and_rows()
     out = tmp_path / "feats.zarr"
     options = {"endpoint_url": "http://127.0.0.1:9"}
-    with pytest.raises(hs.StoreError, match="storage_options were given, but out=.* is not a URL"):
+    with pytest.raises(hs.StoreError, match="storage_options were given, but out=.* is a local path"):
         run(model, x, out, storage_options=options)
-    with pytest.raises(hs.StoreError, match="storage_options were given, but out=.* is not a URL"):
+    with pytest.raises(hs.StoreError, match="storage_options were given, but out=.* is a local path"):
         run(model, x, str(out), storage_options=options)
     assert not out.exists()
     run(model, x, out)
     with pytest.raises(hs.StoreError, match="storage_options were given"):
         hs.open_store(out, storage_options=options)
+
+
+def test_file_urls_are_local_paths(tmp_path: Path) -> None:
+    model, x = model_and_rows()
+    folder = tmp_path / "with space"
+    written = run(model, x, f"file://localhost{folder.as_posix().replace(' ', '%20')}/f.zarr")
+    assert written.path == str(folder / "f.zarr")
+    assert np.array_equal(hs.open_store(f"FILE://{folder}/f.zarr")["0"][:], reference(model, x))
+    with pytest.raises(hs.StoreError, match="names another host"):
+        hs.open_store(f"file://elsewhere{folder}/f.zarr")
 
 
 # -- the README's "At scale": the command line under torchrun to S3, read back for training ----------------
@@ -431,6 +471,7 @@ def test_the_command_line_under_torchrun_writes_s3_and_the_loader_reads_every_to
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "hookscope", "extract", model, "--data", "random:48:16", "-l", "h.1", "-o", url]
     command += ["-b", "8", "--chunk-rows", "8", "--no-progress", "--storage-option", f"endpoint_url={s3.endpoint}"]
+    command += ["--storage-option", "key=testing", "--storage-option", "secret=not-for-the-store"]
     launched = subprocess.run(
         command, cwd=tmp_path, env=environment(s3), capture_output=True, text=True, timeout=TIMEOUT
     )
@@ -440,6 +481,8 @@ def test_the_command_line_under_torchrun_writes_s3_and_the_loader_reads_every_to
     assert values.shape == (48, 16, 32)
     assert store.tokens is not None
     assert store.stats["h.1"].count == 48 * 16
+    assert "secret=***" in store.meta["command"]
+    assert [key for key, data in objects(s3, url).items() if b"not-for-the-store" in data] == []
     assert store.stats["h.1"].mean == pytest.approx(values.astype(np.float64).mean(), rel=1e-12)
     seen = []
     for rank in range(2):

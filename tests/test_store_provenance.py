@@ -47,6 +47,21 @@ def raw_outputs(model: nn.Module, name: str, data: dict[str, torch.Tensor]) -> t
     return kept[0]
 
 
+class FailsAt(torch.utils.data.Dataset[torch.Tensor]):
+    """``rows``, but row ``index`` cannot be read: a run stops there, its earlier chunks recorded."""
+
+    def __init__(self, rows: torch.Tensor, index: int) -> None:
+        self.rows, self.index = rows, index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.index:
+            raise RuntimeError("unreadable row")
+        return self.rows[index]
+
+
 # -- provenance --------------------------------------------------------------------------------------
 
 
@@ -92,14 +107,15 @@ def test_a_stream_numbers_its_rows_and_shorter_batches_are_padded(tmp_path: Path
         {"input": torch.randint(1, VOCAB, (3, width), generator=torch.Generator().manual_seed(i))}
         for i, width in enumerate(widths)
     ]
-    store = run(
-        embed,
-        batches,
-        "1",
-        tmp_path / "s.zarr",
-        reduce="mean:1",
-        inputs=lambda batch: ((batch["input"],), {}),
-    )
+
+    def inputs(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        return (batch["input"],), {}
+
+    # reduced over the tokens, batches padded each to its own length run as ever: no tokens kept
+    auto = run(embed, [batches[2], batches[0]], "1", tmp_path / "a.zarr", reduce="mean:1", inputs=inputs)
+    assert auto.tokens is None
+    assert auto.row_index[:].tolist() == list(range(6))
+    store = run(embed, batches, "1", tmp_path / "s.zarr", reduce="mean:1", inputs=inputs, tokens=True)
     assert store.row_index[:].tolist() == list(range(9))
     assert store.tokens is not None
     kept = store.tokens[:]
@@ -108,7 +124,7 @@ def test_a_stream_numbers_its_rows_and_shorter_batches_are_padded(tmp_path: Path
     assert (kept[6:, 4:] == -1).all()
     longer = [batches[2], batches[0]]  # the first batch sets the width: a longer one cannot fit
     with pytest.raises(hs.DataError, match=r"have 6 positions .* keeps 4, the first batch's: pad every batch"):
-        run(embed, longer, "1", tmp_path / "l.zarr", reduce="mean:1", inputs=lambda b: ((b["input"],), {}))
+        run(embed, longer, "1", tmp_path / "l.zarr", reduce="mean:1", inputs=inputs, tokens=True)
 
 
 # -- running statistics ------------------------------------------------------------------------------
@@ -169,17 +185,8 @@ def test_statistics_of_a_partial_store_cover_its_done_chunks(tmp_path: Path) -> 
     model = nn.Sequential(nn.Linear(4, 3))
     rows = torch.randn(32, 4, generator=torch.Generator().manual_seed(6))
 
-    class StopsAt(torch.utils.data.Dataset[torch.Tensor]):
-        def __len__(self) -> int:
-            return 32
-
-        def __getitem__(self, index: int) -> torch.Tensor:
-            if index == 20:
-                raise RuntimeError("unreadable row")
-            return rows[index]
-
     with pytest.raises(RuntimeError, match="unreadable row"):
-        run(model, StopsAt(), "0", tmp_path / "p.zarr", batch_size=4, chunk_rows=8)
+        run(model, FailsAt(rows, 20), "0", tmp_path / "p.zarr", batch_size=4, chunk_rows=8)
     store = hs.open_store(tmp_path / "p.zarr", partial=True)
     done = sorted(store.done_chunks())
     assert done == [0, 1]
@@ -241,3 +248,84 @@ def test_sparse_topk_from_any_encoder_and_its_refusals(tmp_path: Path) -> None:
         plain["0"].dense()
     with pytest.raises(hs.SpecError, match="k=0"):
         hs.edits.SparseTopk(encoder, k=0)
+
+
+# -- stores made before provenance; strict JSON; partial sparse stores -----------------------------------
+
+
+def test_a_store_made_before_provenance_is_resumed_and_keeps_none(tmp_path: Path) -> None:
+    """``tests/golden/store_format2_partial.zarr``: 24 rows of ``Linear(4, 3)``, chunks of 8, written by
+    hookscope before provenance and statistics (commit 1ce18a4) and stopped after chunk 0."""
+    import shutil
+
+    out = tmp_path / "old.zarr"
+    shutil.copytree(Path(__file__).parent / "golden" / "store_format2_partial.zarr", out)
+    before = hs.open_store(out, partial=True)
+    assert before.done_chunks() == {0}
+    assert "tokens" not in before.meta["config"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(24, 4, generator=torch.Generator().manual_seed(9))
+    store = run(model, rows, "0", out, batch_size=4, chunk_rows=8, command="old run")
+    assert store.complete
+    with torch.no_grad():
+        assert np.array_equal(store["0"][:], model(rows).numpy())
+    assert store.tokens is None
+    assert store.stats == {}  # its first chunk was written without statistics: none are made up
+    with pytest.raises(hs.StoreError, match="keeps no row index: it was made by an older hookscope"):
+        _ = store.row_index
+
+
+def test_non_finite_statistics_are_strict_json(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    rows = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, 4.0], [5.0, 6.0]])
+    store = run(model, rows, "0", tmp_path / "n.zarr", batch_size=2)
+    text = (tmp_path / "n.zarr" / "zarr.json").read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in zarr.json"))
+    assert store.meta["stats"]["0"]["mean"] == "NaN"
+    assert np.isnan(store.stats["0"].mean)
+
+
+def test_sparse_rows_never_written_are_refused_not_unpacked(tmp_path: Path) -> None:
+    encoder = nn.Linear(3, 10)
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(16, 4, generator=torch.Generator().manual_seed(8))
+
+    with pytest.raises(RuntimeError, match="unreadable row"):
+        run(
+            model,
+            FailsAt(rows, 8),
+            "0",
+            tmp_path / "p.zarr",
+            reduce=hs.edits.SparseTopk(encoder, 2),
+            batch_size=4,
+            chunk_rows=4,
+        )
+    store = hs.open_store(tmp_path / "p.zarr", partial=True)
+    assert store["0"].dense(slice(0, 4)).shape == (4, 10)
+    with pytest.raises(hs.StoreIndexError, match="include rows never written"):
+        store["0"].dense()
+    with pytest.raises(hs.StoreIndexError, match="include rows never written"):
+        store["0"].sparse(slice(6, 10))
+
+
+def test_a_sparse_site_is_resumed_only_with_the_same_encoder_width(tmp_path: Path) -> None:
+    class PlainSAE:  # not an nn.Module: described by its class, never by its address
+        def __init__(self, width: int) -> None:
+            self.weight = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight
+
+        def decode(self, z: torch.Tensor) -> torch.Tensor:
+            return z @ self.weight.T
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    rows = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    out = tmp_path / "z.zarr"
+    with pytest.raises(RuntimeError, match="unreadable row"):  # a run stopped after its first chunk
+        run(model, FailsAt(rows, 4), "0", out, reduce=hs.edits.splice(PlainSAE(10)).topk(2), batch_size=4)
+    with pytest.raises(hs.StoreError, match=r"sparse=\{'k': 2, 'width': 10\}.*'width': 50"):
+        run(model, rows, "0", out, reduce=hs.edits.splice(PlainSAE(50)).topk(2), batch_size=4)
+    resumed = run(model, rows, "0", out, reduce=hs.edits.splice(PlainSAE(10)).topk(2), batch_size=4)
+    assert resumed.complete  # another object, the same description: no address in it

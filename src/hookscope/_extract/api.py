@@ -74,8 +74,16 @@ __all__ = ["extract"]
 T = TypeVar("T")
 
 #: Chunks written at once to object storage: enough to hide a round trip of tens of milliseconds
-#: behind the forward, each holding one chunk buffer (8 MiB by default) until it lands.
+#: behind the forward, each holding one chunk buffer (every array's rows of the chunk) until it
+#: lands, and together at most REMOTE_BUFFER_BYTES.
 REMOTE_FLUSHERS = 8
+REMOTE_BUFFER_BYTES = 512 * 2**20
+
+
+def _flushers(layout: Layout) -> int:
+    """Chunks written at once to a remote store: up to 8, fewer where a chunk of every array is large."""
+    chunk_bytes = layout.chunk_rows * sum(array.row_bytes for array in layout.arrays)
+    return max(1, min(REMOTE_FLUSHERS, REMOTE_BUFFER_BYTES // max(chunk_bytes, 1)))
 
 
 @with_options(ExtractConfig)
@@ -250,7 +258,8 @@ class _Job:
             checked = True
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
-        first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable))
+        keep = existing is None or "provenance" in existing  # a store made before provenance goes on without
+        first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable, keep))
         meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
@@ -358,16 +367,12 @@ class _Job:
             )
         return meta
 
-    def _layout(self, probe: Batch, chunk_rows: int | None) -> tuple[ProbeValues, Layout, Provenance]:
+    def _layout(
+        self, probe: Batch, chunk_rows: int | None, keep_provenance: bool = True
+    ) -> tuple[ProbeValues, Layout, Provenance]:
         """Run the first batch; its sites, row shapes and dtypes make the layout, its inputs the
         provenance arrays."""
         inputs = map_tensors(lambda t: t.clone(), (probe.args, probe.kwargs))  # as they were before the forward
-        provenance = Provenance.plan(
-            Batch(probe.start, probe.rows, *inputs),
-            tokens=self.tokens,
-            mask_key=self.mask_key,
-            source_index=self.source.source_index,
-        )
         values = forward(self.model, probe, self.captures, self.device, self.mask_key, self.mask_required)
         probe = Batch(probe.start, probe.rows, *inputs)
         if not values:
@@ -392,6 +397,14 @@ class _Job:
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
+        provenance = Provenance.plan(
+            Batch(probe.start, probe.rows, *inputs),
+            tokens=self.tokens,
+            mask_key=self.mask_key,
+            source_index=self.source.source_index,
+            lengths={site.shape[0] for site in sites if len(site.shape) >= 2 and site.sparse is None},
+            keep=keep_provenance,
+        )
         layout = Layout(sites, self.source.rows, batch, rows, provenance.arrays)
         return ProbeValues(probe, values), layout, provenance
 
@@ -449,7 +462,7 @@ class _Job:
             owned=owned,
             label=self.target.label,
             confirm=confirm,
-            flushers=REMOTE_FLUSHERS if self.target.remote else 1,
+            flushers=_flushers(layout) if self.target.remote else 1,
         )
         name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
         shown = self.progress if self.ranks.is_main else False
@@ -549,7 +562,8 @@ def _same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any])
 
     def comparable(meta: dict[str, Any]) -> dict[str, Any]:
         sites = {site["name"]: _site_text(site) for site in meta.get("sites", [])}
-        return {**meta.get("config", {}), "sites": sites}
+        # a store made before provenance kept no tokens: resumed with the default, it keeps none still
+        return {"tokens": "auto", **meta.get("config", {}), "sites": sites}
 
     found = differences(comparable(stored), comparable(wanted))
     if found:
@@ -565,7 +579,8 @@ def _site_text(site: dict[str, Any]) -> str:
     """``"h.0#0:output (N, 768) float32 reduce=mean:1"``: one stored site, as a difference shows it."""
     shape = "".join(f", {n}" for n in site.get("shape", []))
     reduce = f" reduce={site['reduce']}" if site.get("reduce") else ""
-    return f"{site.get('site')} (N{shape}) {site.get('dtype')}{reduce}"
+    sparse = f" sparse={site['sparse']}" if site.get("sparse") else ""  # before the long reduce text
+    return f"{site.get('site')} (N{shape}) {site.get('dtype')}{sparse}{reduce}"
 
 
 def _layer_text(selector: object) -> str:

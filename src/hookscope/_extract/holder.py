@@ -108,7 +108,7 @@ class StoreHold:
         past the stale limit on another host): its rows must not be recorded as this run's."""
         if self.read_only or self._beat is None:
             return
-        found = self._lost_to or self._read()
+        found = self._lost_to if self._lost_to is not None else self._read()
         if found is None or found.get("token") != self.token:
             holder = found or {}
             raise StoreBusyError(
@@ -237,9 +237,19 @@ class StoreHold:
             os.replace(temporary, path)
             return
         assert self._object is not None
-        if not self._object.replace(body, if_etag=self._object.etag):  # taken over since: leave its record
-            self._lost_to = self._read() or {}
-            self._stop.set()
+        if self._object.replace(body, if_etag=self._object.etag):
+            return
+        # another version is there: a takeover, or our own earlier write whose reply was lost
+        found, etag = self._object.read()
+        try:
+            record = json.loads(found) if found is not None else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and record.get("token") == self.token:
+            self._object.etag = etag  # ours after all: renew from that version next time
+            return
+        self._lost_to = record if isinstance(record, dict) else {}  # taken over: leave its record
+        self._stop.set()
 
     def _delete(self, key: str) -> None:
         if self.target.path is not None:

@@ -91,7 +91,7 @@ class _Piece:
 class _Read:
     """A piece read: each array's values flattened to units, where its units lie, and their ids."""
 
-    values: dict[str, Tensor]
+    values: dict[str, np.ndarray]  # as stored (bfloat16 and float8 as their bits), viewed as torch at the end
     where: np.ndarray  # int64 positions into ``values`` of the piece's units, in stream order
     ids: np.ndarray  # int64 global id of each unit: its row, or row * seq + position
 
@@ -231,9 +231,15 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         if self._mask is None:
             return np.asarray(rows * self._seq, dtype=np.int64)
         counts = np.zeros(len(self._chunks), dtype=np.int64)
-        for index, chunk in enumerate(self._chunks.tolist()):
-            start = chunk * self._chunk_rows
-            counts[index] = int(np.count_nonzero(self._read_zarr(self._mask, start, start + int(rows[index]))))
+        chunks = self._chunks.tolist()
+        for block in range(0, len(chunks), _MASK_BLOCK):  # one read of many chunks: zarr fetches them at once
+            first, last = chunks[block], chunks[min(block + _MASK_BLOCK, len(chunks)) - 1]
+            start = first * self._chunk_rows
+            kept = self._read_zarr(self._mask, start, min(self._rows, (last + 1) * self._chunk_rows))
+            per_row = np.count_nonzero(kept.reshape(len(kept), -1), axis=1)
+            for index in range(block, min(block + _MASK_BLOCK, len(chunks))):
+                offset = chunks[index] * self._chunk_rows - start
+                counts[index] = int(per_row[offset : offset + int(rows[index])].sum())
         return counts
 
     def _check_files(self) -> None:
@@ -241,8 +247,13 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         if self.store.meta.get("format") == 1 or not len(self._chunks):
             return
         arrays = [*self._arrays, *([self._mask] if self._mask is not None else [])]
+        wanted = set(self._chunks.tolist())
         for array in arrays:
-            gone = sorted(set(self._chunks.tolist()) - present_chunks(array.zarr))
+            seen = array._present  # the store's own record of chunk files seen: a second loader lists nothing
+            if wanted <= seen:
+                continue
+            seen.update(present_chunks(array.zarr))
+            gone = sorted(wanted - seen)
             if gone:
                 raise StoreError(
                     f"chunk {gone[0]} of {array.name!r} is damaged: its file is gone (the chunk is recorded as "
@@ -350,7 +361,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
 
     def _batches(self, plan: list[tuple[int, int, list[_Piece]]], run_first: int, run_stop: int) -> Iterator[Batch]:
         """Read the planned windows (reading ahead), shuffle each, and cut the run into batches."""
-        pending: list[tuple[dict[str, Tensor], np.ndarray]] = []
+        pending: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
         waiting = 0
         held = 0
         queue: deque[Future[_Read] | _Read] = deque()
@@ -426,8 +437,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         values = {}
         for array in self._arrays:
             raw = self._read_zarr(array, start + low, start + high)
-            tensor = bits_to_tensor(raw, array.layout.torch_dtype)
-            values[array.name] = tensor.reshape(-1, *tensor.shape[2:]) if self.tokens else tensor
+            values[array.name] = raw.reshape(-1, *raw.shape[2:]) if self.tokens else raw
         return _Read(values, flat - low * self._seq, flat + start * self._seq)
 
     @staticmethod
@@ -455,9 +465,11 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         )
         return where[order], ids[order]
 
-    def _finish(self, batch: tuple[dict[str, Tensor], np.ndarray]) -> Batch:
+    def _finish(self, batch: tuple[dict[str, np.ndarray], np.ndarray]) -> Batch:
         """The batch as the caller asked: cast, with rows, on the device, a tensor for one site."""
-        values, ids = batch
+        found, ids = batch
+        dtypes = {array.name: array.layout.torch_dtype for array in self._arrays}
+        values = {name: bits_to_tensor(value, dtypes[name]) for name, value in found.items()}
         if self.dtype is not None:
             values = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in values.items()}
         if self.with_rows:
@@ -479,6 +491,10 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         )
 
 
+#: Chunks of the mask read at once when counting tokens (a block in memory at a time).
+_MASK_BLOCK = 256
+
+
 class _Window:
     """The pieces of one window, gathered from in place: joining them first would copy every value
     once more (padding too), which costs more than reading them."""
@@ -487,44 +503,46 @@ class _Window:
         self.reads = reads
         self.starts = np.cumsum([0] + [len(next(iter(read.values.values()))) for read in reads])
 
-    def gather(self, where: np.ndarray) -> dict[str, Tensor]:
-        """The values at ``where`` (positions in the joined pieces), in that order.
+    def gather(self, where: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The values at ``where`` (positions in the joined pieces), grouped by piece, and the order
+        they come in (indices into ``where``).
 
-        Each piece's items are taken in one ``index_select`` into a block grouped by piece, then
-        put in order by one more of the batch: two copies of the batch, none of the window.
+        Each piece's items are taken by one ``np.take`` straight into the batch: one copy of
+        the batch, none of the window. Within a batch the items come grouped by piece rather than
+        in the window's shuffled order: which items make a batch is what the shuffle decides, and
+        putting them back in that order would copy the batch once more.
         """
         piece = np.searchsorted(self.starts, where, side="right") - 1
         grouped_order = np.argsort(piece, kind="stable")
         counts = np.bincount(piece, minlength=len(self.reads))
-        in_order = bool((np.diff(grouped_order) == 1).all()) if len(where) > 1 else True
-        unsort = None
-        if not in_order:
-            inverse = np.empty_like(grouped_order)
-            inverse[grouped_order] = np.arange(len(grouped_order))
-            unsort = torch.from_numpy(inverse)
         local = where[grouped_order] - self.starts[piece[grouped_order]]
         found = {}
         for name, first in self.reads[0].values.items():
-            grouped = torch.empty((len(where), *first.shape[1:]), dtype=first.dtype)
+            # numpy, not torch: a torch op wakes its thread pool, whose spinning threads then take
+            # the cores zarr decompresses the next chunks on
+            grouped = np.empty((len(where), *first.shape[1:]), dtype=first.dtype)
             at = 0
             for number, count in enumerate(counts.tolist()):
                 if count:
-                    index = torch.from_numpy(local[at : at + count])
-                    torch.index_select(self.reads[number].values[name], 0, index, out=grouped[at : at + count])
+                    np.take(
+                        self.reads[number].values[name], local[at : at + count], axis=0, out=grouped[at : at + count]
+                    )
                     at += count
-            found[name] = grouped if unsort is None else grouped.index_select(0, unsort)
-        return found
+            found[name] = grouped
+        return found, grouped_order
 
 
-def _gather(values: _Window, where: np.ndarray, ids: np.ndarray) -> tuple[dict[str, Tensor], np.ndarray]:
-    return values.gather(where), ids
+def _gather(values: _Window, where: np.ndarray, ids: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    found, order = values.gather(where)
+    return found, ids[order]
 
 
-def _join(parts: list[tuple[dict[str, Tensor], np.ndarray]]) -> tuple[dict[str, Tensor], np.ndarray]:
+def _join(parts: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> tuple[dict[str, np.ndarray], np.ndarray]:
     if len(parts) == 1:
         return parts[0]
     names = parts[0][0]
-    return {name: torch.cat([part[0][name] for part in parts]) for name in names}, np.concatenate([p[1] for p in parts])
+    joined = {name: np.concatenate([part[0][name] for part in parts]) for name in names}
+    return joined, np.concatenate([part[1] for part in parts])
 
 
 def _count(name: str, value: Any, *, least: int) -> int:

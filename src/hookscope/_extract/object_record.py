@@ -19,6 +19,7 @@ import contextlib
 from typing import Any
 
 from hookscope._extract.zarr_io import Target, zarr_module
+from hookscope.errors import StoreError
 
 __all__ = ["ObjectRecord"]
 
@@ -100,8 +101,15 @@ class ObjectRecord:
         """A conditional ``PutObject``; False when its condition did not hold."""
         try:
             found = self._call("put_object", Body=body, **condition)
-        except (FileNotFoundError, FileExistsError):
+        except FileExistsError:
             return False
+        except FileNotFoundError as error:
+            if "IfMatch" in condition:  # the version to replace is gone
+                return False
+            raise StoreError(
+                f"out {self.target.label!r} cannot be written: {error}; check that the bucket exists and the "
+                "credentials may write to it"
+            ) from error
         except OSError as error:
             if _precondition_failed(error):
                 return False

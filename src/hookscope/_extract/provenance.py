@@ -58,12 +58,24 @@ class Provenance:
         tokens: TokensOption,
         mask_key: str | None,
         source_index: Callable[[int, int], torch.Tensor],
+        lengths: set[int],
+        keep: bool = True,
     ) -> Provenance:
-        """The arrays for the data whose first batch is ``probe``."""
+        """The arrays for the data whose first batch is ``probe``.
+
+        ``lengths`` holds the second dimension of every site kept per token (``(N, seq, ...)``):
+        with ``tokens="auto"``, tokens and mask are kept only when one of them is the batch's
+        width, so a reduced store over batches padded each to its own length runs as before.
+        ``keep=False`` (a store made before provenance, resumed) keeps nothing.
+        """
+        if not keep:
+            return cls((), None, None, source_index)
         if tokens not in (True, False, "auto"):
             raise SpecError(f"tokens={tokens!r} is not True, False or 'auto' (store the token ids when there are some)")
         arrays = [_array(INDEX, "int64", ())]
         key = _tokens_key(probe) if tokens is not False else None
+        if tokens == "auto" and key is not None and int(_get(probe, key).shape[1]) not in lengths:  # type: ignore[union-attr]
+            key = None  # values reduced over the tokens: a width that varies by batch is fine there
         if tokens is True and key is None:
             raise SpecError(
                 "tokens=True, but the first batch has no token ids: no 'input_ids' keyword input and no first "
@@ -77,7 +89,8 @@ class Provenance:
             width = int(ids.shape[1])
             arrays.append(_array(TOKENS, "int64", (width,)))
         mask = _get(probe, mask_key) if mask_key is not None else None
-        if _is_2d(mask, probe.rows) and (width is None or mask.shape[1] == width):  # type: ignore[union-attr]
+        wanted = tokens is True or (tokens == "auto" and _is_2d(mask, probe.rows) and mask.shape[1] in lengths)  # type: ignore[union-attr]
+        if wanted and _is_2d(mask, probe.rows) and (width is None or mask.shape[1] == width):  # type: ignore[union-attr]
             arrays.append(_array(MASK, "bool", (int(mask.shape[1]),)))  # type: ignore[union-attr]
         else:
             mask_key = None
@@ -85,6 +98,8 @@ class Provenance:
 
     def values(self, batch: Batch) -> list[torch.Tensor]:
         """The provenance rows of ``batch`` (CPU tensors), in the order of ``arrays``."""
+        if not self.arrays:
+            return []
         found = [self.source_index(batch.start, batch.stop)]
         for array in self.arrays[1:]:
             key = self.tokens_key if array.name == TOKENS else self.mask_key
@@ -140,7 +155,7 @@ def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | 
         raise DataError(
             f"rows {batch.start}..{batch.stop - 1} have {value.shape[1]} positions of {_described(key)}, and the "
             f"store keeps {width}, the first batch's: pad every batch to one length (e.g. padding='max_length'), "
-            "or tokens=False to keep no tokens",
+            "or tokens='auto' (kept only for values stored per token) or False",
             rows=range(batch.start, batch.stop),
         )
     padded = torch.full((value.shape[0], width), 0 if array.dtype == "bool" else _PAD_TOKEN, dtype=converted.dtype)

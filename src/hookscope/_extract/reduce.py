@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,8 +61,9 @@ def describe_reduction(spec: str | Reduction | None) -> str | None:
     if spec is None or isinstance(spec, str):
         return ALIASES.get(spec, spec) if isinstance(spec, str) else None
     sparse = getattr(spec, "sparse_latents", None)  # SparseTopk: its k and encoder tell it apart
-    if sparse is not None:
-        return f"sparse_topk(k={sparse[0]}, encode={describe_reduction(getattr(spec, 'encode', None))})"
+    if sparse is not None:  # object addresses differ between runs: left out
+        encoder = re.sub(r" at 0x[0-9a-fA-F]+", "", str(describe_reduction(getattr(spec, "encode", None))))
+        return f"sparse_topk(k={sparse[0]}, encode={encoder})"
     if isinstance(spec, functools.partial):
         return f"partial({describe_reduction(spec.func)}, args={spec.args!r}, keywords={spec.keywords!r})"
     module = getattr(spec, "__module__", "") or ""

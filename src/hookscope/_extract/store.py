@@ -124,7 +124,7 @@ class StoreArray:
         """Rows ``index`` of sparse latents (``hs.edits.SparseTopk``) as dense float32 ``(rows, ..., width)``:
         zeros but for each vector's ``k`` kept latents."""
         k, width = self._sparse_form()
-        packed = self.torch(index)
+        packed = self._packed(index)
         dense = torch.zeros((*packed.shape[:-1], width), dtype=torch.float32)
         return dense.scatter_(-1, packed[..., k:].long(), packed[..., :k])
 
@@ -132,7 +132,7 @@ class StoreArray:
         """Rows ``index`` of sparse latents as a ``torch.sparse_coo_tensor`` of shape ``(rows, ..., width)``
         (coalesced: each vector's ``k`` latents)."""
         k, width = self._sparse_form()
-        packed = self.torch(index)
+        packed = self._packed(index)
         lead = packed.shape[:-1]
         grid = torch.stack(torch.meshgrid(*[torch.arange(n) for n in lead], indexing="ij"), dim=0) if lead else None
         latents = packed[..., k:].long().reshape(-1)
@@ -142,7 +142,18 @@ class StoreArray:
             where = grid.reshape(len(lead), -1).repeat_interleave(k, dim=1)
             indices = torch.cat([where, latents.unsqueeze(0)], dim=0)
         values = packed[..., :k].reshape(-1)
-        return torch.sparse_coo_tensor(indices, values, (*lead, width), check_invariants=False).coalesce()
+        return torch.sparse_coo_tensor(indices, values, (*lead, width), check_invariants=True).coalesce()
+
+    def _packed(self, index: Any) -> Tensor:
+        """The packed rows; rows never written (a partial store: NaN) are refused, having no indices."""
+        packed = self.torch(index)
+        if packed.isnan().any():
+            raise StoreIndexError(
+                f"rows {index!r} of {self.name!r} include rows never written (their chunks are not done), which "
+                "have no latents to unpack; read rows of done chunks (store.done_chunks())",
+                array=self.name,
+            )
+        return packed
 
     def _sparse_form(self) -> tuple[int, int]:
         sparse = self.layout.sparse
@@ -631,12 +642,18 @@ def merged_stats(manifest: Manifest, layout: Layout, chunks: int | Iterable[int]
         array = manifest.stats_array(site.name)
         if array is None:
             continue
-        parts = np.asarray(array[:])
-        if wanted:
-            found[site.name] = summary(merge(parts[[c for c in wanted if c < len(parts)]]))
-        else:
-            found[site.name] = summary(merge([chunk_part(np.zeros((0, features(site.shape))))]))
+        merged = chunk_part(np.zeros((0, features(site.shape))))
+        for start in range(0, len(wanted), _STATS_BLOCK):  # a block of chunks' parts in memory at a time
+            block = [c for c in wanted[start : start + _STATS_BLOCK] if c < array.shape[0]]
+            if block:
+                parts = np.asarray(array[block[0] : block[-1] + 1])
+                merged = merge([merged, *parts[[c - block[0] for c in block]]])
+        found[site.name] = summary(merged)
     return found
+
+
+#: Chunks whose statistics are merged at a time (a part is 4 + 4 * features floats).
+_STATS_BLOCK = 256
 
 
 def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:

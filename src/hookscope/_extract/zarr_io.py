@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -88,13 +89,15 @@ def target_of(out: Any, storage_options: dict[str, Any] | None = None) -> Target
             "file system's options, e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
         )
     if isinstance(out, str) and _URL.match(out):
-        if out.startswith("file://"):
-            out = out[len("file://") :]
-        else:
+        if out.split("://", 1)[0].lower() != "file":
             return Target(_fsspec_store(out, storage_options), _shown_url(out), None, out)
+        parts = urllib.parse.urlsplit(out)
+        if parts.netloc not in ("", "localhost"):
+            raise StoreError(f"out={out!r} names another host; a file:// URL is a path on this machine")
+        out = urllib.parse.unquote(parts.path)
     if storage_options:
         raise StoreError(
-            f"storage_options were given, but out={str(out)!r} is not a URL: they are for stores such as "
+            f"storage_options were given, but out={str(out)!r} is a local path: they are for stores such as "
             "'s3://bucket/feats.zarr'; drop them for a local path"
         )
     if isinstance(out, (str, os.PathLike)):
@@ -131,10 +134,14 @@ def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
 
 
 def _shown_url(url: str) -> str:
-    """The URL without credentials written into it (``s3://key:secret@bucket`` -> ``s3://bucket``)."""
+    """The URL without credentials written into it (``s3://key:secret@bucket`` -> ``s3://bucket``).
+
+    >>> _shown_url("s3://AKIA:se/cret@bucket/feats.zarr?token=x")
+    's3://bucket/feats.zarr'
+    """
     scheme, rest = url.split("://", 1)
-    host, slash, path = rest.partition("/")
-    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+    rest = rest.partition("?")[0].partition("#")[0]  # a query may carry a token
+    return f"{scheme}://{rest.rpartition('@')[2]}"  # a secret may hold '/': everything up to the last '@' goes
 
 
 def read_meta(target: Target) -> dict[str, Any] | None:

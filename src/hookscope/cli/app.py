@@ -604,6 +604,7 @@ def extract_command(
         parse_reductions,
         parse_storage_options,
         recorded,
+        redacted,
         refused_first_batch,
         store_size,
     )
@@ -613,7 +614,8 @@ def extract_command(
     reductions = parse_reductions(reduce or [])
     storage = parse_storage_options(storage_options or [])
     keep_tokens = _tokens_choice(tokens)
-    command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
+    # stores and writer records are read by others: no credentials in the command they record
+    command = "hookscope " + shlex.join(redacted((ctx.obj or {}).get("argv", sys.argv[1:])))
     _on_interrupt(ctx, lambda: interrupted_note(out, command, storage))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank
