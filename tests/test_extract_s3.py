@@ -345,6 +345,15 @@ def test_a_heartbeat_whose_reply_was_lost_renews_and_a_takeover_is_still_seen(s3
     assert json.loads(s3.fs().cat_file(record_key(url)))["token"] == "theirs"
 
 
+def test_release_after_a_lost_reply_deletes_our_own_record(s3: S3Server, url: str) -> None:  # noqa: F811
+    hold = StoreHold(target_of(url, s3.storage_options), heartbeat_s=3600)
+    hold.take()
+    ours = s3.fs().cat_file(record_key(url))
+    s3.fs().pipe_file(record_key(url), ours + b" ")  # a renewal that landed, its reply lost: a version we never saw
+    hold.release()
+    assert not s3.fs().exists(record_key(url))
+
+
 def test_a_missing_bucket_is_named_not_taken_for_another_writer(s3: S3Server) -> None:  # noqa: F811
     model, x = model_and_rows()
     with pytest.raises(hs.StoreError, match="check that the bucket exists") as refused:

@@ -46,6 +46,7 @@ from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_f
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
+from hookscope._extract.redact import redacted_command
 from hookscope._extract.reduce import TokenMask
 from hookscope._extract.store import Store, merged_stats, open_store, stored_layout
 from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
@@ -129,6 +130,11 @@ def extract(
 
     Many processes: call it on every rank of a ``torch.distributed`` job (torchrun,
     accelerate); each rank writes whole chunks of its own and rank 0 marks the store complete.
+
+    ``out`` may be an fsspec URL (``"s3://bucket/feats.zarr"``, ``"gs://..."``) with
+    ``storage_options`` for its file system; everything above works there too. Beside the
+    values the store keeps each row's data index, token ids and padding mask (``tokens=``) and
+    each site's running statistics (``store.row_index``, ``store.tokens``, ``store.stats``).
 
     Example::
 
@@ -258,8 +264,8 @@ class _Job:
             checked = True
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
-        keep = existing is None or "provenance" in existing  # a store made before provenance goes on without
-        first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable, keep))
+        stored = stored_layout(existing).extras if existing is not None else None  # a resumed store's, as they are
+        first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable, stored))
         meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
             self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
@@ -368,7 +374,7 @@ class _Job:
         return meta
 
     def _layout(
-        self, probe: Batch, chunk_rows: int | None, keep_provenance: bool = True
+        self, probe: Batch, chunk_rows: int | None, stored: tuple[SiteLayout, ...] | None = None
     ) -> tuple[ProbeValues, Layout, Provenance]:
         """Run the first batch; its sites, row shapes and dtypes make the layout, its inputs the
         provenance arrays."""
@@ -397,14 +403,17 @@ class _Job:
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        provenance = Provenance.plan(
-            Batch(probe.start, probe.rows, *inputs),
-            tokens=self.tokens,
-            mask_key=self.mask_key,
-            source_index=self.source.source_index,
-            lengths={site.shape[0] for site in sites if len(site.shape) >= 2 and site.sparse is None},
-            keep=keep_provenance,
-        )
+        before = Batch(probe.start, probe.rows, *inputs)
+        if stored is not None:
+            provenance = Provenance.adopt(stored, before, mask_key=self.mask_key, source_index=self.source.source_index)
+        else:
+            provenance = Provenance.plan(
+                before,
+                tokens=self.tokens,
+                mask_key=self.mask_key,
+                source_index=self.source.source_index,
+                lengths={site.shape[0] for site in sites if len(site.shape) >= 2},  # sparse (seq, 2k) too
+            )
         layout = Layout(sites, self.source.rows, batch, rows, provenance.arrays)
         return ProbeValues(probe, values), layout, provenance
 
@@ -553,7 +562,7 @@ def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[s
             "numpy": np.__version__,
             "python": platform.python_version(),
         },
-        "command": command if command is not None else shlex.join(sys.argv),
+        "command": redacted_command(command if command is not None else shlex.join(sys.argv)),
     }
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hookscope._extract.object_record import ObjectRecord
+from hookscope._extract.redact import redacted_command
 from hookscope._extract.zarr_io import MANIFEST_GROUP, WRITER_RECORD, Target
 from hookscope.errors import StoreBusyError, StoreError
 
@@ -148,9 +149,7 @@ class StoreHold:
             self._beat.join()
             self._beat = None
             with contextlib.suppress(Exception):  # a store deleted under us: nothing left to release
-                found = self._read()
-                if found is not None and found.get("token") == self.token:
-                    self._delete(RECORD_KEY)
+                self._delete_own()
         self._remove_folders()
 
     # -- the record in the store ----------------------------------------------------------------
@@ -251,12 +250,22 @@ class StoreHold:
         self._lost_to = record if isinstance(record, dict) else {}  # taken over: leave its record
         self._stop.set()
 
-    def _delete(self, key: str) -> None:
+    def _delete_own(self) -> None:
+        """Delete the record if it is ours: on object storage only the version read as ours (a
+        renewal whose reply was lost left one this process never wrote itself)."""
         if self.target.path is not None:
-            (self.target.path / key).unlink(missing_ok=True)
+            found = self._read()
+            if found is not None and found.get("token") == self.token:
+                (self.target.path / RECORD_KEY).unlink(missing_ok=True)
             return
         assert self._object is not None
-        self._object.delete(if_etag=self._object.etag)  # only our own version
+        body, etag = self._object.read()
+        try:
+            record = json.loads(body) if body is not None else None
+        except ValueError:
+            return
+        if isinstance(record, dict) and record.get("token") == self.token:
+            self._object.delete(if_etag=etag)
 
     def _remove_stale(self, found: dict[str, Any]) -> None:
         """Move the stale record ``found`` out of the way, and only it: a newcomer that moved a
@@ -312,7 +321,7 @@ def _own_record(token: str, command: str | None) -> dict[str, Any]:
         "pid_namespace": _PID_NAMESPACE,
         "started": now,
         "heartbeat": now,
-        "command": command if command is not None else shlex.join(sys.argv),
+        "command": redacted_command(command if command is not None else shlex.join(sys.argv)),
         "token": token,
     }
 

@@ -232,12 +232,12 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
             return np.asarray(rows * self._seq, dtype=np.int64)
         counts = np.zeros(len(self._chunks), dtype=np.int64)
         chunks = self._chunks.tolist()
-        for block in range(0, len(chunks), _MASK_BLOCK):  # one read of many chunks: zarr fetches them at once
-            first, last = chunks[block], chunks[min(block + _MASK_BLOCK, len(chunks)) - 1]
+        for run in _runs(chunks, _MASK_BLOCK):  # consecutive chunks in one read: zarr fetches them at once
+            first, last = chunks[run.start], chunks[run.stop - 1]
             start = first * self._chunk_rows
             kept = self._read_zarr(self._mask, start, min(self._rows, (last + 1) * self._chunk_rows))
             per_row = np.count_nonzero(kept.reshape(len(kept), -1), axis=1)
-            for index in range(block, min(block + _MASK_BLOCK, len(chunks))):
+            for index in run:
                 offset = chunks[index] * self._chunk_rows - start
                 counts[index] = int(per_row[offset : offset + int(rows[index])].sum())
         return counts
@@ -248,12 +248,8 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
             return
         arrays = [*self._arrays, *([self._mask] if self._mask is not None else [])]
         wanted = set(self._chunks.tolist())
-        for array in arrays:
-            seen = array._present  # the store's own record of chunk files seen: a second loader lists nothing
-            if wanted <= seen:
-                continue
-            seen.update(present_chunks(array.zarr))
-            gone = sorted(wanted - seen)
+        for array in arrays:  # listed anew by every loader: a file may have gone since the last one
+            gone = sorted(wanted - present_chunks(array.zarr))
             if gone:
                 raise StoreError(
                     f"chunk {gone[0]} of {array.name!r} is damaged: its file is gone (the chunk is recorded as "
@@ -493,6 +489,19 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
 
 #: Chunks of the mask read at once when counting tokens (a block in memory at a time).
 _MASK_BLOCK = 256
+
+
+def _runs(chunks: list[int], longest: int) -> Iterator[range]:
+    """Index ranges of ``chunks`` (sorted) whose chunks follow one another, at most ``longest`` long.
+
+    >>> [list(run) for run in _runs([0, 1, 2, 5, 6, 9], 2)]
+    [[0, 1], [2], [3, 4], [5]]
+    """
+    start = 0
+    for index in range(1, len(chunks) + 1):
+        if index == len(chunks) or chunks[index] != chunks[index - 1] + 1 or index - start == longest:
+            yield range(start, index)
+            start = index
 
 
 class _Window:

@@ -49,6 +49,7 @@ class Provenance:
     tokens_key: str | int | None  # a keyword input, or 0 for the first positional input
     mask_key: str | None
     source_index: Callable[[int, int], torch.Tensor]
+    auto: bool = False  # kept by tokens="auto": a batch that does not fit says so
 
     @classmethod
     def plan(
@@ -59,42 +60,60 @@ class Provenance:
         mask_key: str | None,
         source_index: Callable[[int, int], torch.Tensor],
         lengths: set[int],
-        keep: bool = True,
     ) -> Provenance:
-        """The arrays for the data whose first batch is ``probe``.
+        """The arrays for a new store whose first batch is ``probe``.
 
-        ``lengths`` holds the second dimension of every site kept per token (``(N, seq, ...)``):
-        with ``tokens="auto"``, tokens and mask are kept only when one of them is the batch's
-        width, so a reduced store over batches padded each to its own length runs as before.
-        ``keep=False`` (a store made before provenance, resumed) keeps nothing.
+        ``lengths`` holds dimension 1 of every site stored per position (``(N, seq, ...)``, sparse
+        latents too). The mask is kept when it fits one of them (statistics and the loader leave
+        padding out by it), whatever ``tokens`` says. Token ids: ``tokens=True`` always,
+        ``False`` never, ``"auto"`` when they fit one of them, so a store of values reduced over
+        the tokens, from batches each padded to its own length, runs as ever.
         """
-        if not keep:
-            return cls((), None, None, source_index)
         if tokens not in (True, False, "auto"):
             raise SpecError(f"tokens={tokens!r} is not True, False or 'auto' (store the token ids when there are some)")
         arrays = [_array(INDEX, "int64", ())]
         key = _tokens_key(probe) if tokens is not False else None
-        if tokens == "auto" and key is not None and int(_get(probe, key).shape[1]) not in lengths:  # type: ignore[union-attr]
-            key = None  # values reduced over the tokens: a width that varies by batch is fine there
         if tokens is True and key is None:
             raise SpecError(
                 "tokens=True, but the first batch has no token ids: no 'input_ids' keyword input and no first "
                 "positional input of integer dtype shaped (batch, seq); tokens='auto' stores them only when there "
                 "are some"
             )
-        width = None
-        if key is not None:
-            ids = _get(probe, key)
-            assert ids is not None
-            width = int(ids.shape[1])
-            arrays.append(_array(TOKENS, "int64", (width,)))
-        mask = _get(probe, mask_key) if mask_key is not None else None
-        wanted = tokens is True or (tokens == "auto" and _is_2d(mask, probe.rows) and mask.shape[1] in lengths)  # type: ignore[union-attr]
-        if wanted and _is_2d(mask, probe.rows) and (width is None or mask.shape[1] == width):  # type: ignore[union-attr]
-            arrays.append(_array(MASK, "bool", (int(mask.shape[1]),)))  # type: ignore[union-attr]
+        ids = _get(probe, key)
+        if tokens == "auto" and ids is not None and int(ids.shape[1]) not in lengths:
+            key, ids = None, None  # values reduced over the tokens: a width that varies by batch is fine there
+        if ids is not None:
+            arrays.append(_array(TOKENS, "int64", (int(ids.shape[1]),)))
+        mask = _get(probe, mask_key)
+        fits = mask is not None and _is_2d(mask, probe.rows) and int(mask.shape[1]) in lengths
+        if mask is not None and ids is not None and _is_2d(mask, probe.rows):
+            fits = fits or mask.shape[1] == ids.shape[1]  # tokens kept: their mask beside them
+        if mask is not None and fits and (ids is None or mask.shape[1] == ids.shape[1]):
+            arrays.append(_array(MASK, "bool", (int(mask.shape[1]),)))
         else:
             mask_key = None
-        return cls(tuple(arrays), key, mask_key, source_index)
+        return cls(tuple(arrays), key, mask_key, source_index, tokens == "auto")
+
+    @classmethod
+    def adopt(
+        cls,
+        stored: tuple[SiteLayout, ...],
+        probe: Batch,
+        *,
+        mask_key: str | None,
+        source_index: Callable[[int, int], torch.Tensor],
+    ) -> Provenance:
+        """The arrays a store being resumed already has (none, for one made before provenance):
+        its chunks must all have the same, whatever a plan would say now."""
+        names = {array.name for array in stored}
+        key = _tokens_key(probe) if TOKENS in names else None
+        if TOKENS in names and key is None:
+            raise DataError(
+                f"the store keeps each row's tokens ({TOKENS!r}), and the first batch has no token ids; resume with "
+                "the data it was made with",
+                rows=range(probe.start, probe.stop),
+            )
+        return cls(stored, key, mask_key if MASK in names else None, source_index)
 
     def values(self, batch: Batch) -> list[torch.Tensor]:
         """The provenance rows of ``batch`` (CPU tensors), in the order of ``arrays``."""
@@ -111,7 +130,7 @@ class Provenance:
                     rows=range(batch.start, batch.stop),
                 )
             assert value is not None
-            found.append(_fit(value.detach().cpu(), array, batch, key))
+            found.append(_fit(value.detach().cpu(), array, batch, key, self.auto))
         return found
 
 
@@ -143,7 +162,7 @@ def _is_2d(value: Any, rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == rows
 
 
-def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | None) -> torch.Tensor:
+def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | None, auto: bool) -> torch.Tensor:
     """``value`` in the array's dtype and width: a shorter batch padded, a longer one refused."""
     width = array.shape[0]
     converted = value.to(
@@ -155,7 +174,12 @@ def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | 
         raise DataError(
             f"rows {batch.start}..{batch.stop - 1} have {value.shape[1]} positions of {_described(key)}, and the "
             f"store keeps {width}, the first batch's: pad every batch to one length (e.g. padding='max_length'), "
-            "or tokens='auto' (kept only for values stored per token) or False",
+            + (
+                "or tokens=False: tokens='auto' kept them because a site's dimension 1 had the first batch's "
+                "width, as values stored per token do"
+                if auto
+                else "or tokens='auto' (kept only for values stored per token) or False"
+            ),
             rows=range(batch.start, batch.stop),
         )
     padded = torch.full((value.shape[0], width), 0 if array.dtype == "bool" else _PAD_TOKEN, dtype=converted.dtype)

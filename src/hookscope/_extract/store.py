@@ -147,7 +147,8 @@ class StoreArray:
     def _packed(self, index: Any) -> Tensor:
         """The packed rows; rows never written (a partial store: NaN) are refused, having no indices."""
         packed = self.torch(index)
-        if packed.isnan().any():
+        k, _ = self._sparse_form()
+        if packed[..., k:].isnan().any():  # NaN indices: rows never written (NaN values are values)
             raise StoreIndexError(
                 f"rows {index!r} of {self.name!r} include rows never written (their chunks are not done), which "
                 "have no latents to unpack; read rows of done chunks (store.done_chunks())",
@@ -311,13 +312,26 @@ class Store:
 
     ``store["h.0"]`` is a :class:`StoreArray` (by array name or site text), ``store.torch("h.0",
     slice(0, 32))`` a tensor, ``store.sites`` the array names, ``len(store)`` the number of rows
-    and ``store.meta`` the configuration it was made with.
+    and ``store.meta`` the configuration it was made with. What each row is: ``store.row_index``,
+    ``store.tokens``, ``store.attention_mask``; each site's statistics: ``store.stats``; batches
+    for training: ``store.loader(...)``.
 
     Example::
 
-        store = hs.open_store("feats.zarr")
+        store = hs.open_store("feats.zarr")           # or "s3://bucket/feats.zarr", storage_options={...}
         x = store["h.5"][:1000]                     # numpy, (1000, 768)
         t = store.torch("h.5", slice(0, 1000))      # torch, the stored dtype (bfloat16 too)
+        store.stats["h.5"].norm_rms                  # kept while writing: no pass over the data
+        store.tokens[store.row_index[:] == 42]       # the tokens of data set row 42
+
+    >>> import tempfile, torch
+    >>> from torch import nn
+    >>> import hookscope as hs
+    >>> ids = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    >>> model = nn.Sequential(nn.Embedding(10, 3), nn.Linear(3, 2))
+    >>> store = hs.extract(model, ids, "1", tempfile.mkdtemp() + "/f.zarr", progress=False, indices=[1, 0])
+    >>> store.row_index[:].tolist(), store.tokens[:].tolist(), store.stats["1"].count
+    ([1, 0], [[5, 9, 2, 6], [3, 1, 4, 1]], 8)
     """
 
     def __init__(self, target: Target, group: Any, meta: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hookscope._extract.layout import Layout
+from hookscope._extract.redact import shown_url
 from hookscope._extract.running_stats import part_width
 from hookscope._shared.optional import require
 from hookscope.errors import MissingDependencyError, StoreError
@@ -90,7 +91,7 @@ def target_of(out: Any, storage_options: dict[str, Any] | None = None) -> Target
         )
     if isinstance(out, str) and _URL.match(out):
         if out.split("://", 1)[0].lower() != "file":
-            return Target(_fsspec_store(out, storage_options), _shown_url(out), None, out)
+            return Target(_fsspec_store(out, storage_options), shown_url(out), None, out)
         parts = urllib.parse.urlsplit(out)
         if parts.netloc not in ("", "localhost"):
             raise StoreError(f"out={out!r} names another host; a file:// URL is a path on this machine")
@@ -117,7 +118,7 @@ _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
     """zarr's ``FsspecStore`` for ``url``; a missing file-system package is named with its install line."""
     zarr = zarr_module()
-    require("fsspec", purpose=f"a store at {_shown_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
+    require("fsspec", purpose=f"a store at {shown_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
     protocol = url.split("://", 1)[0]
     # no cached listings: other processes (torchrun ranks, a second writer) change the store under us
     options = {"use_listings_cache": False, **(storage_options or {})}
@@ -126,22 +127,11 @@ def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
     except ImportError as error:
         package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
         wanted = package.get(protocol, f"the fsspec implementation of {protocol}://")
-        raise MissingDependencyError(f"a store at {_shown_url(url)} needs {wanted}: pip install {wanted}") from error
+        raise MissingDependencyError(f"a store at {shown_url(url)} needs {wanted}: pip install {wanted}") from error
     except (TypeError, ValueError) as error:
         raise StoreError(
-            f"out {_shown_url(url)!r} cannot be opened: {error}; check the URL and storage_options"
+            f"out {shown_url(url)!r} cannot be opened: {error}; check the URL and storage_options"
         ) from error
-
-
-def _shown_url(url: str) -> str:
-    """The URL without credentials written into it (``s3://key:secret@bucket`` -> ``s3://bucket``).
-
-    >>> _shown_url("s3://AKIA:se/cret@bucket/feats.zarr?token=x")
-    's3://bucket/feats.zarr'
-    """
-    scheme, rest = url.split("://", 1)
-    rest = rest.partition("?")[0].partition("#")[0]  # a query may carry a token
-    return f"{scheme}://{rest.rpartition('@')[2]}"  # a secret may hold '/': everything up to the last '@' goes
 
 
 def read_meta(target: Target) -> dict[str, Any] | None:

@@ -604,7 +604,6 @@ def extract_command(
         parse_reductions,
         parse_storage_options,
         recorded,
-        redacted,
         refused_first_batch,
         store_size,
     )
@@ -614,8 +613,8 @@ def extract_command(
     reductions = parse_reductions(reduce or [])
     storage = parse_storage_options(storage_options or [])
     keep_tokens = _tokens_choice(tokens)
-    # stores and writer records are read by others: no credentials in the command they record
-    command = "hookscope " + shlex.join(redacted((ctx.obj or {}).get("argv", sys.argv[1:])))
+    # recorded by the store with credentials redacted (hs.extract); shown back as typed after Ctrl-C
+    command = "hookscope " + shlex.join((ctx.obj or {}).get("argv", sys.argv[1:]))
     _on_interrupt(ctx, lambda: interrupted_note(out, command, storage))
     with distributed_job(device) as (rank, run_on):
         torch.manual_seed(seed)  # random weights of a config-built model: the same in every run and rank

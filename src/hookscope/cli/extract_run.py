@@ -29,7 +29,6 @@ __all__ = [
     "parse_reductions",
     "parse_storage_options",
     "recorded",
-    "redacted",
     "refused_first_batch",
     "store_size",
 ]
@@ -167,9 +166,6 @@ def parse_storage_options(options: list[str]) -> dict[str, Any] | None:
     return found or None
 
 
-_SHOWN_OPTIONS = {"endpoint_url", "region_name", "anon", "requester_pays", "default_block_size", "use_ssl"}
-
-
 def _credential(key: str) -> bool:
     """True for an option that holds a secret: kept as written (a numeric secret stays a string)."""
     return any(word in key.lower() for word in ("key", "secret", "token", "password", "credential"))
@@ -181,33 +177,6 @@ def _value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def redacted(argv: list[str]) -> list[str]:
-    """``argv`` as a store may record it: storage options other than harmless ones (endpoint,
-    region, ...) and credentials in a URL replaced by ``***``.
-
-    >>> redacted(["-o", "s3://AK:se/c@b/f.zarr", "--storage-option", "secret=x", "--storage-option=endpoint_url=h"])
-    ['-o', 's3://***@b/f.zarr', '--storage-option', 'secret=***', '--storage-option=endpoint_url=h']
-    """
-    shown = []
-    after_option = False
-    for arg in argv:
-        if after_option:
-            arg = _redacted_option(arg)
-        elif arg.startswith("--storage-option="):
-            arg = "--storage-option=" + _redacted_option(arg.removeprefix("--storage-option="))
-        elif "://" in arg and "@" in arg:
-            scheme, rest = arg.split("://", 1)
-            arg = f"{scheme}://***@{rest.rpartition('@')[2]}"
-        after_option = arg == "--storage-option"
-        shown.append(arg)
-    return shown
-
-
-def _redacted_option(option: str) -> str:
-    key, equals, _ = option.partition("=")
-    return option if key.strip() in _SHOWN_OPTIONS or not equals else f"{key}=***"
 
 
 def recorded(out: str, storage_options: dict[str, Any] | None = None) -> Recorded | None:
