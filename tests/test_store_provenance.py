@@ -284,6 +284,10 @@ def test_non_finite_statistics_are_strict_json(tmp_path: Path) -> None:
     json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in zarr.json"))
     assert store.meta["stats"]["0"]["mean"] == "NaN"
     assert np.isnan(store.stats["0"].mean)
+    first = torch.tensor([[float("inf"), 1.0], [1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # inf in a chunk's first row
+    infinite = run(nn.Sequential(nn.Identity()), first, "0", tmp_path / "i.zarr", batch_size=2)
+    assert infinite.stats["0"].feature_mean[0] == np.inf  # its own feature: inf, not NaN
+    assert infinite.stats["0"].feature_mean[1] == pytest.approx(13 / 4)  # the others untouched
 
 
 def test_sparse_rows_never_written_are_refused_not_unpacked(tmp_path: Path) -> None:
@@ -419,3 +423,30 @@ def test_the_loader_reads_only_done_chunks_and_lists_files_each_time(tmp_path: P
     (out / "h.0" / "c" / "3" / "0" / "0").unlink()
     with pytest.raises(hs.StoreError, match="chunk 3 of 'h.0' is damaged: its file is gone"):
         store.loader("h.0", 16, tokens=True)  # the same Store: listed again, not remembered
+    (out / "_rows" / "attention_mask" / "c" / "1" / "0").write_bytes(b"damaged too")
+    with pytest.raises(hs.StoreError, match=r"chunk 1 \(rows 4..7\) of '_rows/attention_mask' cannot be read"):
+        hs.open_store(out, partial=True).loader("h.0", 16, tokens=True)
+
+
+def test_a_mask_kept_for_a_site_of_the_same_width_says_how_to_go_without() -> None:
+    class Queries(nn.Module):  # four learned queries: (batch, 4, 3) whatever the input's length
+        def __init__(self) -> None:
+            super().__init__()
+            self.queries = nn.Parameter(torch.randn(4, 3))
+            self.out = nn.Identity()
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.out(self.queries.expand(len(input_ids), 4, 3) * attention_mask.sum(1)[:, None, None])
+
+    batches = [
+        {"input_ids": torch.ones(2, width, dtype=torch.long), "attention_mask": torch.ones(2, width, dtype=torch.long)}
+        for width in (4, 6)
+    ]
+    with pytest.raises(hs.DataError, match=r"the mask is kept because a site's dimension 1 .* mask=None keeps no mask"):
+        hs.extract(Queries(), batches, "out", zarr_memory(), progress=False, tokens=False)
+
+
+def zarr_memory() -> Any:
+    import zarr
+
+    return zarr.storage.MemoryStore()

@@ -233,9 +233,8 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         counts = np.zeros(len(self._chunks), dtype=np.int64)
         chunks = self._chunks.tolist()
         for run in _runs(chunks, _MASK_BLOCK):  # consecutive chunks in one read: zarr fetches them at once
-            first, last = chunks[run.start], chunks[run.stop - 1]
-            start = first * self._chunk_rows
-            kept = self._read_zarr(self._mask, start, min(self._rows, (last + 1) * self._chunk_rows))
+            start = chunks[run.start] * self._chunk_rows
+            kept = self._read_run(self._mask, chunks[run.start : run.stop])
             per_row = np.count_nonzero(kept.reshape(len(kept), -1), axis=1)
             for index in run:
                 offset = chunks[index] * self._chunk_rows - start
@@ -435,6 +434,16 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
             raw = self._read_zarr(array, start + low, start + high)
             values[array.name] = raw.reshape(-1, *raw.shape[2:]) if self.tokens else raw
         return _Read(values, flat - low * self._seq, flat + start * self._seq)
+
+    def _read_run(self, array: StoreArray, chunks: list[int]) -> np.ndarray:
+        """Consecutive ``chunks`` of ``array`` in one read; a failure names the chunk that broke it."""
+        start, stop = chunks[0] * self._chunk_rows, min(self._rows, (chunks[-1] + 1) * self._chunk_rows)
+        try:
+            return self._read_zarr(array, start, stop)
+        except StoreError:
+            for chunk in chunks:  # read one by one: only on this error path
+                self._read_zarr(array, chunk * self._chunk_rows, min(self._rows, (chunk + 1) * self._chunk_rows))
+            raise
 
     @staticmethod
     def _read_zarr(array: StoreArray, start: int, stop: int) -> np.ndarray:

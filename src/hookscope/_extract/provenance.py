@@ -49,7 +49,7 @@ class Provenance:
     tokens_key: str | int | None  # a keyword input, or 0 for the first positional input
     mask_key: str | None
     source_index: Callable[[int, int], torch.Tensor]
-    auto: bool = False  # kept by tokens="auto": a batch that does not fit says so
+    tokens: TokensOption | None = None  # the option it was planned with (None: adopted from a stored store)
 
     @classmethod
     def plan(
@@ -85,14 +85,13 @@ class Provenance:
         if ids is not None:
             arrays.append(_array(TOKENS, "int64", (int(ids.shape[1]),)))
         mask = _get(probe, mask_key)
-        fits = mask is not None and _is_2d(mask, probe.rows) and int(mask.shape[1]) in lengths
-        if mask is not None and ids is not None and _is_2d(mask, probe.rows):
-            fits = fits or mask.shape[1] == ids.shape[1]  # tokens kept: their mask beside them
-        if mask is not None and fits and (ids is None or mask.shape[1] == ids.shape[1]):
-            arrays.append(_array(MASK, "bool", (int(mask.shape[1]),)))
+        width = int(mask.shape[1]) if mask is not None and _is_2d(mask, probe.rows) else None
+        # the mask of a site stored per position (to leave its padding out), or the mask of the ids kept
+        if width is not None and (width in lengths or (ids is not None and width == ids.shape[1])):
+            arrays.append(_array(MASK, "bool", (width,)))
         else:
             mask_key = None
-        return cls(tuple(arrays), key, mask_key, source_index, tokens == "auto")
+        return cls(tuple(arrays), key, mask_key, source_index, tokens)
 
     @classmethod
     def adopt(
@@ -106,6 +105,11 @@ class Provenance:
         """The arrays a store being resumed already has (none, for one made before provenance):
         its chunks must all have the same, whatever a plan would say now."""
         names = {array.name for array in stored}
+        if MASK in names and mask_key is None:
+            raise SpecError(
+                f"the store keeps each row's padding mask ({MASK!r}), and mask=None keeps none: resume with the "
+                "mask it was made with (mask='auto' or its key)"
+            )
         key = _tokens_key(probe) if TOKENS in names else None
         if TOKENS in names and key is None:
             raise DataError(
@@ -130,7 +134,7 @@ class Provenance:
                     rows=range(batch.start, batch.stop),
                 )
             assert value is not None
-            found.append(_fit(value.detach().cpu(), array, batch, key, self.auto))
+            found.append(_fit(value.detach().cpu(), array, batch, key, self.tokens))
         return found
 
 
@@ -162,7 +166,9 @@ def _is_2d(value: Any, rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == rows
 
 
-def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | None, auto: bool) -> torch.Tensor:
+def _fit(
+    value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | None, tokens: TokensOption | None
+) -> torch.Tensor:
     """``value`` in the array's dtype and width: a shorter batch padded, a longer one refused."""
     width = array.shape[0]
     converted = value.to(
@@ -173,18 +179,30 @@ def _fit(value: torch.Tensor, array: SiteLayout, batch: Batch, key: str | int | 
     if value.shape[1] > width:
         raise DataError(
             f"rows {batch.start}..{batch.stop - 1} have {value.shape[1]} positions of {_described(key)}, and the "
-            f"store keeps {width}, the first batch's: pad every batch to one length (e.g. padding='max_length'), "
-            + (
-                "or tokens=False: tokens='auto' kept them because a site's dimension 1 had the first batch's "
-                "width, as values stored per token do"
-                if auto
-                else "or tokens='auto' (kept only for values stored per token) or False"
-            ),
+            f"store keeps {width}, the first batch's: pad every batch to one length (e.g. padding='max_length')"
+            + _other_fix(array, tokens),
             rows=range(batch.start, batch.stop),
         )
     padded = torch.full((value.shape[0], width), 0 if array.dtype == "bool" else _PAD_TOKEN, dtype=converted.dtype)
     padded[:, : value.shape[1]] = converted
     return padded
+
+
+def _other_fix(array: SiteLayout, tokens: TokensOption | None) -> str:
+    """What else lets a longer batch through, for the array that refused it."""
+    if tokens is None:  # a store being resumed: its arrays are what they are
+        return ", as the store's earlier rows were"
+    if array.name == MASK:
+        return (
+            "; the mask is kept because a site's dimension 1 had the first batch's width, as values stored per "
+            "token do: if none is, mask=None keeps no mask (reductions over the tokens then include padding)"
+        )
+    if tokens == "auto":
+        return (
+            ", or tokens=False: tokens='auto' kept them because a site's dimension 1 had the first batch's width, "
+            "as values stored per token do"
+        )
+    return ", or tokens='auto' (kept only for values stored per token) or False"
 
 
 def _described(key: str | int | None) -> str:

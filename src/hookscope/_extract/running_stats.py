@@ -70,11 +70,12 @@ def _chunk_part(vectors: np.ndarray) -> np.ndarray:
     # M2 = sum(d^2) - sum(d)^2 / n loses only ~1e-16 * ((mean - first) / std)^2 of itself, where
     # plain sums of x would lose ~1e-16 * (mean / std)^2: a feature at 3000 +- 0.5 stays exact
     exact = vectors.astype(np.float64, copy=False)
-    first = exact[0].copy()
-    shifted = exact - first
+    norms = np.sqrt(np.einsum("ij,ij->i", exact, exact))
+    first = np.where(np.isfinite(exact[0]), exact[0], 0.0)  # an inf there would turn inf - inf into NaN
+    # a copy made by astype is ours to shift in place; the caller's float64 values are not
+    shifted = exact - first if exact is vectors else np.subtract(exact, first, out=exact)
     sums = shifted.sum(axis=0)
     squares = np.einsum("ij,ij->j", shifted, shifted)
-    norms = np.sqrt(np.einsum("ij,ij->i", exact, exact))
     part[0] = count
     part[1] = norms.sum()
     part[2] = np.square(norms).sum()
