@@ -450,3 +450,12 @@ def zarr_memory() -> Any:
     import zarr
 
     return zarr.storage.MemoryStore()
+
+
+def test_a_site_with_a_chunk_lacking_its_statistics_has_none(tmp_path: Path) -> None:
+    import zarr
+
+    out = tmp_path / "f.zarr"
+    run(nn.Sequential(nn.Linear(4, 3)), torch.randn(16, 4), "0", out, batch_size=4, chunk_rows=4)
+    zarr.open_group(out, mode="r+")["_hookscope/stats/0"][2] = np.nan  # as a writer that kept none leaves it
+    assert hs.open_store(out).stats == {}  # not the statistics of the other chunks, passed off as the site's

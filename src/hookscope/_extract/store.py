@@ -649,20 +649,30 @@ def open_store(
 
 
 def merged_stats(manifest: Manifest, layout: Layout, chunks: int | Iterable[int]) -> dict[str, SiteStats]:
-    """Each site's statistics over ``chunks`` (a count: the first ones; or which), merged in chunk order."""
+    """Each site's statistics over ``chunks`` (a count: the first ones; or which), merged in chunk order.
+
+    A site some of whose chunks have no part recorded (written by a hookscope that kept none) has
+    no statistics rather than those of the chunks that have one.
+    """
     wanted = sorted(range(chunks) if isinstance(chunks, int) else chunks)
     found = {}
     for site in layout.sites:
         array = manifest.stats_array(site.name)
         if array is None:
             continue
-        merged = chunk_part(np.zeros((0, features(site.shape))))
+        merged: np.ndarray | None = chunk_part(np.zeros((0, features(site.shape))))
         for start in range(0, len(wanted), _STATS_BLOCK):  # a block of chunks' parts in memory at a time
             block = [c for c in wanted[start : start + _STATS_BLOCK] if c < array.shape[0]]
-            if block:
-                parts = np.asarray(array[block[0] : block[-1] + 1])
-                merged = merge([merged, *parts[[c - block[0] for c in block]]])
-        found[site.name] = summary(merged)
+            parts = np.asarray(array[block[0] : block[-1] + 1])[[c - block[0] for c in block]] if block else None
+            if len(block) < len(wanted[start : start + _STATS_BLOCK]) or (
+                parts is not None and not np.isfinite(parts[:, 0]).all()
+            ):
+                merged = None  # a chunk without its part (the fill value, NaN): no statistics for the site
+                break
+            if parts is not None and merged is not None:
+                merged = merge([merged, *parts])
+        if merged is not None:
+            found[site.name] = summary(merged)
     return found
 
 
