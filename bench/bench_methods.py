@@ -299,25 +299,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, and return the exit code."""
     args = parse_args(argv)
-    common.prepare_torch(args.threads)
-    threads = common.threads_label(args.threads)
-    print(f"torch {torch.__version__}, {threads}, {args.rounds} rounds, warm-up {WARMUP}, eval mode", flush=True)
+    common.start(args, f"warm-up {WARMUP}, eval mode")
     table = bench(QUICK_N_LAYER if args.quick else N_LAYER, args.rounds)
     print(f"\n{format_table(table)}", flush=True)
-    if args.json is not None:
-        data: dict[str, Any] = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
-        data |= {
-            "targets": {
-                "sweep_speedup_min": TARGET_SWEEP_SPEEDUP,
-                "attribution_forwards_max": TARGET_ATTRIBUTION_FORWARDS,
-            },
-            "seq_len": SEQ_LEN,
-            "changed_position": CHANGED_POSITION,
-            "warmup": WARMUP,
-            "tables": [table_to_json(table)],
-        }
-        common.write_json(args.json, data)
-    return 1 if args.check and not all(verdicts(table).values()) else 0
+    targets = {"sweep_speedup_min": TARGET_SWEEP_SPEEDUP, "attribution_forwards_max": TARGET_ATTRIBUTION_FORWARDS}
+    return common.finish(
+        args,
+        [table_to_json(table)],
+        all(verdicts(table).values()),
+        targets=targets,
+        seq_len=SEQ_LEN,
+        changed_position=CHANGED_POSITION,
+        warmup=WARMUP,
+    )
 
 
 if __name__ == "__main__":

@@ -338,17 +338,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, and return the exit code."""
     args = parse_args(argv)
-    common.prepare_torch(args.threads)
-    threads = common.threads_label(args.threads)
-    print(f"torch {torch.__version__}, {threads}, {args.rounds} rounds, warm-up {WARMUP}, training steps", flush=True)
+    common.start(args, f"warm-up {WARMUP}, training steps")
     table = bench(QUICK_N_LAYER if args.quick else N_LAYER, args.rounds)
     print(f"\n{format_table(table)}", flush=True)
-    if args.json is not None:
-        data: dict[str, Any] = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
-        data |= {"targets": {EVERY_STEP: TARGET_EVERY_STEP}, "every": EVERY, "precision": PRECISION_FORMAT}
-        data |= {"warmup": WARMUP, "tables": [table_to_json(table)]}
-        common.write_json(args.json, data)
-    return 1 if args.check and not passed(table) else 0
+    return common.finish(
+        args,
+        [table_to_json(table)],
+        passed(table),
+        targets={EVERY_STEP: TARGET_EVERY_STEP},
+        every=EVERY,
+        precision=PRECISION_FORMAT,
+        warmup=WARMUP,
+    )
 
 
 if __name__ == "__main__":

@@ -468,13 +468,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    common.prepare_torch(args.threads)
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
     load_rounds = args.rounds if args.quick else args.load_rounds
-    print(
-        f"torch {torch.__version__}, {common.threads_label(args.threads)}, {args.rounds} rounds of extraction "
-        f"(torch.no_grad()), {load_rounds} of loading"
-    )
+    common.start(args, f"extraction under torch.no_grad(), {load_rounds} rounds of loading")
     model, data = workload(rows)
     with tempfile.TemporaryDirectory(prefix="bench-store-") as folder, contextlib.ExitStack() as stack:
         scratch = Path(folder)
@@ -486,15 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{format_load(load)}", flush=True)
     found = verdicts(extract, load)
     print(f"\n{format_verdicts(found)}")
+    tables = [asdict(extract) | extract.medians(FORWARD), asdict(load) | load.medians(ZARR_SEQ, HF)]
+    targets = [{"what": w, "value": v, "target": t, "passed": v >= t} for w, v, t in found]
     passed = all(value >= target for _, value, target in found)
-    if args.json is not None:
-        data_out: dict[str, Any] = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
-        data_out["load_rounds"] = load_rounds
-        data_out["extract"] = asdict(extract) | extract.medians(FORWARD)
-        data_out["load"] = asdict(load) | load.medians(ZARR_SEQ, HF)
-        data_out["targets"] = [{"what": w, "value": v, "target": t, "passed": v >= t} for w, v, t in found]
-        common.write_json(args.json, data_out)
-    return 1 if args.check and not passed else 0
+    return common.finish(args, tables, passed, load_rounds=load_rounds, targets=targets)
 
 
 if __name__ == "__main__":

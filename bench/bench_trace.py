@@ -331,20 +331,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, and return the exit code."""
     args = parse_args(argv)
-    common.prepare_torch(args.threads)
-    threads = common.threads_label(args.threads)
-    print(f"torch {torch.__version__}, {threads}, {args.rounds} rounds, warm-up {WARMUP}, torch.no_grad(), eval mode")
+    common.start(args, f"warm-up {WARMUP}, torch.no_grad(), eval mode")
     tables = []
     with torch.no_grad():
         for key in MODELS if args.model == "all" else [args.model]:
             table = bench(WORKLOADS[key](args.quick), args.rounds)
             tables.append(table)
             print(f"\n{format_table(table)}", flush=True)
-    if args.json is not None:
-        data = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds, "target": TARGET}
-        data |= {"warmup": WARMUP, "tables": [table_to_json(t) for t in tables]}
-        common.write_json(args.json, data)
-    return 1 if args.check and not all(map(passed, tables)) else 0
+    passed_all = all(map(passed, tables))
+    return common.finish(args, [table_to_json(t) for t in tables], passed_all, target=TARGET, warmup=WARMUP)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,18 @@ def ratio_range(ratios: list[float]) -> str:
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as indented JSON with a final newline."""
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def start(args: argparse.Namespace, how: str) -> None:
+    """Set torch up for the run and print its first line: torch, threads, rounds and ``how`` it runs."""
+    prepare_torch(args.threads)
+    print(f"torch {torch.__version__}, {threads_label(args.threads)}, {args.rounds} rounds, {how}", flush=True)
+
+
+def finish(args: argparse.Namespace, tables: list[dict[str, Any]], passed: bool, **settings: Any) -> int:
+    """Write the JSON report when ``--json`` asks (the run's settings, ``settings``, the tables) and
+    return the exit code: 1 when ``--check`` asks and a target was missed."""
+    if args.json is not None:
+        run = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
+        write_json(args.json, run | settings | {"tables": tables})
+    return 1 if args.check and not passed else 0

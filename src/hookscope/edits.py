@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
-from hookscope._edit.context import EditContext
+from hookscope._edit.context import EditContext, checked_path
 from hookscope._edit.part import Part
 from hookscope._edit.splice import SparseTopk, Splice, topk_latents
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
@@ -54,10 +53,7 @@ class Edit:
     """A built-in edit: what it does, to which part, of which tensor (``path``)."""
 
     def __init__(self, *, path: str | None = None, part: Part) -> None:
-        if path is not None and not isinstance(path, str):
-            raise SpecError(f"path={path!r}: expected a tree path such as 'output[0]' or 'output.logits'")
-        if path is not None:
-            split_leaf(path, shown=f"path={path!r}")  # the form now; which side, when attached
+        checked_path(path)
         self.path = path
         self.part = part
 

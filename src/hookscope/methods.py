@@ -20,38 +20,7 @@ tensor([3.])
 
 from __future__ import annotations
 
-from hookscope._capture import Stacked
-from hookscope._methods import (
-    Disagreement,
-    Effects,
-    Lens,
-    Metric,
-    accumulated_resid,
-    apply_ln,
-    attribution_patch,
-    decompose_resid,
-    kl_to,
-    logit_diff,
-    logit_lens,
-    logprob,
-    loss,
-    patch_sweep,
-)
+from hookscope import _methods
+from hookscope._methods import *  # noqa: F403 (the names of its __all__, listed once there)
 
-__all__ = [
-    "Disagreement",
-    "Effects",
-    "Lens",
-    "Metric",
-    "Stacked",
-    "accumulated_resid",
-    "apply_ln",
-    "attribution_patch",
-    "decompose_resid",
-    "kl_to",
-    "logit_diff",
-    "logit_lens",
-    "logprob",
-    "loss",
-    "patch_sweep",
-]
+__all__ = _methods.__all__

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._capture.stack import Stacked
+from hookscope._capture.stack import Stacked, stack
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
 from hookscope._core.std.stdmap import STD_PREFIX
@@ -31,7 +31,7 @@ from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
-__all__ = ["Cache", "load", "tensor_bytes"]
+__all__ = ["Cache", "load", "tensor_bytes", "tensor_version"]
 
 _SITES_KEY = "hookscope_sites"  # in a saved file's metadata: each stored name's full site
 
@@ -97,7 +97,7 @@ class Cache(Mapping[str, torch.Tensor]):
             return
         previous = self._grads.get(site)
         self._grads[site] = grad if previous is None else previous + grad
-        self._grad_versions[site] = _grad_version(self._grads[site])
+        self._grad_versions[site] = tensor_version(self._grads[site])
 
     def _note_no_grad(self, site: Site, why: str) -> None:
         self._no_grad[site] = why
@@ -194,8 +194,6 @@ class Cache(Mapping[str, torch.Tensor]):
         >>> values.shape, labels
         (torch.Size([2, 2]), ['h.0', 'h.1'])
         """
-        from hookscope._capture.stack import stack
-
         return stack(self, pattern)
 
     def sites(self) -> list[Site]:
@@ -321,8 +319,9 @@ _NO_BACKWARD = (
 )
 
 
-def _grad_version(grad: torch.Tensor) -> int | None:
-    return None if grad.is_inference() else grad._version
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """``tensor._version`` (bumped by each in-place write); None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def load(path: str | os.PathLike[str]) -> Cache:

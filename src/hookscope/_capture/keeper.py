@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from hookscope._capture.cache import Cache, tensor_bytes
+from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
@@ -38,8 +38,23 @@ __all__ = ["EAGER_COPY_BYTES", "Keeper"]
 EAGER_COPY_BYTES = 64 * 1024
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
+def _no_grad_reason(fresh: bool) -> str:
+    """Why a kept value gets no gradient: recomputed for the capture, or outside autograd's graph."""
+    if fresh:
+        return (
+            "it was recomputed from the kernel's arguments for the capture (the model never used it): "
+            "take gradients at :attn.q, :attn.k, :attn.v or :attn.z"
+        )
+    if not torch.is_grad_enabled():
+        return (
+            "it is not in autograd's graph: it was made with gradients off (torch.no_grad(), "
+            "inference_mode(), or inside a block checkpointed with use_reentrant=True, whose forward runs "
+            "without them: use use_reentrant=False) or from inputs and weights that do not require grad"
+        )
+    return (
+        "it is not in autograd's graph: it was made from inputs and weights that do not require grad "
+        "(frozen weights: requires_grad_(False))"
+    )
 
 
 class Keeper:
@@ -214,7 +229,7 @@ class Keeper:
     def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False, fresh: bool = False) -> None:
         if owned:  # made by _prepared in compiled code: reduced, cast and moved already
             self._charge(site, tensor_bytes(tensor))
-            self.cache._put(site, tensor, _version(tensor))
+            self.cache._put(site, tensor, tensor_version(tensor))
             if self._grads:
                 self.cache._note_no_grad(site, "it was kept inside torch.compile'd code: capture the eager model")
             return
@@ -231,7 +246,7 @@ class Keeper:
             value = self._moved(value)
         if not fresh:
             value = self._owned(site, value, tensor)
-        self.cache._put(site, value, _version(value))
+        self.cache._put(site, value, tensor_version(value))
         if self._grads:
             self._keep_grad(site, tensor, fresh)
 
@@ -241,18 +256,7 @@ class Keeper:
         version, so an in-place write later does not change whose gradient it gets."""
         cache = self.cache
         if not tensor.requires_grad or fresh:  # fresh: recomputed for the capture, off the model's path
-            cache._note_no_grad(
-                site,
-                "it was recomputed from the kernel's arguments for the capture (the model never used it): "
-                "take gradients at :attn.q, :attn.k, :attn.v or :attn.z"
-                if fresh
-                else "it is not in autograd's graph: it was made with gradients off (torch.no_grad(), "
-                "inference_mode(), or inside a block checkpointed with use_reentrant=True, whose forward runs "
-                "without them: use use_reentrant=False) or from inputs and weights that do not require grad"
-                if not torch.is_grad_enabled()
-                else "it is not in autograd's graph: it was made from inputs and weights that do not require grad "
-                "(frozen weights: requires_grad_(False))",
-            )
+            cache._note_no_grad(site, _no_grad_reason(fresh))
             return
         dtype, device = self._dtype, self._device
 
@@ -375,13 +379,13 @@ class Keeper:
             kept = self.cache._get(site)
             if keep_graph and kept is not None and kept.requires_grad and not self._detach:
                 continue  # the model's own tensor, kept in the graph (see _owned)
-            if kept is None or _version(kept) != self.cache._version_of(site):
+            if kept is None or tensor_version(kept) != self.cache._version_of(site):
                 continue  # already changed behind the guard's back: leave it for the read check
             view = (kept.data_ptr(), tuple(kept.shape), kept.stride(), kept.dtype)
             copy = copies.get(view)
             if copy is None:
                 copy = copies[view] = kept.clone()
-            self.cache._put(site, copy, _version(copy))
+            self.cache._put(site, copy, tensor_version(copy))
 
     def _forget(self, site: Site) -> None:
         if self._overflows:

@@ -52,9 +52,7 @@ def stack(cache: _Values, pattern: str) -> Stacked:
         std = cache.meta.get("std")
         wanted = std_pattern(pattern)
         labels = [name for name in (std if isinstance(std, dict) else {}) if std_matches(wanted, name)]
-        values = []
-        for name in labels:
-            values.append(cache[STD_PREFIX + name])
+        values = [cache[STD_PREFIX + name] for name in labels]
     else:
         named = [(name, site) for site, name in cache.short_names().items() if fnmatch.fnmatchcase(name, pattern)]
         labels = [name for name, _ in named]

@@ -7,13 +7,14 @@ from typing import Any, Literal
 
 from torch import nn
 
-from hookscope._core.names import call_label, leaf_label
+from hookscope._core.names import call_label, leaf_label, split_leaf
 from hookscope._core.op_sites import op_leaf_label
 from hookscope._core.tree import call_leaves
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.shapes import format_shape, shape_of
+from hookscope.errors import SpecError
 
-__all__ = ["EditContext", "EditSide"]
+__all__ = ["EditContext", "EditSide", "checked_path"]
 
 EditSide = Literal["output", "input"]
 
@@ -75,3 +76,14 @@ class EditContext:
         more = len(leaves) - _SHOWN_INPUTS
         inputs = (", ".join(shown) or "no tensor input") + (f" +{more} more" if more > 0 else "")
         return f"<EditContext {self.site} ({type(self.module).__name__}): {inputs}>"
+
+
+def checked_path(path: object) -> str | None:
+    """``path=`` of an edit (``"output[0]"``, ``".logits"``) checked in form now; which side of the
+    call it names is checked when the edit is attached."""
+    if path is None:
+        return None
+    if not isinstance(path, str):
+        raise SpecError(f"path={path!r}: expected a tree path such as 'output[0]' or 'output.logits'")
+    split_leaf(path, shown=f"path={path!r}")
+    return path

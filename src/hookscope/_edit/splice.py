@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.names import split_leaf
 from hookscope._core.sites import Site
-from hookscope._edit.context import EditContext
+from hookscope._edit.context import EditContext, checked_path
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
 __all__ = ["Latents", "SparseTopk", "Splice", "topk_latents"]
@@ -120,10 +119,7 @@ class Splice:
             )
         if not isinstance(keep_error, bool):
             raise SpecError(f"splice(keep_error={keep_error!r}): expected True or False")
-        if path is not None and not isinstance(path, str):
-            raise SpecError(f"path={path!r}: expected a tree path such as 'output[0]' or 'output.logits'")
-        if path is not None:
-            split_leaf(path, shown=f"path={path!r}")  # the form now; which side, when attached
+        checked_path(path)
         self.sae = sae
         self.keep_error = keep_error
         self.path = path

@@ -403,12 +403,11 @@ class _Job:
         widest = max(site.row_bytes for site in sites)
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
-        before = Batch(probe.start, probe.rows, *inputs)
-        if stored is not None:
-            provenance = Provenance.adopt(stored, before, mask_key=self.mask_key, source_index=self.source.source_index)
+        if stored is not None:  # ``probe`` holds the inputs as they were before the forward
+            provenance = Provenance.adopt(stored, probe, mask_key=self.mask_key, source_index=self.source.source_index)
         else:
             provenance = Provenance.plan(
-                before,
+                probe,
                 tokens=self.tokens,
                 mask_key=self.mask_key,
                 source_index=self.source.source_index,

@@ -213,17 +213,15 @@ class StoreHold:
                 text = (self.target.path / RECORD_KEY).read_bytes()
             except (FileNotFoundError, NotADirectoryError):  # no record; out is a file (refused later)
                 return None
-        else:
-            assert self._object is not None
-            body, _ = self._object.read()
-            if body is None:
-                return None
-            text = body
-        try:
-            record = json.loads(text)
-        except ValueError:
-            return {"unreadable": True}  # a writer killed while writing it: there is no holder to name
-        return record if isinstance(record, dict) else {"unreadable": True}
+            return _parsed(text)
+        return self._read_object()[0]
+
+    def _read_object(self) -> tuple[dict[str, Any] | None, str | None]:
+        """``(the record, its ETag)`` in an object store (see ``_read``; the ETag is None without
+        conditional writes)."""
+        assert self._object is not None
+        body, etag = self._object.read()
+        return (None if body is None else _parsed(body)), etag
 
     def _write(self) -> None:
         """Renew the heartbeat: replace the record (one atomic rename on a local disk)."""
@@ -239,15 +237,11 @@ class StoreHold:
         if self._object.replace(body, if_etag=self._object.etag):
             return
         # another version is there: a takeover, or our own earlier write whose reply was lost
-        found, etag = self._object.read()
-        try:
-            record = json.loads(found) if found is not None else None
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and record.get("token") == self.token:
+        record, etag = self._read_object()
+        if record is not None and record.get("token") == self.token:
             self._object.etag = etag  # ours after all: renew from that version next time
             return
-        self._lost_to = record if isinstance(record, dict) else {}  # taken over: leave its record
+        self._lost_to = record if record and not record.get("unreadable") else {}  # taken over: leave its record
         self._stop.set()
 
     def _delete_own(self) -> None:
@@ -258,13 +252,9 @@ class StoreHold:
             if found is not None and found.get("token") == self.token:
                 (self.target.path / RECORD_KEY).unlink(missing_ok=True)
             return
-        assert self._object is not None
-        body, etag = self._object.read()
-        try:
-            record = json.loads(body) if body is not None else None
-        except ValueError:
-            return
-        if isinstance(record, dict) and record.get("token") == self.token:
+        record, etag = self._read_object()
+        if record is not None and record.get("token") == self.token:
+            assert self._object is not None
             self._object.delete(if_etag=etag)
 
     def _remove_stale(self, found: dict[str, Any]) -> None:
@@ -272,13 +262,9 @@ class StoreHold:
         live record (another newcomer's, made meanwhile) puts it back. On a local disk the
         rename lets exactly one of two newcomers move a given record."""
         if self.target.path is None:
-            assert self._object is not None
-            body, etag = self._object.read()
-            try:
-                now = json.loads(body) if body is not None else None
-            except ValueError:
-                now = {"unreadable": True}
+            now, etag = self._read_object()
             if now == found:  # only the version read: with conditional deletes, one newcomer of two moves it
+                assert self._object is not None
                 self._object.delete(if_etag=etag)
             return
         record = self.target.path / RECORD_KEY
@@ -288,8 +274,8 @@ class StoreHold:
         except FileNotFoundError:  # another newcomer moved it first
             return
         try:
-            moved = json.loads(aside.read_bytes())
-        except (OSError, ValueError):
+            moved = _parsed(aside.read_bytes())
+        except OSError:
             moved = {"unreadable": True}
         if moved != found and not moved.get("unreadable"):
             with contextlib.suppress(FileExistsError):  # never over a record made meanwhile
@@ -309,6 +295,16 @@ class StoreHold:
                     self._lost_to = found or {}  # taken over: confirm() says so; the new holder's record stays
                     return
                 self._write()
+
+
+def _parsed(body: bytes) -> dict[str, Any]:
+    """A record's bytes as a dict; one that does not parse (a writer killed while writing it: there
+    is no holder to name) is ``{"unreadable": True}``, which is stale."""
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return {"unreadable": True}
+    return record if isinstance(record, dict) else {"unreadable": True}
 
 
 def _own_record(token: str, command: str | None) -> dict[str, Any]:

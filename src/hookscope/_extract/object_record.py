@@ -43,9 +43,7 @@ class ObjectRecord:
         """Write ``body`` unless the object exists; True when this call created it."""
         if self._fs is not None:
             return self._put(body, IfNoneMatch="*")
-        zarr = zarr_module()
-        buffer = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(body)
-        zarr.core.sync.sync(self.target.store.set_if_not_exists(self.key, buffer))
+        zarr_module().core.sync.sync(self.target.store.set_if_not_exists(self.key, _buffer(body)))
         return True  # the caller reads it back: whoever's record is there won
 
     def read(self) -> tuple[bytes | None, str | None]:
@@ -74,9 +72,7 @@ class ObjectRecord:
         version is there now. Without conditional writes it writes and returns True."""
         if self._fs is not None and if_etag is not None:
             return self._put(body, IfMatch=if_etag)
-        zarr = zarr_module()
-        buffer = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(body)
-        zarr.core.sync.sync(self.target.store.set(self.key, buffer))
+        zarr_module().core.sync.sync(self.target.store.set(self.key, _buffer(body)))
         return True
 
     def delete(self, *, if_etag: str | None = None) -> bool:
@@ -121,6 +117,11 @@ class ObjectRecord:
         assert self._fs is not None
         bucket, key = self._path
         return zarr_module().core.sync.sync(self._fs._call_s3(method, Bucket=bucket, Key=key, **kwargs))
+
+
+def _buffer(body: bytes) -> Any:
+    """``body`` as the buffer a zarr store writes."""
+    return zarr_module().core.buffer.default_buffer_prototype().buffer.from_bytes(body)
 
 
 def _s3_of(target: Target, key: str) -> tuple[Any, tuple[str, str]]:

@@ -406,15 +406,7 @@ class Store:
 
     def _extra(self, name: str) -> StoreArray | None:
         layout = self._extras.get(name)
-        if layout is None:
-            return None
-        return StoreArray(
-            self.group[name],
-            layout,
-            self._unwritten_rows(),
-            checks_files=True,
-            present=self._present.setdefault(name, set()),
-        )
+        return None if layout is None else self._array(layout)
 
     @property
     def stats(self) -> Mapping[str, SiteStats]:
@@ -448,6 +440,10 @@ class Store:
         layout = self._by_key.get(key)
         if layout is None:
             raise self._not_found(key)
+        return self._array(layout)
+
+    def _array(self, layout: SiteLayout) -> StoreArray:
+        """The :class:`StoreArray` of a site or provenance array."""
         return StoreArray(
             self.group[layout.name],
             layout,

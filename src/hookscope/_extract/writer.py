@@ -71,6 +71,7 @@ class ChunkWriter:
         masks = [index for index, array in enumerate(self.layout.arrays) if array.name == MASK]
         self._mask = masks[0] if masks else None
         self._pool = _FlushPool(self.flushers if self.layout.rows is not None else 1)
+        self._lock = threading.Lock()  # the free buffers, bytes_written and done: the pool's threads share them
 
     def wants(self, start: int, stop: int) -> bool:
         """True if any row in ``[start, stop)`` belongs to a chunk this writer still has to write."""
@@ -117,7 +118,7 @@ class ChunkWriter:
         return [(chunk, pending.filled, self.layout.rows_in(chunk)) for chunk, pending in sorted(self._chunks.items())]
 
     def _new_chunk(self, chunk: int) -> _Chunk:
-        with self._pool.lock:
+        with self._lock:
             spare = self._free.pop() if self._free else None
         arrays = spare or [
             np.empty((self.layout.chunk_rows, *site.shape), dtype=site.stored) for site in self.layout.arrays
@@ -149,7 +150,7 @@ class ChunkWriter:
             self.manifest.mark(chunk, (combine(pending.input_parts), digests), stats)
         except Exception as error:
             raise self._failure(chunk, rows, "the manifest", error) from error
-        with self._pool.lock:
+        with self._lock:
             self.bytes_written += sum(buffer[:rows].nbytes for buffer in pending.arrays)
             self.done.add(chunk)
             self._free.append(pending.arrays)
@@ -186,7 +187,7 @@ class _FlushPool:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(size)
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
@@ -208,14 +209,14 @@ class _FlushPool:
         self._raise()
 
     def _done(self, future: concurrent.futures.Future[None]) -> None:
-        with self.lock:
+        with self._lock:
             error = future.exception()
             if error is not None and self._error is None:
                 self._error = error
         self._slots.release()
 
     def _raise(self) -> None:
-        with self.lock:
+        with self._lock:
             error, self._error = self._error, None
         if error is not None:
             raise error

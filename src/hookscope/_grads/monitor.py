@@ -236,8 +236,7 @@ class GradMonitor(CallRecorder[_Module, _Open]):
         self._current = _Step()
         self._step_index += 1
         recorded = self._recording
-        self._recording = self._step_index % self._every == 0
-        self.skipping = not self._recording  # from the next call on, not only from the next pass
+        self.record_next(self._step_index % self._every == 0)  # from the next call on, not only the next pass
         self.opened.clear()  # calls open now began in the step that ends here
         step.close()
         if not recorded or not (step.calls or (self._params and any(p.grad is not None for _, p in self._parameters))):

@@ -6,6 +6,7 @@ exact patching sweep and ``attribution`` its first-order estimate; ``result`` th
 both return; ``resid`` the residual stream stacked and normalised; ``lens`` the logit lens.
 """
 
+from hookscope._capture import Stacked
 from hookscope._methods.attribution import attribution_patch
 from hookscope._methods.lens import Lens, logit_lens
 from hookscope._methods.metrics import Metric, kl_to, logit_diff, logprob, loss
@@ -18,6 +19,7 @@ __all__ = [
     "Effects",
     "Lens",
     "Metric",
+    "Stacked",
     "accumulated_resid",
     "apply_ln",
     "attribution_patch",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hookscope._methods.metrics import MetricFn
-from hookscope._methods.result import Disagreement, Effects
+from hookscope._methods.result import Disagreement, Effects, disagree
 from hookscope._methods.sweep import Cell, Direction, Heads, Plan, Positions, plan_study, run_cells
 from hookscope.errors import SpecError
 
@@ -65,8 +65,7 @@ def attribution_patch(
     )  # fmt: skip
     per_site = [_per_position(plan, index, heads is not False) for index in range(len(plan.sites))]
     attributions = torch.stack([_cell(per_site[cell.site], cell, plan.per_row) for cell in plan.cells])
-    base = plan.corrupted if direction == "denoise" else plan.clean
-    effects = plan.effects(attributions + base, "attribution_patch")
+    effects = plan.effects(attributions + plan.base_score, "attribution_patch")
     if verify:
         effects.flags = _verified(plan, effects, verify, min_effect)
     return effects
@@ -96,11 +95,11 @@ def _verified(plan: Plan, effects: Effects, k: int, min_effect: float) -> list[D
     """The largest ``k`` cells patched exactly; those whose sign the estimate gets wrong."""
     flat = effects.values.reshape(-1).nan_to_num(0.0)
     chosen = flat.abs().argsort(descending=True)[:k].tolist()
-    exact = plan.normalised(run_cells(plan, [plan.cells[i] for i in chosen], None))
-    found = []
-    for index, patched in zip(chosen, exact.tolist(), strict=True):
-        estimate = float(flat[index])
-        if max(abs(estimate), abs(patched)) >= min_effect and estimate * patched < 0:
-            found.append(Disagreement(effects._labels(index), estimate, patched))
-    effects.verified = {effects._labels(i): value for i, value in zip(chosen, exact.tolist(), strict=True)}
-    return found
+    exact = plan.normalised(run_cells(plan, [plan.cells[i] for i in chosen], None)).tolist()
+    effects.verified = {effects._labels(i): patched for i, patched in zip(chosen, exact, strict=True)}
+    estimates = flat[chosen].tolist()
+    return [
+        Disagreement(effects._labels(index), estimate, patched)
+        for index, estimate, patched in zip(chosen, estimates, exact, strict=True)
+        if disagree(estimate, patched, min_effect)
+    ]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hookscope._core.std import known_std_map
-from hookscope._methods.metrics import MetricFn
+from hookscope._methods.metrics import MetricFn, metric_name
 from hookscope._methods.resid import _captured, final_norm, stack_std, unembed
 from hookscope._shared.tables import Column, Table
 from hookscope.errors import SpecError
@@ -140,5 +140,4 @@ def logit_lens(
     scores = None
     if metric is not None:
         scores = torch.stack([metric(layer_logits).detach().double().mean() for layer_logits in stacked])
-    name = getattr(metric, "name", getattr(metric, "__name__", "metric")) if metric is not None else ""
-    return Lens(stacked, names, scores, name, decode)
+    return Lens(stacked, names, scores, metric_name(metric) if metric is not None else "", decode)

@@ -24,7 +24,18 @@ import torch.nn.functional as F  # noqa: N812
 
 from hookscope.errors import SpecError
 
-__all__ = ["Metric", "MetricFn", "Position", "kl_to", "logit_diff", "logits_of", "logprob", "loss", "metric_rows"]
+__all__ = [
+    "Metric",
+    "MetricFn",
+    "Position",
+    "kl_to",
+    "logit_diff",
+    "logits_of",
+    "logprob",
+    "loss",
+    "metric_name",
+    "metric_rows",
+]
 
 Position = int | torch.Tensor | None
 Tokens = int | Sequence[int] | torch.Tensor
@@ -170,6 +181,11 @@ def loss(labels: torch.Tensor, *, position: Position = None) -> Metric:
     tensor([1.3863])
     """
     return Loss(labels, position)
+
+
+def metric_name(metric: MetricFn) -> str:
+    """What a metric is called in a result: ``metric.name`` (the built-ins'), else the function's name."""
+    return str(getattr(metric, "name", getattr(metric, "__name__", "metric")))
 
 
 def metric_rows(metric: MetricFn, output: Any, rows: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
 from hookscope.errors import SpecError
 
-__all__ = ["Disagreement", "Effects"]
+__all__ = ["Disagreement", "Effects", "disagree"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class Disagreement:
 
     def __str__(self) -> str:
         return f"{'/'.join(map(str, self.cell))}: estimate {self.estimate:+.3f}, patched {self.exact:+.3f}"
+
+
+def disagree(estimate: float, patched: float, min_effect: float) -> bool:
+    """An estimate and the exact patch of one cell part: opposite signs, and either moves the
+    metric by at least ``min_effect``."""
+    return max(abs(estimate), abs(patched)) >= min_effect and estimate * patched < 0
 
 
 @dataclass
@@ -116,12 +122,11 @@ class Effects:
         """The cells where this result (an estimate) and ``exact`` (the sweep) disagree in sign,
         among those where either moves the metric by at least ``min_effect`` (normalised)."""
         a, b = self._same_cells(exact)
-        found = []
-        for flat in range(a.numel()):
-            estimate, patched = float(a[flat]), float(b[flat])
-            if max(abs(estimate), abs(patched)) >= min_effect and estimate * patched < 0:
-                found.append(Disagreement(self._labels(flat), estimate, patched))
-        return found
+        return [
+            Disagreement(self._labels(flat), estimate, patched)
+            for flat, (estimate, patched) in enumerate(zip(a.tolist(), b.tolist(), strict=True))
+            if disagree(estimate, patched, min_effect)
+        ]
 
     def _same_cells(self, other: Effects) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dims != other.dims or self.coords != other.coords:

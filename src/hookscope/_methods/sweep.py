@@ -22,7 +22,7 @@ from torch import nn
 from hookscope._capture import Cache, run_with_capture
 from hookscope._core.select import Selector
 from hookscope._edit import EditContext, edit
-from hookscope._methods.metrics import MetricFn, metric_rows
+from hookscope._methods.metrics import MetricFn, metric_name, metric_rows
 from hookscope._methods.result import Effects
 from hookscope._methods.runs import Inputs, PatchSite, patch_sites
 from hookscope.errors import SpecError
@@ -68,6 +68,11 @@ class Plan:
     metric_name: str
     grads: Cache | None = None  # the metric's gradient at the patched run's values (attribution)
     forwards: int = 0  # patched forwards run so far
+
+    @property
+    def base_score(self) -> float:
+        """The patched run's own score, unpatched: what a cell that changes nothing scores."""
+        return self.corrupted if self.direction == "denoise" else self.clean
 
     def normalised(self, raw: torch.Tensor) -> torch.Tensor:
         """``(raw - corrupted) / (clean - corrupted)``; NaN where the two runs score the same."""
@@ -137,10 +142,9 @@ def plan_study(
         )
     found = patch_sites(model, chosen, runs.other)
     cells, dims, coords, shape = _layout(found, runs.other, runs.base, positions, heads, base_in.rows)
-    name = getattr(metric, "name", getattr(metric, "__name__", "metric"))
     return Plan(
         model, metric, base_in, found, runs.other, runs.base, cells, dims, coords, shape,
-        clean_score, corrupted_score, runs.per_row, direction, name, grads=runs.grads,
+        clean_score, corrupted_score, runs.per_row, direction, metric_name(metric), grads=runs.grads,
     )  # fmt: skip
 
 
@@ -332,9 +336,15 @@ def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Te
     at the first block; skipping them is exact, and often most of a sweep's work.
     """
     rows = plan.base.rows
-    base = plan.corrupted if plan.direction == "denoise" else plan.clean
-    scores = torch.full((len(cells),), base, dtype=torch.float64)
-    changed = [index for index, cell in enumerate(cells) if not _unchanged(plan, cell)]
+    scores = torch.full((len(cells),), plan.base_score, dtype=torch.float64)
+    differs: dict[tuple[int, int | None], list[bool]] = {}  # (site, head) -> per position
+    changed = []
+    for index, cell in enumerate(cells):
+        key = (cell.site, cell.head)
+        if key not in differs:
+            differs[key] = _differing_positions(plan, *key)
+        if any(differs[key]) if cell.position is None else differs[key][cell.position]:
+            changed.append(index)
     per_forward = 1 if not plan.per_row else max(1, (batch_rows or DEFAULT_BATCH_ROWS) // rows)
     for start in range(0, len(changed), per_forward):
         indices = changed[start : start + per_forward]
@@ -352,14 +362,16 @@ def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Te
     return scores
 
 
-def _unchanged(plan: Plan, cell: Cell) -> bool:
-    """True when patching ``cell`` would write the value already there."""
-    read = plan.sites[cell.site].read
-    source, target = plan.source[read], plan.target[read]
-    position = slice(None) if cell.position is None else cell.position
-    if cell.head is None:
-        return torch.equal(source[:, position], target[:, position].to(source.device))
-    return torch.equal(source[:, cell.head, position], target[:, cell.head, position].to(source.device))
+def _differing_positions(plan: Plan, site: int, head: int | None) -> list[bool]:
+    """Per position, whether patching it at ``site`` (and ``head``) would write a value other than
+    the one already there: one read back to the host per site and head, not one per cell."""
+    read = plan.sites[site].read
+    source = plan.source[read]
+    target = plan.target[read].to(source.device)
+    if head is not None:
+        source, target = source[:, head], target[:, head]
+    differs: list[bool] = (source != target).transpose(0, 1).reshape(source.shape[1], -1).any(1).tolist()
+    return differs
 
 
 def _chunk_edits(plan: Plan, chunk: list[Cell]) -> dict[Selector, Callable[[torch.Tensor, EditContext], torch.Tensor]]:

@@ -163,7 +163,7 @@ class Monitor(Scoped):
 
         def read_with_ours(raws: Sequence[RawStats]) -> list[Stats]:  # one transfer for everything
             rows.extend(fetch([raw.vector for raw in raws] + own))
-            return finalize([raw.count for raw in raws], _table(rows[: len(raws)]))[: len(raws)]
+            return finalize([raw.count for raw in raws], _table(rows[: len(raws)]))
 
         grad_step = None
         if self._grads is not None:

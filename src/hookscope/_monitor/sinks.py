@@ -115,10 +115,10 @@ class TensorBoardSink:
             if not histogram.counted:
                 continue
             edges = histogram.edges
+            counts, middles = np.asarray(histogram.counts), (edges[:-1] + edges[1:]) / 2
             self.writer.add_histogram_raw(
                 name, min=histogram.low, max=histogram.high, num=histogram.counted,
-                sum=float((np.asarray(histogram.counts) * (edges[:-1] + edges[1:]) / 2).sum()),
-                sum_squares=float((np.asarray(histogram.counts) * ((edges[:-1] + edges[1:]) / 2) ** 2).sum()),
+                sum=float((counts * middles).sum()), sum_squares=float((counts * middles**2).sum()),
                 bucket_limits=edges[1:].tolist(), bucket_counts=list(histogram.counts), global_step=step,
             )  # fmt: skip
         self.writer.flush()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hookscope._shared.dtypes import parse_dtype
+from hookscope._shared.stats import accumulator
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
@@ -102,7 +103,7 @@ def raw_precision(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> tor
     if not target.is_floating_point:
         raise SpecError(f"precision health reads floating values; {target} is not a floating format")
     values = tensor.detach().reshape(-1)
-    accumulate = torch.float32 if tensor.device.type == "mps" else torch.float64
+    accumulate = accumulator(tensor.device)
     if values.numel() == 0:  # nothing to count: zeros, and no range (amin of nothing is an error)
         empty = torch.zeros(len(_FIELDS), dtype=accumulate, device=tensor.device)
         empty[_MIN] = math.inf  # a fill on the device: no host-made tensor in a hook

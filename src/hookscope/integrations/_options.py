@@ -1,4 +1,4 @@
-"""What both callbacks keep of their options, and how they start a monitor with them."""
+"""What both callbacks share: their options, the monitor they start with them, the steps it logged."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope as hs
 
-__all__ = ["MonitorSettings"]
+__all__ = ["MonitorCallback", "MonitorSettings"]
 
 
 class MonitorSettings:
@@ -50,3 +50,35 @@ class MonitorSettings:
 
     def __repr__(self) -> str:
         return f"every={self.every}, precision={self.precision!r}, sinks={len(self.sinks)}"
+
+
+class MonitorCallback:
+    """The part of a framework's ``HookscopeCallback`` that is the framework's own in nothing:
+    its settings, its monitor (attached afresh per training run) and the steps it logged."""
+
+    def __init__(
+        self,
+        layers: Any = None,
+        *,
+        output_dir: str | os.PathLike[str] | None = None,
+        every: int = 1,
+        precision: str | torch.dtype | None = None,
+        sinks: Sequence[Any] = (),
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
+        self.monitor: hs.Monitor | None = None
+        self.steps: list[hs.MonitorStep] = []
+
+    def _attach(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int) -> None:
+        """A monitor for this training run; a previous run's (a second ``train()``) is removed."""
+        self._remove()
+        self.monitor = self.settings.start(model, default_dir, step)
+
+    def _remove(self) -> None:
+        if self.monitor is not None:
+            self.monitor.remove()
+
+    def __repr__(self) -> str:
+        return f"HookscopeCallback({self.settings!r})"

@@ -15,22 +15,18 @@ HookscopeCallback(every=10, precision='bf16', sinks=0)
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 import hookscope as hs
 from hookscope._shared.optional import require
-from hookscope.integrations._options import MonitorSettings
+from hookscope.integrations._options import MonitorCallback
 
 __all__ = ["HookscopeCallback"]
 
 _transformers = require("transformers", purpose="hookscope.integrations.hf", package="transformers")
 
 
-class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,name-defined]
+class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type: ignore[misc,name-defined]
     """Gradient and activation statistics, precision health and the NaN/Inf tripwire for ``Trainer``.
 
     The options are :func:`hookscope.monitor`'s (``layers``, ``grads``, ``params``,
@@ -45,20 +41,6 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
         trainer.train()
     """
 
-    def __init__(
-        self,
-        layers: Any = None,
-        *,
-        output_dir: str | os.PathLike[str] | None = None,
-        every: int = 1,
-        precision: str | torch.dtype | None = None,
-        sinks: Sequence[Any] = (),
-        **options: Any,
-    ) -> None:
-        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
-        self.monitor: hs.Monitor | None = None
-        self.steps: list[hs.MonitorStep] = []
-
     @property
     def flags(self) -> list[hs.MonitorFlag]:
         """Every flag raised so far (precision losses above the threshold), in step order."""
@@ -67,9 +49,7 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             raise hs.SpecError("HookscopeCallback needs the Trainer's model (on_train_begin got none)")
-        if self.monitor is not None:
-            self.monitor.remove()  # a second train() call: attach afresh
-        self.monitor = self.settings.start(model, args.output_dir, state.global_step)
+        self._attach(model, args.output_dir, state.global_step)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or not self.monitor.live:
@@ -83,8 +63,4 @@ class HookscopeCallback(_transformers.TrainerCallback):  # type: ignore[misc,nam
             self.steps.append(logged)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.remove()
-
-    def __repr__(self) -> str:
-        return f"HookscopeCallback({self.settings!r})"
+        self._remove()

@@ -14,22 +14,17 @@ HookscopeCallback(every=5, precision=None, sinks=0)
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-import hookscope as hs
 from hookscope._shared.optional import require
-from hookscope.integrations._options import MonitorSettings
+from hookscope.integrations._options import MonitorCallback
 
 __all__ = ["HookscopeCallback"]
 
 _pl = require("lightning.pytorch", purpose="hookscope.integrations.lightning", extra="lightning", package="lightning")
 
 
-class HookscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
+class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,name-defined]
     """Gradient and activation statistics, precision health and the NaN/Inf tripwire for Lightning.
 
     The options are :func:`hookscope.monitor`'s; ``callback.steps`` holds every logged step.
@@ -43,27 +38,12 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         trainer.fit(module, loader)
     """
 
-    def __init__(
-        self,
-        layers: Any = None,
-        *,
-        output_dir: str | os.PathLike[str] | None = None,
-        every: int = 1,
-        precision: str | torch.dtype | None = None,
-        sinks: Sequence[Any] = (),
-        log_to_lightning: bool = True,
-        **options: Any,
-    ) -> None:
-        super().__init__()
-        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
+    def __init__(self, layers: Any = None, *, log_to_lightning: bool = True, **options: Any) -> None:
+        super().__init__(layers, **options)
         self.log_to_lightning = log_to_lightning
-        self.monitor: hs.Monitor | None = None
-        self.steps: list[hs.MonitorStep] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.remove()
-        self.monitor = self.settings.start(pl_module, trainer.default_root_dir, trainer.global_step)
+        self._attach(pl_module, trainer.default_root_dir, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is None or not self.monitor.live:
@@ -78,12 +58,7 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc,name-defined]
                 logger.log_metrics(finite, step=logged.step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.remove()
+        self._remove()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.monitor is not None:
-            self.monitor.remove()
-
-    def __repr__(self) -> str:
-        return f"HookscopeCallback({self.settings!r})"
+        self._remove()
