@@ -23,12 +23,15 @@ install-dev: $(VENV)/.installed-dev
 $(VENV)/.torch: FORCE | $(BIN)/python
 	@echo "$(TORCH)" | cmp -s - $@ || echo "$(TORCH)" > $@
 
-$(VENV)/.installed: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
+# setup.py builds the fused statistics kernel (src/hookscope/_shared/fused_stats.c) in place.
+KERNEL := setup.py src/hookscope/_shared/fused_stats.c
+
+$(VENV)/.installed: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) "$(TORCH)" -e ".[demo]"
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml Makefile $(VENV)/.torch | $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
 	$(PIP) "$(TORCH)" -e ".[dev]"
 	touch $@
@@ -61,20 +64,11 @@ coverage: install-dev
 	$(BIN)/python -m coverage report --skip-covered --sort=cover
 	@echo "Line coverage of src/hookscope: $$($(BIN)/python -m coverage report --format=total)%"
 
+# Every bench/bench_*.py in turn (the list and their arguments are in bench/summary.py), then one table of
+# every figure with a target and PASS or MISS. A MISS still exits 0; a script that crashed makes it fail.
 bench: install-dev
-	$(BIN)/python bench/bench_hooks.py
-	$(BIN)/python bench/bench_capture.py
-	$(BIN)/python bench/bench_trace.py
-	$(BIN)/python bench/bench_grads.py
-	$(BIN)/python bench/bench_edit.py
-	$(BIN)/python bench/bench_extract.py --rss --rss-rows 512
-	$(BIN)/python bench/bench_diff.py
-	$(BIN)/python bench/bench_compile.py
-	$(BIN)/python bench/bench_ops.py
-	$(BIN)/python bench/bench_methods.py
-	$(BIN)/python bench/bench_monitor.py
-	$(BIN)/python bench/bench_store.py
+	$(BIN)/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
+	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
 		.coverage .coverage.*

@@ -12,7 +12,9 @@ resident set (``VmHWM``) after the models are built (the mark is reset then) and
 
 Why: the diff keeps one copy of a's values (on the CPU) and drops each as b's counterpart is compared, so it
 should need about one activation set more than the forwards, where two captures hold two. No target: the
-numbers go to the README.
+numbers go to the README, and ``--json PATH`` writes them with an empty ``summary`` list (nothing to judge).
+
+Run: ``.venv/bin/python bench/bench_diff.py``; ``--layers N``, ``--batch N``; ``--quick`` (2 layers, batch 2).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12, help="GPT-2 blocks (default 12)")
     parser.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens (default 8)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, batch 2")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     n_layer, batch = (2, 2) if args.quick else (args.layers, args.batch)
@@ -91,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{'method':<14}{'peak MiB':>10}{'over forwards':>15}{'seconds':>10}")
     for method, (peak, seconds) in results.items():
         print(f"{method:<14}{peak:>10.0f}{peak - floor:>+15.0f}{seconds:>10.2f}")
+    if args.json is not None:
+        # written without ``common`` (which imports torch): the parent process only starts children
+        data = {"layers": n_layer, "batch": batch, "peak_mib": {m: p for m, (p, _) in results.items()}}
+        data |= {"seconds": {m: s for m, (_, s) in results.items()}, "summary": []}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
     return 0
 
 

@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = bench(common.gpt2_workload(QUICK_N_LAYER if args.quick else N_LAYER), args.rounds)
     print(f"\n{format_table(table)}", flush=True)
     settings = {"target": TARGET, "unit": UNIT, "selector": BLOCKS, "warmup": WARMUP}
-    return common.finish(args, [table_to_json(table)], passed(table), **settings)
+    summary = [common.summary_row("hs.edit forward over plain", edit_over_plain(table), TARGET)]
+    return common.finish(args, [table_to_json(table)], passed(table), **settings, summary=summary)
 
 
 if __name__ == "__main__":

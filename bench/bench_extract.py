@@ -313,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{format_table(table)}", flush=True)
     data: dict[str, Any] = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
     data |= {"target": TARGET, "table": asdict(table) | table.medians(FORWARD), "passed": passed(table)}
+    speed = extract_over_forward(table)
+    data["summary"] = [common.summary_row("hs.extract rows/s over forward", speed, TARGET, better="higher")]
     if args.rss:
         n = args.rss_rows or rows
         data["peak_rss_kib"] = {}

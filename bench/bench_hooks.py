@@ -140,6 +140,7 @@ def to_json(result: Result) -> dict[str, Any]:
     data["hookscope_over_raw_hooks"] = result.hookscope_over_raw
     data["target"] = TARGET
     data["passed"] = result.passed
+    data["summary"] = [common.summary_row("hs.hooks forward over raw hooks", result.hookscope_over_raw, TARGET)]
     return data
 
 

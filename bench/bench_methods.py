@@ -303,6 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = bench(QUICK_N_LAYER if args.quick else N_LAYER, args.rounds)
     print(f"\n{format_table(table)}", flush=True)
     targets = {"sweep_speedup_min": TARGET_SWEEP_SPEEDUP, "attribution_forwards_max": TARGET_ATTRIBUTION_FORWARDS}
+    summary = [
+        common.summary_row(
+            "patch_sweep speed-up over the naive loop", sweep_speedup(table), TARGET_SWEEP_SPEEDUP, better="higher"
+        ),
+        common.summary_row(
+            "attribution_patch in plain forwards", attribution_forwards(table), TARGET_ATTRIBUTION_FORWARDS
+        ),
+    ]
     return common.finish(
         args,
         [table_to_json(table)],
@@ -311,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seq_len=SEQ_LEN,
         changed_position=CHANGED_POSITION,
         warmup=WARMUP,
+        summary=summary,
     )
 
 

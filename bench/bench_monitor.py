@@ -341,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.start(args, f"warm-up {WARMUP}, training steps")
     table = bench(QUICK_N_LAYER if args.quick else N_LAYER, args.rounds)
     print(f"\n{format_table(table)}", flush=True)
+    what, ratio, _ = verdict(table)
     return common.finish(
         args,
         [table_to_json(table)],
@@ -349,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         every=EVERY,
         precision=PRECISION_FORMAT,
         warmup=WARMUP,
+        summary=[common.summary_row(what, ratio, TARGET_EVERY_STEP)],
     )
 
 

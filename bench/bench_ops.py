@@ -176,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = "PASS" if idle <= TARGET else "FAIL"
     print(f"\nop-site machinery with no op selected: {idle:.3f}x a plain forward (target <= {TARGET}): {verdict}")
     if args.json is not None:
-        common.write_json(args.json, {"times": times, "medians": table.medians(PLAIN), "idle_passed": idle <= TARGET})
+        summary = [common.summary_row("op-site machinery with no op selected, over plain", idle, TARGET)]
+        data = {"times": times, "medians": table.medians(PLAIN), "idle_passed": idle <= TARGET, "summary": summary}
+        common.write_json(args.json, data)
     return 1 if args.check and idle > TARGET else 0
 
 

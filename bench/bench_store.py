@@ -485,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables = [asdict(extract) | extract.medians(FORWARD), asdict(load) | load.medians(ZARR_SEQ, HF)]
     targets = [{"what": w, "value": v, "target": t, "passed": v >= t} for w, v, t in found]
     passed = all(value >= target for _, value, target in found)
-    return common.finish(args, tables, passed, load_rounds=load_rounds, targets=targets)
+    summary = [common.summary_row(w, v, t, better="higher") for w, v, t in found]
+    return common.finish(args, tables, passed, load_rounds=load_rounds, targets=targets, summary=summary)
 
 
 if __name__ == "__main__":

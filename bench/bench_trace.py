@@ -23,8 +23,12 @@ Seven methods run the same forward of each model:
   another library, for comparison (skipped, with a note, where torchinfo is not installed).
 
 Why: a trace with statistics is what one runs to look at every activation of a model at once, and it should
-cost little more than the forward. The target is ``trace`` at most 1.3x the plain forward (median ratio) on
-each model; the other methods are there for comparison and have no target.
+cost little more than the forward. Targets (median ratio over plain): ``trace`` at most 1.15x on ResNet-50 and
+1.08x on GPT-2, ``detect_nonfinite`` at most 1.03x on each; the other methods are there for comparison.
+
+Beside a busy process: ResNet-50's ``plain``, ``trace`` and ``trace stats=False`` run again while another
+process spins on one of the cores (``--no-busy`` skips it). A shared machine is where many small parallel
+reductions hurt: each one waits for a thread the other process holds. Target: ``trace`` at most 1.5x plain.
 
 How it is measured: every figure is a ratio between methods timed in the same process and the same round,
 because the machine drifts by several percent over minutes. Each round times one call per method, in an
@@ -42,17 +46,21 @@ merges the chunks' results (mean and spread, sum of |x|, zero count) in float64,
 more than one chunk; the check prints the largest deviation it saw: 1.8e-6 on ResNet-50 and 3.1e-6 on GPT-2
 when last measured.
 
-Run: ``.venv/bin/python bench/bench_trace.py``; ``--model resnet50|gpt2|all``, ``--rounds N``; ``--quick``
-for a smoke run.
+Run: ``.venv/bin/python bench/bench_trace.py``; ``--model resnet50|gpt2|all``, ``--rounds N`` (default 15:
+single rounds vary by 10% and more), ``--no-busy``; ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
+import os
 import statistics
+import subprocess
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -68,8 +76,12 @@ from torch import nn
 import common
 import hookscope as hs
 
-TARGET = 1.3
-DEFAULT_ROUNDS = 7
+# trace with statistics over plain, per model; detect_nonfinite over plain; trace under a busy process
+TARGETS = {"resnet50": 1.15, "gpt2": 1.08}
+TARGET_NONFINITE = 1.03
+TARGET_BUSY = 1.5
+BUSY_MODEL = "resnet50"
+DEFAULT_ROUNDS = 15
 MIN_ROUNDS = 5
 QUICK_ROUNDS = 2
 WARMUP = 1
@@ -276,6 +288,29 @@ def bench(work: common.Workload, rounds: int) -> Table:
     return Table(work.key, work.title, times, notes + skipped)
 
 
+@contextlib.contextmanager
+def busy_core() -> Iterator[int]:
+    """A process spinning on one core (the last this process may use) while the block runs; yields the core."""
+    core = max(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    process = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.5)  # let it start spinning
+        yield core
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def bench_busy(work: common.Workload, rounds: int) -> Table:
+    """plain, trace and trace stats=False while another process keeps one core busy."""
+    runs = {"plain": run_plain, "trace": run_trace, "trace stats=False": run_trace_shapes}
+    with busy_core() as core:
+        times = common.measure(runs, work.model, work.inputs, rounds, WARMUP)
+    title = f"{work.title}, with another process spinning on core {core}"
+    return Table(f"{work.key} busy", title, times, [])
+
+
 # -- reporting --------------------------------------------------------------------------------------
 
 
@@ -288,13 +323,23 @@ def format_table(table: Table) -> str:
         row = f"{name:<20}{statistics.median(seconds):>10.4f}{table.median_ratio(name, 'plain'):>9.3f}"
         row += f"{table.median_ratio(name, 'trace'):>9.3f}{common.ratio_range(per_round):>16}"
         lines.append(row)
-    verdict = "PASS" if passed(table) else "FAIL"
-    ratio = table.median_ratio("trace", "plain")
-    lines += [
-        "",
-        f"{table.key}: hookscope trace with statistics over plain: {ratio:.3f} (target <= {TARGET:.2f}): {verdict}",
-    ]
+    lines.append("")
+    for row in summary_rows(table):
+        verdict = "PASS" if row["value"] <= row["target"] else "MISS"
+        lines.append(f"{row['name']}: {row['value']:.3f} (target <= {row['target']:.2f}): {verdict}")
     return "\n".join(lines)
+
+
+def summary_rows(table: Table) -> list[common.SummaryRow]:
+    """The ratios of one table that have a target, as rows of ``make bench``'s summary."""
+    trace = table.median_ratio("trace", "plain")
+    if table.key.endswith(" busy"):
+        return [common.summary_row(f"{table.key}: trace with statistics over plain", trace, TARGET_BUSY)]
+    nonfinite = table.median_ratio("detect_nonfinite", "plain")
+    return [
+        common.summary_row(f"{table.key}: trace with statistics over plain", trace, TARGETS[table.key]),
+        common.summary_row(f"{table.key}: detect_nonfinite over plain", nonfinite, TARGET_NONFINITE),
+    ]
 
 
 def table_to_json(table: Table) -> dict[str, Any]:
@@ -305,8 +350,8 @@ def table_to_json(table: Table) -> dict[str, Any]:
 
 
 def passed(table: Table) -> bool:
-    """True when the trace's median ratio over plain is within the target."""
-    return table.median_ratio("trace", "plain") <= TARGET
+    """True when every judged ratio of the table is within its target."""
+    return all(row["value"] <= row["target"] for row in summary_rows(table))
 
 
 # -- entry point ------------------------------------------------------------------------------------
@@ -320,11 +365,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         min_rounds=MIN_ROUNDS,
         default_rounds=DEFAULT_ROUNDS,
         quick_help=f"smoke run: {QUICK_ROUNDS} rounds, small models",
-        check_help=f"exit 1 if trace/plain exceeds {TARGET}",
+        check_help="exit 1 if a ratio misses its target",
         quick_rounds=QUICK_ROUNDS,
-        extra=lambda parser: parser.add_argument(
-            "--model", choices=[*MODELS, "all"], default="all", help="which model (default all)"
-        ),
+        extra=add_options,
+    )
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """This script's own options."""
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all", help="which model (default all)")
+    parser.add_argument(
+        "--no-busy", dest="busy", action="store_false", help=f"skip the run of {BUSY_MODEL} beside a busy process"
     )
 
 
@@ -335,11 +386,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables = []
     with torch.no_grad():
         for key in MODELS if args.model == "all" else [args.model]:
-            table = bench(WORKLOADS[key](args.quick), args.rounds)
+            work = WORKLOADS[key](args.quick)
+            table = bench(work, args.rounds)
             tables.append(table)
             print(f"\n{format_table(table)}", flush=True)
+            if args.busy and key == BUSY_MODEL:
+                busy = bench_busy(work, args.rounds)
+                tables.append(busy)
+                print(f"\n{format_table(busy)}", flush=True)
     passed_all = all(map(passed, tables))
-    return common.finish(args, [table_to_json(t) for t in tables], passed_all, target=TARGET, warmup=WARMUP)
+    summary = [row for table in tables for row in summary_rows(table)]
+    targets = {"trace": TARGETS, "detect_nonfinite": TARGET_NONFINITE, "busy": TARGET_BUSY}
+    return common.finish(
+        args, [table_to_json(t) for t in tables], passed_all, targets=targets, warmup=WARMUP, summary=summary
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 # The models are built from their configs with random weights; nothing may be fetched from the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,9 +251,46 @@ def start(args: argparse.Namespace, how: str) -> None:
     print(f"torch {torch.__version__}, {threads_label(args.threads)}, {args.rounds} rounds, {how}", flush=True)
 
 
+class SummaryRow(TypedDict):
+    """One figure held to a target, as ``bench/summary.py`` reads it from a script's JSON (key ``summary``).
+
+    ``better`` says which side of ``target`` passes (``"lower"``: ``value <= target``; ``"higher"``:
+    ``value >= target``); ``unit`` is ``"x"`` for a ratio, ``"s"`` for seconds.
+    """
+
+    name: str
+    value: float
+    target: float
+    better: Literal["lower", "higher"]
+    unit: Literal["x", "s"]
+
+
+def summary_row(
+    name: str,
+    value: float,
+    target: float,
+    better: Literal["lower", "higher"] = "lower",
+    unit: Literal["x", "s"] = "x",
+) -> SummaryRow:
+    """One row of the JSON ``summary`` list: the figure a script judges, its target and which side passes.
+
+    Every script that judges a figure passes its rows to :func:`finish` as ``summary=[...]`` (or puts them under
+    ``"summary"`` in the JSON it writes itself), so that ``bench/summary.py`` can print every verdict of a
+    ``make bench`` in one table without knowing each script's own JSON layout.
+    """
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better={better!r}; expected 'lower' or 'higher'")
+    if unit not in ("x", "s"):
+        raise ValueError(f"unit={unit!r}; expected 'x' or 's'")
+    return {"name": name, "value": float(value), "target": float(target), "better": better, "unit": unit}
+
+
 def finish(args: argparse.Namespace, tables: list[dict[str, Any]], passed: bool, **settings: Any) -> int:
     """Write the JSON report when ``--json`` asks (the run's settings, ``settings``, the tables) and
-    return the exit code: 1 when ``--check`` asks and a target was missed."""
+    return the exit code: 1 when ``--check`` asks and a target was missed.
+
+    ``summary=[summary_row(...), ...]`` among ``settings`` lands in the JSON as the list ``bench/summary.py``
+    reads."""
     if args.json is not None:
         run = {"torch_version": torch.__version__, "threads": args.threads, "rounds": args.rounds}
         write_json(args.json, run | settings | {"tables": tables})

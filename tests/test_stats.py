@@ -11,10 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hookscope._shared.stats import RunningStats, Stats, is_measurable, merge_raw, raw_stats, read_stats, tensor_stats
+from hookscope._shared import fused
+from hookscope._shared.stats import (
+    RawStats,
+    RunningStats,
+    Stats,
+    is_measurable,
+    merge_raw,
+    raw_stats,
+    read_stats,
+    tensor_stats,
+)
 from hookscope.errors import SpecError
 
-STRATEGIES = [True, False]  # branching (the CPU's shortcuts) and unconditional (the accelerator path)
+# The CPU's fused one-pass kernel, the CPU's chunked torch reductions with shortcuts (where the kernel
+# is not built, or for float16), and the unconditional accelerator path (run on the CPU here).
+STRATEGIES = ["fused", "chunked", "device"]
 
 
 def reference(tensor: torch.Tensor) -> dict[str, float]:
@@ -29,8 +41,19 @@ def reference(tensor: torch.Tensor) -> dict[str, float]:
     }
 
 
-def measured(tensor: torch.Tensor, branching: bool) -> Stats:
-    return read_stats([raw_stats(tensor, branching=branching)])[0]
+def raw(tensor: torch.Tensor, strategy: str) -> RawStats:
+    """``raw_stats`` by one strategy; ``fused`` is skipped where the kernel was not built."""
+    if strategy == "fused" and not fused.available():
+        pytest.skip("the fused statistics kernel is not built here")
+    previous = fused.use_fused(strategy == "fused")
+    try:
+        return raw_stats(tensor, branching=strategy != "device")
+    finally:
+        fused.use_fused(previous)
+
+
+def measured(tensor: torch.Tensor, strategy: str) -> Stats:
+    return read_stats([raw(tensor, strategy)])[0]
 
 
 def assert_matches(stats: Stats, tensor: torch.Tensor, rel: float = 1e-5) -> None:
@@ -150,7 +173,7 @@ def test_running_statistics_merge_exactly(branching: bool) -> None:
     batches = [torch.randn(n, generator=generator) * (i + 1) + 10 * i for i, n in enumerate([1, 7, 100, 33, 2])]
     running = RunningStats()
     for batch in batches:
-        running.add(raw_stats(batch, branching=branching))
+        running.add(raw(batch, branching))
     running.add(raw_stats(torch.empty(0)))  # an empty batch changes nothing
     whole = torch.cat(batches)
     stats = running.result()
@@ -247,13 +270,12 @@ def _exact_mean_std(values: list[float]) -> tuple[float, float]:
     return float(mean), math.sqrt(float(variance / Fraction(1e300) ** 2)) * 1e300
 
 
-@pytest.mark.parametrize("branching", [True, False])
+@pytest.mark.parametrize("branching", STRATEGIES)
 @pytest.mark.parametrize(
     "values", [[1e308, 1e308, 1e308], [1e308, 1.5e308, 1.7e308], [-1e308, 1e308, 1.7e308], [-1.7e308, 3.0, 1e-300]]
 )
 def test_float64_values_near_the_largest_give_their_mean_and_std(values: list[float], branching: bool) -> None:
-    raw = raw_stats(torch.tensor(values, dtype=torch.float64), branching=branching)
-    result = read_stats([raw])[0]
+    result = read_stats([raw(torch.tensor(values, dtype=torch.float64), branching)])[0]
     mean, std = _exact_mean_std(values)
     assert result.mean == pytest.approx(mean, rel=1e-12)
     assert result.std == pytest.approx(std, rel=1e-12)
@@ -270,11 +292,10 @@ def test_merging_batches_of_huge_values_stays_finite() -> None:
     assert running.result().std == pytest.approx(std, rel=1e-12)
 
 
-@pytest.mark.parametrize("branching", [True, False])
+@pytest.mark.parametrize("branching", STRATEGIES)
 def test_int64_min_and_max_are_exact_past_2_to_the_53(branching: bool) -> None:
     values = [2**62 + 1, 2**62 + 3, -(2**63)]
-    raw = raw_stats(torch.tensor(values, dtype=torch.int64), branching=branching)
-    result = read_stats([raw])[0]
+    result = read_stats([raw(torch.tensor(values, dtype=torch.int64), branching)])[0]
     assert (result.min, result.max) == (-(2**63), 2**62 + 3)
     assert isinstance(result.max, int)
     running = RunningStats()
@@ -283,13 +304,13 @@ def test_int64_min_and_max_are_exact_past_2_to_the_53(branching: bool) -> None:
     assert running.result().max == 2**62 + 5
 
 
-@pytest.mark.parametrize("branching", [True, False])
+@pytest.mark.parametrize("branching", STRATEGIES)
 def test_scaling_huge_values_leaves_the_counts_alone(branching: bool) -> None:
     """Values scaled down to be summed are counted as they are: a tiny value is no zero, and a
     finite 1e308 beside an inf is not an inf."""
-    tiny = read_stats([raw_stats(torch.tensor([1e300, 1e-300, 3.0], dtype=torch.float64), branching=branching)])[0]
+    tiny = read_stats([raw(torch.tensor([1e300, 1e-300, 3.0], dtype=torch.float64), branching)])[0]
     assert tiny.zero_frac == 0.0
-    both = read_stats([raw_stats(torch.tensor([math.inf, 1e308, 1.0], dtype=torch.float64), branching=branching)])[0]
+    both = read_stats([raw(torch.tensor([math.inf, 1e308, 1.0], dtype=torch.float64), branching)])[0]
     assert (both.posinf, both.neginf) == (1, 0)
 
 
@@ -298,3 +319,41 @@ def test_a_merge_with_an_inf_has_a_nan_std_as_torch_does() -> None:
     reference = torch.tensor([math.inf, 1.0, 2.0, 3.0]).std()
     assert math.isnan(read_stats([merged])[0].std)
     assert math.isnan(float(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
+def test_the_compiled_device_path_agrees_with_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the accelerator path as one compiled kernel per tensor (Triton on CUDA), run here on the CPU
+    import hookscope._shared.stats as stats_module
+
+    monkeypatch.setattr(stats_module, "COMPILED_DEVICES", {"cpu"})
+    generator = torch.Generator().manual_seed(7)
+    cases = [
+        torch.randn(1000, generator=generator) * 3 + 1,
+        torch.randn(37, 11, generator=generator).relu().to(torch.bfloat16),  # upcast inside the kernel
+        torch.randn(5000, dtype=torch.float64, generator=generator),
+        torch.tensor([1.0, math.nan, math.inf, -math.inf, 0.0]),
+        torch.arange(-5, 17),
+    ]
+    for values in cases:
+        compiled = read_stats([raw_stats(values, branching=False)])[0]
+        assert stats_module._compile_failed is None
+        op_by_op = read_stats(
+            [
+                stats_module.RawStats(
+                    values.numel(), stats_module._unconditional_of(values.reshape(-1), stats_module._ALL)
+                )
+            ]
+        )[0]
+        for field in ("count", "min", "max", "zero_frac", "nan", "posinf", "neginf"):
+            assert getattr(compiled, field) == getattr(op_by_op, field) or math.isnan(getattr(op_by_op, field))
+        for field in ("mean", "std", "abs_mean"):
+            expected = getattr(op_by_op, field)
+            assert getattr(compiled, field) == pytest.approx(expected, rel=1e-9, nan_ok=True)
+    chosen = read_stats([raw_stats(cases[0], branching=False, fields=frozenset({"min"}))])[0]
+    assert chosen.min == cases[0].min().item()
+    assert math.isnan(chosen.mean)
+    with torch.inference_mode():
+        assert read_stats([raw_stats(torch.ones(300), branching=False)])[0].mean == 1.0

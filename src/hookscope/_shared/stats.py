@@ -52,7 +52,9 @@ many batches or steps.
 from __future__ import annotations
 
 import math
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -61,11 +63,13 @@ import numpy as np
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._shared import fused
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
 __all__ = [
     "RAW_FIELDS",
+    "STAT_CHOICES",
     "STAT_FIELDS",
     "RawStats",
     "RunningStats",
@@ -82,6 +86,8 @@ __all__ = [
 ]
 
 RAW_FIELDS = ("min", "max", "mean", "spread", "abs_mean", "zeros", "nan", "posinf", "neginf")
+#: What ``stats=`` may choose (a trace's column names); NaN/Inf counts are always kept.
+STAT_CHOICES = ("min", "max", "mean", "std", "abs_mean", "zeros", "nonfinite")
 STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
 _MIN, _MAX, _MEAN, _SPREAD, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
 # float64 values beyond this are summed scaled down by a power of two: their squares would overflow
@@ -168,12 +174,21 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: Scratch | None = None) -> RawStats:
+def raw_stats(
+    tensor: torch.Tensor,
+    *,
+    branching: bool | None = None,
+    scratch: Scratch | None = None,
+    fields: frozenset[str] | None = None,
+) -> RawStats:
     """Summarise ``tensor`` on its own device, without reading anything back to the host.
 
     ``branching`` picks the strategy (see the module doc); the default takes shortcuts on the
     CPU only. ``scratch`` lends a reusable work buffer (for |x|), so that measuring every
-    activation of a model does not allocate, and page-fault, a fresh one each time. Raises
+    activation of a model does not allocate, and page-fault, a fresh one each time.
+    ``fields`` (of :data:`STAT_CHOICES`; None: all) are the statistics wanted: the others read
+    NaN and, where they would cost a pass of their own, are not computed (the fused CPU kernel
+    gets them all from its one read anyway). NaN and Inf counts are always kept. Raises
     ``SpecError`` for a tensor :func:`is_measurable` refuses.
     """
     if not is_measurable(tensor):
@@ -181,16 +196,58 @@ def raw_stats(tensor: torch.Tensor, *, branching: bool | None = None, scratch: S
             f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout}); expected a strided "
             "tensor of numbers (floating, integer or bool)"
         )
-    values = _as_vector(full_value(tensor.detach()))
-    count = values.numel()
+    source = flat_values(full_value(tensor.detach()))
+    count = source.numel()
     if count == 0:  # filled on the device: a host-made tensor would be a copy, i.e. a sync
-        empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=accumulator(values.device), device=values.device)
+        empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=accumulator(source.device), device=source.device)
         empty[_ZEROS:] = 0.0
         return RawStats(0, empty)
     if branching is None:  # torch.compile traces kernels only: the CPU shortcuts read values back
-        branching = values.device.type == "cpu" and not is_compiling()
-    vector = _branching(values, scratch) if branching else _unconditional(values)
-    return RawStats(count, vector, _exact_extremes(tensor))
+        branching = source.device.type == "cpu" and not is_compiling()
+    wanted = _Wanted.of(fields)
+    part = fused.measure(source) if branching else None
+    if part is not None:  # one read of the values (float32, bfloat16, float64 on the CPU)
+        row = [part.low, part.high, part.mean, part.spread, part.abs_mean, part.zeros, 0.0, 0.0, 0.0]
+        vector = torch.tensor(wanted.blank(row), dtype=torch.float64)
+    elif branching:
+        vector = _branching(_as_vector(source), scratch, wanted)
+    else:
+        vector = _device_path(source)(source, wanted)
+    return RawStats(count, vector, _exact_extremes(tensor) if wanted.extremes else None)
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """Which statistics to compute, from a ``fields`` choice."""
+
+    extremes: bool = True  # min and max
+    moments: bool = True  # mean and std
+    magnitude: bool = True  # mean |x|
+    zeros: bool = True
+    kept: tuple[bool, ...] = (True,) * len(RAW_FIELDS)  # which raw fields to report
+
+    @staticmethod
+    def of(fields: frozenset[str] | None) -> _Wanted:
+        if fields is None:
+            return _ALL
+        unknown = sorted(fields - set(STAT_CHOICES))
+        if unknown:
+            raise SpecError(f"unknown statistics {unknown}; expected some of {', '.join(STAT_CHOICES)}")
+        kept = ("min" in fields, "max" in fields, "mean" in fields, "std" in fields, "abs_mean" in fields)
+        return _Wanted(
+            extremes="min" in fields or "max" in fields,
+            moments="mean" in fields or "std" in fields,
+            magnitude="abs_mean" in fields,
+            zeros="zeros" in fields,
+            kept=(*kept, "zeros" in fields, True, True, True),
+        )
+
+    def blank(self, row: list[float]) -> list[float]:
+        """``row`` with the fields not wanted set to NaN."""
+        return [value if keep else math.nan for value, keep in zip(row, self.kept, strict=True)]
+
+
+_ALL = _Wanted()
 
 
 def _exact_extremes(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -373,7 +430,7 @@ def _work(values: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
     return scratch.like(values) if scratch is not None else torch.empty_like(values)
 
 
-def _branching(values: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+def _branching(values: torch.Tensor, scratch: Scratch | None, wanted: _Wanted = _ALL) -> torch.Tensor:
     """CPU strategy: read min/max (a memory read here, not a sync) and skip what they settle.
 
     The values are taken in chunks of a few MiB, each reduced by every statistic while it is
@@ -386,9 +443,9 @@ def _branching(values: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
     # Last chunk first: the end of a tensor just written is the part still in the cache.
     chunks = reversed(torch.split(values, step)) if values.numel() > step else (values,)
     for chunk in chunks:
-        part = _chunk_stats(chunk, scratch)
+        part = _chunk_stats(chunk, scratch, wanted)
         if part is None:
-            return _unconditional(values)  # NaN or Inf: count them exactly, the slow way
+            return _unconditional(values, wanted)  # NaN or Inf: count them exactly, the slow way
         lo, hi, n, chunk_mean, chunk_spread, chunk_abs, chunk_zeros = part
         low, high = min(low, lo), max(high, hi)
         if count == 0:
@@ -402,11 +459,12 @@ def _branching(values: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
             abs_mean = abs_mean * weight_old + chunk_abs * weight_new
         count += n
         zeros += chunk_zeros
-    return torch.tensor([low, high, mean, spread, abs_mean, zeros, 0.0, 0.0, 0.0], dtype=torch.float64)
+    row = wanted.blank([low, high, mean, spread, abs_mean, zeros, 0.0, 0.0, 0.0])
+    return torch.tensor(row, dtype=torch.float64)
 
 
 def _chunk_stats(
-    values: torch.Tensor, scratch: Scratch | None
+    values: torch.Tensor, scratch: Scratch | None, wanted: _Wanted = _ALL
 ) -> tuple[float, float, int, float, float, float, float] | None:
     """``(min, max, n, mean, spread, mean |x|, zeros)`` of one chunk, or None if it holds a NaN or Inf.
 
@@ -422,20 +480,23 @@ def _chunk_stats(
     if values.dtype == torch.float64 and largest > _SCALE_ABOVE:
         scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
         original, values = values, values / scale
-        mean, m2, abs_sum, _ = _moments(values, low / scale, high / scale, scratch)
-        zeros = float(n - torch.count_nonzero(original))  # tiny values scaled down may read as 0
+        mean, m2, abs_sum, _ = _moments(values, low / scale, high / scale, scratch, wanted)
+        zeros = float(n - torch.count_nonzero(original)) if wanted.zeros else 0.0  # tiny values may read as 0
         return low, high, n, mean * scale, math.sqrt(m2 / n) * scale, abs_sum / n * scale, zeros
-    mean, m2, abs_sum, zeros = _moments(values, low, high, scratch)
+    mean, m2, abs_sum, zeros = _moments(values, low, high, scratch, wanted)
     return low, high, n, mean * scale, math.sqrt(m2 / n) * scale, abs_sum / n * scale, zeros
 
 
 def _moments(
-    values: torch.Tensor, low: float, high: float, scratch: Scratch | None
+    values: torch.Tensor, low: float, high: float, scratch: Scratch | None, wanted: _Wanted = _ALL
 ) -> tuple[float, float, float, float]:
-    """``(mean, M2, sum |x|, zeros)`` of finite values whose min and max are known."""
+    """``(mean, M2, sum |x|, zeros)`` of finite values whose min and max are known; what is not
+    ``wanted`` is skipped where it would cost a pass (and reads 0)."""
     n = values.numel()
     if low == high:  # a constant: exact, no sums needed
         return low, 0.0, abs(low) * n, float(n) if low == 0.0 else 0.0
+    if not wanted.moments:
+        return 0.0, 0.0, *_magnitude_and_zeros(values, low, high, None, scratch, wanted)
     total = float(values.sum())
     squares = float(torch.dot(values, values))
     if not (math.isfinite(total) and math.isfinite(squares)):  # finite values whose sums overflowed float32
@@ -452,56 +513,130 @@ def _moments(
             offset, spread = float(wide.sum()), float(torch.dot(wide, wide))
         mean += offset / n
         m2 = spread - offset * offset / n
-    m2 = max(m2, 0.0)
+    return mean, max(m2, 0.0), *_magnitude_and_zeros(values, low, high, mean * n, scratch, wanted)
+
+
+def _magnitude_and_zeros(
+    values: torch.Tensor, low: float, high: float, total: float | None, scratch: Scratch | None, wanted: _Wanted
+) -> tuple[float, float]:
+    """``(sum |x|, zeros)`` of finite values; ``total`` is their sum when known (None: not summed)."""
+    n = values.numel()
     if low > 0.0 or high < 0.0:  # no zeros, one sign: |x| sums to |sum|
-        return mean, m2, abs(mean * n), 0.0
-    if low == 0.0:  # non-negative with zeros (after a ReLU): sum(sign(x)) counts the others
-        return mean, m2, mean * n, n - float(torch.sign(values, out=_work(values, scratch)).sum())
-    if high == 0.0:
-        return mean, m2, -mean * n, n + float(torch.sign(values, out=_work(values, scratch)).sum())
+        if not wanted.magnitude:
+            return 0.0, 0.0
+        return abs(total if total is not None else float(values.sum(dtype=torch.float64))), 0.0
+    if low == 0.0 or high == 0.0:  # one sign with zeros (after a ReLU): sum(sign(x)) counts the others
+        if total is None and wanted.magnitude:
+            total = float(values.sum(dtype=torch.float64))
+        zeros = n - abs(float(torch.sign(values, out=_work(values, scratch)).sum())) if wanted.zeros else 0.0
+        return abs(total or 0.0), zeros
+    if not (wanted.magnitude or wanted.zeros):
+        return 0.0, 0.0
     magnitude = torch.abs(values, out=_work(values, scratch))  # both signs: |x| once
-    abs_sum = float(magnitude.sum())
-    if not math.isfinite(abs_sum):  # finite values whose |x| sum overflowed float32
-        abs_sum = float(magnitude.sum(dtype=torch.float64))
-    zeros = 0.0 if float(magnitude.amin()) > 0.0 else n - float(torch.sign(magnitude, out=magnitude).sum())
-    return mean, m2, abs_sum, zeros
+    abs_sum = 0.0
+    if wanted.magnitude:
+        abs_sum = float(magnitude.sum())
+        if not math.isfinite(abs_sum):  # finite values whose |x| sum overflowed float32
+            abs_sum = float(magnitude.sum(dtype=torch.float64))
+    zeros = 0.0
+    if wanted.zeros and float(magnitude.amin()) == 0.0:
+        zeros = n - float(torch.sign(magnitude, out=magnitude).sum())
+    return abs_sum, zeros
 
 
-def _unconditional(values: torch.Tensor) -> torch.Tensor:
-    """Device strategy: every field from kernels queued on the stream; nothing is read back."""
+def _unconditional_of(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
+    """:func:`_unconditional` of a flat tensor of any measurable dtype (upcast inside, so that a
+    compiled version fuses the upcast into its one read)."""
+    return _unconditional(_as_vector(source), wanted)
+
+
+#: Devices whose statistics run as one compiled kernel per tensor (Triton on CUDA); elsewhere,
+#: and while the model itself is being compiled, the same function runs op by op.
+COMPILED_DEVICES = {"cuda"}
+_compiled: Any = None  # the compiled _unconditional_of, made on first use
+_compile_failed: str | None = None  # why compiling failed, once: from then on op by op
+
+
+def _device_path(source: torch.Tensor) -> Any:
+    """``_unconditional_of``, compiled for the devices of :data:`COMPILED_DEVICES`.
+
+    ``torch.compile`` fuses the upcast and every reduction into one kernel that reads the
+    tensor once (instead of about twelve kernels, each a pass); ``dynamic=True`` makes one
+    compiled version serve every size, and inductor's cache keeps it across processes. Nothing
+    in it reads a value back, so the forward stays free of host syncs.
+    """
+    global _compiled, _compile_failed
+    if source.device.type not in COMPILED_DEVICES or _compile_failed is not None or is_compiling():
+        return _unconditional_of
+    if os.environ.get("HOOKSCOPE_COMPILED_STATS", "1") == "0":
+        return _unconditional_of
+    if _compiled is None:
+        _compiled = torch.compile(_unconditional_of, dynamic=True, fullgraph=True)
+    return _guarded
+
+
+def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
+    """The compiled statistics; where compiling fails (no Triton, no compiler), the same op by op,
+    from then on, with one warning that says why."""
+    global _compile_failed
+    try:
+        return _compiled(source, wanted)  # type: ignore[no-any-return]
+    except Exception as error:  # any failure of the compiler stack: the eager path is exact too
+        _compile_failed = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"hookscope: statistics on {source.device.type} could not be compiled ({_compile_failed}); "
+            "computing them op by op (slower, same values). Set HOOKSCOPE_COMPILED_STATS=0 to skip compiling.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _unconditional_of(source, wanted)
+
+
+def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor:
+    """Device strategy: every wanted field from kernels queued on the stream; nothing is read back."""
     accumulate = accumulator(values.device)
     n = values.numel()
-    low, high = torch.aminmax(values)
-    scale = None
+    unknown = torch.full((), math.nan, dtype=accumulate, device=values.device)
+    low = high = mean = spread = abs_mean = zeros = unknown
     original = values  # counted as they are: scaling could round tiny values to 0, or 1e308 to inf
-    if values.dtype == torch.float64:  # finite values past 2**500 summed scaled by a power of two (exact)
+    scale = None
+    if wanted.extremes or values.dtype == torch.float64:
+        low, high = torch.aminmax(values)
+    if values.dtype == torch.float64 and (wanted.moments or wanted.magnitude):
+        # finite values past 2**500 are summed scaled by a power of two (exact)
         largest = torch.maximum(-low, high)
         power = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
         scale = torch.where((largest > _SCALE_ABOVE) & torch.isfinite(largest), power, torch.ones_like(largest))
         values = values / scale
-    first = values[0]
-    # Centre on the first value, unless it is not finite or so large that x - shift could overflow.
-    usable = torch.isfinite(first) & (first.abs() < torch.finfo(values.dtype).max / 2**20)
-    shift = torch.where(usable, first, torch.zeros_like(first)).to(accumulate)
-    centred = values - shift.to(values.dtype)
-    centred_sum = centred.sum(dtype=accumulate)  # wide sums: finite values cannot overflow them
-    squares = torch.linalg.vector_norm(centred, 2, dtype=accumulate).square()  # no dot: it stops at 2**31 values
-    mean = shift + centred_sum / n
-    spread = torch.sqrt(torch.clamp(squares - centred_sum * centred_sum / n, min=0.0) / n)
-    spread = torch.where(torch.isfinite(squares), spread, torch.full_like(spread, math.nan))
-    abs_mean = torch.linalg.vector_norm(values, 1, dtype=accumulate) / n
+    if wanted.moments:
+        first = values[0]
+        # Centre on the first value, unless it is not finite or so large that x - shift could overflow.
+        usable = torch.isfinite(first) & (first.abs() < torch.finfo(values.dtype).max / 2**20)
+        shift = torch.where(usable, first, torch.zeros_like(first)).to(accumulate)
+        centred = values - shift.to(values.dtype)
+        centred_sum = centred.sum(dtype=accumulate)  # wide sums: finite values cannot overflow them
+        squares = torch.linalg.vector_norm(centred, 2, dtype=accumulate).square()  # dot stops at 2**31 values
+        mean = shift + centred_sum / n
+        spread = torch.sqrt(torch.clamp(squares - centred_sum * centred_sum / n, min=0.0) / n)
+        spread = torch.where(torch.isfinite(squares), spread, torch.full_like(spread, math.nan))
+    if wanted.magnitude:
+        abs_mean = torch.linalg.vector_norm(values, 1, dtype=accumulate) / n
     if scale is not None:
         wide = scale.to(accumulate)
         mean, spread, abs_mean = mean * wide, spread * wide, abs_mean * wide
+    if wanted.zeros:
+        zeros = torch.count_nonzero(original == 0)
     fields = [
         low,
         high,
         mean,
         spread,
         abs_mean,
-        torch.count_nonzero(original == 0),
+        zeros,
         torch.count_nonzero(torch.isnan(original)),
         torch.count_nonzero(original == math.inf),
         torch.count_nonzero(original == -math.inf),
     ]
-    return torch.stack([field.to(accumulate) for field in fields])
+    # a field computed anyway but not wanted (min and max, for float64 scaling) reads NaN too
+    kept = [field if keep else unknown for field, keep in zip(fields, wanted.kept, strict=True)]
+    return torch.stack([field.to(accumulate) for field in kept])

@@ -14,11 +14,14 @@ import numpy as np
 from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._shared.histogram import DEFAULT_BINS
 from hookscope._shared.options import Options
+from hookscope._shared.stats import STAT_CHOICES
 from hookscope.errors import SpecError
 
-__all__ = ["OpsChoice", "Passes", "TraceOptions"]
+__all__ = ["OpsChoice", "Passes", "StatsChoice", "TraceOptions"]
 
 Passes = Literal["latest", "all"]  # spelled as a capture's passes= is
+#: ``stats=``: True (all), False (shapes only), or the statistics to keep (:data:`STAT_CHOICES`).
+StatsChoice = bool | str | tuple[str, ...] | list[str]
 #: ``ops=``: False, True (every op of every traced module), or op selectors.
 OpsChoice = bool | str | tuple[str, ...] | list[str]
 
@@ -29,6 +32,9 @@ class TraceOptions(Options):
 
     - ``stats``: min, max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts of
       every output tensor, computed on the device and read once per pass; ``False``: shapes only;
+      or a list of the statistics to keep, among ``"min"``, ``"max"``, ``"mean"``, ``"std"``,
+      ``"abs_mean"``, ``"zeros"`` and ``"nonfinite"`` (NaN/Inf counts are always kept; the others
+      read NaN and, where they would cost a pass of their own, are not computed);
     - ``input_stats``: also measure inputs no traced module returned (the model's input,
       results of functional ops); ``False`` skips them and ``first_nonfinite`` takes them as finite;
     - ``timing``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring is
@@ -48,6 +54,8 @@ class TraceOptions(Options):
 
     >>> TraceOptions(histograms=True).bins
     64
+    >>> sorted(TraceOptions(stats=["min", "max"]).stat_fields)
+    ['max', 'min']
     >>> TraceOptions(stats=False, histograms=8)
     Traceback (most recent call last):
     ...
@@ -56,7 +64,7 @@ class TraceOptions(Options):
 
     feature = "trace"
 
-    stats: bool = True
+    stats: StatsChoice = True
     input_stats: bool = True
     timing: bool = False
     memory: bool = False
@@ -65,19 +73,25 @@ class TraceOptions(Options):
     ops: OpsChoice = False
 
     def __post_init__(self) -> None:
-        for option in ("stats", "input_stats", "timing", "memory"):
+        object.__setattr__(self, "stats", _stat_choice(self.stats))
+        for option in ("input_stats", "timing", "memory"):
             check_flag(option, getattr(self, option))
         ops: object = self.ops
         # True or False; a list or one text: a tuple of texts, each checked
         object.__setattr__(self, "ops", bool(ops) if isinstance(ops, (bool, np.bool_)) else _op_selectors(ops))
         if self.passes not in ("latest", "all"):
             raise SpecError(f"passes={self.passes!r} is not 'latest' (each forward replaces the trace) or 'all'")
-        _bins(self.histograms, self.stats)  # refused now, not when the tracer attaches
+        _bins(self.histograms, bool(self.stats))  # refused now, not when the tracer attaches
+
+    @property
+    def stat_fields(self) -> frozenset[str] | None:
+        """The statistics ``stats`` chose; None for all of them (or for none, with ``stats=False``)."""
+        return None if isinstance(self.stats, bool) else frozenset(self.stats)
 
     @property
     def bins(self) -> int | None:
         """The histogram bin count ``histograms`` asks for; None when off."""
-        return _bins(self.histograms, self.stats)
+        return _bins(self.histograms, bool(self.stats))
 
     @property
     def op_patterns(self) -> list[OpPattern]:
@@ -85,6 +99,25 @@ class TraceOptions(Options):
         if isinstance(self.ops, bool):
             return []
         return [pattern for text in self.ops if (pattern := op_pattern(text)) is not None]
+
+
+def _stat_choice(stats: object) -> bool | tuple[str, ...]:
+    """``stats=`` as True, False or a tuple of known statistics (in :data:`STAT_CHOICES` order)."""
+    if isinstance(stats, (bool, np.bool_)):
+        return bool(stats)
+    chosen = [stats] if isinstance(stats, str) else stats
+    if isinstance(chosen, (list, tuple)) and chosen and all(isinstance(field, str) for field in chosen):
+        unknown = [field for field in chosen if field not in STAT_CHOICES]
+        if not unknown:
+            return tuple(field for field in STAT_CHOICES if field in chosen)
+        raise SpecError(
+            f"stats= names {', '.join(map(repr, unknown))}, not a statistic; expected some of "
+            f"{', '.join(STAT_CHOICES)} (or True for all, False for shapes only)"
+        )
+    raise SpecError(
+        f"stats={stats!r}; expected True (every statistic), False (shapes only) or a list of statistics "
+        f"among {', '.join(STAT_CHOICES)}; to pass stats= to the model, use model_kwargs={{'stats': ...}}"
+    )
 
 
 def _op_selectors(ops: object) -> tuple[str, ...]:

@@ -146,9 +146,10 @@ class Tracer(CallRecorder[_Module, _Draft]):
         options = TraceOptions.build(options, opts)
         self.options = options
         self._model = weakref.ref(model)
-        self._stats = options.stats
+        self._stats = bool(options.stats)
+        self._stat_fields = options.stat_fields
         self._bins = options.bins
-        self._input_stats = options.stats and options.input_stats
+        self._input_stats = self._stats and options.input_stats
         self._timing = options.timing
         self._memory = options.memory
         self._pass = _Pass()
@@ -280,7 +281,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
     def _measure(self, state: _Pass, tensor: torch.Tensor) -> int:
         timed = self._timing and not is_compiling()
         began = time.perf_counter() if timed else 0.0
-        state.raws.append(raw_stats(tensor, scratch=self._scratch))
+        state.raws.append(raw_stats(tensor, scratch=self._scratch, fields=self._stat_fields))
         if self._bins:
             state.histograms.append(raw_histogram(tensor, bins=self._bins))
         if timed:
@@ -390,7 +391,7 @@ class Tracer(CallRecorder[_Module, _Draft]):
             "torch": torch.__version__,
             "model": finished.model_name,
             "wall_ms": finished.seconds * 1e3,
-            "stats": self._stats,
+            "stats": self._stats if self._stat_fields is None else sorted(self._stat_fields),
             "timing": self._timing,
             "params": self._total_params,
             "histogram_bins": self._bins,

@@ -101,11 +101,13 @@ COLUMNS: dict[str, tuple[str, Callable[[TraceRow], str], bool]] = {
 _STAT_COLUMNS = ("min", "max", "mean", "std", "abs_mean", "zeros", "nonfinite")
 
 
-def default_columns(rows: Sequence[TraceRow]) -> list[str]:
-    """What a table shows unless told: statistics when there are any, time and memory when measured."""
+def default_columns(rows: Sequence[TraceRow], stats: object = True) -> list[str]:
+    """What a table shows unless told: statistics when there are any (those ``stats``, the trace's
+    ``meta["stats"]``, chose), time and memory when measured."""
     columns = ["order", "module", "class", "inputs", "outputs", "dtype", "params"]
     if any(row.stats is not None for row in rows):
-        columns += _STAT_COLUMNS
+        chosen = set(stats) | {"nonfinite"} if isinstance(stats, (list, tuple)) else set(_STAT_COLUMNS)
+        columns += [column for column in _STAT_COLUMNS if column in chosen]
     if any(row.time_ms is not None for row in rows):
         columns += ["time", "self_time"]
     if any(row.peak_bytes is not None for row in rows):
@@ -113,9 +115,9 @@ def default_columns(rows: Sequence[TraceRow]) -> list[str]:
     return columns
 
 
-def _columns(rows: Sequence[TraceRow], columns: Sequence[str] | None) -> list[str]:
+def _columns(rows: Sequence[TraceRow], columns: Sequence[str] | None, stats: object) -> list[str]:
     if columns is None:
-        return default_columns(rows)
+        return default_columns(rows, stats)
     chosen = [columns] if isinstance(columns, str) else list(columns)
     unknown = [key for key in chosen if key not in COLUMNS]
     if unknown or not chosen:
@@ -155,7 +157,7 @@ def footer(trace: Trace, rows: Sequence[TraceRow]) -> list[str]:
 def table(trace: Trace, rows: Sequence[TraceRow], columns: Sequence[str] | None) -> Table:
     """``rows`` as a :class:`~hookscope._shared.tables.Table`, the footer as its notes; rows
     with NaN/Inf outputs or that raised are marked (red on a console, tinted in HTML)."""
-    keys = _columns(rows, columns)
+    keys = _columns(rows, columns, trace.meta.get("stats", True))
     headers = [Column(COLUMNS[key][0], "right" if COLUMNS[key][2] else "left") for key in keys]
     shown = Table(headers, notes=footer(trace, rows))
     for row, cells in zip(rows, _cells(trace, rows, keys), strict=True):

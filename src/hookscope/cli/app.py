@@ -273,6 +273,15 @@ def trace_command(
         ),
     ] = None,
     timing: Annotated[bool, typer.Option("--timing", help="Time each call (and its own share).")] = False,
+    stats: Annotated[
+        str | None,
+        typer.Option(
+            "--stats",
+            help="The statistics to keep, comma-separated, among min, max, mean, std, abs_mean, zeros, nonfinite "
+            "(NaN/Inf counts are always kept); 'none' for shapes only. Default: all.",
+            show_default=False,
+        ),
+    ] = None,
     ops: Annotated[
         list[str] | None,
         typer.Option(
@@ -306,7 +315,11 @@ def trace_command(
         if path is not None:
             hs.check_output_path(path, what=option)  # before the model runs, not after
     op_selectors = [str(selector) for selector in _selectors(ops or [])]
-    options = hs.TraceOptions(timing=timing, ops=op_selectors or False)  # a malformed op selector fails now
+    chosen: bool | list[str] = True
+    if stats is not None:
+        chosen = False if stats.strip() == "none" else [field.strip() for field in stats.split(",") if field.strip()]
+    # a malformed op selector or statistic fails now
+    options = hs.TraceOptions(timing=timing, ops=op_selectors or False, stats=chosen)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     selectors = _selectors(only or [])

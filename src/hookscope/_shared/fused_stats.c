@@ -1,0 +1,383 @@
+/* One read of a tensor's values for every statistic a trace keeps of it.
+ *
+ * hookscope measures every activation of a model inside its forward hooks. Done with torch
+ * reductions that is five or six passes over each tensor (aminmax, sum, dot, |x|, its sum, zero
+ * counts), each a parallel region of torch's thread pool; on a shared machine every region pays
+ * a barrier. This file reads each value once, in the calling thread, and returns
+ *
+ *     out[0] min    out[1] max    out[2] sum(x - shift)    out[3] sum((x - shift)^2)
+ *     out[4] sum|x| out[5] number of zeros   out[6] the shift used
+ *
+ * A NaN ``shift`` asks for the first value as the shift: any value of the tensor keeps the sums of
+ * squares small next to the spread when the mean dwarfs it (values around 300 in float16), and the
+ * caller need not read one out first.
+ *
+ * Sums are kept in float32 lanes (float64 for double input) over blocks of BLOCK values and
+ * added to float64 totals after each block, so a long tensor loses no digits to one long float32
+ * sum. NaN and Inf are not counted here: they make a sum or an extreme non-finite, and the caller
+ * then counts them exactly the slow way (they are rare, and a trace stops at the first one).
+ *
+ * The blocks are read last first: the end of a tensor its producer just wrote is the part still
+ * in the cache. Plain C with GCC/Clang vector extensions, loaded with ctypes: no Python or torch
+ * headers, so it builds in a second wherever a C compiler is, and the package works without it.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+#define SUB 256         /* values per float32 partial sum: a multiple of LANES */
+#define SEGMENT 262144 /* values read forward at a time (1 MiB of float32), segments last first */
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef double vd __attribute__((vector_size(4 * sizeof(double))));
+typedef int64_t vl __attribute__((vector_size(4 * sizeof(int64_t))));
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
+
+#define BLEND(mask, a, b) (((mask) & (a)) | (~(mask) & (b)))
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf splat(float value) {
+    vf v;
+    for (int j = 0; j < LANES; j++) v[j] = value;
+    return v;
+}
+
+typedef struct {
+    double low, high, sum, squares, magnitude, zeros;
+} totals;
+
+static void start(totals *t) {
+    t->low = __builtin_inf();
+    t->high = -__builtin_inf();
+    t->sum = t->squares = t->magnitude = t->zeros = 0.0;
+}
+
+static void finish(const totals *t, double shift, double *out) {
+    out[0] = t->low;
+    out[1] = t->high;
+    out[2] = t->sum;
+    out[3] = t->squares;
+    out[4] = t->magnitude;
+    out[5] = t->zeros;
+    out[6] = shift;
+}
+
+/* One value, the scalar way: the tail of a block that is not a multiple of LANES. */
+static void one(totals *t, double x, double shift) {
+    double d = x - shift;
+    t->low = x < t->low ? x : t->low;
+    t->high = x > t->high ? x : t->high;
+    t->sum += d;
+    t->squares += d * d;
+    t->magnitude += x < 0 ? -x : x;
+    t->zeros += x == 0;
+}
+
+/* float32 lanes over float32 values (or bfloat16 ones, widened on load). Each lane adds SUB / LANES
+ * values in float32, then its sums are widened into float64 lanes: a float32 sum of a million 0.1s
+ * stays within 3e-7 of the float64 one, at the cost of a few conversions per SUB values. */
+#define FLOAT_BLOCK(LOAD)                                                                     \
+    vf low = splat(__builtin_inff()), high = splat(-__builtin_inff());                        \
+    vd wide_sum[2] = {{0}}, wide_squares[2] = {{0}}, wide_magnitude[2] = {{0}};               \
+    vi zeros = {0};                                                                           \
+    const vf centre = splat(shift);                                                           \
+    const vi no_sign = (vi)splat(0.0f) | 0x7fffffff;                                          \
+    size_t whole = count - count % SUB;                                                       \
+    for (size_t start = 0; start < whole; start += SUB) {                                     \
+        vf sum = splat(0.0f), squares = splat(0.0f), magnitude = splat(0.0f);                \
+        for (size_t i = start; i < start + SUB; i += LANES) {                                 \
+            vf v = LOAD(i);                                                                   \
+            vf d = v - centre;                                                                \
+            low = (vf)BLEND(v < low, (vi)v, (vi)low);                                         \
+            high = (vf)BLEND(v > high, (vi)v, (vi)high);                                      \
+            sum += d;                                                                         \
+            squares += d * d;                                                                 \
+            magnitude += (vf)((vi)v & no_sign);                                               \
+            zeros -= (v == 0.0f);                                                             \
+        }                                                                                     \
+        widen(wide_sum, sum);                                                                 \
+        widen(wide_squares, squares);                                                         \
+        widen(wide_magnitude, magnitude);                                                     \
+    }                                                                                         \
+    for (int j = 0; j < LANES; j++) {                                                         \
+        t->low = low[j] < t->low ? low[j] : t->low;                                           \
+        t->high = high[j] > t->high ? high[j] : t->high;                                      \
+        t->zeros += zeros[j];                                                                 \
+        t->sum += wide_sum[j / 4][j % 4];                                                     \
+        t->squares += wide_squares[j / 4][j % 4];                                             \
+        t->magnitude += wide_magnitude[j / 4][j % 4];                                         \
+    }
+
+/* Add eight float32 lanes into two vectors of four float64 ones. */
+INLINE void widen(vd *into, vf lanes) {
+    into[0] += __builtin_convertvector(__builtin_shufflevector(lanes, lanes, 0, 1, 2, 3), vd);
+    into[1] += __builtin_convertvector(__builtin_shufflevector(lanes, lanes, 4, 5, 6, 7), vd);
+}
+
+INLINE vf load_f32(const float *x) {
+    vf v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+INLINE vf load_bf16(const uint16_t *x) {
+    vh h;
+    memcpy(&h, x, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+CLONES static void block_f32(totals *t, const float *x, size_t count, float shift) {
+#define LOAD_F32(i) load_f32(x + (i))
+    FLOAT_BLOCK(LOAD_F32)
+    for (size_t i = whole; i < count; i++) one(t, x[i], shift);
+}
+
+CLONES static void block_bf16(totals *t, const uint16_t *x, size_t count, float shift) {
+#define LOAD_BF16(i) load_bf16(x + (i))
+    FLOAT_BLOCK(LOAD_BF16)
+    for (size_t i = whole; i < count; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        one(t, value, shift);
+    }
+}
+
+/* float64 values: the lanes are float64 already, so a block is only a unit of work. */
+CLONES static void block_f64(totals *t, const double *x, size_t count, double shift) {
+    vd low, high, sum = {0}, squares = {0}, magnitude = {0}, centre;
+    vl zeros = {0};
+    const vl no_sign = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    for (int j = 0; j < 4; j++) {
+        low[j] = __builtin_inf();
+        high[j] = -__builtin_inf();
+        centre[j] = shift;
+    }
+    size_t whole = count - count % 4;
+    for (size_t i = 0; i < whole; i += 4) {
+        vd v;
+        memcpy(&v, x + i, sizeof v);
+        vd d = v - centre;
+        low = (vd)BLEND(v < low, (vl)v, (vl)low);
+        high = (vd)BLEND(v > high, (vl)v, (vl)high);
+        sum += d;
+        squares += d * d;
+        magnitude += (vd)((vl)v & no_sign);
+        zeros -= (v == 0.0);
+    }
+    for (int j = 0; j < 4; j++) {
+        t->low = low[j] < t->low ? low[j] : t->low;
+        t->high = high[j] > t->high ? high[j] : t->high;
+        t->sum += sum[j];
+        t->squares += squares[j];
+        t->magnitude += magnitude[j];
+        t->zeros += (double)zeros[j];
+    }
+    for (size_t i = whole; i < count; i++) one(t, x[i], shift);
+}
+
+/* -- segments and helper threads ---------------------------------------------------------------
+ *
+ * A tensor is cut into segments of SEGMENT values, each summed into its own totals and merged in a
+ * fixed order, so the result is the same bits whichever thread read which segment. Tensors of one
+ * segment are read by the caller alone. Longer ones are shared with up to MAX_HELPERS helper threads
+ * (hookscope_set_helpers; none by default), which claim segments one at a time from a shared
+ * counter: a helper that is slow to wake, or descheduled because another process wants its core,
+ * takes fewer segments, and the caller waits at most for the segment a helper is in the middle of,
+ * never for one it has not started. That is one parallel region per tensor, and a forgiving one.
+ */
+typedef void (*segment_fn)(totals *, const void *, size_t, double);
+
+static void segment_f32(totals *t, const void *p, size_t count, double shift) {
+    block_f32(t, (const float *)p, count, (float)shift);
+}
+static void segment_bf16(totals *t, const void *p, size_t count, double shift) {
+    block_bf16(t, (const uint16_t *)p, count, (float)shift);
+}
+static void segment_f64(totals *t, const void *p, size_t count, double shift) {
+    block_f64(t, (const double *)p, count, shift);
+}
+
+typedef struct {
+    segment_fn fn;
+    const char *base;
+    size_t item, count, segments;
+    double shift;
+    totals *parts;
+    atomic_size_t next;     /* the next segment to claim */
+    atomic_size_t finished; /* segments whose totals are written */
+} job;
+
+/* Segment k (claimed k-th) is the k-th from the end: the end of a fresh tensor is still cached. */
+static void run_segments(job *work) {
+    for (;;) {
+        size_t k = atomic_fetch_add(&work->next, 1);
+        if (k >= work->segments) return;
+        size_t first = (work->segments - 1 - k) * SEGMENT;
+        size_t count = work->count - first < SEGMENT ? work->count - first : SEGMENT;
+        start(&work->parts[k]);
+        work->fn(&work->parts[k], work->base + first * work->item, count, work->shift);
+        atomic_fetch_add_explicit(&work->finished, 1, memory_order_release);
+    }
+}
+
+#define MAX_HELPERS 15
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t posted = PTHREAD_COND_INITIALIZER; /* a job, or a stop, for the helpers */
+static pthread_cond_t left = PTHREAD_COND_INITIALIZER;   /* a helper let go of the job */
+static job *current;            /* under lock */
+static unsigned long round_no;  /* under lock: bumped per job, so a helper joins each job once */
+static int inside;              /* under lock: helpers holding ``current`` */
+static int wanted_helpers, running_helpers, stopping;
+
+static void *helper(void *unused) {
+    (void)unused;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (!stopping && (current == NULL || round_no == seen)) pthread_cond_wait(&posted, &lock);
+        if (stopping) break;
+        seen = round_no;
+        job *work = current;
+        inside++;
+        pthread_mutex_unlock(&lock);
+        run_segments(work);
+        pthread_mutex_lock(&lock);
+        inside--;
+        pthread_cond_broadcast(&left);
+    }
+    running_helpers--;
+    pthread_cond_broadcast(&left);
+    pthread_mutex_unlock(&lock);
+    return NULL;
+}
+
+/* A forked child has the parent's memory but none of its threads: start from nothing. */
+static void forget_helpers(void) {
+    pthread_mutex_init(&lock, NULL);
+    pthread_cond_init(&posted, NULL);
+    pthread_cond_init(&left, NULL);
+    current = NULL;
+    inside = running_helpers = stopping = 0;
+}
+
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_helpers); }
+
+/* Helper threads to read long tensors with (0: the caller alone); started on first use. Returns
+ * how many there will be. */
+int hookscope_set_helpers(int count) {
+    pthread_once(&fork_handler_once, install_fork_handler);
+    if (count < 0) count = 0;
+    if (count > MAX_HELPERS) count = MAX_HELPERS;
+    pthread_mutex_lock(&lock);
+    if (count < running_helpers) { /* stop them all, and start the wanted number on next use */
+        stopping = 1;
+        pthread_cond_broadcast(&posted);
+        while (running_helpers > 0) pthread_cond_wait(&left, &lock);
+        stopping = 0;
+    }
+    wanted_helpers = count;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+static void start_helpers(void) { /* under lock */
+    while (running_helpers < wanted_helpers) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, helper, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed) {
+            wanted_helpers = running_helpers; /* no more threads to be had: go on with these */
+            return;
+        }
+        running_helpers++;
+    }
+}
+
+static void measure(segment_fn fn, const void *values, size_t item, size_t count, double shift, double *out) {
+    size_t segments = (count + SEGMENT - 1) / SEGMENT;
+    totals few[64];
+    totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
+    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0};
+    int shared = 0;
+    if (parts == NULL) { /* out of memory for the list: read it in one go, alone */
+        work.segments = 1;
+        start(&few[0]);
+        fn(&few[0], values, count, shift);
+        work.finished = 1;
+        work.next = 1;
+    } else if (segments > 1 && wanted_helpers > 0) {
+        pthread_mutex_lock(&lock);
+        start_helpers();
+        if (running_helpers > 0) {
+            current = &work;
+            round_no++;
+            shared = 1;
+            pthread_cond_broadcast(&posted);
+        }
+        pthread_mutex_unlock(&lock);
+    }
+    run_segments(&work);
+    if (shared) {
+        pthread_mutex_lock(&lock);
+        current = NULL; /* no helper takes it up from now on */
+        while (inside > 0) pthread_cond_wait(&left, &lock);
+        pthread_mutex_unlock(&lock);
+    }
+    while (atomic_load_explicit(&work.finished, memory_order_acquire) < work.segments) {
+    } /* not reached: every claimed segment is finished before its helper leaves */
+    totals t;
+    start(&t);
+    for (size_t k = 0; k < work.segments; k++) {
+        const totals *part = &work.parts[k];
+        t.low = part->low < t.low ? part->low : t.low;
+        t.high = part->high > t.high ? part->high : t.high;
+        t.sum += part->sum;
+        t.squares += part->squares;
+        t.magnitude += part->magnitude;
+        t.zeros += part->zeros;
+    }
+    if (parts != few) free(parts);
+    finish(&t, shift, out);
+}
+
+static float bf16_value(const void *values) {
+    uint32_t bits = (uint32_t)(*(const uint16_t *)values) << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The entry points: ``values`` holds ``count`` > 0 contiguous values; ``out`` seven doubles. A NaN
+ * ``wanted`` shift asks for the first value. */
+void hookscope_stats_f32(const void *values, int64_t count, double wanted, double *out) {
+    float shift = wanted == wanted ? (float)wanted : *(const float *)values;
+    measure(segment_f32, values, sizeof(float), (size_t)count, shift, out);
+}
+
+void hookscope_stats_bf16(const void *values, int64_t count, double wanted, double *out) {
+    float shift = wanted == wanted ? (float)wanted : bf16_value(values);
+    measure(segment_bf16, values, sizeof(uint16_t), (size_t)count, shift, out);
+}
+
+void hookscope_stats_f64(const void *values, int64_t count, double wanted, double *out) {
+    double shift = wanted == wanted ? wanted : *(const double *)values;
+    measure(segment_f64, values, sizeof(double), (size_t)count, shift, out);
+}

@@ -1,0 +1,162 @@
+"""The fused statistics kernel: one read per tensor, against numpy float64, with and without helper threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hookscope._shared import fused
+from hookscope._shared.stats import raw_stats, read_stats
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="the fused statistics kernel is not built here")
+
+SUB = 256  # values per float32 partial sum in the kernel
+SEGMENT = 262144  # values per segment (the unit the helper threads share)
+
+
+def reference(values: torch.Tensor) -> tuple[float, float, float, float, float, float]:
+    """min, max, zeros, mean, root mean square deviation, mean |x| in numpy float64."""
+    x = values.detach().to(torch.float64).numpy().reshape(-1)
+    return (
+        x.min(),
+        x.max(),
+        float((x == 0).sum()),
+        x.mean(),
+        float(np.sqrt(((x - x.mean()) ** 2).mean())),
+        np.abs(x).mean(),
+    )
+
+
+def assert_part_matches(values: torch.Tensor, rel: float = 1e-6) -> None:
+    part = fused.measure(values)
+    assert part is not None
+    low, high, zeros, mean, spread, abs_mean = reference(values)
+    assert (part.low, part.high, part.zeros) == (low, high, zeros)  # exact
+    scale = max(spread, abs(mean), 1e-30)
+    assert abs(part.mean - mean) <= rel * scale
+    assert part.spread == pytest.approx(spread, rel=rel, abs=1e-30)
+    assert part.abs_mean == pytest.approx(abs_mean, rel=rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("count", [1, 7, SUB - 1, SUB, SUB + 1, SEGMENT - 1, SEGMENT + 9, 3 * SEGMENT + 1000])
+def test_every_length_and_dtype_matches_float64(count: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(count)
+    values = (torch.randn(count, generator=generator) * 3 + 1).to(dtype)
+    values[::5] = 0.0  # zeros counted exactly
+    assert_part_matches(values)
+
+
+def test_post_relu_activations_and_negative_zero() -> None:
+    values = torch.randn(4, 64, 56, 56, generator=torch.Generator().manual_seed(0)).relu()
+    values.view(-1)[:10] = -0.0
+    assert_part_matches(values)
+
+
+def test_a_mean_far_above_its_spread_is_summed_again_around_it() -> None:
+    # the first value (the shift) is far from the rest: a second pass around the mean keeps the digits
+    values = torch.full((100_000,), 3000.0) + torch.randn(100_000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    values[0] = -5.0e4
+    assert_part_matches(values, rel=1e-5)
+
+
+def test_non_contiguous_values_give_the_same_result() -> None:
+    values = torch.randn(300, 700, generator=torch.Generator().manual_seed(2))
+    assert fused.measure(values.t()) == fused.measure(values.t().contiguous())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_are_left_to_the_exact_count(bad: float) -> None:
+    values = torch.randn(SEGMENT * 2)
+    values[SEGMENT + 3] = bad
+    assert fused.measure(values) is None  # the caller counts them exactly
+    stats = read_stats([raw_stats(values)])[0]
+    assert (stats.nan, stats.posinf, stats.neginf) == (
+        int(np.isnan(bad)),
+        int(bad == float("inf")),
+        int(bad == -float("inf")),
+    )
+
+
+def test_sums_that_overflow_float32_fall_back() -> None:
+    values = torch.full((1000,), 3.0e38)
+    values[0] = 0.0
+    assert fused.measure(values) is None
+    assert read_stats([raw_stats(values)])[0].mean == pytest.approx(3.0e38 * 999 / 1000, rel=1e-6)
+
+
+def test_unread_dtypes_are_left_to_torch() -> None:
+    for values in (torch.ones(10, dtype=torch.float16), torch.arange(10), torch.ones(3, dtype=torch.bool)):
+        assert fused.measure(values) is None
+
+
+def test_helper_threads_give_the_same_bits() -> None:
+    values = torch.randn(5 * SEGMENT + 123, generator=torch.Generator().manual_seed(3))
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4, 1):
+            torch.set_num_threads(threads)  # the kernel uses torch's thread count, less the caller
+            results.append(fused.measure(values))
+    finally:
+        torch.set_num_threads(previous)
+    assert results[0] is not None
+    assert all(result == results[0] for result in results)
+
+
+def _child_measures(values: torch.Tensor, queue: multiprocessing.Queue[object]) -> None:
+    queue.put(fused.measure(values))
+
+
+def test_a_forked_child_measures_without_the_parents_helpers() -> None:
+    values = torch.randn(4 * SEGMENT, generator=torch.Generator().manual_seed(4))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = fused.measure(values)  # the helper thread is running now
+        context = multiprocessing.get_context("fork")
+        queue: multiprocessing.Queue[object] = context.Queue()
+        child = context.Process(target=_child_measures, args=(values, queue))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        torch.set_num_threads(previous)
+    assert child.exitcode == 0
+    assert got == expected
+
+
+def test_the_kernel_can_be_turned_off_by_environment() -> None:
+    code = (
+        "import torch; from hookscope._shared import fused; from hookscope._shared.stats import tensor_stats; "
+        "print(fused.available(), fused.measure(torch.ones(4)), tensor_stats(torch.arange(4.0)).mean)"
+    )
+    env = dict(os.environ, HOOKSCOPE_FUSED_STATS="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "None", "1.5"]
+
+
+def test_use_fused_switches_paths_that_agree() -> None:
+    values = torch.randn(3, 1000, 1000, generator=torch.Generator().manual_seed(5))
+    with_kernel = read_stats([raw_stats(values)])[0]
+    previous = fused.use_fused(False)
+    try:
+        assert fused.measure(values) is None
+        with_torch = read_stats([raw_stats(values)])[0]
+    finally:
+        fused.use_fused(previous)
+    for field in ("min", "max", "count", "zero_frac", "nan"):
+        assert getattr(with_kernel, field) == getattr(with_torch, field)
+    wide = values.double()
+    exact = {"mean": wide.mean().item(), "std": wide.std().item(), "abs_mean": wide.abs().mean().item()}
+    for field, value in exact.items():
+        # float32 lanes widened every 256 values: closer to float64 than torch's float32 sums
+        assert getattr(with_kernel, field) == pytest.approx(value, rel=1e-8, abs=1e-8)
+        assert getattr(with_torch, field) == pytest.approx(value, rel=1e-5, abs=1e-8)
