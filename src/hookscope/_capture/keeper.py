@@ -28,6 +28,7 @@ from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
+from hookscope._shared import allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
 from hookscope._shared.reduce import Reduction
 from hookscope._shared.units import format_bytes
@@ -127,6 +128,14 @@ class Keeper:
             self._watched.clear()
         self.wait_for_copies()
         self._count_overflows()
+        if self._bytes >= allocator.MIN_BYTES:
+            allocator.keep_freed_memory(self._host_bytes())
+
+    def _host_bytes(self) -> int:
+        """The bytes held by this keeper (every kept pass's) when this pass kept host values, else 0:
+        only host memory comes from the C allocator that :mod:`hookscope._shared.allocator` tunes."""
+        on_host = any(value.device.type == "cpu" for _, value in self.cache._items())
+        return self._bytes if on_host else 0
 
     def _count_overflows(self) -> None:
         """Read the pass's overflow counts at once (one wait for the device, only when a

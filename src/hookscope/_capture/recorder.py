@@ -11,6 +11,11 @@ share memory with what leaves the forward (the model's inputs, output, parameter
 are copied too, since code outside the forward may change those later. ``copy=True`` copies
 every value at once; ``copy=False`` never copies and raises ``CaptureError`` on reading a value
 that was changed after capture.
+
+Memory: a pass that ends holding 64 MiB or more of host memory asks glibc, once per process,
+to keep that much freed memory resident instead of trimming it (``HOOKSCOPE_MALLOC=default``
+opts out); the next capture then reuses those pages instead of faulting fresh ones in. Why
+this and not an arena of reused buffers, with the numbers: :mod:`hookscope._shared.allocator`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from hookscope._core.select import (
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
+from hookscope._shared import allocator
 from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.options import with_options
 from hookscope._version import __version__
@@ -85,6 +91,7 @@ class Capture(Scoped):
     ) -> None:
         ensure_module(model)
         options = CaptureOptions.build(options, opts)
+        allocator.check_setting()  # a mistyped HOOKSCOPE_MALLOC is refused now, not at a pass's end
         if not selectors:
             raise SpecError("capture needs at least one selector, e.g. hs.capture(model, 'fc') or (model, nn.Linear)")
         self.options = options
@@ -568,6 +575,11 @@ def capture(
     pass's cache (``capture.passes``; ``max_bytes`` then spans them all), for a loop that calls
     the model several times, such as ``generate``. A checkpointed block recomputing its forward
     in backward is not a pass: it neither adds values nor replaces them.
+
+    Memory: once a pass ends holding 64 MiB or more on the host, glibc is asked (once per
+    process) to keep freed memory resident up to twice that, at most 2 GiB, so the next
+    forward reuses the pages instead of faulting them in again; ``HOOKSCOPE_MALLOC=default``
+    in the environment leaves the allocator alone (see :mod:`hookscope._shared.allocator`).
 
     Op sites: a selector ``"h.0.attn:op[softmax#0]"`` keeps what a torch op called by the
     module's own code returns (``"h.*.attn:op[softmax]"``: every index, ``"layer1.0:op[add*]"``:
