@@ -5,6 +5,8 @@ torch headers), and optional: where it cannot be built the install goes on and s
 by torch reductions instead (``hookscope._shared.fused.available()`` says which).
 """
 
+import sys
+
 from setuptools import Extension, setup
 
 setup(
@@ -14,6 +16,7 @@ setup(
             sources=["src/hookscope/_shared/fused_stats.c"],
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
             extra_link_args=["-pthread"],
+            libraries=["dl"] if sys.platform.startswith("linux") else [],  # dlsym, in libc only from glibc 2.34
             optional=True,
         )
     ]

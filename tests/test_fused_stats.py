@@ -6,6 +6,8 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -96,38 +98,60 @@ def test_unread_dtypes_are_left_to_torch() -> None:
         assert fused.measure(values) is None
 
 
-def test_helper_threads_give_the_same_bits() -> None:
+def reading_with(team: int, helpers: int) -> None:
+    """Set how the kernel shares a long tensor: torch's OpenMP team of ``team`` threads, or ``helpers``
+    helper threads of its own (the next ``fused.measure`` after ``fused._helpers = -1`` resets it)."""
+    assert fused._use_team is not None
+    assert fused._set_helpers is not None
+    fused._use_team(team)
+    fused._set_helpers(helpers)
+    fused._helpers = torch.get_num_threads()  # keep this choice until reset
+
+
+@pytest.fixture
+def restore_reading() -> Iterator[None]:
+    yield
+    fused._helpers = -1  # the next measure sets the library up for torch's threads again
+
+
+@pytest.mark.usefixtures("restore_reading")
+def test_alone_with_helpers_and_with_torchs_team_give_the_same_bits() -> None:
     values = torch.randn(5 * SEGMENT + 123, generator=torch.Generator().manual_seed(3))
     results = []
-    previous = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 4, 1):
-            torch.set_num_threads(threads)  # the kernel uses torch's thread count, less the caller
-            results.append(fused.measure(values))
-    finally:
-        torch.set_num_threads(previous)
+    for team, helpers in ((0, 0), (0, 1), (0, 3), (2, 0), (0, 0)):
+        reading_with(team, helpers)
+        results.append(fused.measure(values))
     assert results[0] is not None
     assert all(result == results[0] for result in results)
+
+
+@pytest.mark.usefixtures("restore_reading")
+@pytest.mark.parametrize(("team", "helpers"), [(0, 2), (2, 0)])
+def test_python_threads_reading_at_once(team: int, helpers: int) -> None:
+    reading_with(team, helpers)
+    tensors = [torch.randn(3 * SEGMENT + i, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    expected = [fused.measure(t) for t in tensors]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(fused.measure, tensors)) == expected
 
 
 def _child_measures(values: torch.Tensor, queue: multiprocessing.Queue[object]) -> None:
     queue.put(fused.measure(values))
 
 
-def test_a_forked_child_measures_without_the_parents_helpers() -> None:
+@pytest.mark.usefixtures("restore_reading")
+@pytest.mark.parametrize(("team", "helpers"), [(0, 1), (2, 0)])
+def test_a_forked_child_measures_without_the_parents_threads(team: int, helpers: int) -> None:
     values = torch.randn(4 * SEGMENT, generator=torch.Generator().manual_seed(4))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        expected = fused.measure(values)  # the helper thread is running now
-        context = multiprocessing.get_context("fork")
-        queue: multiprocessing.Queue[object] = context.Queue()
-        child = context.Process(target=_child_measures, args=(values, queue))
-        child.start()
-        got = queue.get(timeout=60)
-        child.join(timeout=60)
-    finally:
-        torch.set_num_threads(previous)
+    reading_with(team, helpers)
+    expected = fused.measure(values)  # the helper thread, or torch's team, is running now
+    context = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[object] = context.Queue()
+    child = context.Process(target=_child_measures, args=(values, queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
     assert child.exitcode == 0
     assert got == expected
 
@@ -160,3 +184,51 @@ def test_use_fused_switches_paths_that_agree() -> None:
         # float32 lanes widened every 256 values: closer to float64 than torch's float32 sums
         assert getattr(with_kernel, field) == pytest.approx(value, rel=1e-8, abs=1e-8)
         assert getattr(with_torch, field) == pytest.approx(value, rel=1e-5, abs=1e-8)
+
+
+def test_values_that_are_not_plain_memory_are_left_to_torch() -> None:
+    negated = torch.tensor([1 + 2j, 3 - 4j]).conj().imag  # a lazily negated view: -2.0, 4.0
+    assert negated.is_neg()
+    assert fused.measure(negated) is None
+    stats = read_stats([raw_stats(negated)])[0]
+    assert (stats.min, stats.max, stats.mean) == (-2.0, 4.0, 1.0)
+    zeros = torch._efficientzerotensor(1000)  # no memory behind it
+    assert fused.measure(zeros) is None
+    assert read_stats([raw_stats(zeros)])[0].zero_frac == 1.0
+
+
+def test_a_tensor_subclass_is_left_to_torch() -> None:
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    pair = two_tensor.TwoTensor(torch.arange(4.0), torch.arange(4.0) * 2)
+    assert fused.measure(pair) is None
+    assert read_stats([raw_stats(pair)])[0].max == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [255, 256, 300_000])
+def test_tiny_values_keep_their_spread(count: int, dtype: torch.dtype) -> None:
+    # vanishing gradients: squares of values below ~1e-19 underflow float32
+    values = (torch.randn(count, generator=torch.Generator().manual_seed(count)) * 1e-25).to(dtype)
+    assert_part_matches(values, rel=1e-5)
+    previous = fused.use_fused(False)
+    try:
+        chunked = read_stats([raw_stats(values)])[0]
+    finally:
+        fused.use_fused(previous)
+    assert chunked.std == pytest.approx(values.double().std().item(), rel=1e-5)
+
+
+@pytest.mark.usefixtures("restore_reading")
+@pytest.mark.parametrize(("team", "helpers"), [(2, 0), (0, 1)])
+def test_flushed_subnormals_read_the_same_by_every_thread(team: int, helpers: int) -> None:
+    values = torch.full((8 * SEGMENT,), 1e-40)  # subnormal
+    reading_with(0, 0)
+    try:
+        torch.set_flush_denormal(True)
+        alone = fused.measure(values)
+        reading_with(team, helpers)
+        shared = [fused.measure(values) for _ in range(5)]
+    finally:
+        torch.set_flush_denormal(False)
+    assert alone is not None
+    assert all(part == alone for part in shared)

@@ -357,3 +357,21 @@ def test_the_compiled_device_path_agrees_with_op_by_op(monkeypatch: pytest.Monke
     assert math.isnan(chosen.mean)
     with torch.inference_mode():
         assert read_stats([raw_stats(torch.ones(300), branching=False)])[0].mean == 1.0
+    # every dtype, one value, ids and masks, grad on and off, other fields: no recompile limit is
+    # reached, so compiling stays on (one graph per floating dtype; the rest goes op by op)
+    for _ in range(2):
+        for values in (
+            torch.randn(10, dtype=torch.float16, requires_grad=True),
+            torch.tensor([2.5]),
+            torch.tensor([True, False]),
+            torch.randint(0, 9, (4, 4)),
+            torch.randn(99).to(torch.bfloat16),
+            torch.randn(7, dtype=torch.float64),
+        ):
+            for fields in (None, frozenset({"min"}), frozenset({"std", "zeros"})):
+                got = read_stats([raw_stats(values, branching=False, fields=fields)])[0]
+                exact = values.detach().double()
+                assert got.count == values.numel()
+                if fields is None or "min" in fields:
+                    assert got.min == pytest.approx(exact.min().item())
+    assert stats_module._compile_failed is None

@@ -96,11 +96,20 @@ def test_statistics_not_chosen_are_not_computed() -> None:
     assert not {"aten::abs", "aten::sign"} & chunked
 
 
+@pytest.mark.parametrize("strategy", ["chunked", "device"])  # the kernel does not read integers
+def test_integer_extremes_not_chosen_read_nan(strategy: str) -> None:
+    stats = measured(torch.arange(10), strategy, frozenset({"min"}))
+    assert stats.min == 0
+    assert math.isnan(stats.max)
+
+
 def test_an_unknown_statistic_is_refused_with_the_choices() -> None:
     with pytest.raises(SpecError, match="'median', not a statistic; expected some of min, max"):
         hs.TraceOptions(stats=["min", "median"])
-    with pytest.raises(SpecError, match="expected True"):
+    with pytest.raises(SpecError, match="chose no statistic"):
         hs.TraceOptions(stats=[])
+    with pytest.raises(SpecError, match="expected True"):
+        hs.TraceOptions(stats=3)  # type: ignore[arg-type]
     with pytest.raises(SpecError, match="unknown statistics"):
         raw_stats(torch.ones(3), fields=frozenset({"mode"}))
 

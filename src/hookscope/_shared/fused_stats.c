@@ -21,15 +21,21 @@
  * in the cache. Plain C with GCC/Clang vector extensions, loaded with ctypes: no Python or torch
  * headers, so it builds in a second wherever a C compiler is, and the package works without it.
  */
+#define _GNU_SOURCE /* RTLD_DEFAULT */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h> /* _mm_getcsr, _mm_setcsr */
+#endif
 
-#define LANES 8
-#define SUB 256         /* values per float32 partial sum: a multiple of LANES */
+#define LANES 16 /* one AVX-512 register of float32, two AVX2 ones, four SSE ones */
+#define SUB 512  /* values per float32 partial sum: a multiple of LANES */
 #define SEGMENT 262144 /* values read forward at a time (1 MiB of float32), segments last first */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -91,7 +97,7 @@ static void one(totals *t, double x, double shift) {
  * stays within 3e-7 of the float64 one, at the cost of a few conversions per SUB values. */
 #define FLOAT_BLOCK(LOAD)                                                                     \
     vf low = splat(__builtin_inff()), high = splat(-__builtin_inff());                        \
-    vd wide_sum[2] = {{0}}, wide_squares[2] = {{0}}, wide_magnitude[2] = {{0}};               \
+    vd wide_sum[LANES / 4] = {{0}}, wide_squares[LANES / 4] = {{0}}, wide_magnitude[LANES / 4] = {{0}};\
     vi zeros = {0};                                                                           \
     const vf centre = splat(shift);                                                           \
     const vi no_sign = (vi)splat(0.0f) | 0x7fffffff;                                          \
@@ -121,10 +127,13 @@ static void one(totals *t, double x, double shift) {
         t->magnitude += wide_magnitude[j / 4][j % 4];                                         \
     }
 
-/* Add eight float32 lanes into two vectors of four float64 ones. */
+/* Add the float32 lanes into LANES / 4 vectors of four float64 ones (element by element: GCC before
+ * 12 has no __builtin_shufflevector; this runs once per SUB values). */
 INLINE void widen(vd *into, vf lanes) {
-    into[0] += __builtin_convertvector(__builtin_shufflevector(lanes, lanes, 0, 1, 2, 3), vd);
-    into[1] += __builtin_convertvector(__builtin_shufflevector(lanes, lanes, 4, 5, 6, 7), vd);
+    for (int k = 0; k < LANES / 4; k++) {
+        vd part = {lanes[4 * k], lanes[4 * k + 1], lanes[4 * k + 2], lanes[4 * k + 3]};
+        into[k] += part;
+    }
 }
 
 INLINE vf load_f32(const float *x) {
@@ -219,19 +228,34 @@ typedef struct {
     totals *parts;
     atomic_size_t next;     /* the next segment to claim */
     atomic_size_t finished; /* segments whose totals are written */
+    int inside;             /* under lock: helpers holding this job */
+    unsigned int csr;       /* the caller's floating-point control state (flush to zero), for every reader */
 } job;
+
+/* The calling thread's flush-to-zero and denormals-are-zero bits (torch.set_flush_denormal), so
+ * that a helper or team thread reads subnormal values as the caller would: same bits either way. */
+#if defined(__x86_64__) || defined(__i386__)
+static unsigned int control_state(void) { return _mm_getcsr(); }
+static void set_control_state(unsigned int csr) { _mm_setcsr(csr); }
+#else
+static unsigned int control_state(void) { return 0; }
+static void set_control_state(unsigned int csr) { (void)csr; }
+#endif
 
 /* Segment k (claimed k-th) is the k-th from the end: the end of a fresh tensor is still cached. */
 static void run_segments(job *work) {
+    unsigned int own = control_state();
+    if (own != work->csr) set_control_state(work->csr);
     for (;;) {
         size_t k = atomic_fetch_add(&work->next, 1);
-        if (k >= work->segments) return;
+        if (k >= work->segments) break;
         size_t first = (work->segments - 1 - k) * SEGMENT;
         size_t count = work->count - first < SEGMENT ? work->count - first : SEGMENT;
         start(&work->parts[k]);
         work->fn(&work->parts[k], work->base + first * work->item, count, work->shift);
         atomic_fetch_add_explicit(&work->finished, 1, memory_order_release);
     }
+    if (own != work->csr) set_control_state(own);
 }
 
 #define MAX_HELPERS 15
@@ -240,7 +264,6 @@ static pthread_cond_t posted = PTHREAD_COND_INITIALIZER; /* a job, or a stop, fo
 static pthread_cond_t left = PTHREAD_COND_INITIALIZER;   /* a helper let go of the job */
 static job *current;            /* under lock */
 static unsigned long round_no;  /* under lock: bumped per job, so a helper joins each job once */
-static int inside;              /* under lock: helpers holding ``current`` */
 static int wanted_helpers, running_helpers, stopping;
 
 static void *helper(void *unused) {
@@ -252,11 +275,11 @@ static void *helper(void *unused) {
         if (stopping) break;
         seen = round_no;
         job *work = current;
-        inside++;
+        work->inside++;
         pthread_mutex_unlock(&lock);
         run_segments(work);
         pthread_mutex_lock(&lock);
-        inside--;
+        work->inside--;
         pthread_cond_broadcast(&left);
     }
     running_helpers--;
@@ -271,7 +294,7 @@ static void forget_helpers(void) {
     pthread_cond_init(&posted, NULL);
     pthread_cond_init(&left, NULL);
     current = NULL;
-    inside = running_helpers = stopping = 0;
+    running_helpers = stopping = 0;
 }
 
 static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
@@ -311,11 +334,29 @@ static void start_helpers(void) { /* under lock */
     }
 }
 
+/* torch's own OpenMP team, where torch runs on GNU OpenMP (its libgomp is loaded globally): the
+ * team's threads are the ones spinning after the op that made the tensor, so they take segments at
+ * once, where a helper thread of ours would first have to win a core from them. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel;
+static int team_threads; /* 0: no team */
+static pid_t team_pid;   /* a forked child has no team of its parent's: it reads alone */
+
+static void team_body(void *work) { run_segments((job *)work); }
+
+/* Read long tensors with torch's OpenMP team of ``threads`` (0: not); returns 1 when there is one. */
+int hookscope_use_team(int threads) {
+    if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    team_threads = gomp_parallel != NULL && threads > 1 ? threads : 0;
+    team_pid = getpid();
+    return team_threads > 0;
+}
+
 static void measure(segment_fn fn, const void *values, size_t item, size_t count, double shift, double *out) {
     size_t segments = (count + SEGMENT - 1) / SEGMENT;
     totals few[64];
     totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
-    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0};
+    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0, 0, control_state()};
     int shared = 0;
     if (parts == NULL) { /* out of memory for the list: read it in one go, alone */
         work.segments = 1;
@@ -323,6 +364,8 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
         fn(&few[0], values, count, shift);
         work.finished = 1;
         work.next = 1;
+    } else if (segments > 1 && team_threads > 0 && getpid() == team_pid) {
+        gomp_parallel(team_body, &work, (unsigned)team_threads, 0); /* the caller is one of the team */
     } else if (segments > 1 && wanted_helpers > 0) {
         pthread_mutex_lock(&lock);
         start_helpers();
@@ -338,7 +381,7 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
     if (shared) {
         pthread_mutex_lock(&lock);
         current = NULL; /* no helper takes it up from now on */
-        while (inside > 0) pthread_cond_wait(&left, &lock);
+        while (work.inside > 0) pthread_cond_wait(&left, &lock);
         pthread_mutex_unlock(&lock);
     }
     while (atomic_load_explicit(&work.finished, memory_order_acquire) < work.segments) {

@@ -92,6 +92,8 @@ STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "n
 _MIN, _MAX, _MEAN, _SPREAD, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
 # float64 values beyond this are summed scaled down by a power of two: their squares would overflow
 _SCALE_ABOVE = 2.0**500
+# float32 values below this are summed scaled up by a power of two: their squares would underflow
+_SCALE_BELOW = 2.0**-50
 # Variance from sum and sum of squares loses digits when E[x^2] dwarfs Var[x]; beyond this ratio
 # the values are summed again around their mean (CPU), which costs one more pass, rarely.
 _CANCELLATION_RATIO = 16.0
@@ -293,8 +295,8 @@ def finalize(
     return [
         Stats(
             count=int(counts[i]),
-            min=exact[i][0] if i in exact else float(table[i, _MIN]),
-            max=exact[i][1] if i in exact else float(table[i, _MAX]),
+            min=exact[i][0] if i in exact and not math.isnan(table[i, _MIN]) else float(table[i, _MIN]),
+            max=exact[i][1] if i in exact and not math.isnan(table[i, _MAX]) else float(table[i, _MAX]),
             mean=float(table[i, _MEAN]),
             std=float(std[i]),
             abs_mean=float(table[i, _ABS]),
@@ -477,7 +479,9 @@ def _chunk_stats(
     n = values.numel()
     scale = 1.0
     largest = max(-low, high)
-    if values.dtype == torch.float64 and largest > _SCALE_ABOVE:
+    huge = values.dtype == torch.float64 and largest > _SCALE_ABOVE
+    tiny = values.dtype == torch.float32 and 0.0 < largest < _SCALE_BELOW and low != high
+    if huge or tiny:
         scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
         original, values = values, values / scale
         mean, m2, abs_sum, _ = _moments(values, low / scale, high / scale, scratch, wanted)
@@ -553,22 +557,31 @@ def _unconditional_of(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
 #: Devices whose statistics run as one compiled kernel per tensor (Triton on CUDA); elsewhere,
 #: and while the model itself is being compiled, the same function runs op by op.
 COMPILED_DEVICES = {"cuda"}
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _compiled: Any = None  # the compiled _unconditional_of, made on first use
 _compile_failed: str | None = None  # why compiling failed, once: from then on op by op
+_blanks: dict[tuple[torch.device, _Wanted], torch.Tensor] = {}  # 1 or NaN per raw field, on the device
 
 
 def _device_path(source: torch.Tensor) -> Any:
-    """``_unconditional_of``, compiled for the devices of :data:`COMPILED_DEVICES`.
+    """``_unconditional_of``, compiled for floating tensors on the devices of :data:`COMPILED_DEVICES`.
 
     ``torch.compile`` fuses the upcast and every reduction into one kernel that reads the
     tensor once (instead of about twelve kernels, each a pass); ``dynamic=True`` makes one
     compiled version serve every size, and inductor's cache keeps it across processes. Nothing
-    in it reads a value back, so the forward stays free of host syncs.
+    in it reads a value back, so the forward stays free of host syncs. It always computes every
+    field (one read either way) and under ``no_grad``, so that one graph per dtype serves every
+    call; a single value, integers and booleans (token ids, masks) go op by op.
     """
-    global _compiled, _compile_failed
-    if source.device.type not in COMPILED_DEVICES or _compile_failed is not None or is_compiling():
-        return _unconditional_of
-    if os.environ.get("HOOKSCOPE_COMPILED_STATS", "1") == "0":
+    global _compiled
+    if (
+        source.device.type not in COMPILED_DEVICES
+        or source.dtype not in _COMPILED_DTYPES
+        or source.numel() < 2
+        or _compile_failed is not None
+        or is_compiling()
+        or os.environ.get("HOOKSCOPE_COMPILED_STATS", "1") == "0"
+    ):
         return _unconditional_of
     if _compiled is None:
         _compiled = torch.compile(_unconditional_of, dynamic=True, fullgraph=True)
@@ -576,12 +589,19 @@ def _device_path(source: torch.Tensor) -> Any:
 
 
 def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
-    """The compiled statistics; where compiling fails (no Triton, no compiler), the same op by op,
-    from then on, with one warning that says why."""
+    """The compiled statistics, the fields not ``wanted`` blanked on the device.
+
+    Where the compiler stack fails (no Triton, no C compiler), the same ops run one by one from
+    then on, with one warning that says why; past dynamo's recompile limit, this call alone does.
+    Errors of the values or the device (out of memory, an asynchronous CUDA error) are raised.
+    """
     global _compile_failed
     try:
-        return _compiled(source, wanted)  # type: ignore[no-any-return]
-    except Exception as error:  # any failure of the compiler stack: the eager path is exact too
+        with torch.no_grad():
+            vector: torch.Tensor = _compiled(source, _ALL)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        return _unconditional_of(source, wanted)
+    except (torch._dynamo.exc.TorchDynamoException, ImportError) as error:
         _compile_failed = f"{type(error).__name__}: {error}"
         warnings.warn(
             f"hookscope: statistics on {source.device.type} could not be compiled ({_compile_failed}); "
@@ -590,6 +610,20 @@ def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
             stacklevel=2,
         )
         return _unconditional_of(source, wanted)
+    return vector if wanted is _ALL else vector * _blank(vector, wanted)
+
+
+def _blank(vector: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
+    """1 for the fields ``wanted``, NaN for the others: made on the device (no copy from the host)
+    once per device and choice."""
+    key = (vector.device, wanted)
+    if key not in _blanks:
+        mask = torch.ones(len(RAW_FIELDS), dtype=vector.dtype, device=vector.device)
+        for index, keep in enumerate(wanted.kept):
+            if not keep:
+                mask[index] = math.nan  # a fill on the device
+        _blanks[key] = mask
+    return _blanks[key]
 
 
 def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor:
