@@ -232,3 +232,20 @@ def test_flushed_subnormals_read_the_same_by_every_thread(team: int, helpers: in
         torch.set_flush_denormal(False)
     assert alone is not None
     assert all(part == alone for part in shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 17, SEGMENT + 5, 3 * SEGMENT - 1])
+def test_all_finite_reads_the_exponent_bits(where: int, bad: float | None, dtype: torch.dtype) -> None:
+    values = torch.randn(3 * SEGMENT, generator=torch.Generator().manual_seed(6)).to(dtype) * 1e30
+    values[7] = torch.finfo(dtype).max  # finite, however large; their sum would overflow
+    if bad is not None:
+        values[where] = bad
+    assert fused.all_finite(values) is (bad is None)
+    assert fused.all_finite(values[where:]) is (bad is None)  # an offset view, and a short tail
+
+
+def test_all_finite_leaves_other_tensors_to_torch() -> None:
+    assert fused.all_finite(torch.ones(4, dtype=torch.float16)) is None
+    assert fused.all_finite(torch.tensor([1 + 2j]).conj().imag) is None

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedPart", "available", "enabled", "measure", "use_fused"]
+__all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fused"]
 
 _FLOAT64_SCALE_ABOVE = 2.0**500  # squares of larger values overflow: the torch path scales them
 # Squares of float32 values below this lose digits to underflow (vanishing gradients): such
@@ -74,11 +74,25 @@ def _load() -> ctypes.CDLL | None:
     return None
 
 
-_LIBRARY = _load()
-_KERNELS = {dtype: _Kernel((name, _LIBRARY)) for dtype, name in _ENTRY_POINTS.items()} if _LIBRARY else {}
-_IntCall = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
-_set_helpers = _IntCall(("hookscope_set_helpers", _LIBRARY)) if _LIBRARY else None
-_use_team = _IntCall(("hookscope_use_team", _LIBRARY)) if _LIBRARY else None
+def _entry_points(
+    library: ctypes.CDLL | None,
+) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any, Any]:
+    """The library's functions: statistics and finiteness by dtype, the helper and team settings.
+    All empty where it is missing, or built from another version of the source (a symbol missing)."""
+    if library is None:
+        return {}, {}, None, None
+    int_call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+    try:
+        stats = {dtype: _Kernel((name, library)) for dtype, name in _ENTRY_POINTS.items()}
+        finite = {
+            dtype: _Kernel((name.replace("_stats_", "_finite_"), library)) for dtype, name in _ENTRY_POINTS.items()
+        }
+        return stats, finite, int_call(("hookscope_set_helpers", library)), int_call(("hookscope_use_team", library))
+    except AttributeError:  # a stale build: rebuild with `pip install -e .` (or any make target)
+        return {}, {}, None, None
+
+
+_KERNELS, _FINITE, _set_helpers, _use_team = _entry_points(_load())
 _use = bool(_KERNELS)
 _helpers = -1  # the thread count the library was set up for; -1: not yet
 
@@ -126,13 +140,10 @@ def measure(values: torch.Tensor) -> FusedPart | None:
     is NaN or infinite (they are counted exactly elsewhere) or a sum overflowed (float32 values
     past ~1e19).
     """
-    kernel = _KERNELS.get(values.dtype) if _use else None
-    if kernel is None or values.device.type != "cpu" or values.numel() == 0 or not _plain(values):
+    readable = _readable(_KERNELS, values)
+    if readable is None:
         return None
-    _match_torch_threads()
-    flat = values.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    kernel, flat = readable
     part = _read(kernel, flat)
     tiny = 0.0 < max(-part.low, part.high) < _SCALE_BELOW if part is not None else False
     if part is None or not tiny or part.low == part.high or flat.dtype == torch.float64:
@@ -151,6 +162,32 @@ def measure(values: torch.Tensor) -> FusedPart | None:
     )
 
 
+def all_finite(values: torch.Tensor) -> bool | None:
+    """Whether every value of a CPU tensor is finite, from its exponent bits alone (no sum that
+    could overflow); None when the kernel cannot say (see :func:`measure`).
+
+    >>> all_finite(torch.tensor([1.0, float("inf")])) if available() else False
+    False
+    """
+    readable = _readable(_FINITE, values)
+    if readable is None:
+        return None
+    kernel, flat = readable
+    out = (ctypes.c_double * 8)()
+    kernel(flat.data_ptr(), flat.numel(), 0.0, ctypes.addressof(out))
+    return out[7] == 0.0
+
+
+def _readable(kernels: dict[torch.dtype, Any], values: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
+    """The kernel for ``values`` and their flat, contiguous memory; None when the kernel cannot read them."""
+    kernel = kernels.get(values.dtype) if _use else None
+    if kernel is None or values.device.type != "cpu" or values.numel() == 0 or not _plain(values):
+        return None
+    _match_torch_threads()
+    flat = values.reshape(-1)
+    return kernel, flat if flat.is_contiguous() else flat.contiguous()
+
+
 def _plain(values: torch.Tensor) -> bool:
     """True when ``values`` are plain memory the kernel may read through ``data_ptr()``."""
     return (
@@ -164,9 +201,9 @@ def _plain(values: torch.Tensor) -> bool:
 def _read(kernel: Any, flat: torch.Tensor) -> FusedPart | None:
     """One pass of ``kernel`` over a flat, contiguous tensor (again around the mean when needed)."""
     n = flat.numel()
-    out = (ctypes.c_double * 7)()
+    out = (ctypes.c_double * 8)()  # what the kernel writes; [7] is the finiteness check's
     kernel(flat.data_ptr(), n, math.nan, ctypes.addressof(out))
-    low, high, centred, squares, magnitude, zeros, shift = out
+    low, high, centred, squares, magnitude, zeros, shift, _ = out
     if not all(map(math.isfinite, (low, high, centred, squares, magnitude))):
         return None
     if flat.dtype == torch.float64 and max(-low, high) > _FLOAT64_SCALE_ABOVE:
@@ -175,7 +212,7 @@ def _read(kernel: Any, flat: torch.Tensor) -> FusedPart | None:
     if squares > _CANCELLATION_RATIO * max(m2, 0.0):
         # the shift lay far from the mean next to the spread: sum again around the mean
         kernel(flat.data_ptr(), n, shift + centred / n, ctypes.addressof(out))
-        _, _, centred, squares, _, _, shift = out
+        _, _, centred, squares, _, _, shift, _ = out
         if not (math.isfinite(centred) and math.isfinite(squares)):
             return None
         m2 = squares - centred * centred / n

@@ -8,6 +8,9 @@
  *     out[0] min    out[1] max    out[2] sum(x - shift)    out[3] sum((x - shift)^2)
  *     out[4] sum|x| out[5] number of zeros   out[6] the shift used
  *
+ * (hookscope_finite_* read only whether any value is NaN or infinite, into out[7]: what
+ * hs.detect_nonfinite asks of every output, at a fraction of the work.)
+ *
  * A NaN ``shift`` asks for the first value as the shift: any value of the tensor keeps the sums of
  * squares small next to the spread when the mean dwarfs it (values around 300 in float16), and the
  * caller need not read one out first.
@@ -63,12 +66,13 @@ INLINE vf splat(float value) {
 
 typedef struct {
     double low, high, sum, squares, magnitude, zeros;
+    double nonfinite; /* the finiteness check's only result: 1 when a NaN or Inf was seen */
 } totals;
 
 static void start(totals *t) {
     t->low = __builtin_inf();
     t->high = -__builtin_inf();
-    t->sum = t->squares = t->magnitude = t->zeros = 0.0;
+    t->sum = t->squares = t->magnitude = t->zeros = t->nonfinite = 0.0;
 }
 
 static void finish(const totals *t, double shift, double *out) {
@@ -79,6 +83,7 @@ static void finish(const totals *t, double shift, double *out) {
     out[4] = t->magnitude;
     out[5] = t->zeros;
     out[6] = shift;
+    out[7] = t->nonfinite;
 }
 
 /* One value, the scalar way: the tail of a block that is not a multiple of LANES. */
@@ -196,6 +201,67 @@ CLONES static void block_f64(totals *t, const double *x, size_t count, double sh
         t->zeros += (double)zeros[j];
     }
     for (size_t i = whole; i < count; i++) one(t, x[i], shift);
+}
+
+/* -- finiteness alone ----------------------------------------------------------------------------
+ * A value is NaN or infinite exactly when its exponent bits are all ones: an AND, a compare and an
+ * OR per lane, with no float arithmetic (so no sum to overflow, and no FP exceptions). */
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef uint64_t vu64 __attribute__((vector_size(64)));
+
+/* ``seen`` lanes (of type VEC, WIDTH of them) OR the values whose EXPONENT bits are all ones; LOAD(i)
+ * gives the lanes at value i, SCALAR(i) one value's bits for the tail. */
+#define FINITE_CHECK(VEC, WIDTH, EXPONENT, LOAD, SCALAR)                                      \
+    VEC seen = {0};                                                                           \
+    const VEC exponent = (VEC){0} | (EXPONENT);                                               \
+    size_t whole = count - count % (WIDTH);                                                   \
+    for (size_t i = 0; i < whole; i += (WIDTH)) {                                            \
+        VEC v = LOAD(i);                                                                      \
+        seen |= (VEC)((v & exponent) == exponent);                                            \
+    }                                                                                         \
+    int found = 0;                                                                            \
+    for (int j = 0; j < (WIDTH); j++) found |= seen[j] != 0;                                  \
+    for (size_t i = whole; i < count; i++) found |= (SCALAR(i) & (EXPONENT)) == (EXPONENT);   \
+    t->nonfinite = found;
+
+INLINE vu32 load_u32(const uint32_t *x) {
+    vu32 v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+INLINE vu32 load_bf16_bits(const uint16_t *x) {
+    vh h;
+    memcpy(&h, x, sizeof h);
+    return (vu32)__builtin_convertvector(h, vu);
+}
+
+INLINE vu64 load_u64(const uint64_t *x) {
+    vu64 v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+CLONES static void finite_f32(totals *t, const void *p, size_t count, double unused) {
+    (void)unused;
+    const uint32_t *x = (const uint32_t *)p;
+#define LOAD_U32(i) load_u32(x + (i))
+#define BITS(i) x[i]
+    FINITE_CHECK(vu32, 16, 0x7f800000u, LOAD_U32, BITS)
+}
+
+CLONES static void finite_bf16(totals *t, const void *p, size_t count, double unused) {
+    (void)unused;
+    const uint16_t *x = (const uint16_t *)p;
+#define LOAD_BF16_BITS(i) load_bf16_bits(x + (i))
+    FINITE_CHECK(vu32, 16, 0x7f80u, LOAD_BF16_BITS, BITS)
+}
+
+CLONES static void finite_f64(totals *t, const void *p, size_t count, double unused) {
+    (void)unused;
+    const uint64_t *x = (const uint64_t *)p;
+#define LOAD_U64(i) load_u64(x + (i))
+    FINITE_CHECK(vu64, 8, 0x7ff0000000000000u, LOAD_U64, BITS)
 }
 
 /* -- segments and helper threads ---------------------------------------------------------------
@@ -396,6 +462,7 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
         t.squares += part->squares;
         t.magnitude += part->magnitude;
         t.zeros += part->zeros;
+        t.nonfinite = part->nonfinite > t.nonfinite ? part->nonfinite : t.nonfinite;
     }
     if (parts != few) free(parts);
     finish(&t, shift, out);
@@ -408,7 +475,7 @@ static float bf16_value(const void *values) {
     return value;
 }
 
-/* The entry points: ``values`` holds ``count`` > 0 contiguous values; ``out`` seven doubles. A NaN
+/* The entry points: ``values`` holds ``count`` > 0 contiguous values; ``out`` eight doubles. A NaN
  * ``wanted`` shift asks for the first value. */
 void hookscope_stats_f32(const void *values, int64_t count, double wanted, double *out) {
     float shift = wanted == wanted ? (float)wanted : *(const float *)values;
@@ -423,4 +490,20 @@ void hookscope_stats_bf16(const void *values, int64_t count, double wanted, doub
 void hookscope_stats_f64(const void *values, int64_t count, double wanted, double *out) {
     double shift = wanted == wanted ? wanted : *(const double *)values;
     measure(segment_f64, values, sizeof(double), (size_t)count, shift, out);
+}
+
+/* Whether any of ``count`` > 0 contiguous values is NaN or infinite: out[7] is 1 or 0 (out eight doubles). */
+void hookscope_finite_f32(const void *values, int64_t count, double unused, double *out) {
+    (void)unused;
+    measure(finite_f32, values, sizeof(float), (size_t)count, 0.0, out);
+}
+
+void hookscope_finite_bf16(const void *values, int64_t count, double unused, double *out) {
+    (void)unused;
+    measure(finite_bf16, values, sizeof(uint16_t), (size_t)count, 0.0, out);
+}
+
+void hookscope_finite_f64(const void *values, int64_t count, double unused, double *out) {
+    (void)unused;
+    measure(finite_f64, values, sizeof(double), (size_t)count, 0.0, out);
 }
