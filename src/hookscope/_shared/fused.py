@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from hookscope._core.compat.compiled import is_compiling
+
 __all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fused"]
 
 _FLOAT64_SCALE_ABOVE = 2.0**500  # squares of larger values overflow: the torch path scales them
@@ -179,9 +181,10 @@ def all_finite(values: torch.Tensor) -> bool | None:
 
 
 def _readable(kernels: dict[torch.dtype, Any], values: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
-    """The kernel for ``values`` and their flat, contiguous memory; None when the kernel cannot read them."""
+    """The kernel for ``values`` and their flat, contiguous memory; None when the kernel cannot read them
+    (also while torch.compile traces: it cannot trace a ctypes call, and the ops it traces are fused anyway)."""
     kernel = kernels.get(values.dtype) if _use else None
-    if kernel is None or values.device.type != "cpu" or values.numel() == 0 or not _plain(values):
+    if kernel is None or values.device.type != "cpu" or values.numel() == 0 or is_compiling() or not _plain(values):
         return None
     _match_torch_threads()
     flat = values.reshape(-1)
