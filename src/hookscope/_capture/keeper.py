@@ -132,10 +132,9 @@ class Keeper:
             allocator.keep_freed_memory(self._host_bytes())
 
     def _host_bytes(self) -> int:
-        """The bytes held by this keeper (every kept pass's) when this pass kept host values, else 0:
-        only host memory comes from the C allocator that :mod:`hookscope._shared.allocator` tunes."""
-        on_host = any(value.device.type == "cpu" for _, value in self.cache._items())
-        return self._bytes if on_host else 0
+        """The bytes of the values this keeper holds on the host: only host memory comes from the C
+        allocator that :mod:`hookscope._shared.allocator` tunes (a GPU model's values do not)."""
+        return sum(tensor_bytes(value) for _, value in self.cache._items() if value.device.type == "cpu")
 
     def _count_overflows(self) -> None:
         """Read the pass's overflow counts at once (one wait for the device, only when a

@@ -60,7 +60,6 @@ Values larger than 32 MiB each still come from ``mmap`` and are faulted in fresh
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import threading
@@ -105,9 +104,8 @@ _STATE = _State()
 @functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or None where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
+    try:  # the C library the process runs on (find_library would start a subprocess)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # glibc only: its settings' numbers are glibc's

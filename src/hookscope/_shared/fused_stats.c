@@ -404,18 +404,21 @@ static void start_helpers(void) { /* under lock */
  * team's threads are the ones spinning after the op that made the tensor, so they take segments at
  * once, where a helper thread of ours would first have to win a core from them. */
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_fn gomp_parallel;
-static int team_threads; /* 0: no team */
-static pid_t team_pid;   /* a forked child has no team of its parent's: it reads alone */
+static gomp_parallel_fn gomp_parallel; /* found once, before team_threads first says there is a team */
+static _Atomic int team_threads;       /* 0: no team */
+static _Atomic pid_t team_pid;         /* a forked child has no team of its parent's: it reads alone */
 
 static void team_body(void *work) { run_segments((job *)work); }
 
 /* Read long tensors with torch's OpenMP team of ``threads`` (0: not); returns 1 when there is one. */
 int hookscope_use_team(int threads) {
+    pthread_mutex_lock(&lock);
     if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
-    team_threads = gomp_parallel != NULL && threads > 1 ? threads : 0;
+    int team = gomp_parallel != NULL && threads > 1 ? threads : 0;
     team_pid = getpid();
-    return team_threads > 0;
+    team_threads = team;
+    pthread_mutex_unlock(&lock);
+    return team > 0;
 }
 
 static void measure(segment_fn fn, const void *values, size_t item, size_t count, double shift, double *out) {
@@ -423,15 +426,15 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
     totals few[64];
     totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
     job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0, 0, control_state()};
-    int shared = 0;
+    int shared = 0, team;
     if (parts == NULL) { /* out of memory for the list: read it in one go, alone */
         work.segments = 1;
         start(&few[0]);
         fn(&few[0], values, count, shift);
         work.finished = 1;
         work.next = 1;
-    } else if (segments > 1 && team_threads > 0 && getpid() == team_pid) {
-        gomp_parallel(team_body, &work, (unsigned)team_threads, 0); /* the caller is one of the team */
+    } else if (segments > 1 && (team = team_threads) > 0 && getpid() == team_pid) {
+        gomp_parallel(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
     } else if (segments > 1 && wanted_helpers > 0) {
         pthread_mutex_lock(&lock);
         start_helpers();
