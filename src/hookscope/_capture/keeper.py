@@ -128,7 +128,7 @@ class Keeper:
             self._watched.clear()
         self.wait_for_copies()
         self._count_overflows()
-        if self._bytes >= allocator.MIN_BYTES:
+        if allocator.would_change(self._bytes):  # host bytes are at most these: else no scan
             allocator.keep_freed_memory(self._host_bytes())
 
     def _host_bytes(self) -> int:

@@ -68,7 +68,7 @@ from typing import Any
 
 from hookscope.errors import SpecError
 
-__all__ = ["ENV", "MIN_BYTES", "allocator_state", "check_setting", "keep_freed_memory"]
+__all__ = ["ENV", "MIN_BYTES", "allocator_state", "check_setting", "keep_freed_memory", "would_change"]
 
 #: The opt-out: ``HOOKSCOPE_MALLOC=default`` leaves glibc's malloc settings alone.
 ENV = "HOOKSCOPE_MALLOC"
@@ -157,6 +157,13 @@ def _skip_reason() -> str | None:
     return None
 
 
+def would_change(nbytes: int) -> bool:
+    """Whether holding ``nbytes`` could still change a setting: False once it is settled for that
+    size (or for good), so a pass's end need not count its host bytes again."""
+    state = _STATE
+    return nbytes >= MIN_BYTES and state.skipped is None and state.trim_threshold < min(_INT_MAX, 2 * nbytes)
+
+
 def keep_freed_memory(nbytes: int) -> bool:
     """Let the process keep about ``2 * nbytes`` of freed heap memory resident (at most 2 GiB);
     called at the end of a capture's pass with the host bytes it holds. True when it changed
@@ -165,12 +172,10 @@ def keep_freed_memory(nbytes: int) -> bool:
     >>> keep_freed_memory(0)   # a small capture changes nothing
     False
     """
-    if nbytes < MIN_BYTES:
+    if not would_change(nbytes):
         return False
     wanted = min(_INT_MAX, 2 * nbytes)
     state = _STATE
-    if state.skipped is not None or state.trim_threshold >= wanted:
-        return False
     with state.lock:
         if state.skipped is not None or state.trim_threshold >= wanted:
             return False

@@ -35,12 +35,14 @@ from hookscope._core.compat.compiled import is_compiling
 
 __all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fused"]
 
-_FLOAT64_SCALE_ABOVE = 2.0**500  # squares of larger values overflow: the torch path scales them
-# Squares of float32 values below this lose digits to underflow (vanishing gradients): such
-# tensors are read scaled up by a power of two, which is exact, and the results scaled back.
-_SCALE_BELOW = 2.0**-50
-# A sum of squared deviations this many times the spread's lost digits: sum again around the mean.
-_CANCELLATION_RATIO = 16.0
+# Shared with the torch path (``stats``), which scales and sums again at the same points.
+#: Squares of float64 values past this overflow: they are summed scaled down by a power of two.
+SCALE_ABOVE = 2.0**500
+#: Squares of float32 values below this underflow (vanishing gradients): summed scaled up.
+SCALE_BELOW = 2.0**-50
+#: A sum of squares this many times the sum of squared deviations has lost the spread's digits:
+#: the values are summed again around their mean.
+CANCELLATION_RATIO = 16.0
 _ENTRY_POINTS = {
     torch.float32: "hookscope_stats_f32",
     torch.bfloat16: "hookscope_stats_bf16",
@@ -147,7 +149,7 @@ def measure(values: torch.Tensor) -> FusedPart | None:
         return None
     kernel, flat = readable
     part = _read(kernel, flat)
-    tiny = 0.0 < max(-part.low, part.high) < _SCALE_BELOW if part is not None else False
+    tiny = 0.0 < max(-part.low, part.high) < SCALE_BELOW if part is not None else False
     if part is None or not tiny or part.low == part.high or flat.dtype == torch.float64:
         return part
     scale = 2.0 ** -math.frexp(max(-part.low, part.high))[1]  # the largest |x| lands in [0.5, 1)
@@ -209,10 +211,10 @@ def _read(kernel: Any, flat: torch.Tensor) -> FusedPart | None:
     low, high, centred, squares, magnitude, zeros, shift, _ = out
     if not all(map(math.isfinite, (low, high, centred, squares, magnitude))):
         return None
-    if flat.dtype == torch.float64 and max(-low, high) > _FLOAT64_SCALE_ABOVE:
+    if flat.dtype == torch.float64 and max(-low, high) > SCALE_ABOVE:
         return None
     m2 = squares - centred * centred / n
-    if squares > _CANCELLATION_RATIO * max(m2, 0.0):
+    if squares > CANCELLATION_RATIO * max(m2, 0.0):
         # the shift lay far from the mean next to the spread: sum again around the mean
         kernel(flat.data_ptr(), n, shift + centred / n, ctypes.addressof(out))
         _, _, centred, squares, _, _, shift, _ = out

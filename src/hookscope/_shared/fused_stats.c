@@ -293,7 +293,6 @@ typedef struct {
     double shift;
     totals *parts;
     atomic_size_t next;     /* the next segment to claim */
-    atomic_size_t finished; /* segments whose totals are written */
     int inside;             /* under lock: helpers holding this job */
     unsigned int csr;       /* the caller's floating-point control state (flush to zero), for every reader */
 } job;
@@ -319,7 +318,6 @@ static void run_segments(job *work) {
         size_t count = work->count - first < SEGMENT ? work->count - first : SEGMENT;
         start(&work->parts[k]);
         work->fn(&work->parts[k], work->base + first * work->item, count, work->shift);
-        atomic_fetch_add_explicit(&work->finished, 1, memory_order_release);
     }
     if (own != work->csr) set_control_state(own);
 }
@@ -425,13 +423,12 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
     size_t segments = (count + SEGMENT - 1) / SEGMENT;
     totals few[64];
     totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
-    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0, 0, control_state()};
+    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0, control_state()};
     int shared = 0, team;
     if (parts == NULL) { /* out of memory for the list: read it in one go, alone */
         work.segments = 1;
         start(&few[0]);
         fn(&few[0], values, count, shift);
-        work.finished = 1;
         work.next = 1;
     } else if (segments > 1 && (team = team_threads) > 0 && getpid() == team_pid) {
         gomp_parallel(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
@@ -453,8 +450,8 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
         while (work.inside > 0) pthread_cond_wait(&left, &lock);
         pthread_mutex_unlock(&lock);
     }
-    while (atomic_load_explicit(&work.finished, memory_order_acquire) < work.segments) {
-    } /* not reached: every claimed segment is finished before its helper leaves */
+    /* Every segment is written now: the team's end is a barrier, and a helper leaves a job (under the
+     * lock) only after the segments it claimed. */
     totals t;
     start(&t);
     for (size_t k = 0; k < work.segments; k++) {

@@ -64,6 +64,7 @@ import torch
 
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._shared import fused
+from hookscope._shared.fused import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
@@ -90,13 +91,6 @@ RAW_FIELDS = ("min", "max", "mean", "spread", "abs_mean", "zeros", "nan", "posin
 STAT_CHOICES = ("min", "max", "mean", "std", "abs_mean", "zeros", "nonfinite")
 STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
 _MIN, _MAX, _MEAN, _SPREAD, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
-# float64 values beyond this are summed scaled down by a power of two: their squares would overflow
-_SCALE_ABOVE = 2.0**500
-# float32 values below this are summed scaled up by a power of two: their squares would underflow
-_SCALE_BELOW = 2.0**-50
-# Variance from sum and sum of squares loses digits when E[x^2] dwarfs Var[x]; beyond this ratio
-# the values are summed again around their mean (CPU), which costs one more pass, rarely.
-_CANCELLATION_RATIO = 16.0
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 _CHUNK_BYTES = 4 << 20  # reduce a few MiB at a time, while they are in the cache
 
@@ -105,11 +99,13 @@ _CHUNK_BYTES = 4 << 20  # reduce a few MiB at a time, while they are in the cach
 class RawStats:
     """The statistics of one tensor before they are read: a count (known on the host), a
     vector of :data:`RAW_FIELDS` on the tensor's device (``spread`` is the root mean square
-    deviation from the mean), and for integer tensors their exact ``[min, max]`` as int64."""
+    deviation from the mean), for integer tensors their exact ``[min, max]`` as int64, and
+    which fields were chosen: the vector's others are whatever was cheapest, blanked when read."""
 
     count: int
     vector: torch.Tensor
     extremes: torch.Tensor | None = None
+    kept: tuple[bool, ...] | None = None  # the raw fields chosen (None: all); the others read NaN
 
 
 @dataclass(frozen=True)
@@ -210,23 +206,20 @@ def raw_stats(
     part = fused.measure(source) if branching else None
     if part is not None:  # one read of the values (float32, bfloat16, float64 on the CPU)
         row = [part.low, part.high, part.mean, part.spread, part.abs_mean, part.zeros, 0.0, 0.0, 0.0]
-        vector = torch.tensor(wanted.blank(row), dtype=torch.float64)
+        vector = torch.tensor(row, dtype=torch.float64)
     elif branching:
         vector = _branching(_as_vector(source), scratch, wanted)
     else:
         vector = _device_path(source)(source, wanted)
-    return RawStats(count, vector, _exact_extremes(tensor) if wanted.extremes else None)
+    kept = None if wanted is _ALL else wanted.kept
+    return RawStats(count, vector, _exact_extremes(tensor) if wanted.extremes else None, kept)
 
 
 @dataclass(frozen=True)
 class _Wanted:
-    """Which statistics to compute, from a ``fields`` choice."""
+    """Which raw fields a ``fields`` choice keeps; what to compute follows from them."""
 
-    extremes: bool = True  # min and max
-    moments: bool = True  # mean and std
-    magnitude: bool = True  # mean |x|
-    zeros: bool = True
-    kept: tuple[bool, ...] = (True,) * len(RAW_FIELDS)  # which raw fields to report
+    kept: tuple[bool, ...] = (True,) * len(RAW_FIELDS)
 
     @staticmethod
     def of(fields: frozenset[str] | None) -> _Wanted:
@@ -235,18 +228,24 @@ class _Wanted:
         unknown = sorted(fields - set(STAT_CHOICES))
         if unknown:
             raise SpecError(f"unknown statistics {unknown}; expected some of {', '.join(STAT_CHOICES)}")
-        kept = ("min" in fields, "max" in fields, "mean" in fields, "std" in fields, "abs_mean" in fields)
-        return _Wanted(
-            extremes="min" in fields or "max" in fields,
-            moments="mean" in fields or "std" in fields,
-            magnitude="abs_mean" in fields,
-            zeros="zeros" in fields,
-            kept=(*kept, "zeros" in fields, True, True, True),
-        )
+        chosen = ("min", "max", "mean", "std", "abs_mean", "zeros")
+        return _Wanted((*(name in fields for name in chosen), True, True, True))
 
-    def blank(self, row: list[float]) -> list[float]:
-        """``row`` with the fields not wanted set to NaN."""
-        return [value if keep else math.nan for value, keep in zip(row, self.kept, strict=True)]
+    @property
+    def extremes(self) -> bool:
+        return self.kept[_MIN] or self.kept[_MAX]
+
+    @property
+    def moments(self) -> bool:
+        return self.kept[_MEAN] or self.kept[_SPREAD]
+
+    @property
+    def magnitude(self) -> bool:
+        return self.kept[_ABS]
+
+    @property
+    def zeros(self) -> bool:
+        return self.kept[_ZEROS]
 
 
 _ALL = _Wanted()
@@ -272,6 +271,9 @@ def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
     if not raws:
         return []
     table = np.stack(fetch([raw.vector for raw in raws]))  # one transfer per device
+    for i, raw in enumerate(raws):
+        if raw.kept is not None:  # fields not chosen: whatever was cheapest was left there
+            table[i, ~np.asarray(raw.kept)] = math.nan
     extremes: dict[int, tuple[int, int]] = {}
     with_extremes = [i for i, raw in enumerate(raws) if raw.extremes is not None and raw.count]
     for device in {raws[i].vector.device for i in with_extremes}:
@@ -338,7 +340,7 @@ def merge_raw(a: RawStats, b: RawStats) -> RawStats:
     if a.extremes is not None and b.extremes is not None:
         other = b.extremes.to(a.extremes.device)
         extremes = torch.stack([torch.minimum(a.extremes[0], other[0]), torch.maximum(a.extremes[1], other[1])])
-    return RawStats(a.count + b.count, merged, extremes)
+    return RawStats(a.count + b.count, merged, extremes, a.kept)
 
 
 class Scratch:
@@ -461,8 +463,7 @@ def _branching(values: torch.Tensor, scratch: Scratch | None, wanted: _Wanted = 
             abs_mean = abs_mean * weight_old + chunk_abs * weight_new
         count += n
         zeros += chunk_zeros
-    row = wanted.blank([low, high, mean, spread, abs_mean, zeros, 0.0, 0.0, 0.0])
-    return torch.tensor(row, dtype=torch.float64)
+    return torch.tensor([low, high, mean, spread, abs_mean, zeros, 0.0, 0.0, 0.0], dtype=torch.float64)
 
 
 def _chunk_stats(
@@ -479,8 +480,8 @@ def _chunk_stats(
     n = values.numel()
     scale = 1.0
     largest = max(-low, high)
-    huge = values.dtype == torch.float64 and largest > _SCALE_ABOVE
-    tiny = values.dtype == torch.float32 and 0.0 < largest < _SCALE_BELOW and low != high
+    huge = values.dtype == torch.float64 and largest > SCALE_ABOVE
+    tiny = values.dtype == torch.float32 and 0.0 < largest < SCALE_BELOW and low != high
     if huge or tiny:
         scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
         original, values = values, values / scale
@@ -508,7 +509,7 @@ def _moments(
         total, squares = float(wide.sum()), float(torch.dot(wide, wide))
     mean = total / n
     m2 = squares - total * mean
-    if squares > _CANCELLATION_RATIO * max(m2, 0.0) and squares > 0.0:
+    if squares > CANCELLATION_RATIO * max(m2, 0.0) and squares > 0.0:
         # the spread is tiny next to the mean: sum again around the mean
         centred = torch.sub(values, mean, out=_work(values, scratch))
         offset, spread = float(centred.sum()), float(torch.dot(centred, centred))
@@ -560,7 +561,7 @@ COMPILED_DEVICES = {"cuda"}
 _COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _compiled: Any = None  # the compiled _unconditional_of, made on first use
 _compile_failed: str | None = None  # why compiling failed, once: from then on op by op
-_blanks: dict[tuple[torch.device, _Wanted], torch.Tensor] = {}  # 1 or NaN per raw field, on the device
+_COMPILING = os.environ.get("HOOKSCOPE_COMPILED_STATS", "1") != "0"
 
 
 def _device_path(source: torch.Tensor) -> Any:
@@ -580,7 +581,7 @@ def _device_path(source: torch.Tensor) -> Any:
         or source.numel() < 2
         or _compile_failed is not None
         or is_compiling()
-        or os.environ.get("HOOKSCOPE_COMPILED_STATS", "1") == "0"
+        or not _COMPILING
     ):
         return _unconditional_of
     if _compiled is None:
@@ -589,7 +590,7 @@ def _device_path(source: torch.Tensor) -> Any:
 
 
 def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
-    """The compiled statistics, the fields not ``wanted`` blanked on the device.
+    """The compiled statistics (every field: those not ``wanted`` are blanked when read).
 
     Where the compiler stack fails (no Triton, no C compiler), the same ops run one by one from
     then on, with one warning that says why; past dynamo's recompile limit, this call alone does.
@@ -610,20 +611,7 @@ def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
             stacklevel=2,
         )
         return _unconditional_of(source, wanted)
-    return vector if wanted is _ALL else vector * _blank(vector, wanted)
-
-
-def _blank(vector: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
-    """1 for the fields ``wanted``, NaN for the others: made on the device (no copy from the host)
-    once per device and choice."""
-    key = (vector.device, wanted)
-    if key not in _blanks:
-        mask = torch.ones(len(RAW_FIELDS), dtype=vector.dtype, device=vector.device)
-        for index, keep in enumerate(wanted.kept):
-            if not keep:
-                mask[index] = math.nan  # a fill on the device
-        _blanks[key] = mask
-    return _blanks[key]
+    return vector
 
 
 def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor:
@@ -640,7 +628,7 @@ def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor
         # finite values past 2**500 are summed scaled by a power of two (exact)
         largest = torch.maximum(-low, high)
         power = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
-        scale = torch.where((largest > _SCALE_ABOVE) & torch.isfinite(largest), power, torch.ones_like(largest))
+        scale = torch.where((largest > SCALE_ABOVE) & torch.isfinite(largest), power, torch.ones_like(largest))
         values = values / scale
     if wanted.moments:
         first = values[0]
@@ -671,6 +659,4 @@ def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor
         torch.count_nonzero(original == math.inf),
         torch.count_nonzero(original == -math.inf),
     ]
-    # a field computed anyway but not wanted (min and max, for float64 scaling) reads NaN too
-    kept = [field if keep else unknown for field, keep in zip(fields, wanted.kept, strict=True)]
-    return torch.stack([field.to(accumulate) for field in kept])
+    return torch.stack([field.to(accumulate) for field in fields])
