@@ -51,6 +51,7 @@ many batches or steps.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -222,6 +223,7 @@ class _Wanted:
     kept: tuple[bool, ...] = (True,) * len(RAW_FIELDS)
 
     @staticmethod
+    @functools.cache  # once per choice: a trace asks with the same fields for every tensor
     def of(fields: frozenset[str] | None) -> _Wanted:
         if fields is None:
             return _ALL

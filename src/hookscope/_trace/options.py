@@ -106,11 +106,11 @@ def _stat_choice(stats: object) -> bool | tuple[str, ...]:
     if isinstance(stats, (bool, np.bool_)):
         return bool(stats)
     chosen = [stats] if isinstance(stats, str) else stats
-    if isinstance(chosen, (list, tuple)) and not chosen:
-        raise SpecError(
-            f"stats= chose no statistic; expected some of {', '.join(STAT_CHOICES)}, or False for shapes only"
-        )
     if isinstance(chosen, (list, tuple)) and all(isinstance(field, str) for field in chosen):
+        if not chosen:
+            raise SpecError(
+                f"stats= chose no statistic; expected some of {', '.join(STAT_CHOICES)}, or False for shapes only"
+            )
         unknown = [field for field in chosen if field not in STAT_CHOICES]
         if not unknown:
             return tuple(field for field in STAT_CHOICES if field in chosen)

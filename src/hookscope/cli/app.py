@@ -317,7 +317,7 @@ def trace_command(
     op_selectors = [str(selector) for selector in _selectors(ops or [])]
     chosen: bool | list[str] = True
     if stats is not None:
-        chosen = False if stats.strip() == "none" else [field.strip() for field in stats.split(",") if field.strip()]
+        chosen = False if stats.strip() == "none" else _comma_parts([stats])
     # a malformed op selector or statistic fails now
     options = hs.TraceOptions(timing=timing, ops=op_selectors or False, stats=chosen)
     sample = prepare(model, input_shape, dtype, seed)
@@ -697,6 +697,11 @@ def _calls(text: str) -> Any:
 
 def _selectors(options: list[str]) -> list[hs.Selector]:
     """Selectors from a repeatable option whose values may also be comma-separated."""
+    return list(_comma_parts(options))
+
+
+def _comma_parts(options: list[str]) -> list[str]:
+    """The parts of an option's values, split at commas, stripped, empty ones left out."""
     return [part.strip() for option in options for part in option.split(",") if part.strip()]
 
 
