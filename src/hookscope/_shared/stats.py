@@ -51,7 +51,6 @@ many batches or steps.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -223,7 +222,6 @@ class _Wanted:
     kept: tuple[bool, ...] = (True,) * len(RAW_FIELDS)
 
     @staticmethod
-    @functools.cache  # once per choice: a trace asks with the same fields for every tensor
     def of(fields: frozenset[str] | None) -> _Wanted:
         if fields is None:
             return _ALL
