@@ -79,3 +79,51 @@ def test_cli_trace_and_diff_csv_mark_formulas(capsys: pytest.CaptureFixture[str]
     for name in ("t.csv", "d.csv"):
         rows = rows_of((tmp_path / name).read_bytes().decode())
         assert [row["name"] for row in rows if row["name"]] == ["'=cmd", "a\rb"]
+
+
+def test_effects_csv_marks_formulas_and_keeps_each_site_in_one_row(tmp_path: Path) -> None:
+    values = torch.arange(len(NAMES) * 2, dtype=torch.float64).reshape(len(NAMES), 2) - 3
+    effects = hs.methods.Effects(
+        values, values * 2, ("site", "position"), {"site": NAMES, "position": [0, 5]}, 1.0, 0.0, "patch_sweep"
+    )
+    rows = rows_of(effects.to_csv(tmp_path / "e.csv"))
+    assert len(rows) == 2 * len(NAMES)
+    assert [row["site"] for row in rows[::2]] == [expected_cell(name) for name in NAMES]
+    assert [float(row["effect"]) for row in rows] == values.reshape(-1).tolist()
+    assert [float(row["metric"]) for row in rows] == (values * 2).reshape(-1).tolist()
+    assert rows[0]["effect"] == "-3.0"  # a number, not text: no quote mark
+    assert rows_of((tmp_path / "e.csv").read_bytes().decode()) == rows
+
+
+def test_cli_patch_csv_marks_formulas(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    names = ["=cmd", "a\rb", "+1", "-2", "@q", "\tlead"]
+    script = tmp_path / "named.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        f"NAMES = {names!r}\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(16, 4)\n"
+        "        for name in NAMES:\n"
+        "            self.add_module(name, nn.Linear(4, 4))\n"
+        "        self.out = nn.Linear(4, 8)\n"
+        "    def forward(self, ids):\n"
+        "        h = self.emb(ids)\n"
+        "        for name in NAMES:\n"
+        "            h = getattr(self, name)(h)\n"
+        "        return self.out(h)\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return Net()\n"
+    )
+    out = tmp_path / "sweep.csv"
+    code, _, err = run_cli(
+        capsys, "patch", f"{script}:build", "--clean", "1,2,3;4,5,6", "--corrupted", "1,9,3;4,9,6",
+        "-m", "logit_diff:3,4", "--sites", "=cmd,a?b,+1,-2,@q,?lead", "-o", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    rows = rows_of(out.read_bytes().decode())
+    assert len(rows) == len(names) * 3  # one row per cell: a name holding \r splits none
+    assert [row["site"] for row in rows[::3]] == [expected_cell(name) for name in names]

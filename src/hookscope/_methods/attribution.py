@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._methods.grid import Cell, Heads, Positions
 from hookscope._methods.metrics import MetricFn
 from hookscope._methods.result import Disagreement, Effects, disagree
-from hookscope._methods.sweep import Cell, Direction, Heads, Plan, Positions, plan_study, run_cells
+from hookscope._methods.sweep import Direction, Plan, plan_study, run_cells
 from hookscope.errors import SpecError
 
 __all__ = ["attribution_patch"]
@@ -38,6 +39,8 @@ def attribution_patch(
     sites: str | Sequence[str] | None = None,
     positions: Positions = "each",
     heads: Heads = False,
+    num_heads: int | None = None,
+    stack: str = "",
     direction: Direction = "denoise",
     verify: int = 0,
     min_effect: float = 0.05,
@@ -60,8 +63,8 @@ def attribution_patch(
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise SpecError(f"verify={verify!r}: expected how many of the largest cells to patch exactly (0: none)")
     plan = plan_study(
-        model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads,
-        direction=direction, model_kwargs=model_kwargs, grads=True,
+        model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads, num_heads=num_heads,
+        stack=stack, direction=direction, model_kwargs=model_kwargs, method="attribution_patch", grads=True,
     )  # fmt: skip
     per_site = [_per_position(plan, index, heads is not False) for index in range(len(plan.sites))]
     attributions = torch.stack([_cell(per_site[cell.site], cell, plan.per_row) for cell in plan.cells])
@@ -77,9 +80,7 @@ def _per_position(plan: Plan, index: int, by_head: bool) -> torch.Tensor:
     assert plan.grads is not None
     grad = plan.grads[site.read].double()
     delta = plan.source[site.read].to(grad.device).double() - plan.target[site.read].double()
-    product = grad * delta
-    kept = 3 if by_head else 2  # the dims before the features
-    return product.reshape(*product.shape[:kept], -1).sum(-1).cpu()
+    return plan.layouts[index].summed(grad * delta, by_head).cpu()
 
 
 def _cell(values: torch.Tensor, cell: Cell, per_row: bool) -> torch.Tensor:

@@ -8,12 +8,15 @@ One result type for the exact sweep and its linear estimate, so the two are comp
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hookscope._shared.csv_text import csv_text
+from hookscope._shared.files import write_text
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
 from hookscope.errors import SpecError
@@ -152,6 +155,30 @@ class Effects:
             )
         rows = [(*labels, value) for labels, value in self.cells()]
         return pandas.DataFrame(rows, columns=[*self.dims, "effect"])
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per cell, in order: its labels by dim, ``effect`` (normalised) and ``metric`` (raw)."""
+        raws = self.raw.reshape(-1).tolist()
+        return [
+            {**dict(zip(self.dims, labels, strict=True)), "effect": value, "metric": raw}
+            for (labels, value), raw in zip(self.cells(), raws, strict=True)
+        ]
+
+    def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The :meth:`records` as CSV, one row per cell; written to ``path`` (atomically) when given.
+
+        Site names are quoted and formula-like text is marked with ``'`` as in ``Trace.to_csv``
+        (:mod:`hookscope._shared.csv_text`). Returns the text.
+
+        >>> grid = Effects(torch.tensor([[0.5]]), torch.tensor([[2.0]]), ("site", "position"),
+        ...                {"site": ["=h.0"], "position": [3]}, clean=3.0, corrupted=1.0, method="sweep")
+        >>> grid.to_csv().splitlines()
+        ['site,position,effect,metric', "'=h.0,3,0.5,2.0"]
+        """
+        text = csv_text(self.records(), empty_header=[*self.dims, "effect", "metric"])
+        if path is not None:
+            write_text(path, text)
+        return text
 
     def to_xarray(self) -> Any:
         """An ``xarray.DataArray`` with the labels as coordinates (needs xarray)."""

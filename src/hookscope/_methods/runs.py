@@ -3,11 +3,13 @@ batch for batched patches, and the sites it reads and writes, resolved once per 
 
 A method reads a site in one run and writes it in another; for most sites that is one place, but a
 canonical ``resid_mid`` is read at a norm's input and written at the residual ``add`` (an op site),
-so the two are kept apart here: :class:`PatchSite` holds both.
+so the two are kept apart here: :class:`PatchSite` holds both, and whether the value is held per
+head (an attention sub-site), which decides where the value keeps its positions.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +19,16 @@ from torch import nn
 
 from hookscope._capture import Cache
 from hookscope._core.names import leaf_label
-from hookscope._core.op_sites import op_leaf_label
+from hookscope._core.op_sites import ATTN_KINDS, op_leaf_label
 from hookscope._core.sites import Site
 from hookscope._core.std import expand_std
 from hookscope._core.std.stdmap import STD_PREFIX
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Inputs", "PatchSite", "patch_sites"]
+
+# A canonical attention sub-site (eager attention's pattern is a softmax op site, not an attn. one).
+_HEAD_NAME = re.compile(rf"(?:^|\.)(?:cross_)?attn\.(?:{'|'.join(ATTN_KINDS)})$")
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,13 @@ def _same_plain_value(mine: Any, theirs: Any) -> bool:
 @dataclass(frozen=True)
 class PatchSite:
     """One site of a study: its label (a canonical name where given one), where a capture reads
-    its value, and the selector an edit writes it with."""
+    its value, the selector an edit writes it with, and whether the value is held per head
+    (``(batch, heads, seq, ...)``, an attention sub-site) rather than ``(batch, seq, ...)``."""
 
     label: str
     read: Site
     write: str
+    per_head: bool = False
 
 
 def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) -> list[PatchSite]:
@@ -137,11 +144,12 @@ def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) 
     shown = cache.short_names()  # "shared" for a module's only site; "shared#1:output" where it has several
     for site in cache.sites():
         name = by_site.get(site)
+        sub_site = site.op.startswith("attn.")
         if name is not None:
-            found.append(PatchSite(name, site, writes[name]))
+            found.append(PatchSite(name, site, writes[name], sub_site or bool(_HEAD_NAME.search(name))))
             continue
         label = op_leaf_label(site.op, site.what, site.path) if site.op else leaf_label(site.what, site.path)
-        found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}"))
+        found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}", sub_site))
     if not found:
         raise SpecError(f"sites={selectors!r} selected nothing that ran in the clean run")
     return found

@@ -22,29 +22,18 @@ from torch import nn
 from hookscope._capture import Cache, run_with_capture
 from hookscope._core.select import Selector
 from hookscope._edit import EditContext, edit
+from hookscope._methods.checks import default_sites, refuse_training
+from hookscope._methods.grid import Cell, Heads, Positions, SiteLayout, check_num_heads, lay_out
 from hookscope._methods.metrics import MetricFn, metric_name, metric_rows
 from hookscope._methods.result import Effects
 from hookscope._methods.runs import Inputs, PatchSite, patch_sites
 from hookscope.errors import SpecError
 
-__all__ = ["Cell", "Direction", "Plan", "patch_sweep", "plan_study"]
+__all__ = ["Direction", "Plan", "patch_sweep", "plan_study"]
 
 Direction = Literal["denoise", "noise"]
-Positions = Literal["each", "all"] | Sequence[int]
-Heads = bool | Sequence[int]
 
-DEFAULT_SITES = "std:blocks.*.resid_pre"
-HEAD_SITES = "std:blocks.*.attn.z"
 DEFAULT_BATCH_ROWS = 64
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One patch: a site (its index in the plan), a position (None: every position) and a head (None: all)."""
-
-    site: int
-    position: int | None
-    head: int | None
 
 
 @dataclass
@@ -61,6 +50,7 @@ class Plan:
     dims: tuple[str, ...]
     coords: dict[str, list[Any]]
     shape: tuple[int, ...]
+    layouts: list[SiteLayout]  # per site: where its value holds positions and heads
     clean: float
     corrupted: float
     per_row: bool
@@ -107,8 +97,11 @@ def plan_study(
     sites: str | Sequence[str] | None,
     positions: Positions,
     heads: Heads,
+    num_heads: int | None,
+    stack: str,
     direction: Direction,
     model_kwargs: dict[str, Any] | None,
+    method: str,
     grads: bool = False,
 ) -> Plan:
     """Run the clean and corrupted inputs once each, capturing the sites, and lay out the cells."""
@@ -116,18 +109,20 @@ def plan_study(
         raise SpecError(f"direction={direction!r}: expected 'denoise' (clean values into the corrupted run) or 'noise'")
     if not callable(metric):
         raise SpecError(f"metric={metric!r}: expected hs.methods.logit_diff(...) or a function of the output")
-    if any(module.training and isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()):
-        raise SpecError(
-            "the model is in training mode with dropout: each patched run would drop different units, and the "
-            "effects would be noise; call model.eval() first"
-        )
-    chosen = sites if sites is not None else HEAD_SITES if heads is not False else DEFAULT_SITES
+    refuse_training(model, method)
+    check_num_heads(num_heads, heads)
     clean_in = Inputs.of(clean, "clean", model_kwargs)
     corrupted_in = Inputs.of(corrupted, "corrupted", model_kwargs)
     if clean_in.rows != corrupted_in.rows:
         raise SpecError(
             f"clean has {clean_in.rows} rows and corrupted {corrupted_in.rows}; patching pairs them row by row"
         )
+    if sites is not None and stack:
+        raise SpecError(
+            f"stack={stack!r} picks the default sites, and sites= names its own: drop stack=, or name the stack in "
+            f"the sites (e.g. 'std:{stack}blocks.*.resid_pre')"
+        )
+    chosen = sites if sites is not None else default_sites(model, heads is not False, stack, clean_in, method)
     base_in, other_in = (corrupted_in, clean_in) if direction == "denoise" else (clean_in, corrupted_in)
     runs = _joint_runs(model, chosen, base_in, other_in, metric, grads) or _separate_runs(
         model, chosen, base_in, other_in, metric, grads
@@ -141,10 +136,10 @@ def plan_study(
             "(loss at the last position predicts nothing)"
         )
     found = patch_sites(model, chosen, runs.other)
-    cells, dims, coords, shape = _layout(found, runs.other, runs.base, positions, heads, base_in.rows)
+    grid = lay_out(model, found, runs.other, runs.base, positions, heads, num_heads, base_in.rows)
     return Plan(
-        model, metric, base_in, found, runs.other, runs.base, cells, dims, coords, shape,
-        clean_score, corrupted_score, runs.per_row, direction, metric_name(metric), grads=runs.grads,
+        model, metric, base_in, found, runs.other, runs.base, grid.cells, grid.dims, grid.coords, grid.shape,
+        grid.layouts, clean_score, corrupted_score, runs.per_row, direction, metric_name(metric), grads=runs.grads,
     )  # fmt: skip
 
 
@@ -258,71 +253,6 @@ def _score(metric: MetricFn, output: Any, rows: int, per_row: bool) -> torch.Ten
     return value.detach().double().mean() if per_row else value.detach().double().reshape(())
 
 
-def _layout(
-    found: list[PatchSite], source: Cache, target: Cache, positions: Positions, heads: Heads, rows: int
-) -> tuple[list[Cell], tuple[str, ...], dict[str, list[Any]], tuple[int, ...]]:
-    """The cells, in site-major order, with the dims and labels of the result."""
-    seq: int | None = None
-    head_count: int | None = None
-    for site in found:
-        value, other = source[site.read], target[site.read]
-        if value.shape != other.shape:
-            raise SpecError(
-                f"{site.label}: the clean and corrupted runs' values have shapes {tuple(value.shape)} and "
-                f"{tuple(other.shape)}; patch between inputs of one shape (pad the prompts to one length)"
-            )
-        position_dim = 2 if heads is not False else 1
-        if value.dim() <= position_dim or value.shape[0] != rows:
-            raise SpecError(
-                f"{site.label} has shape {tuple(value.shape)}: patching by position needs (batch, seq, ...)"
-                + (" and by head (batch, heads, seq, head size), an attention sub-site :attn.z" if heads else "")
-            )
-        length = int(value.shape[position_dim])
-        if seq is not None and length != seq:
-            raise SpecError(f"{site.label} has {length} positions and an earlier site {seq}: sweep sites of one length")
-        seq = length
-        if heads is not False:
-            head_count = int(value.shape[1]) if head_count is None else head_count
-    assert seq is not None
-    position_labels: list[Any]
-    if positions == "each":
-        position_labels = list(range(seq))
-    elif positions == "all":
-        position_labels = ["all"]
-    elif isinstance(positions, Sequence) and not isinstance(positions, str) and positions:
-        position_labels = [_position(p, seq) for p in positions]
-    else:
-        raise SpecError(f"positions={positions!r}: expected 'each' (default), 'all' (every position at once) or a list")
-    dims: tuple[str, ...] = ("site", "position")
-    coords: dict[str, list[Any]] = {"site": [site.label for site in found], "position": position_labels}
-    head_labels: list[int | None] = [None]
-    if heads is not False:
-        assert head_count is not None
-        head_labels = list(range(head_count)) if heads is True else [_head(h, head_count) for h in heads]
-        dims = ("site", "head", "position")
-        coords = {"site": coords["site"], "head": list(head_labels), "position": position_labels}
-    cells = [
-        Cell(index, None if position == "all" else position, head)
-        for index in range(len(found))
-        for head in head_labels
-        for position in position_labels
-    ]
-    shape = tuple(len(coords[dim]) for dim in dims)
-    return cells, dims, coords, shape
-
-
-def _position(position: Any, seq: int) -> int:
-    if isinstance(position, bool) or not isinstance(position, int) or not -seq <= position < seq:
-        raise SpecError(f"position {position!r} is not one of the {seq} positions (0 to {seq - 1}, or negative)")
-    return position % seq
-
-
-def _head(head: Any, count: int) -> int:
-    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < count:
-        raise SpecError(f"head {head!r} is not one of the {count} heads (0 to {count - 1})")
-    return head
-
-
 # -- running the patches -------------------------------------------------------------------------
 
 
@@ -367,10 +297,8 @@ def _differing_positions(plan: Plan, site: int, head: int | None) -> list[bool]:
     the one already there: one read back to the host per site and head, not one per cell."""
     read = plan.sites[site].read
     source = plan.source[read]
-    target = plan.target[read].to(source.device)
-    if head is not None:
-        source, target = source[:, head], target[:, head]
-    differs: list[bool] = (source != target).transpose(0, 1).reshape(source.shape[1], -1).any(1).tolist()
+    changed = source != plan.target[read].to(source.device)
+    differs: list[bool] = plan.layouts[site].per_position(changed, head).any(1).tolist()
     return differs
 
 
@@ -397,12 +325,9 @@ def _site_edit(
         clean = sources[ctx.call].to(device=value.device, dtype=value.dtype)
         patched = value.clone()
         for copy, cell in patches:
-            block = slice(copy * rows, (copy + 1) * rows)
-            position = slice(None) if cell.position is None else cell.position
-            if cell.head is None:
-                patched[block, position] = clean[:, position]
-            else:
-                patched[block, cell.head, position] = clean[:, cell.head, position]
+            layout = plan.layouts[cell.site]
+            into = layout.part(patched[copy * rows : (copy + 1) * rows], cell.head, cell.position)
+            into.copy_(layout.part(clean, cell.head, cell.position))
         return patched
 
     return patch
@@ -417,6 +342,8 @@ def patch_sweep(
     sites: str | Sequence[str] | None = None,
     positions: Positions = "each",
     heads: Heads = False,
+    num_heads: int | None = None,
+    stack: str = "",
     direction: Direction = "denoise",
     batch_rows: int | None = None,
     model_kwargs: dict[str, Any] | None = None,
@@ -436,12 +363,16 @@ def patch_sweep(
             ``kl_to``, ``loss``, or a function of the output); a function that returns a scalar
             is scored one patch per forward.
         sites: selectors of the values to patch (default every block's ``std:blocks.*.resid_pre``;
-            with ``heads``, ``std:blocks.*.attn.z``); values are ``(batch, seq, ...)``, or
-            ``(batch, heads, seq, head size)`` by head.
+            with ``heads``, ``std:blocks.*.attn.z``). Where a value holds its positions follows
+            from the site: an attention sub-site (``attn.z``, ``attn.pattern``, ``attn.q``, ...)
+            is ``(batch, heads, seq, ...)``, any other value ``(batch, seq, ...)``.
         positions: ``"each"`` (every position on its own, default), a list of positions, or
             ``"all"`` (every position at once: one column).
-        heads: ``True`` patches each head on its own (``(batch, heads, seq, ...)`` sites), or a
-            list of heads.
+        heads: ``True`` patches each head on its own, or a list of heads: dim 1 of an attention
+            sub-site, or the last dim of a merged value read as ``num_heads`` blocks.
+        num_heads: how many heads a merged ``(batch, seq, hidden)`` value holds (the input of
+            attention's output projection), for ``heads=`` there; refused where missing.
+        stack: an encoder-decoder's stack for the default sites: ``"decoder."`` or ``"encoder."``.
         batch_rows: rows per forward (default 64): ``batch_rows // rows`` patches run together.
 
     Returns:
@@ -456,8 +387,8 @@ def patch_sweep(
         effects.plot().savefig("sweep.png")
     """
     plan = plan_study(
-        model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads,
-        direction=direction, model_kwargs=model_kwargs,
+        model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads, num_heads=num_heads,
+        stack=stack, direction=direction, model_kwargs=model_kwargs, method="patch_sweep",
     )  # fmt: skip
     if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
         raise SpecError(f"batch_rows={batch_rows!r}: expected a positive number of rows per forward")

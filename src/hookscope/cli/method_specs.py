@@ -10,6 +10,10 @@ Token ids are written as comma-separated ints per row, rows separated by ``;``:
 
 ``@P`` after a metric reads position ``P`` instead (``logit_diff:3,4@2``; ``loss@-2``). Every
 text that cannot be read raises ``SpecError`` with what was given, what was expected and the fix.
+
+Selectors (``--sites``) are split at commas, but not at one inside ``()``, ``[]`` or ``{}``, so
+a regular expression keeps its own (``re:h\\.[0-9]{1,2}``, ``re:h\\.(0|1)``); a literal comma
+outside them is written ``[,]`` in a regex.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import hookscope as hs
 from hookscope.errors import SpecError
 
-__all__ = ["METRIC_FORMS", "check_pair", "parse_ids", "parse_metric", "parse_positions"]
+__all__ = ["METRIC_FORMS", "check_pair", "parse_ids", "parse_metric", "parse_positions", "split_selectors"]
 
 METRIC_FORMS = "'logit_diff:A,B', 'logprob:T', 'loss', 'loss:clean' or 'loss:corrupted' (optionally '@POSITION')"
 _IDS_EXAMPLE = "e.g. '5,6,7,8' or '5,6,7,8;9,10,11,12' (ints joined by ',', rows by ';')"
@@ -133,3 +137,36 @@ def _token_list(text: str, argument: str, count: int, form: str) -> list[int]:
 
 def _example(count: int) -> str:
     return "logit_diff:3,4" if count == 2 else "logprob:3"
+
+
+def split_selectors(options: list[str]) -> list[str]:
+    """The selectors of a repeatable option whose values may also be comma-separated; a comma
+    inside ``()``, ``[]`` or ``{}`` (a regex's ``{1,2}``, a glob's ``[0,1]``) or escaped is part
+    of its selector, not a separator.
+
+    >>> split_selectors(["re:h[.][0-9]{1,2}[.]attn, std:blocks.0.resid_pre", "re:h[.](0|1)$,h.[0,1].mlp"])
+    ['re:h[.][0-9]{1,2}[.]attn', 'std:blocks.0.resid_pre', 're:h[.](0|1)$', 'h.[0,1].mlp']
+    """
+    parts: list[str] = []
+    for option in options:
+        current, depth, in_class, escaped = "", 0, False, False
+        for char in option:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif in_class:
+                in_class = char != "]"
+            elif char == "[":
+                in_class = True
+            elif char in "({":
+                depth += 1
+            elif char in ")}":
+                depth = max(depth - 1, 0)
+            elif char == "," and depth == 0:
+                parts.append(current)
+                current = ""
+                continue
+            current += char
+        parts.append(current)
+    return [part.strip() for part in parts if part.strip()]

@@ -9,7 +9,6 @@ the ids (an id outside its vocabulary, a sequence longer than its positions) is 
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import os
@@ -64,8 +63,9 @@ def patch_command(
         typer.Option(
             "--sites",
             "-l",
-            help="Values to patch: canonical names or selectors, repeat or comma-separate "
-            "(default std:blocks.*.resid_pre; with --heads std:blocks.*.attn.z).",
+            help="Values to patch: canonical names or selectors, repeat or comma-separate; a comma inside (), [] "
+            "or {} stays in its selector, as in 're:h[.][0-9]{1,2}' (default std:blocks.*.resid_pre; with --heads "
+            "std:blocks.*.attn.z).",
             show_default=False,
         ),
     ] = None,
@@ -73,6 +73,16 @@ def patch_command(
         str, typer.Option("--positions", help="'each' (a column per position), 'all' (all at once) or '3,4'.")
     ] = "each",
     heads: Annotated[bool, typer.Option("--heads", help="Patch each attention head on its own.")] = False,
+    num_heads: Annotated[
+        int | None,
+        typer.Option(
+            "--num-heads",
+            min=1,
+            help="With --heads on a value whose heads are merged in its last dim (e.g. an output projection's "
+            "input): how many heads it holds.",
+            show_default=False,
+        ),
+    ] = None,
     noise: Annotated[
         bool, typer.Option("--noise", help="Patch corrupted values into the clean run (default: clean into corrupted).")
     ] = False,
@@ -104,7 +114,7 @@ def patch_command(
 
     Example: hookscope patch 'hf-config:gpt2/causal-lm?n_layer=2' --clean 5,6,7,8 --corrupted 5,6,9,8 -m logit_diff:3,4
     """
-    from hookscope.cli.method_specs import check_pair, parse_ids, parse_metric, parse_positions
+    from hookscope.cli.method_specs import check_pair, parse_ids, parse_metric, parse_positions, split_selectors
 
     if verify and not atp:
         raise SpecError("--verify checks an --atp estimate by exact patches; add --atp or drop --verify")
@@ -114,21 +124,21 @@ def patch_command(
     check_pair(clean_ids, corrupted_ids)
     direction: Literal["denoise", "noise"] = "noise" if noise else "denoise"
     scorer = parse_metric(metric, clean=clean_ids, corrupted=corrupted_ids, direction=direction)
-    chosen = _split(sites or []) or None
+    chosen = split_selectors(sites or []) or None
     where = parse_positions(positions)
     net = _seeded(model, dtype, seed)
     if atp:
         effects = _refused(
             lambda: hs.methods.attribution_patch(
                 net, clean_ids, corrupted_ids, metric=scorer, sites=chosen, positions=where, heads=heads,
-                direction=direction, verify=verify,
+                num_heads=num_heads, direction=direction, verify=verify,
             )
         )  # fmt: skip
     else:
         effects = _refused(
             lambda: hs.methods.patch_sweep(
                 net, clean_ids, corrupted_ids, metric=scorer, sites=chosen, positions=where, heads=heads,
-                direction=direction, batch_rows=batch_rows,
+                num_heads=num_heads, direction=direction, batch_rows=batch_rows,
             )
         )  # fmt: skip
     typer.echo(effects_table(effects, top))
@@ -140,6 +150,12 @@ def patch_command(
         )
     for flag in effects.flags:
         typer.echo(f"flag: {flag} (the estimate and the exact patch disagree in sign)")
+    if verify and not effects.flags:
+        checked = len(effects.verified)
+        typer.echo(
+            f"verified: no flag; the {checked} largest cell{'' if checked == 1 else 's'} patched exactly agree in "
+            "sign with the estimate (or move the metric by less than 0.05)"
+        )
     if out is not None:
         settings = {
             "model": model,
@@ -148,7 +164,7 @@ def patch_command(
             "metric": f"{metric} ({effects.metric})",
             "sites": ", ".join(chosen or []) or "(default)",
             "positions": positions,
-            "heads": "each on its own" if heads else "no",
+            "heads": ("each on its own" + (f" ({num_heads} merged)" if num_heads else "")) if heads else "no",
             "direction": direction,
             "method": effects.method + (f", verify={verify}" if atp else ""),
             "clean score": f"{effects.clean:.6g}",
@@ -259,12 +275,8 @@ def _text_table(header: list[str], rows: list[list[str]], *, right: set[int] | N
 
 def _write_effects(effects: hs.methods.Effects, out: Path, settings: dict[str, str]) -> None:
     suffix = out.suffix.lower()
-    if suffix == ".csv":
-        text = io.StringIO(newline="")
-        writer = csv.writer(text, lineterminator="\n")
-        writer.writerow([*effects.dims, "effect", "metric"])
-        writer.writerows([*labels, repr(value), repr(raw)] for (labels, value), raw in _cells(effects))
-        _write(out, text.getvalue().encode("utf-8"))
+    if suffix == ".csv":  # one CSV writer for the package: names quoted, formula-like text marked
+        effects.to_csv(out)
     elif suffix == ".png":
         _write(out, _figure_bytes(effects.plot(), "png"))
     else:
