@@ -101,6 +101,7 @@ def kept_outputs(modules: list[nn.Module], run: Callable[[], Any]) -> tuple[Any,
 # -- item: every linear step between the last residual and the logits ------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("build", "stack", "applied"),
     [
@@ -216,6 +217,7 @@ def test_the_lens_refuses_a_model_in_training_mode_and_leaves_it_so() -> None:
         hs.methods.logit_lens(model, ids())
 
 
+@pytest.mark.slow
 def test_top_gives_text_where_the_lens_decodes() -> None:
     model = gpt2()
     words = [f"w{i}" for i in range(VOCAB)]

@@ -93,23 +93,49 @@ def _why(x: torch.Tensor, y: torch.Tensor, linear: str) -> str:
     return f"not {linear}: a soft-cap, as Gemma 2's, or another curve"
 
 
-def _within(fitted: torch.Tensor, wanted: torch.Tensor, *dtypes: torch.dtype) -> bool:
-    rtol, atol = tolerances(*dtypes)
-    return float((fitted - wanted).abs().max()) <= atol + rtol * float(wanted.abs().max())
+#: Rows (positions) a fit reads, spread over the run: a scale and a bias are fitted as well on a
+#: few hundred as on all, and a float64 copy of a large vocabulary's logits is not made.
+_FIT_ROWS = 256
+#: Rows compared at once when a fit is checked on every row, in float64.
+_CHECK_ROWS = 1024
+
+
+def _rows(value: torch.Tensor) -> torch.Tensor:
+    return value.reshape(-1, value.shape[-1]) if value.dim() else value.reshape(1, 1)
+
+
+def _sample(value: torch.Tensor) -> torch.Tensor:
+    """Up to ``_FIT_ROWS`` rows of ``value`` (rows, features), evenly spread, in float64."""
+    step = max(1, value.shape[0] // _FIT_ROWS)
+    return value[::step][:_FIT_ROWS].double()
+
+
+def _within(x: torch.Tensor, y: torch.Tensor, a: float, b: torch.Tensor | None) -> bool:
+    """``a * x + b`` reproduces ``y`` on every row to the dtypes' tolerance (``hs.diff``'s table)."""
+    rtol, atol = tolerances(x.dtype, y.dtype)
+    worst = torch.zeros((), dtype=torch.float64, device=y.device)
+    peak = torch.zeros((), dtype=torch.float64, device=y.device)
+    for start in range(0, x.shape[0], _CHECK_ROWS):
+        wanted = y[start : start + _CHECK_ROWS].double()
+        fitted = a * x[start : start + _CHECK_ROWS].double() + (0.0 if b is None else b)
+        worst = torch.maximum(worst, (fitted - wanted).abs().max())
+        peak = torch.maximum(peak, wanted.abs().max())
+    return float(worst) <= atol + rtol * float(peak)  # one read back, after every chunk
 
 
 def _scale(x: torch.Tensor, y: torch.Tensor) -> float | None:
     """``a`` with ``y == a * x`` to the dtypes' tolerance (1.0 where they are equal), else None."""
     if x.shape != y.shape:
         return None
-    x64, y64 = x.double(), y.double()
-    if torch.equal(x64, y64):
+    if torch.equal(x.to(y.dtype), y):
         return 1.0
-    norm = float((x64 * x64).sum())
+    x2, y2 = _rows(x), _rows(y)
+    xs, ys = _sample(x2), _sample(y2)
+    norm = float((xs * xs).sum())
     if norm == 0.0:
         return None
-    a = float((x64 * y64).sum()) / norm
-    return a if _within(a * x64, y64, x.dtype, y.dtype) else None
+    a = float((xs * ys).sum()) / norm
+    return a if _within(x2, y2, a, None) else None
 
 
 def _affine(h: torch.Tensor, logits: torch.Tensor) -> tuple[float, torch.Tensor | None] | None:
@@ -120,17 +146,16 @@ def _affine(h: torch.Tensor, logits: torch.Tensor) -> tuple[float, torch.Tensor 
         return scale, None
     if h.shape != logits.shape or h.dim() < 2:
         return None
-    h64, l64 = h.double().reshape(-1, h.shape[-1]), logits.double().reshape(-1, h.shape[-1])
-    if h64.shape[0] < 2:
+    h2, l2 = _rows(h), _rows(logits)
+    h_fit, l_fit = _sample(h2), _sample(l2)
+    if h_fit.shape[0] < 2:
         return None
-    h_mean, l_mean = h64.mean(0), l64.mean(0)
-    if _within(h64 + (l_mean - h_mean), l64, h.dtype, logits.dtype):  # a bias alone: no scale fitted near 1
+    h_mean, l_mean = h_fit.mean(0), l_fit.mean(0)
+    if _within(h2, l2, 1.0, l_mean - h_mean):  # a bias alone: no scale fitted near 1
         return 1.0, (l_mean - h_mean).to(logits.dtype)
-    spread = float(((h64 - h_mean) ** 2).sum())
+    spread = float(((h_fit - h_mean) ** 2).sum())
     if spread == 0.0:
         return None
-    a = float(((h64 - h_mean) * (l64 - l_mean)).sum()) / spread
+    a = float(((h_fit - h_mean) * (l_fit - l_mean)).sum()) / spread
     b = l_mean - a * h_mean
-    if not _within(a * h64 + b, l64, h.dtype, logits.dtype):
-        return None
-    return a, b.to(logits.dtype)
+    return (a, b.to(logits.dtype)) if _within(h2, l2, a, b) else None
