@@ -83,3 +83,65 @@ def test_extract_random_tokens_matches_a_plain_forward(capsys: pytest.CaptureFix
     handle.remove()
     stored = hs.open_store(out)["decoder.final_layer_norm"][:]
     torch.testing.assert_close(torch.from_numpy(stored), seen[0])
+
+
+T5_LM = "hf-config:t5/seq2seq-lm?d_model=16&num_layers=2&num_heads=2&d_ff=32&d_kv=8&vocab_size=64"
+
+
+def lens_rows(out: str) -> dict[str, list[int]]:
+    """Layer name -> the token ids the lens table prints for it."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0].startswith(("decoder.blocks.", "blocks.", "encoder.blocks.")):
+            rows[cells[0]] = [int(token) for token in cells[1::2]]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("argv", "decoder_ids"),
+    [
+        (["--decoder-prompt", "0,5,6;0,9,10", "--position", "1", "--row", "1"], [[0, 5, 6], [0, 9, 10]]),
+        (["--stack", "decoder."], [[0], [0]]),  # no decoder ids: its start token (T5's pad id, 0), one per row
+        ([], [[0], [0]]),  # an encoder-decoder's decoder is the default stack
+    ],
+)
+def test_lens_reads_an_encoder_decoders_decoder(
+    capsys: pytest.CaptureFixture[str], argv: list[str], decoder_ids: list[list[int]]
+) -> None:
+    code, out, err = run_cli(capsys, "lens", T5_LM, "--prompt", "5,6,7,8;9,10,11,12", "--top", "3", *argv)
+    assert code == 0, err
+    rows = lens_rows(out)
+    assert list(rows) == ["decoder.blocks.0.resid_post", "decoder.blocks.1.resid_post"]
+    torch.manual_seed(0)  # the command's --seed: the same random weights
+    model = load_model(T5_LM)
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), decoder_input_ids=torch.tensor(decoder_ids)
+        ).logits
+    row, position = (1, 1) if "--row" in argv else (0, -1)
+    assert rows["decoder.blocks.1.resid_post"] == logits[row, position].topk(3).indices.tolist()
+    assert "x 0.25" in out  # T5's d_model ** -0.5 before its tied head, applied and said
+
+
+@pytest.mark.parametrize(
+    ("model", "argv", "message"),
+    [
+        (T5_LM, ["--decoder-prompt", "0,1;0,2"], "--decoder-prompt has 2 rows and --prompt 1"),
+        (T5_LM, ["--position", "2"], "--position 2: the decoder's input (its start token"),
+        (T5_LM, ["--decoder-prompt", "0,1", "--position", "2"], "--position 2: --decoder-prompt has 2 positions"),
+        (
+            "hf-config:gpt2/causal-lm?n_layer=1&n_embd=16&n_head=2&vocab_size=32&bos_token_id=0&eos_token_id=0",
+            ["--decoder-prompt", "0"],
+            "not an",
+        ),
+    ],
+)
+def test_bad_encoder_decoder_lens_input_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], model: str, argv: list[str], message: str
+) -> None:
+    code, _, err = run_cli(capsys, "lens", model, "--prompt", "5,6,7,8", *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err

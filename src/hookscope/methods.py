@@ -6,7 +6,8 @@
   patches per forward; :func:`attribution_patch` estimates the same grid from one backward and
   flags the cells where the estimate is wrong (``verify=``). Both return :class:`Effects`.
 - **Logit lens**: :func:`logit_lens` reads every layer's residual stream through the model's final
-  norm and unembedding (a tuned lens with ``translators=``).
+  norm and unembedding, and the linear steps the model takes between them and its logits
+  (a tuned lens with ``translators=``).
 - **The residual stream**: :func:`accumulated_resid`, :func:`decompose_resid` (summing to the
   last ``resid_post``) and :func:`apply_ln`; ``cache.stack(pattern)`` stacks any captured values.
 

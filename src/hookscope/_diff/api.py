@@ -22,8 +22,8 @@ from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics
 from hookscope._diff.recorder import CallDraft, Comparer, Kept, LeafDraft, Reference, compare_leaves
 from hookscope._diff.result import Diff, DiffRow, LeafDiff
-from hookscope._diff.tolerances import model_dtypes, tolerances
 from hookscope._shared.dtypes import dtype_name, parse_device
+from hookscope._shared.tolerances import model_dtypes, tolerances
 from hookscope._shared.units import counted
 from hookscope.errors import PairingWarning, SpecError
 

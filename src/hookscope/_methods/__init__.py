@@ -3,7 +3,8 @@ patching, the logit lens, residual stream algebra), each one call, batched where
 
 ``metrics`` scores an output per row; ``runs`` holds a study's inputs and sites; ``sweep`` the
 exact patching sweep and ``attribution`` its first-order estimate; ``result`` the labelled grid
-both return; ``resid`` the residual stream stacked and normalised; ``lens`` the logit lens.
+both return; ``resid`` the residual stream stacked and normalised; ``lens`` the logit lens and
+``readout`` what a model does between its final norm and its logits.
 """
 
 from hookscope._capture import Stacked

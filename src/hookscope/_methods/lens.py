@@ -1,5 +1,7 @@
 """``logit_lens``: what each layer's residual stream would predict, read through the model's own
-final norm and unembedding; a tuned lens when the caller passes a translator per layer.
+final norm and unembedding, and every linear step the model takes between them and its logits
+(measured on the same run, :mod:`~hookscope._methods.readout`); a tuned lens when the caller
+passes a translator per layer.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.names import escape_name
 from hookscope._core.std import known_std_map
-from hookscope._methods.metrics import MetricFn, metric_name
-from hookscope._methods.resid import _captured, final_norm, stack_std, unembed
+from hookscope._core.std.stdmap import STD_PREFIX
+from hookscope._methods.metrics import MetricFn, check_metric, logits_of, metric_name, run_score, with_logits
+from hookscope._methods.readout import Readout, measure_readout
+from hookscope._methods.resid import block_count, captured_run, final_norm, unembed, unembed_site
 from hookscope._shared.tables import Column, Table
-from hookscope.errors import SpecError
+from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Lens", "logit_lens"]
 
@@ -36,16 +41,23 @@ class Lens:
     scores: torch.Tensor | None = None  # (layer,) the metric, mean over rows
     metric: str = ""
     decode: Decode = None
+    #: What was applied between the final norm and the logits besides the head, and what was left out.
+    readout: str = ""
 
     def probs(self) -> torch.Tensor:
         """``softmax(logits)`` over the vocabulary, in float32."""
         return self.logits.float().softmax(-1)
 
-    def top(self, k: int = 5, *, position: int = -1, row: int = 0) -> list[list[tuple[int, float]]]:
-        """Per layer, the ``k`` most likely token ids at ``position`` of ``row``, with probabilities."""
+    def top(self, k: int = 5, *, position: int = -1, row: int = 0) -> list[list[tuple[int | str, float]]]:
+        """Per layer, the ``k`` most likely tokens at ``position`` of ``row`` with their probabilities:
+        as text where the lens has ``decode``, else as ids."""
         probs = self.probs()[:, row, position]
         values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-        return [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(ids, values, strict=True)]
+        shown = self.token if self.decode is not None else int
+        return [
+            [(shown(i), p) for i, p in zip(layer_ids.tolist(), layer_values.tolist(), strict=True)]
+            for layer_ids, layer_values in zip(ids, values, strict=True)
+        ]
 
     def token(self, token_id: int) -> str:
         """A token id as text, through ``decode`` (a tokenizer's ``decode`` or a list), else the id."""
@@ -66,9 +78,11 @@ class Lens:
         columns = [Column("layer"), Column("top tokens (last position, row 0)")]
         if self.scores is not None:
             columns.append(Column(self.metric or "metric", "right"))
-        table = Table(columns, title=f"Logit lens: {len(self.layers)} layers")
+        table = Table(
+            columns, title=f"Logit lens: {len(self.layers)} layers", notes=[self.readout] if self.readout else []
+        )
         for index, (name, best) in enumerate(zip(self.layers, self.top(k), strict=True)):
-            tokens = "  ".join(f"{self.token(i)} {p:.2f}" for i, p in best)
+            tokens = "  ".join(f"{token} {p:.2f}" for token, p in best)
             cells = [name, tokens] + ([f"{float(self.scores[index]):.4g}"] if self.scores is not None else [])
             table.add(*cells)
         return table
@@ -94,22 +108,25 @@ def logit_lens(
     """Project each layer's residual stream through the final norm and the unembedding.
 
     Args:
-        model: a model with an LM head (``std:ln_final`` and ``std:unembed`` in its map).
+        model: a model with an LM head (``std:ln_final`` and ``std:unembed`` in its map), in eval mode.
         inputs: token ids, a dict of keyword inputs or a tuple of positional inputs.
         layers: canonical names of the residual values to read (default every
             ``blocks.*.resid_post``; ``"std:blocks.*.resid_pre"`` works too).
-        metric: scored on each layer's logits (``hs.methods.logit_diff(...)``): ``lens.scores``.
+        metric: scored on each layer as on the model's output (``hs.methods.logit_diff(...)``, or any
+            function of the output: it gets the model's output with the layer's logits in place of
+            the model's): ``lens.scores``.
         translators: a tuned lens: ``{canonical name: module or function}`` applied to that
             layer's residual before the norm (layers without one are read as they are).
-        decode: turns token ids into text for ``print(lens)`` and ``lens.plot()``: a tokenizer's
-            ``decode`` or a list of strings.
+        decode: turns token ids into text for ``print(lens)``, ``lens.top()`` and ``lens.plot()``: a
+            tokenizer's ``decode`` or a list of strings.
         stack: ``"decoder."`` reads an encoder-decoder's decoder (its blocks and final norm).
 
     A model without a final norm (post-norm stacks such as BART, whose blocks end in their own)
-    is read through the unembedding alone. The last layer's ``resid_post`` through the lens is
-    the model's own logits where the model does nothing between its final norm and its LM head
-    and after it (T5 with tied embeddings scales by ``d_model ** -0.5`` before the head, Gemma 2
-    soft-caps after it: their lens leaves those out).
+    is read through the unembedding alone. Whatever linear steps the model takes between its final
+    norm and its logits (T5's ``d_model ** -0.5`` before its tied head, a scale or a bias after
+    the head) are measured on the same run and applied to every layer, so the last layer's
+    ``resid_post`` through the lens is the model's own logits; a step that is not linear (Gemma 2's
+    soft-cap) is left out. ``lens.readout`` (and ``print(lens)``) says which.
 
     Example::
 
@@ -117,6 +134,8 @@ def logit_lens(
         print(lens)                          # top tokens per layer at the last position
         lens.top(5, position=3); lens.plot().savefig("lens.png")
     """
+    if metric is not None:
+        check_metric(metric)
     chosen = layers if layers is not None else f"std:{stack}blocks.*.resid_post"
     patterns = [chosen] if isinstance(chosen, str) else list(chosen)
     std = known_std_map(model)
@@ -130,14 +149,37 @@ def logit_lens(
         if unknown:
             raise SpecError(f"translators for {unknown}, which the lens does not read; its layers: {names[:6]}...")
     norm, head = final_norm(model, stack, or_identity=True), unembed(model, stack)
-    resid = stack_std(_captured(model, inputs, names, model_kwargs), names).tensor
+    normed_at = (
+        f"{stack}ln_final" if f"{stack}ln_final" in std else f"{stack}blocks.{block_count(std, stack) - 1}.resid_post"
+    )
+    head_site = unembed_site(model, stack)
+    head_input = f"{escape_name(head_site.module or '')}:input[0]"
+    sites = [STD_PREFIX + name for name in dict.fromkeys([*names, normed_at, head_site.name])]
+    output, cache, rows = captured_run(model, inputs, [*sites, head_input], model_kwargs, "logit_lens")
+    readout = _readout(cache, output, STD_PREFIX + normed_at, head_input, STD_PREFIX + head_site.name)
     logits = []
     with torch.no_grad():
-        for name, value in zip(names, resid, strict=True):
+        for name in names:
+            value = cache[STD_PREFIX + name]
             translated = translators[name](value) if translators and name in translators else value
-            logits.append(head(norm(translated)))
+            logits.append(readout(head, norm(translated)))
     stacked = torch.stack(logits)
     scores = None
     if metric is not None:
-        scores = torch.stack([metric(layer_logits).detach().double().mean() for layer_logits in stacked])
-    return Lens(stacked, names, scores, metric_name(metric) if metric is not None else "", decode)
+        scores = torch.stack([run_score(metric, with_logits(output, layer), rows) for layer in stacked])
+    named = metric_name(metric) if metric is not None else ""
+    shown_norm = STD_PREFIX + normed_at if normed_at.endswith("ln_final") else ""
+    return Lens(stacked, names, scores, named, decode, readout.describe(shown_norm, STD_PREFIX + head_site.name))
+
+
+def _readout(cache: Any, output: Any, normed: str, head_input: str, head_output: str) -> Readout:
+    """The steps between the final norm and the logits, from the values one run kept."""
+    try:
+        head_in: torch.Tensor | None = cache[head_input]
+    except SiteNotFoundError:  # the head took its input by keyword: no positional leaf to keep
+        head_in = None
+    try:
+        logits: torch.Tensor | None = logits_of(output)
+    except SpecError:
+        logits = None
+    return measure_readout(cache[normed], head_in, cache[head_output], logits)

@@ -1,13 +1,18 @@
 """Metrics: one number per input row from a model's output, the quantity a study differentiates,
 patches and compares.
 
-A metric is called on the model's output (a tensor of logits, a ``ModelOutput`` with ``.logits``,
-or a tuple whose first element is the logits) and returns one value per row, shape ``(batch,)``.
+The contract, the same for every method (``patch_sweep``, ``attribution_patch``, ``logit_lens``,
+``run_with_capture(backward=)``): a metric is called as ``metric(output)`` on an output of the
+form the model returns (a tensor of logits, a ``ModelOutput`` with ``.logits``, or a tuple whose
+first element is the logits). The logit lens gives each layer that same output with its logits
+replaced by the layer's (:func:`with_logits`), so a function written for the model's output reads
+a layer unchanged. It returns a tensor: one value per row, shape ``(batch,)``, or a scalar, one
+value for the whole batch. A method's score of a run is the mean over rows (:func:`run_score`).
+
 One value per row, not a mean, is what lets a patching sweep run many patches in one
 batched forward and still score each patch on its own rows; so a row's value must depend on
 that row alone (a value centred on the batch mean would mix the rows of different patches).
-Any function of the output is a metric too; one that returns a scalar is scored one forward
-at a time.
+A metric that returns a scalar is scored one forward at a time.
 
 Positions: ``position=-1`` (default) reads the last position; an int reads that position in every
 row, a 1-D integer tensor one position per row, and a boolean ``(batch, seq)`` mask the mean over
@@ -16,6 +21,8 @@ the positions it marks.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +35,7 @@ __all__ = [
     "Metric",
     "MetricFn",
     "Position",
+    "check_metric",
     "kl_to",
     "logit_diff",
     "logits_of",
@@ -35,6 +43,8 @@ __all__ = [
     "loss",
     "metric_name",
     "metric_rows",
+    "run_score",
+    "with_logits",
 ]
 
 Position = int | torch.Tensor | None
@@ -183,14 +193,54 @@ def loss(labels: torch.Tensor, *, position: Position = None) -> Metric:
     return Loss(labels, position)
 
 
+def check_metric(metric: object) -> None:
+    """Refuse a metric that cannot be called, before any forward runs."""
+    if not callable(metric):
+        raise SpecError(
+            f"metric={metric!r}: expected hs.methods.logit_diff(...) (or another built-in) or a function of the "
+            "model's output that returns one value per row"
+        )
+
+
+def with_logits(output: Any, logits: torch.Tensor) -> Any:
+    """``output`` (a model's output) with its logits replaced by ``logits``, in the same form: what a
+    metric of the model's output reads for another set of logits (a logit lens layer's).
+
+    >>> with_logits((torch.zeros(1, 2), "cache"), torch.ones(1, 2))
+    (tensor([[1., 1.]]), 'cache')
+    """
+    if isinstance(output, torch.Tensor):
+        return logits
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        if dataclasses.is_dataclass(output) and not isinstance(output, type):
+            return dataclasses.replace(output, logits=logits)  # a transformers ModelOutput
+        replaced = copy.copy(output)
+        replaced.logits = logits
+        return replaced
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return type(output)([logits, *output[1:]]) if isinstance(output, list) else (logits, *output[1:])
+    logits_of(output)  # raises: the output holds no logits
+    return logits
+
+
+def run_score(metric: MetricFn, output: Any, rows: int) -> torch.Tensor:
+    """The metric of one run as one float64 number: the mean of its per-row values, or the scalar it
+    returned (a metric of the whole batch). Anything else is refused with the contract."""
+    value = metric(output)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.detach().double()
+    return metric_rows(metric, output, rows, value=value).detach().double().mean()
+
+
 def metric_name(metric: MetricFn) -> str:
     """What a metric is called in a result: ``metric.name`` (the built-ins'), else the function's name."""
     return str(getattr(metric, "name", getattr(metric, "__name__", "metric")))
 
 
-def metric_rows(metric: MetricFn, output: Any, rows: int) -> torch.Tensor:
-    """``metric(output)`` as one value per row, ``(rows,)``; a scalar is accepted only for one row."""
-    value = metric(output)
+def metric_rows(metric: MetricFn, output: Any, rows: int, *, value: Any = None) -> torch.Tensor:
+    """``metric(output)`` (or the ``value`` it already gave) as one value per row, ``(rows,)``; a
+    scalar is accepted only for one row."""
+    value = metric(output) if value is None else value
     if not isinstance(value, torch.Tensor):
         raise SpecError(f"the metric returned {type(value).__name__}; expected a tensor, one value per row")
     if value.dim() == 0 and rows == 1:

@@ -5,24 +5,39 @@ Both read canonical names (``std:``), so one call works on GPT-2, Llama or any m
 knows. The decomposition is ``resid_pre`` of the first block (labelled ``embed``: whatever enters
 the blocks, position embeddings and embedding scales included), then each block's ``attn`` and
 ``mlp`` (and, in encoder-decoder decoders, ``cross_attn``): the terms the blocks add, so they sum
-to the last ``resid_post``; the sum is checked, and blocks that normalise after each add
-(post-norm: BERT, BART) are refused with the reason.
+to the last ``resid_post``; the sum is checked, at the tolerance of the values' dtype (the
+table ``hs.diff`` uses, widened by the number of adds, each of which rounds once), and blocks
+that normalise after each add (post-norm: BERT, BART) are refused with the reason.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, overload
 
 import torch
 from torch import nn
 
 from hookscope._capture import Cache, Stacked, run_with_capture
 from hookscope._core.std import known_std_map
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite
 from hookscope._methods.runs import Inputs
+from hookscope._shared.tolerances import tolerances
 from hookscope.errors import SpecError
 
-__all__ = ["Stacked", "accumulated_resid", "apply_ln", "decompose_resid", "final_norm", "stack_std", "unembed"]
+__all__ = [
+    "Stacked",
+    "accumulated_resid",
+    "apply_ln",
+    "block_count",
+    "captured_run",
+    "decompose_resid",
+    "final_norm",
+    "refuse_training",
+    "stack_std",
+    "unembed",
+    "unembed_site",
+]
 
 
 def stack_std(cache: Cache, names: list[str]) -> Stacked:
@@ -34,7 +49,8 @@ def stack_std(cache: Cache, names: list[str]) -> Stacked:
     return Stacked(torch.stack(values), list(names))
 
 
-def _blocks(std: StdMap, prefix: str) -> int:
+def block_count(std: StdMap, prefix: str) -> int:
+    """The blocks of the stack ``prefix`` names; none is refused, naming the stacks an encoder-decoder has."""
     count = 0
     while f"{prefix}blocks.{count}.resid_pre" in std:
         count += 1
@@ -69,15 +85,15 @@ def accumulated_resid(
         labels[:2], resid.shape            # ['blocks.0.resid_pre', 'blocks.1.resid_pre'], (13, 1, 8, 768)
     """
     std = known_std_map(model)
-    count = _blocks(std, stack)
+    count = block_count(std, stack)
     names = []
     for index in range(count):
         names.append(f"{stack}blocks.{index}.resid_pre")
         if mid:
             names.append(f"{stack}blocks.{index}.resid_mid")
     names.append(f"{stack}blocks.{count - 1}.resid_post")
-    stacked = stack_std(_captured(model, inputs, names, model_kwargs), names)
-    return apply_ln(stacked, model) if apply_final_norm else stacked
+    stacked = stack_std(_captured(model, inputs, names, model_kwargs, "accumulated_resid"), names)
+    return apply_ln(stacked, model, stack=stack) if apply_final_norm else stacked
 
 
 def decompose_resid(
@@ -92,34 +108,68 @@ def decompose_resid(
         torch.testing.assert_close(parts.sum(0), cache["std:blocks.11.resid_post"])
     """
     std = known_std_map(model)
-    count = _blocks(std, stack)
+    count = block_count(std, stack)
     names = [f"{stack}blocks.0.resid_pre"]
     for index in range(count):
         for part in ("attn", "cross_attn", "mlp"):
             if f"{stack}blocks.{index}.{part}" in std:
                 names.append(f"{stack}blocks.{index}.{part}")
     last = f"{stack}blocks.{count - 1}.resid_post"
-    cache = _captured(model, inputs, [*names, last], model_kwargs)
+    cache = _captured(model, inputs, [*names, last], model_kwargs, "decompose_resid")
     stacked = stack_std(cache, names)
     final = cache[STD_PREFIX + last]
-    total = stacked.tensor.sum(0)
-    error = float((total - final).abs().max()) if total.shape == final.shape else float("inf")
-    if not error <= 1e-4 * max(1.0, float(final.abs().max())):
+    error, allowed = _sum_error(stacked.tensor, final)
+    if not error <= allowed:
         raise SpecError(
-            f"the components of {std.family}'s residual stream do not sum to {last} (max error {error:.3g}): its "
-            "blocks normalise after each add (post-norm) or add more than attention and the MLP; use "
-            "accumulated_resid, which reads the stream itself"
+            f"the components of {std.family}'s residual stream do not sum to {last} (max error {error:.3g}, "
+            f"{final.dtype} rounding allows {allowed:.3g}): its blocks normalise after each add (post-norm) or add "
+            "more than attention and the MLP; use accumulated_resid, which reads the stream itself"
         )
     return Stacked(stacked.tensor, ["embed", *names[1:]])
 
 
-def _captured(model: nn.Module, inputs: Any, names: list[str], model_kwargs: dict[str, Any] | None) -> Cache:
+def _sum_error(parts: torch.Tensor, final: torch.Tensor) -> tuple[float, float]:
+    """How far ``parts`` sum from ``final``, and how far rounding lets them: the model adds them
+    one at a time in its dtype, each add rounding once, so the dtype's tolerance (``hs.diff``'s
+    table) of the largest partial sum, times the square root of the number of adds (rounding
+    errors of independent adds grow as a random walk). Summed here in float64, adding none."""
+    if parts.shape[1:] != final.shape:
+        return math.inf, 0.0
+    running = parts.double().cumsum(0)
+    rtol, atol = tolerances(parts.dtype, final.dtype)
+    error = float((running[-1] - final.double()).abs().max())
+    return error, math.sqrt(len(parts)) * (atol + rtol * float(running.abs().max()))
+
+
+def refuse_training(model: nn.Module, method: str) -> None:
+    """Refuse a model with any module in training mode: dropout would make the run one sample of
+    many and batch norm would read (and move) the batch's statistics, so what a method reads would
+    not be what the model computes at inference."""
+    training = [name or "(root)" for name, module in model.named_modules() if module.training]
+    if training:
+        shown = ", ".join(training[:3]) + (", ..." if len(training) > 3 else "")
+        raise SpecError(
+            f"{method}: the model is in training mode ({shown}): dropout and batch norm would make the run differ "
+            "from inference; call model.eval() first"
+        )
+
+
+def captured_run(
+    model: nn.Module, inputs: Any, layers: list[str], model_kwargs: dict[str, Any] | None, method: str
+) -> tuple[Any, Cache, int]:
+    """One forward of ``inputs`` without a graph, capturing ``layers``: the output, the cache and
+    the rows; a model in training mode is refused first."""
+    refuse_training(model, method)
     given = Inputs.of(inputs, "inputs", model_kwargs)
     with torch.no_grad():
-        _, cache = run_with_capture(
-            model, *given.args, layers=[STD_PREFIX + n for n in names], model_kwargs=given.kwargs
-        )
-    return cache
+        output, cache = run_with_capture(model, *given.args, layers=layers, model_kwargs=given.kwargs)
+    return output, cache, given.rows
+
+
+def _captured(
+    model: nn.Module, inputs: Any, names: list[str], model_kwargs: dict[str, Any] | None, method: str
+) -> Cache:
+    return captured_run(model, inputs, [STD_PREFIX + n for n in names], model_kwargs, method)[1]
 
 
 def final_norm(model: nn.Module, stack: str = "", *, or_identity: bool = False) -> nn.Module:
@@ -133,10 +183,19 @@ def final_norm(model: nn.Module, stack: str = "", *, or_identity: bool = False) 
 
 def unembed(model: nn.Module, stack: str = "") -> nn.Module:
     """The model's unembedding (``std:unembed``, the LM head), the module itself."""
-    return _module(model, f"{stack}unembed" if f"{stack}unembed" in known_std_map(model) else "unembed", "an LM head")
+    return model.get_submodule(unembed_site(model, stack).module or "")
+
+
+def unembed_site(model: nn.Module, stack: str = "") -> StdSite:
+    """The canonical site of the LM head: the stack's own where it has one, else the model's."""
+    return _site(model, f"{stack}unembed" if f"{stack}unembed" in known_std_map(model) else "unembed", "an LM head")
 
 
 def _module(model: nn.Module, name: str, what: str) -> nn.Module:
+    return model.get_submodule(_site(model, name, what).module or "")
+
+
+def _site(model: nn.Module, name: str, what: str) -> StdSite:
     std = known_std_map(model)
     site = std.get(name)
     if site is None or site.module is None:
@@ -145,11 +204,26 @@ def _module(model: nn.Module, name: str, what: str) -> nn.Module:
             f"this model has no std:{name} ({why}); the logit lens and apply_ln need {what}: use a model with one "
             "(a transformers ...ForCausalLM, not the bare ...Model; an encoder-decoder's decoder: stack='decoder.')"
         )
-    return model.get_submodule(site.module)
+    return site
 
 
-def apply_ln(stacked: Stacked, model: nn.Module, *, scale_of: torch.Tensor | None = None, stack: str = "") -> Stacked:
-    """The model's final norm applied to each slice of a stack.
+@overload
+def apply_ln(
+    stacked: Stacked, model: nn.Module, *, scale_of: torch.Tensor | None = None, stack: str = ""
+) -> Stacked: ...
+
+
+@overload
+def apply_ln(
+    stacked: torch.Tensor, model: nn.Module, *, scale_of: torch.Tensor | None = None, stack: str = ""
+) -> torch.Tensor: ...
+
+
+def apply_ln(
+    stacked: Stacked | torch.Tensor, model: nn.Module, *, scale_of: torch.Tensor | None = None, stack: str = ""
+) -> Stacked | torch.Tensor:
+    """The model's final norm applied to each slice of a stack: a ``Stacked`` (the result keeps its
+    labels) or its tensor alone (``parts`` of ``parts, labels = decompose_resid(...)``; a tensor back).
 
     Without ``scale_of`` each slice goes through the norm on its own (the accumulated stream, as
     the logit lens reads it). With ``scale_of`` (the final residual the slices sum to) the norm is
@@ -162,16 +236,22 @@ def apply_ln(stacked: Stacked, model: nn.Module, *, scale_of: torch.Tensor | Non
     Example::
 
         parts, labels = hs.methods.decompose_resid(gpt2, ids)
-        normed = hs.methods.apply_ln(hs.methods.Stacked(parts, labels), gpt2, scale_of=parts.sum(0))
-        per_component = normed.tensor @ gpt2.lm_head.weight.T
+        normed = hs.methods.apply_ln(parts, gpt2, scale_of=parts.sum(0))
+        per_component = normed @ gpt2.lm_head.weight.T
         # per_component.sum(0) + gpt2.transformer.ln_f.bias @ gpt2.lm_head.weight.T is the logits
     """
+    if isinstance(stacked, Stacked):
+        return Stacked(apply_ln(stacked.tensor, model, scale_of=scale_of, stack=stack), stacked.labels)
+    if not isinstance(stacked, torch.Tensor):
+        raise SpecError(
+            f"apply_ln({type(stacked).__name__}): expected a Stacked (what decompose_resid and accumulated_resid "
+            "return) or its tensor of slices stacked on dim 0"
+        )
     norm = final_norm(model, stack)
-    values = stacked.tensor
     with torch.no_grad():
         if scale_of is None:
-            return Stacked(torch.stack([norm(value) for value in values]), stacked.labels)
-        return Stacked(linear_norm(norm, values, scale_of), stacked.labels)
+            return torch.stack([norm(value) for value in stacked])
+        return linear_norm(norm, stacked, scale_of)
 
 
 def linear_norm(norm: nn.Module, parts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -201,6 +201,22 @@ def lens_command(
             "--out", "-o", help="Also draw the lens (layers x positions): .png, .svg or .pdf.", show_default=False
         ),
     ] = None,
+    stack: Annotated[
+        str | None,
+        typer.Option(
+            "--stack",
+            help="The stack read: 'decoder.' (the default for an encoder-decoder model such as T5) or 'encoder.'.",
+            show_default=False,
+        ),
+    ] = None,
+    decoder_prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--decoder-prompt",
+            help="An encoder-decoder's decoder token ids, one row per --prompt row (default: its start token).",
+            show_default=False,
+        ),
+    ] = None,
     dtype: Dtype = None,
     seed: Seed = 0,
 ) -> None:
@@ -208,7 +224,8 @@ def lens_command(
 
     Prints, per layer, the most likely token ids at one position with their probabilities: where
     in the depth of the model a prediction forms. MODEL needs an LM head (a ...ForCausalLM model,
-    e.g. hf-config:gpt2/causal-lm).
+    e.g. hf-config:gpt2/causal-lm, or an encoder-decoder's, hf-config:t5/seq2seq-lm, whose decoder
+    is read: --prompt feeds the encoder, --decoder-prompt the decoder).
 
     Example: hookscope lens 'hf-config:gpt2/causal-lm?n_layer=2' --prompt 5,6,7,8 --top 3 --out lens.png
     """
@@ -217,18 +234,59 @@ def lens_command(
     if out is not None:
         _check_out(out, _FIGURE_OUTPUTS)
     ids = parse_ids(prompt, what="--prompt")
-    rows, seq = ids.shape
-    if row >= rows:
-        raise SpecError(f"--row {row}: the prompt has {rows} row{'' if rows == 1 else 's'} (0 to {rows - 1})")
-    if not -seq <= position < seq:
-        raise SpecError(f"--position {position}: the prompt has {seq} positions (0 to {seq - 1}, or -1 to -{seq})")
+    decoder_ids = None if decoder_prompt is None else parse_ids(decoder_prompt, what="--decoder-prompt")
+    if decoder_ids is not None and decoder_ids.shape[0] != ids.shape[0]:
+        raise SpecError(
+            f"--decoder-prompt has {decoder_ids.shape[0]} rows and --prompt {ids.shape[0]}: give the decoder one row "
+            "per prompt row"
+        )
+    read_decoder = decoder_ids is not None and stack != "encoder."
+    _check_read(
+        decoder_ids if read_decoder else ids, row, position, "--decoder-prompt" if read_decoder else "the prompt"
+    )
     chosen = _split(layers or []) or None
     net = _seeded(model, dtype, seed)
-    lens = _refused(lambda: hs.methods.logit_lens(net, ids, layers=chosen))
+    inputs, stack = _lens_inputs(net, ids, decoder_ids, stack)
+    if decoder_ids is None and stack == "decoder.":
+        _check_read(
+            inputs["decoder_input_ids"],
+            row,
+            position,
+            "the decoder's input (its start token; --decoder-prompt gives more)",
+        )
+    lens = _refused(lambda: hs.methods.logit_lens(net, inputs, layers=chosen, stack=stack))
     typer.echo(lens_table(lens, top, position=position, row=row))
     if out is not None:
         _write(out, _figure_bytes(lens.plot(row=row), out.suffix.lower()[1:]))
         typer.echo(f"wrote {out}")
+
+
+def _check_read(ids: Any, row: int, position: int, what: str) -> None:
+    """Refuse a --row or --position outside the ids the lens reads, before the model runs."""
+    rows, seq = ids.shape
+    if row >= rows:
+        raise SpecError(f"--row {row}: {what} has {rows} row{'' if rows == 1 else 's'} (0 to {rows - 1})")
+    if not -seq <= position < seq:
+        plural = "" if seq == 1 else "s"
+        raise SpecError(f"--position {position}: {what} has {seq} position{plural} (0 to {seq - 1}, or -1 to -{seq})")
+
+
+def _lens_inputs(net: Any, ids: Any, decoder_ids: Any, stack: str | None) -> tuple[Any, str]:
+    """The lens's inputs and stack: an encoder-decoder reads its decoder (unless --stack says
+    otherwise) on --decoder-prompt, or on its start token, one per row."""
+    if stack and not stack.endswith("."):
+        stack += "."  # --stack decoder reads as decoder.
+    encoder_decoder = getattr(getattr(net, "config", None), "is_encoder_decoder", False) is True
+    if not encoder_decoder:
+        if decoder_ids is not None:
+            raise SpecError(f"--decoder-prompt: {type(net).__name__} is not an encoder-decoder; drop the option")
+        return ids, stack or ""
+    if decoder_ids is None:
+        _, sample = hs.sample_input(net, (ids.shape[0], 1))
+        decoder_ids = sample.get("decoder_input_ids")
+        if decoder_ids is None:
+            raise SpecError(f"{type(net).__name__} takes no decoder_input_ids; pass --stack '' to read it as one stack")
+    return {"input_ids": ids, "decoder_input_ids": decoder_ids}, "decoder." if stack is None else stack
 
 
 # -- printing --------------------------------------------------------------------------------------
@@ -249,11 +307,11 @@ def lens_table(lens: hs.methods.Lens, k: int, *, position: int, row: int) -> str
     """Per layer, the ``k`` most likely tokens at ``position`` of ``row`` with their probabilities."""
     best = lens.top(k, position=position, row=row)
     rows = [
-        [name, "  ".join(f"{lens.token(i)} {p:.3f}" for i, p in tokens)]
+        [name, "  ".join(f"{token} {p:.3f}" for token, p in tokens)]
         for name, tokens in zip(lens.layers, best, strict=True)
     ]
     title = f"logit lens: {len(lens.layers)} layers, position {position} of row {row}"
-    return title + "\n" + _text_table(["layer", f"top {k} tokens (id probability)"], rows)
+    return title + "\n" + _text_table(["layer", f"top {k} tokens (id probability)"], rows) + "\n" + lens.readout
 
 
 def _text_table(header: list[str], rows: list[list[str]], *, right: set[int] | None = None) -> str:

@@ -1,8 +1,9 @@
 """Default tolerances of a comparison, from the precision of what is compared.
 
-One table for every way in (``hs.diff``, ``hs.diff.dtypes``, ``hookscope diff --dtype``), so
-the same question gets the same answer: two float32 models are held to float32's rounding, a
-bf16 or fp16 copy to what those formats can keep. A site is within tolerance when
+One table for every way in (``hs.diff``, ``hs.diff.dtypes``, ``hookscope diff --dtype``, and the
+methods that check a model against itself: ``decompose_resid``'s sum, the logit lens's fit of
+what follows the final norm), so the same question gets the same answer: two float32 models are
+held to float32's rounding, a bf16 or fp16 copy to what those formats can keep. A site is within tolerance when
 ``max|a - b| <= atol + rtol * max|a|``.
 
 >>> tolerances(torch.float32), tolerances(torch.float32, torch.bfloat16)
