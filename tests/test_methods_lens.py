@@ -208,7 +208,7 @@ def test_a_metric_that_cannot_be_called_or_scored_is_refused() -> None:
 def test_the_lens_refuses_a_model_in_training_mode_and_leaves_it_so() -> None:
     model = gpt2().train()
     before = [module.training for module in model.modules()]
-    with pytest.raises(hs.SpecError, match=r"training mode .*call model.eval\(\) first"):
+    with pytest.raises(hs.SpecError, match=r"training mode.*call model.eval\(\) first"):
         hs.methods.logit_lens(model, ids())
     assert [module.training for module in model.modules()] == before
     model.eval()

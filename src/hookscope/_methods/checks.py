@@ -40,8 +40,9 @@ def refuse_training(model: nn.Module, method: str) -> None:
     count = len(training)
     raise SpecError(
         f"{method}: {count} module{'' if count == 1 else 's'} of the model {'is' if count == 1 else 'are'} in "
-        f"training mode, e.g. {example}: dropout would differ between the patched runs and batch norm would "
-        "mix the patched copies and move its running statistics; call model.eval() first"
+        f"training mode, e.g. {example}: dropout draws other units on every run and batch norm normalises by "
+        "the batch and moves its running statistics, so the runs would not be the model at inference; "
+        "call model.eval() first"
     )
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from hookscope._capture import Cache, Stacked, run_with_capture
 from hookscope._core.std import known_std_map
 from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite
+from hookscope._methods.checks import refuse_training
 from hookscope._methods.runs import Inputs
 from hookscope._shared.tolerances import tolerances
 from hookscope.errors import SpecError
@@ -33,7 +34,6 @@ __all__ = [
     "captured_run",
     "decompose_resid",
     "final_norm",
-    "refuse_training",
     "stack_std",
     "unembed",
     "unembed_site",
@@ -139,19 +139,6 @@ def _sum_error(parts: torch.Tensor, final: torch.Tensor) -> tuple[float, float]:
     rtol, atol = tolerances(parts.dtype, final.dtype)
     error = float((running[-1] - final.double()).abs().max())
     return error, math.sqrt(len(parts)) * (atol + rtol * float(running.abs().max()))
-
-
-def refuse_training(model: nn.Module, method: str) -> None:
-    """Refuse a model with any module in training mode: dropout would make the run one sample of
-    many and batch norm would read (and move) the batch's statistics, so what a method reads would
-    not be what the model computes at inference."""
-    training = [name or "(root)" for name, module in model.named_modules() if module.training]
-    if training:
-        shown = ", ".join(training[:3]) + (", ..." if len(training) > 3 else "")
-        raise SpecError(
-            f"{method}: the model is in training mode ({shown}): dropout and batch norm would make the run differ "
-            "from inference; call model.eval() first"
-        )
 
 
 def captured_run(

@@ -24,7 +24,7 @@ from hookscope._core.select import Selector
 from hookscope._edit import EditContext, edit
 from hookscope._methods.checks import default_sites, refuse_training
 from hookscope._methods.grid import Cell, Heads, Positions, SiteLayout, check_num_heads, lay_out
-from hookscope._methods.metrics import MetricFn, metric_name, metric_rows
+from hookscope._methods.metrics import MetricFn, check_metric, metric_name, metric_rows
 from hookscope._methods.result import Effects
 from hookscope._methods.runs import Inputs, PatchSite, patch_sites
 from hookscope.errors import SpecError
@@ -107,8 +107,7 @@ def plan_study(
     """Run the clean and corrupted inputs once each, capturing the sites, and lay out the cells."""
     if direction not in ("denoise", "noise"):
         raise SpecError(f"direction={direction!r}: expected 'denoise' (clean values into the corrupted run) or 'noise'")
-    if not callable(metric):
-        raise SpecError(f"metric={metric!r}: expected hs.methods.logit_diff(...) or a function of the output")
+    check_metric(metric)
     refuse_training(model, method)
     check_num_heads(num_heads, heads)
     clean_in = Inputs.of(clean, "clean", model_kwargs)
