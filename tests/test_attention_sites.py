@@ -282,8 +282,12 @@ def test_sub_sites_of_every_layer_equal_the_eager_weights_and_the_kernel_s_call(
         assert pattern.shape == weights.shape
         assert pattern.size(1) == heads
         assert torch.allclose(pattern[real.expand_as(pattern)], weights[real.expand_as(weights)], atol=1e-6)
-        for kind, arg in (("q", "query"), ("k", "key"), ("v", "value")):
-            assert torch.equal(cache[f"{layer}:attn.{kind}"], call[arg])
+        assert torch.equal(cache[f"{layer}:attn.q"], call["query"])
+        kv_heads = config.get("num_key_value_heads", heads)
+        for kind, arg in (("k", "key"), ("v", "value")):  # the model's key/value heads, also where it repeated them
+            kept = cache[f"{layer}:attn.{kind}"]
+            assert kept.shape == (2, kv_heads, 10, call[arg].size(-1))
+            assert torch.equal(kept.repeat_interleave(call[arg].size(1) // kv_heads, dim=1), call[arg])
         assert cache[f"{layer}:attn.q"].shape == (2, heads, 10, call["query"].size(-1))
         torch.testing.assert_close(cache[f"{layer}:attn.scores"], scores_by_hand(call), rtol=0, atol=1e-6)
         z = cache[f"{layer}:attn.z"]

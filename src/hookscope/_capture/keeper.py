@@ -40,17 +40,17 @@ EAGER_COPY_BYTES = 64 * 1024
 
 
 def _no_grad_reason(fresh: bool) -> str:
-    """Why a kept value gets no gradient: recomputed for the capture, or outside autograd's graph."""
-    if fresh:
-        return (
-            "it was recomputed from the kernel's arguments for the capture (the model never used it): "
-            "take gradients at :attn.q, :attn.k, :attn.v or :attn.z"
-        )
+    """Why a kept value gets no gradient: outside autograd's graph, or recomputed off it."""
     if not torch.is_grad_enabled():
         return (
             "it is not in autograd's graph: it was made with gradients off (torch.no_grad(), "
             "inference_mode(), or inside a block checkpointed with use_reentrant=True, whose forward runs "
             "without them: use use_reentrant=False) or from inputs and weights that do not require grad"
+        )
+    if fresh:
+        return (
+            "it was recomputed from the kernel's arguments, which are not in autograd's graph: they were made "
+            "from inputs and weights that do not require grad (frozen weights: requires_grad_(False))"
         )
     return (
         "it is not in autograd's graph: it was made from inputs and weights that do not require grad "
@@ -263,7 +263,7 @@ class Keeper:
         pass's cache when a backward reaches it. A tensor hook stays on the node that made this
         version, so an in-place write later does not change whose gradient it gets."""
         cache = self.cache
-        if not tensor.requires_grad or fresh:  # fresh: recomputed for the capture, off the model's path
+        if not tensor.requires_grad:  # a recomputed value in the graph is on the model's path (spliced)
             cache._note_no_grad(site, _no_grad_reason(fresh))
             return
         dtype, device = self._dtype, self._device

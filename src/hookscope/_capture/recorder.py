@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._capture.attn_sites import attention_values
+from hookscope._capture.attn_sites import read_attention
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
@@ -272,13 +272,22 @@ class Capture(Scoped):
         def room(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
             keeper.check_room(Site(name, call, "output", "", op=f"attn.{kind}#{index}"), shape, dtype)
 
-        replacement = None
-        values = attention_values(kinds, args, kwargs, output, detach=self.options.detach, room=room)
-        for kind, value, fresh in values:
-            keep(name, call, "output", [("", value)], value, op=f"attn.{kind}#{index}", fresh=fresh)
+        counts = self._ops.head_counts(name) if self._ops is not None else None
+        grads = self.options.grads
+        read = read_attention(
+            kinds, args, kwargs, output, detach=self.options.detach, counts=counts, grads=grads, room=room
+        )
+        replacement = read.output  # grads=True: the call spliced through the values, the model goes on with it
+        for kind, value, fresh in read.values:
+            op = f"attn.{kind}#{index}"
+            keep(name, call, "output", [("", value)], value, op=op, fresh=fresh)
             kept_in_graph = handover()
             if kept_in_graph and kind == "z":  # detach=False: the model goes on with a copy of the output
-                replacement = map_tensors_with_paths(_copier(kept_in_graph), output)
+                replacement = map_tensors_with_paths(
+                    _copier(kept_in_graph), output if replacement is None else replacement
+                )
+            if kind in read.no_grad:
+                keeper.cache._note_no_grad(Site(name, call, "output", "", op=op), read.no_grad[kind])
         return replacement
 
     # -- nn.DataParallel replicas -----------------------------------------------------------------

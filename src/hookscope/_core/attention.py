@@ -19,6 +19,19 @@ kernel's math, when and only when it is asked for:
 Dropout (``dropout_p``) is random and is not part of the pattern: these are the probabilities
 before it, which is what eager implementations return as ``attn_weights`` too.
 
+Heads, whatever the call's shape: under grouped-query attention transformers' SDPA path passes
+the kernel one of three layouts (``enable_gqa``; ``repeat_kv``, key/value heads repeated to the
+query heads' count, on a masked call; ``pack_gqa``, a one-query step under a mask with each
+key/value head's query heads laid along the query axis). :class:`HeadLayout` turns any of them
+into one: q, scores, pattern and z ``(batch, heads, queries, ...)``, k and v ``(batch, key/value
+heads, keys, head size)``, and back, from the module's head counts (:func:`head_counts`, read
+once when hooks attach) and the call's shapes.
+
+Where the eager implementation differs: a query row that may see no key at all (a left-padded
+position, under a mask without a causal fallback) gets zeros here, as the kernel computed it
+(its output row is zero too); transformers' eager softmax of a row of equal ``finfo.min`` scores
+gives it a uniform row instead, ``1 / keys``. Every other row is the eager ``attn_weights``.
+
 Cost: the scores and the pattern hold ``batch x heads x queries x keys`` values each, the
 quadratic memory the fused kernels avoid (for 32 heads over 4,096 tokens, 2 GiB per layer in
 float32), and one extra matrix product. Half-precision arguments are computed in float32 and
@@ -38,11 +51,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn import functional
 
 from hookscope.errors import SpecError
 
-__all__ = ["SdpaCall", "attend", "attention_pattern", "attention_scores", "pattern_of_scores", "sdpa_call"]
+__all__ = [
+    "HeadCounts",
+    "HeadLayout",
+    "SdpaCall",
+    "attend",
+    "attention_pattern",
+    "attention_scores",
+    "head_counts",
+    "head_layout",
+    "pattern_of_scores",
+    "run_kernel",
+    "sdpa_call",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -208,3 +234,125 @@ def _repeat_heads(tensor: Tensor, heads: int, what: str) -> Tensor:
             "attention needs a whole number of query heads per key/value head"
         )
     return tensor.repeat_interleave(groups, dim=-3)
+
+
+def run_kernel(call: SdpaCall) -> Tensor:
+    """``scaled_dot_product_attention`` again, on the call's (possibly edited) arguments."""
+    optional: dict[str, Any] = {"enable_gqa": True} if call.enable_gqa else {}  # a keyword of torch 2.5 on
+    return functional.scaled_dot_product_attention(
+        call.query,
+        call.key,
+        call.value,
+        attn_mask=call.attn_mask,
+        dropout_p=call.dropout_p,
+        is_causal=call.is_causal,
+        scale=call.scale,
+        **optional,
+    )
+
+
+# -- heads: one layout whatever the kernel call's ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """An attention module's query and key/value head counts (grouped-query attention)."""
+
+    heads: int
+    kv_heads: int
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+
+def head_counts(module: nn.Module) -> HeadCounts | None:
+    """The head counts of a module whose code may repeat or pack heads before the kernel: a
+    transformers attention module with ``num_key_value_groups`` > 1 (what its SDPA path reads to
+    decide) and its query head count (``num_heads``, ``num_attention_heads``, or its config's).
+    None for any other module: its calls are read as passed. Read once, when hooks attach.
+
+    >>> attention = nn.Module()                   # as transformers' LlamaAttention holds them
+    >>> attention.num_key_value_groups, attention.num_heads = 2, 4
+    >>> head_counts(attention), head_counts(nn.Linear(2, 2))
+    (HeadCounts(heads=4, kv_heads=2), None)
+    """
+    groups = getattr(module, "num_key_value_groups", None)
+    if not isinstance(groups, int) or groups < 2:
+        return None
+    config = getattr(module, "config", None)
+    for owner, attribute in ((module, "num_heads"), (module, "num_attention_heads"), (config, "num_attention_heads")):
+        heads = getattr(owner, attribute, None)
+        if isinstance(heads, int) and heads > 0 and heads % groups == 0:
+            return HeadCounts(heads, heads // groups)
+    return None
+
+
+_QUERY_SIDE = frozenset({"q", "scores", "pattern", "z"})
+_KEY_SIDE = frozenset({"k", "v"})
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How one kernel call holds its heads, against the sub-sites' one layout: q, scores,
+    pattern and z ``(batch, heads, queries, ...)``; k and v ``(batch, key/value heads, keys, size)``.
+
+    ``packed``: transformers' ``pack_gqa`` (one query, a mask, grouped-query attention) passes
+    q as ``(batch, kv heads, groups, size)``, query head ``h`` at ``(h // groups, h % groups)``,
+    so the query-side values come back in that shape; ``repeated``: its ``repeat_kv`` passed k
+    and v with each key/value head repeated ``repeated`` times in a row. 1: as passed.
+
+    >>> q = torch.randn(1, 4, 1, 8)                          # 4 query heads, one query
+    >>> packed = HeadLayout(packed=2).kernel("q", q)          # as pack_gqa passes it: 2 kv heads
+    >>> packed.shape, torch.equal(HeadLayout(packed=2).documented("q", packed), q)
+    (torch.Size([1, 2, 2, 8]), True)
+    """
+
+    packed: int = 1
+    repeated: int = 1
+
+    def documented(self, kind: str, tensor: Tensor) -> Tensor:
+        """The kernel's value of ``kind`` in the documented layout (a view where one exists)."""
+        if self.packed > 1 and kind in _QUERY_SIDE:
+            return tensor.reshape(*tensor.shape[:-3], tensor.size(-3) * self.packed, 1, tensor.size(-1))
+        if self.repeated > 1 and kind in _KEY_SIDE:
+            return tensor[..., :: self.repeated, :, :]  # the first of each run of repeated heads
+        return tensor
+
+    def kernel(self, kind: str, tensor: Tensor) -> Tensor:
+        """A value of ``kind`` in the documented layout, laid out as the kernel call takes it."""
+        if self.packed > 1 and kind in _QUERY_SIDE:
+            return tensor.reshape(*tensor.shape[:-3], tensor.size(-3) // self.packed, self.packed, tensor.size(-1))
+        if self.repeated > 1 and kind in _KEY_SIDE:
+            return tensor.repeat_interleave(self.repeated, dim=-3)
+        return tensor
+
+    def moves(self, kind: str) -> bool:
+        """Whether ``kind``'s documented value is a new view, not the kernel's tensor itself."""
+        return (self.packed > 1 and kind in _QUERY_SIDE) or (self.repeated > 1 and kind in _KEY_SIDE)
+
+
+AS_PASSED = HeadLayout()
+
+
+def head_layout(call: SdpaCall, counts: HeadCounts | None) -> HeadLayout:
+    """The layout of one call of a module with ``counts`` (:func:`head_counts`), from its shapes
+    alone: a call with ``enable_gqa``, or of a module without grouped heads, is read as passed.
+
+    >>> counts = HeadCounts(heads=4, kv_heads=2)
+    >>> q, kv = torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 5, 8)  # pack_gqa: one query per head
+    >>> head_layout(SdpaCall(q, kv, kv), counts)
+    HeadLayout(packed=2, repeated=1)
+    >>> head_layout(SdpaCall(torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8)), counts)
+    HeadLayout(packed=1, repeated=2)
+    """
+    query, key = call.query, call.key
+    if counts is None or call.enable_gqa or counts.groups < 2 or query.dim() < 3 or key.dim() < 3:
+        return AS_PASSED
+    query_heads, key_heads = query.size(-3), key.size(-3)
+    if query_heads == key_heads == counts.kv_heads and query.size(-2) == counts.groups:
+        return HeadLayout(packed=counts.groups)
+    if query_heads == key_heads == counts.heads:
+        return HeadLayout(repeated=counts.groups)
+    return AS_PASSED

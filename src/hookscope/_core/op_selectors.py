@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from hookscope._core.attention import HeadCounts, head_counts
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
@@ -59,11 +60,14 @@ class OpSelectors:
         error: type[HookscopeError] = CaptureError,
     ) -> None:
         self.patterns = list(patterns)
+        # transformers refuses attn_implementation="sdpa" for some models (Gemma 2): never advised then
+        self._refuses_sdpa = getattr(model, "_supports_sdpa", None) is False
         self._owner = owner
         self._error = error
         self._per_module: dict[str, list[tuple[int, OpPattern]]] = {}
         self._modules_of: dict[int, list[str]] = {}
         modules: dict[str, nn.Module] = {}
+        self._heads: dict[str, HeadCounts] = {}  # attention modules with grouped heads, read once here
         for number, pattern in enumerate(self.patterns):
             module_selector = "" if pattern.module == ROOT_LABEL else pattern.module  # "(root):op[add]"
             for name, module in select(model, module_selector):
@@ -72,6 +76,9 @@ class OpSelectors:
                 self._per_module.setdefault(name, []).append((number, pattern))
                 self._modules_of.setdefault(number, []).append(name)
                 modules.setdefault(name, module)
+                counts = head_counts(module) if pattern.sub else None
+                if counts is not None:
+                    self._heads[name] = counts
         #: ``(name, module)`` of every module an op selector watches, in selection order.
         self.modules = list(modules.items())
         self._fired: set[int] = set()  # the patterns that matched an op call, this pass
@@ -97,6 +104,11 @@ class OpSelectors:
     def modules_of(self, number: int) -> list[str]:
         """The names of the modules selector ``number`` (its place in :attr:`patterns`) watches."""
         return list(self._modules_of.get(number, []))
+
+    def head_counts(self, module: str) -> HeadCounts | None:
+        """The query and key/value head counts of a watched attention module with grouped heads
+        (what lays its kernel calls' sub-sites out as documented), else None."""
+        return self._heads.get(module)
 
     def matching(self, module: str, call: int, op: str, index: int) -> list[int]:
         """The numbers of the selectors naming the ``index``-th ``op`` of this call of ``module``,
@@ -167,7 +179,7 @@ class OpSelectors:
         called = ", ".join(f"{op} (x{count})" if count > 1 else op for op, count in list(seen.items())[:20])
         close = difflib.get_close_matches(pattern.op, list(seen), n=3, cutoff=0.5)
         if pattern.sub:
-            return _unfired_attention(pattern, module, seen, called)
+            return _unfired_attention(pattern, module, seen, called, self._refuses_sdpa)
         if pattern.op in seen:  # the name ran, the index did not
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"
         elif close:
@@ -191,8 +203,9 @@ class OpSelectors:
             self._watcher.remove()
 
 
-def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str) -> str:
-    """Why an attention sub-site selector matched nothing, and the fix."""
+def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str, refuses_sdpa: bool) -> str:
+    """Why an attention sub-site selector matched nothing, and the fix (one that works for the
+    model: never ``attn_implementation='sdpa'`` where transformers refuses it)."""
     where = module_label(module)
     if SDPA in seen:
         return (
@@ -201,12 +214,24 @@ def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], ca
         )
     eager = "softmax" in seen
     called = called or "no torch op returning a tensor"
+    softmax = f"'{escape_name(module)}:op[softmax#0]'"
+    if refuses_sdpa:
+        fix = (
+            "transformers refuses attn_implementation='sdpa' for this model (as for Gemma 2), so read its eager "
+            "attention: "
+            + (f"the pattern is the softmax {softmax}, and " if eager else "")
+            + "std:blocks.N.attn.pattern and std:blocks.N.attn.z name the eager pattern and output per head"
+        )
+    else:
+        fix = "load a transformers model with attn_implementation='sdpa'" + (
+            f", or capture the eager softmax itself: {softmax} (std:blocks.N.attn.z names the output per head)"
+            if eager
+            else ""
+        )
     return (
         f"attention sub-site selector {str(pattern)!r} matched nothing: {where!r} ran but its own code never called "
-        f"torch.nn.functional.{SDPA}, which attention sub-sites read; it called: {called}; load a transformers "
-        "model with attn_implementation='sdpa'"
-        + (f", or capture the eager softmax itself: '{escape_name(module)}:op[softmax#0]'" if eager else "")
-        + " (hs.layers(model, x, ops=True) lists the op sites)"
+        f"torch.nn.functional.{SDPA}, which attention sub-sites read; it called: {called}; {fix} "
+        "(hs.layers(model, x, ops=True) lists the op sites)"
     )
 
 

@@ -196,7 +196,8 @@ class Editor(Scoped):
 
         if not isinstance(output, torch.Tensor):
             raise EditError(f"{call_label(name, call)}: {SDPA} returned a {type(output).__name__}, expected a tensor")
-        edited = edited_attention(kinds, apply, args, kwargs, output, call_label(name, call))
+        counts = self._ops.head_counts(name) if self._ops is not None else None
+        edited = edited_attention(kinds, apply, args, kwargs, output, call_label(name, call), counts)
         self._count_ops(numbers, name)
         return edited
 

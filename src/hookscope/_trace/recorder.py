@@ -243,7 +243,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
     ) -> None:
         """A row per attention sub-site of one kernel call: the value computed from the call."""
         leaves = call_leaves(args, kwargs)
-        for kind, value, _ in attention_values(kinds, args, kwargs, output, detach=True):
+        counts = self._ops.head_counts(name) if self._ops is not None else None
+        for kind, value, _ in attention_values(kinds, args, kwargs, output, detach=True, counts=counts):
             self._add_op_row(name, call, f"attn.{kind}#{index}", "attention", leaves, [("", value)])
 
     def _add_op_row(

@@ -31,6 +31,7 @@ class Seen:
         self._outputs: dict[str, tuple[str, torch.Tensor]] = {}
         self._ops: dict[str, list[tuple[str, torch.Tensor]]] = {}
         self._op_names: dict[str, dict[str, int]] = {}
+        self._attention_ops: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # call 0's ops and shapes, in order
 
     def ran(self, module: str) -> bool:
         return module in self._outputs or module in self._inputs
@@ -49,6 +50,21 @@ class Seen:
 
     def ops_of(self, module: str) -> dict[str, int]:
         return self._op_names.get(module, {})
+
+    def eager_output(self, attention: str) -> str | None:
+        """The op of an eager attention module's code that returns its output per head: the
+        first matrix product after its ``softmax#0`` whose value is ``(batch, heads, queries,
+        head size)`` over the softmax's rows (``"matmul#1"``), or None."""
+        ops = self._attention_ops.get(attention, [])
+        labels = [label for label, _ in ops]
+        if "softmax#0" not in labels:
+            return None
+        start = labels.index("softmax#0")
+        rows = ops[start][1]
+        for label, shape in ops[start + 1 :]:
+            if label.split("#")[0] in ("matmul", "bmm", "einsum"):  # the first product: z, or no z here
+                return label if len(rows) == len(shape) == 4 and shape[:3] == rows[:3] else None
+        return None
 
     def find_op(self, block: str, expected: torch.Tensor) -> str | None:
         """The first op of the block's own code that returned ``expected``: ``"add#0"``."""
@@ -83,9 +99,8 @@ def observe(
     watcher: OpWatcher | None = None
     try:
         if watched:
-            watcher = OpWatcher(
-                model, [(n, by_name[n]) for n in watched], _record_op(seen, set(blocks)), owner="std_map"
-            )
+            record = _record_op(seen, set(blocks), set(attention))
+            watcher = OpWatcher(model, [(n, by_name[n]) for n in watched], record, owner="std_map")
         model.eval()
         args, kwargs = inputs
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -126,12 +141,14 @@ def _record_output(seen: Seen, name: str) -> Any:
     return record
 
 
-def _record_op(seen: Seen, blocks: set[str]) -> Any:
+def _record_op(seen: Seen, blocks: set[str], attention: set[str]) -> Any:
     def record(
         module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         if call == 0 and module in blocks and isinstance(output, torch.Tensor):
             seen._ops.setdefault(module, []).append((f"{op}#{index}", output.detach().clone()))
+        if call == 0 and module in attention and isinstance(output, torch.Tensor):
+            seen._attention_ops.setdefault(module, []).append((f"{op}#{index}", tuple(output.shape)))
 
     return record
 

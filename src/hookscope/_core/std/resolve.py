@@ -291,6 +291,7 @@ class _StackResolver:
                 self.missing[f"{name}.{sub}"] = "no attention module"
             return
         ops = self.seen.ops_of(attn)
+        eager_z = None if SDPA in ops else self.seen.eager_output(attn)
         for sub in ATTN_SUBS:
             full = f"{name}.{sub}"
             if SDPA in ops:
@@ -299,10 +300,15 @@ class _StackResolver:
             elif sub == "pattern" and "softmax" in ops:
                 text = f"{escape_name(attn)}:op[softmax#0]"  # eager attention: its softmax is the pattern
                 self.sites[full] = StdSite(full, text, text, None, "op")
+            elif sub == "z" and eager_z is not None:
+                text = f"{escape_name(attn)}:op[{eager_z}]"  # eager attention: the product after its softmax
+                self.sites[full] = StdSite(full, text, text, None, "op")
             else:
                 self.missing[full] = (
                     f"the attention module does not call {SDPA} (eager or fused attention): attention sub-sites read "
-                    "that call; load a transformers model with attn_implementation='sdpa'"
+                    "that call; load a transformers model with attn_implementation='sdpa' where transformers allows it "
+                    "(not for Gemma 2); of eager attention only attn.pattern (its softmax) and attn.z (the product "
+                    "after it) are named"
                 )
 
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
