@@ -14,7 +14,7 @@ and as keys that do name something (``.candidates``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from hookscope._capture.stack import Stacked, stack
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
-from hookscope._core.std.stdmap import STD_PREFIX
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap, std_matches, std_pattern
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.tables import Column, Table
@@ -74,6 +74,9 @@ class Cache(Mapping[str, torch.Tensor]):
         self._grads: dict[Site, torch.Tensor] = {}
         self._no_grad: dict[Site, str] = {}
         self._grad_versions: dict[Site, int | None] = {}
+        #: The canonical map of the model the values came from (set by the capture): a value
+        #: captured by module name answers to its canonical names too.
+        self._canonical: Callable[[], StdMap] | None = None
 
     # -- filled by the recorder while a forward runs ------------------------------------------
 
@@ -178,6 +181,7 @@ class Cache(Mapping[str, torch.Tensor]):
         in_order = {site: self._grads[site] for site in self._entries if site in self._grads}  # capture order
         grads = Cache(in_order, meta=self.meta, versions=self._grad_versions)
         grads._empty = notes
+        grads._canonical = self._canonical
         grads._hint = (
             "no gradient was kept: capture with grads=True, and run a backward after the forward "
             "(loss.backward(), or run_with_capture(..., backward=metric))"
@@ -195,6 +199,30 @@ class Cache(Mapping[str, torch.Tensor]):
         (torch.Size([2, 2]), ['h.0', 'h.1'])
         """
         return stack(self, pattern)
+
+    def std_names(self, pattern: str) -> list[str]:
+        """The canonical names matching ``pattern`` (``"blocks.*.resid_post"``) that name a value
+        held here, in map order: those the capture was given, else those of the model's canonical
+        map whose site was captured (``capture(model, "transformer.h.*")`` holds every
+        ``blocks.*``, ``blocks.*.resid_post`` among them). Empty where the model has no map.
+
+        >>> Cache({Site("h.0"): torch.zeros(1)}, meta={"std": {"blocks.0": "h.0"}}).std_names("blocks.*")
+        ['blocks.0']
+        """
+        wanted = std_pattern(pattern)
+        std = self.meta.get("std")
+        given = [name for name in (std if isinstance(std, dict) else {}) if std_matches(wanted, name)]
+        if given or self._canonical is None:
+            return given
+        try:
+            canonical = self._canonical()
+        except SiteNotFoundError:  # no map: no names beyond those given
+            return []
+        found = []
+        for name in canonical:
+            if std_matches(wanted, name) and (STD_PREFIX + name) in self:
+                found.append(name)
+        return found
 
     def sites(self) -> list[Site]:
         """Every site held, in the order the values were captured."""
@@ -243,6 +271,7 @@ class Cache(Mapping[str, torch.Tensor]):
         copy = Cache(moved, meta=self.meta, versions=dict.fromkeys(moved))
         copy._overflowed = dict(self._overflowed)
         copy._empty = dict(self._empty)
+        copy._canonical = self._canonical
         return copy
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -281,6 +310,7 @@ class Cache(Mapping[str, torch.Tensor]):
                 notes=self._empty,
                 verb="captured",
                 empty_hint=self._hint,
+                canonical=self._canonical,
             )
         return self._index
 

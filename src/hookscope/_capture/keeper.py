@@ -28,6 +28,7 @@ from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
+from hookscope._core.std import StdMap
 from hookscope._shared import allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
 from hookscope._shared.reduce import Reduction
@@ -74,6 +75,7 @@ class Keeper:
         last_call_only: bool,
         meta: dict[str, Any],
         grads: bool = False,
+        canonical: Callable[[], StdMap] | None = None,
     ) -> None:
         self._detach = detach
         self._reduce = reduce
@@ -85,7 +87,8 @@ class Keeper:
         self._last_call_only = last_call_only
         self._meta = meta
         self._grads = grads
-        self.cache = Cache(meta=meta)
+        self._canonical = canonical
+        self.cache = self._new_cache()
         #: ``grads=True``: where each kept value sits in autograd's graph, as it was when kept
         #: (an in-place write later makes a new node; this edge stays on the kept value's).
         self.grad_edges: list[GradientEdge] = []
@@ -105,7 +108,7 @@ class Keeper:
     def start(self, *, refill_budget: bool = True) -> None:
         """Begin a new forward pass: a new cache, nothing watched, the budget full (unless the
         earlier passes' caches are kept too: then the budget spans them all)."""
-        self.cache = Cache(meta=self._meta)
+        self.cache = self._new_cache()
         self.grad_edges = []
         if refill_budget:
             self._bytes = 0
@@ -113,6 +116,11 @@ class Keeper:
         self._latest_call.clear()
         self._module_sites.clear()
         self._overflows.clear()
+
+    def _new_cache(self) -> Cache:
+        cache = Cache(meta=self._meta)
+        cache._canonical = self._canonical
+        return cache
 
     def finish(self, outliving: Callable[[], set[int]]) -> None:
         """End the pass: copy watched values that share memory with anything that outlives it.

@@ -51,7 +51,7 @@ from hookscope._core.select import (
     select_leaves,
 )
 from hookscope._core.sites import CallTracker, Site
-from hookscope._core.std import expand_std
+from hookscope._core.std import canonical_source, expand_std, stream_modules
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared import allocator
 from hookscope._shared.dtypes import overflow_message
@@ -111,7 +111,11 @@ class Capture(Scoped):
                 "before the ops ran; use stop=False"
             )
         self._ops = OpSelectors(model, patterns) if patterns else None
-        self._selected, self._leaves = select_leaves(model, selectors_of_modules) if selectors_of_modules else ([], {})
+        self._selected, self._leaves = (
+            select_leaves(model, selectors_of_modules, whole_sides=self._whats) if selectors_of_modules else ([], {})
+        )
+        #: Modules whose input is read before their other pre-hooks: resid_mid at the next norm's input.
+        self._first_inputs = stream_modules(model, std_names)
         meta = _describe(model, selectors, options)
         if std_names:
             meta["std"] = dict(std_names)
@@ -132,6 +136,7 @@ class Capture(Scoped):
             "last_call_only": options.calls == "last",
             "meta": meta,
             "grads": options.grads,
+            "canonical": canonical_source(model),
         }
         self._keeper = Keeper(**self._keeper_options)
         # Thread (the object, kept alive: a finished thread's ident is reused) -> (device, keeper).
@@ -155,7 +160,8 @@ class Capture(Scoped):
     # -- attaching --------------------------------------------------------------------------------
 
     def _whats_of(self, name: str) -> tuple[str, ...]:
-        """What is kept of module ``name``: the ``keep`` option's sides, or those its leaf selectors name."""
+        """What is kept of module ``name``: the ``keep`` option's sides, or those its leaf selectors name
+        (with the ``keep`` sides where the module was also picked whole)."""
         leaves = self._leaves.get(name)
         if leaves is None:
             return self._whats
@@ -167,8 +173,17 @@ class Capture(Scoped):
         for name, module in self._selected:
             whats = self._whats_of(name)
             if "input" in whats:
+                first = name in self._first_inputs
                 specs.append(
-                    HookSpec(name, module, "forward_pre", self._input_hook(name), with_kwargs=True, fitted=True)
+                    HookSpec(
+                        name,
+                        module,
+                        "forward_pre",
+                        self._input_hook(name),
+                        with_kwargs=True,
+                        prepend=first,
+                        fitted=True,
+                    )
                 )
             if "output" in whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))

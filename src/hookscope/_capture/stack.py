@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import STD_PREFIX, is_std_selector, std_matches, std_pattern
+from hookscope._core.std.stdmap import STD_PREFIX, is_std_selector, std_pattern
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Stacked", "stack"]
@@ -39,6 +39,8 @@ class _Values(Protocol):
 
     def short_names(self) -> dict[Site, str]: ...
 
+    def std_names(self, pattern: str) -> list[str]: ...
+
 
 def stack(cache: _Values, pattern: str) -> Stacked:
     """The values whose names match ``pattern``, stacked in capture order (canonical names: map order).
@@ -49,9 +51,7 @@ def stack(cache: _Values, pattern: str) -> Stacked:
     if not isinstance(pattern, str):
         raise SpecError(f"stack({pattern!r}): expected a pattern such as 'std:blocks.*.resid_post' or 'h.*'")
     if is_std_selector(pattern):
-        std = cache.meta.get("std")
-        wanted = std_pattern(pattern)
-        labels = [name for name in (std if isinstance(std, dict) else {}) if std_matches(wanted, name)]
+        labels = cache.std_names(std_pattern(pattern))
         values = [cache[STD_PREFIX + name] for name in labels]
     else:
         named = [(name, site) for site, name in cache.short_names().items() if fnmatch.fnmatchcase(name, pattern)]

@@ -355,25 +355,35 @@ class HookGroup:
             tracked[id(model)] = ("", model)
             for name, module in [*((spec.name, spec.module) for spec in specs), *count]:
                 tracked.setdefault(id(module), (name, module))
+        # With a tracker, prepended hooks go on before the call counters, which are prepended
+        # after them: each call is opened before any hook of this group runs, prepended or not.
+        early = [spec for spec in specs if spec.prepend] if self._tracker is not None else []
+        for spec in early:
+            self._add_spec(spec)
+        if self._tracker is not None:
             for name, module in tracked.values():
                 self._tracker.watch(name, module)
                 self._add(name, module, "forward_pre", "call counter", _enter_hook(self._tracker), prepend=True)
         for spec in specs:
-            self._add(
-                spec.name,
-                spec.module,
-                spec.kind,
-                "hook",
-                spec.fn,
-                with_kwargs=spec.with_kwargs,
-                prepend=spec.prepend,
-                always_call=spec.always_call,
-            )
+            if not any(spec is other for other in early):
+                self._add_spec(spec)
         if self._tracker is not None:  # closes the call after every hook of this group has run
             for name, module in tracked.values():
                 closer = _exit_hook(self._tracker)
                 self._add(name, module, "forward", "call counter", closer, with_kwargs=True, always_call=True)
         self._anchor([model, *hooked])
+
+    def _add_spec(self, spec: HookSpec) -> None:
+        self._add(
+            spec.name,
+            spec.module,
+            spec.kind,
+            "hook",
+            spec.fn,
+            with_kwargs=spec.with_kwargs,
+            prepend=spec.prepend,
+            always_call=spec.always_call,
+        )
 
     def _anchor(self, modules: Sequence[nn.Module]) -> None:
         """Make each module keep this group alive (the registry holds it weakly): a no-op

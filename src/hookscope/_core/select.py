@@ -174,19 +174,25 @@ def select(model: nn.Module, selector: Selector) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, raw, module in entries if any(p(name, raw, module) for p in predicates)]
 
 
-#: Per module picked by leaf selectors only: ``{what: [(path, strict)]}`` (see :func:`select_leaves`).
+#: Per module given leaf selectors: ``{what: [(path, strict)]}`` (see :func:`select_leaves`).
 LeafPaths: TypeAlias = dict[str, list[tuple[str, bool]]]
 
 
 def select_leaves(
-    model: nn.Module, selectors: Sequence[Selector]
+    model: nn.Module, selectors: Sequence[Selector], *, whole_sides: Sequence[str] = ("output",)
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, LeafPaths]]:
-    """The modules the selectors pick, and for those picked only by leaf selectors
+    """The modules the selectors pick, and for those given leaf selectors
     (``"block.0:output[0]"``), the paths to keep of each side: ``{"output": [("[0]", strict)]}``.
 
     Lists and tuples are opened up (a union either way). A leaf named for one module by its
     exact name must be there (``strict``); one named through a pattern (``"h.*:output[0]"``) is
-    kept where a module has it. A module also picked whole keeps every leaf.
+    kept where a module has it. A module picked whole as well keeps the union: every leaf of
+    ``whole_sides`` (what a whole module keeps: the capture's ``keep``, path ``""``) and the
+    leaves named of the other side, so ``["h.0", "h.0:input[0]"]`` keeps both.
+
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> select_leaves(model, ["0", "0:input[0]"])[1]
+    {'0': {'input': [('[0]', True)], 'output': [('', False)]}}
     """
     whole: list[Selector] = []
     leaves: dict[str, LeafPaths] = {}
@@ -203,7 +209,9 @@ def select_leaves(
     selected = select(model, whole + list(leaves))  # a union, each module once, in model order
     if whole:
         for name, _ in select(model, whole):
-            leaves.pop(name, None)
+            if name in leaves:  # every tensor of the whole module's sides, and the named leaves besides
+                for side in whole_sides:
+                    leaves[name].setdefault(side, []).append(("", False))
     return selected, leaves
 
 

@@ -16,6 +16,9 @@ one of them reads the name here, so that one spelling works everywhere:
                          input); ``"h.0:op[softmax]"`` when one index of that op is held
 ``"h.0:attn.pattern"``   an attention sub-site of the module's first ``scaled_dot_product_attention``
                          call (``"h.0:attn.z#1"``: of its second)
+``"std:blocks.1.attn"``  a canonical name: the site it was held under, or, for a holder that
+                         knows its model's canonical map, the site the map names (a value
+                         captured as ``"h.1"`` answers ``"std:blocks.1.resid_post"`` too)
 a :class:`Site`          itself
 =======================  ================================================================
 
@@ -28,14 +31,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
 from hookscope._core.op_sites import op_text, split_op_leaf
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import STD_PREFIX
-from hookscope.errors import SiteNotFoundError, SpecError
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap
+from hookscope.errors import SelectionError, SiteNotFoundError, SpecError
 
 __all__ = ["SiteIndex"]
 
@@ -55,6 +58,10 @@ class SiteIndex:
         empty_hint: the message's hint when nothing is held at all.
         default_call: the call a name without ``#call`` means: the ``last`` (a cache) or the
             ``first`` (a trace, a diff).
+        std: ``{canonical name: site text}`` of the values held by canonical name.
+        canonical: the canonical map of the model the values came from, asked (only) for a
+            ``"std:"`` name that ``std`` lacks: one value answers to every name it has. It
+            raises ``SiteNotFoundError`` saying why there is no map.
 
     >>> index = SiteIndex([Site("fc", 0), Site("fc", 1), Site("h", 0, "output", "[0]")])
     >>> index.resolve("fc"), index.resolve("fc#0:output"), index.resolve("h")
@@ -76,11 +83,13 @@ Site(module='h', call=0, what='output', path='[0]'))
         empty_hint: str = "nothing is held",
         default_call: Literal["first", "last"] = "last",
         std: Mapping[str, str] | None = None,
+        canonical: Callable[[], StdMap] | None = None,
     ) -> None:
         ordered = list(dict.fromkeys(sites))  # leaves are offered in the order they were held
         self._sites = set(ordered)
         self._aliases: Mapping[str, str] = aliases if aliases is not None else {}
         self._std: Mapping[str, str] = std if std is not None else {}  # canonical name -> site text
+        self._canonical = canonical
         self._notes: Mapping[str, str] = notes if notes is not None else {}
         self._verb = verb
         self._empty_hint = empty_hint
@@ -108,7 +117,13 @@ Site(module='h', call=0, what='output', path='[0]'))
         if not isinstance(key, str):
             raise SpecError(f"a site key is a site name such as 'fc' or 'fc#0:output', not {type(key).__name__}")
         if key.startswith(STD_PREFIX):
-            return self.resolve(self._std_site(key), whole=whole)
+            text = self._std_site(key)
+            try:
+                return self.resolve(text, whole=whole)
+            except SiteNotFoundError as error:
+                raise SiteNotFoundError(
+                    f"canonical site {key!r} is {text!r} on this model: {error}", key=key, candidates=error.candidates
+                ) from None
         literal = self._literal_name(key)
         if literal is not None:  # a module whose name holds '#' or ':', named as it is
             return self._literal_module(key, literal, whole=whole)
@@ -127,10 +142,22 @@ Site(module='h', call=0, what='output', path='[0]'))
         return self._resolve_parts(key, module, match["call"], what, path, whole=whole)
 
     def _std_site(self, key: str) -> str:
-        """The site text a canonical key (``"std:blocks.3.resid_post"``) was held under."""
+        """The site text a canonical key (``"std:blocks.3.resid_post"``) was held under, or
+        names on the model's canonical map."""
         text = self._std.get(key[len(STD_PREFIX) :])
         if text is not None:
             return text
+        if self._canonical is not None:
+            try:
+                std = self._canonical()
+            except SiteNotFoundError as error:
+                raise SiteNotFoundError(
+                    f"canonical site {key!r} was not {self._verb} by that name; {error}", key=key
+                ) from None
+            try:
+                return std[key].read
+            except SelectionError as error:
+                raise SiteNotFoundError(str(error), key=key, candidates=tuple(error.suggestions)) from None
         names = list(self._std)
         close = difflib.get_close_matches(key[len(STD_PREFIX) :], names, n=3, cutoff=0.6)
         if not names:

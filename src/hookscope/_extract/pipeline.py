@@ -55,7 +55,7 @@ class SiteCaptures:
         self.model = model
         self.mask = mask
         # SelectionError with the closest names, before anything runs
-        chosen, leaves = select_leaves(model, layers)
+        chosen, leaves = select_leaves(model, layers, whole_sides=options.sides)
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}

@@ -28,11 +28,32 @@ import torch
 
 from hookscope.errors import SpecError
 
-__all__ = ["NAMED_REDUCTIONS", "Reduction", "parse_reduction"]
+__all__ = ["NAMED_REDUCTIONS", "NamedReduction", "Reduction", "parse_reduction"]
 
 Reduction = Callable[[torch.Tensor], torch.Tensor]
 NAMED_REDUCTIONS = ("mean", "sum", "max", "min", "norm", "first", "last")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class NamedReduction:
+    """A named reduction as a function that shows as the text it was made from (``'mean:1'``),
+    so a message about it names what the user wrote, not a function's address.
+
+    >>> parse_reduction("mean:1")
+    'mean:1'
+    """
+
+    __slots__ = ("_apply", "spec")
+
+    def __init__(self, spec: str, apply: Reduction) -> None:
+        self.spec = spec
+        self._apply = apply
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._apply(tensor)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
 
 
 def parse_reduction(spec: str | Reduction | None) -> Reduction | None:
@@ -60,8 +81,8 @@ def parse_reduction(spec: str | Reduction | None) -> Reduction | None:
     if name in ("first", "last"):
         if dims is None or len(dims) != 1:
             raise SpecError(f"reduce={spec!r} needs exactly one dimension, e.g. '{name}:1'")
-        return _selector(dims[0], 0 if name == "first" else -1)
-    return _reducer(name, dims)
+        return NamedReduction(spec, _selector(dims[0], 0 if name == "first" else -1))
+    return NamedReduction(spec, _reducer(name, dims))
 
 
 def _parse_dims(spec: str, text: str) -> tuple[int, ...] | None:

@@ -18,6 +18,7 @@ from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spellin
 from hookscope._core.select import Selector, select, select_names
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site
+from hookscope._core.std import canonical_source
 from hookscope._shared.blame import findings, fine_input
 from hookscope._shared.csv_text import csv_text
 from hookscope._shared.files import write_text
@@ -122,7 +123,14 @@ class Trace(Sequence[TraceRow]):
                 for info in (*row.outputs, *row.inputs):
                     sites.setdefault(Site(row.name, row.call, info.what, info.path), row)
                 sites.setdefault(Site(row.name, row.call), row)  # a call with no tensor measured
-            index = SiteIndex(sites, verb="traced", empty_hint="the trace holds no calls", default_call="first")
+            model = self._model() if self._model is not None else None  # "std:" names read through its map
+            index = SiteIndex(
+                sites,
+                verb="traced",
+                empty_hint="the trace holds no calls",
+                default_call="first",
+                canonical=canonical_source(model),
+            )
             self._sites = (index, sites)
         index, sites = self._sites
         row = sites[index.resolve(key, whole=True)]

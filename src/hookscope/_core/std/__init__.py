@@ -7,7 +7,27 @@
 ``"std:"`` selectors into the site selectors every feature already takes.
 """
 
-from hookscope._core.std.registry import expand_std, known_std_map, select_std, std_map
+from hookscope._core.std.registry import (
+    CanonicalSource,
+    canonical_source,
+    expand_std,
+    known_std_map,
+    select_std,
+    std_map,
+    stream_modules,
+)
 from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite, is_std_selector
 
-__all__ = ["STD_PREFIX", "StdMap", "StdSite", "expand_std", "is_std_selector", "known_std_map", "select_std", "std_map"]
+__all__ = [
+    "STD_PREFIX",
+    "CanonicalSource",
+    "StdMap",
+    "StdSite",
+    "canonical_source",
+    "expand_std",
+    "is_std_selector",
+    "known_std_map",
+    "select_std",
+    "std_map",
+    "stream_modules",
+]

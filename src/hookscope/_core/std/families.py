@@ -42,15 +42,16 @@ _GEMMA2 = _llama_like(
     attn_out="post_attention_layernorm", ln2="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm"
 )
 
+# BERT: what each sublayer adds is its dropout's output (the dense layer's in eval mode).
 _BERT = Stack(
     "",
     "encoder.layer",
     Block(
         ln1="attention.output.LayerNorm",
         attn="attention.self",
-        attn_out="attention.output.dense",
+        attn_out="attention.output.dropout|attention.output.dense",
         ln2="output.LayerNorm",
-        mlp_out="output.dense",
+        mlp_out="output.dropout|output.dense",
         act="intermediate.intermediate_act_fn",
         mlp_proj="output.dense",
         layout="post",
@@ -61,6 +62,7 @@ _BERT = Stack(
 
 
 def _t5(prefix: str, cross: bool) -> Stack:
+    """What each T5 sublayer adds is its dropout's output (the same as the sublayer's in eval)."""
     ff = "layer.2" if cross else "layer.1"
     return Stack(
         prefix,
@@ -68,12 +70,15 @@ def _t5(prefix: str, cross: bool) -> Stack:
         Block(
             ln1="layer.0.layer_norm",
             attn="layer.0.SelfAttention",
+            attn_out="layer.0.dropout",
             resid_mid="layer.0",
             ln_cross="layer.1.layer_norm" if cross else None,
             cross_attn="layer.1.EncDecAttention" if cross else None,
+            cross_attn_out="layer.1.dropout" if cross else None,
             resid_mid_cross="layer.1" if cross else None,
             ln2=f"{ff}.layer_norm",
             mlp=f"{ff}.DenseReluDense",
+            mlp_out=f"{ff}.dropout",
             act=f"{ff}.DenseReluDense.act",
             mlp_proj=f"{ff}.DenseReluDense.wo",
         ),

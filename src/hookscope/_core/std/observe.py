@@ -32,9 +32,14 @@ class Seen:
         self._ops: dict[str, list[tuple[str, torch.Tensor]]] = {}
         self._op_names: dict[str, dict[str, int]] = {}
         self._attention_ops: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # call 0's ops and shapes, in order
+        self._calls: dict[str, int] = {}
 
     def ran(self, module: str) -> bool:
         return module in self._outputs or module in self._inputs
+
+    def calls(self, module: str) -> int:
+        """How many times ``module`` was called in the check forward."""
+        return self._calls.get(module, 0)
 
     def input(self, module: str) -> torch.Tensor:
         return self._inputs[module][1]
@@ -123,6 +128,7 @@ def observe(
 
 def _record_input(seen: Seen, name: str) -> Any:
     def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen._calls[name] = seen._calls.get(name, 0) + 1
         if name not in seen._inputs:
             leaves = call_leaves(args, kwargs)
             if leaves:

@@ -8,23 +8,33 @@ kept beside the model, weakly, until the model's modules change: every feature t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from torch import nn
 
-from hookscope._core.names import named_modules
+from hookscope._core.attach import attached
+from hookscope._core.names import named_modules, split_leaf_selector
 from hookscope._core.params import model_device, model_float_dtype
 from hookscope._core.samples import sample_input
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.std.detect import detect_family
 from hookscope._core.std.families import family_of
 from hookscope._core.std.resolve import resolve_family
+from hookscope._core.std.shared import SHARED_BLOCK
 from hookscope._core.std.stdmap import StdMap, StdSite, is_std_selector
 from hookscope._core.tree import map_tensors
-from hookscope.errors import SelectionError, SpecError, StdMapError
+from hookscope.errors import SelectionError, SiteNotFoundError, SpecError, StdMapError
 
-__all__ = ["expand_std", "known_std_map", "select_std", "std_map"]
+__all__ = [
+    "CanonicalSource",
+    "canonical_source",
+    "expand_std",
+    "known_std_map",
+    "select_std",
+    "std_map",
+    "stream_modules",
+]
 
 _MAPS: weakref.WeakKeyDictionary[nn.Module, tuple[int, StdMap]] = weakref.WeakKeyDictionary()
 
@@ -73,10 +83,70 @@ def std_map(model: nn.Module, *args: Any, family: str | None = "auto", **kwargs:
 def known_std_map(model: nn.Module) -> StdMap:
     """The map kept for ``model``, made now (from a sample input) when there is none or the
     model's modules changed since; a model that needs an example input says so."""
+    kept = _kept(model)
+    return kept if kept is not None else std_map(model)
+
+
+def _kept(model: nn.Module) -> StdMap | None:
+    """The map kept for ``model`` if it still fits the model's modules; never runs the model."""
     kept = _MAPS.get(model)
-    if kept is not None and kept[0] == _signature(model):
-        return kept[1]
-    return std_map(model)
+    return kept[1] if kept is not None and kept[0] == _signature(model) else None
+
+
+class CanonicalSource:
+    """The canonical map of the model a result came from, for reading it by ``"std:"`` names
+    later (:class:`~hookscope._core.site_index.SiteIndex`): a cache holding ``h.1`` answers
+    ``std:blocks.1.resid_post`` although it was captured by module name.
+
+    Asked only when such a name is read: the map kept for the model, or one made then (one
+    small forward), unless hookscope hooks are attached to the model, which that forward would
+    run through (a capture would take it for a pass). Holds the model weakly. Raises
+    ``SiteNotFoundError`` saying why there is no map.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model: Callable[[], nn.Module | None] = weakref.ref(model)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_without_model, ())  # a result pickled to another process is read without its model
+
+    def __copy__(self) -> CanonicalSource:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CanonicalSource:
+        return self  # a copied result still came from the same model
+
+    def __call__(self) -> StdMap:
+        model = self._model()
+        if model is None:
+            raise SiteNotFoundError(
+                "canonical names are read through the model's canonical map, and the model is gone (or the values "
+                "were unpickled elsewhere); select 'std:...' names when capturing"
+            )
+        kept = _kept(model)
+        if kept is not None:
+            return kept
+        if attached(model):
+            raise SiteNotFoundError(
+                "canonical names are read through the model's canonical map, made by one forward, and hookscope "
+                "hooks are attached to the model now (that forward would run through them); read it after they "
+                "are removed, or make the map before attaching: hs.std_map(model)"
+            )
+        try:
+            return known_std_map(model)
+        except StdMapError as error:
+            raise SiteNotFoundError(f"this model has no canonical map: {error}") from None
+
+
+def _without_model() -> CanonicalSource:
+    source = CanonicalSource.__new__(CanonicalSource)
+    source._model = lambda: None
+    return source
+
+
+def canonical_source(model: nn.Module | None) -> CanonicalSource | None:
+    """A :class:`CanonicalSource` for ``model`` (None for None)."""
+    return CanonicalSource(model) if model is not None else None
 
 
 def expand_std(
@@ -110,6 +180,23 @@ def expand_std(
                 expanded.append(text)
             names.setdefault(site.name, text)
     return expanded, names
+
+
+def stream_modules(model: nn.Module, names: Mapping[str, str]) -> set[str]:
+    """The modules whose input carries one of the canonical ``names`` as a ``"stream"`` site
+    (``resid_mid`` at the next norm's input): a feature reads their input before their other
+    pre-hooks (``prepend=True``), which may change what the norm takes, never the stream.
+    ``names`` come from :func:`expand_std`, so the map is already kept: no forward."""
+    if not names:
+        return set()
+    std = known_std_map(model)
+    found = set()
+    for name in names:
+        site = std.get(name)
+        split = split_leaf_selector(site.read) if site is not None and site.kind == "stream" else None
+        if split is not None:
+            found.add(split[0])
+    return found
 
 
 def select_std(model: nn.Module, selectors: Selector | Sequence[Selector]) -> list[tuple[str, nn.Module]]:
@@ -163,6 +250,8 @@ def _make(model: nn.Module, family: str | None, inputs: tuple[tuple[Any, ...], d
         try:
             return resolve_family(model, table, inputs)
         except StdMapError as error:
+            if error.check == SHARED_BLOCK:  # no reading of the blocks fits it: the detector would say the same
+                raise
             table_error = error
     try:  # the detector cannot tell pre-norm from post-norm blocks by names: the values decide
         return resolve_family(model, detect_family(model), inputs, layouts=("pre", "post"))

@@ -24,6 +24,7 @@ from torch import nn
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
 from hookscope._core.std.observe import Seen, observe, values_close
+from hookscope._core.std.shared import refuse_tied, shared_block_error
 from hookscope._core.std.spec import Block, Family, Layout, Stack
 from hookscope._core.std.stdmap import StdMap, StdSite
 from hookscope.errors import StdMapError
@@ -57,6 +58,7 @@ class _StackPlan:
     blocks: list[_BlockPlan]
     around: dict[str, str | None]  # embed, pos_embed, ln_final
     why: dict[str, str] = field(default_factory=dict)
+    blocks_path: str = ""
 
 
 _ROLE_FIELDS = (
@@ -78,8 +80,11 @@ def resolve_family(
     detector cannot tell pre-norm from post-norm by names) and keep the reading that places the
     most names; the one forward serves every reading.
     """
-    names = {name for name, _ in named_modules(model)}
+    by_name = dict(named_modules(model))
+    names = set(by_name)
     stacks = [_plan(names, family, stack) for stack in family.stacks]
+    for stack in stacks:
+        refuse_tied(by_name, family.name, stack.blocks_path)
     unembed = _find(names, "", family.unembed)
     watched_blocks = [b.core for s in stacks for b in s.blocks if b.roles["resid_mid"] is None]
     attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
@@ -159,7 +164,7 @@ def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
         if family.detected
         else f"{family.name} has no norm after the last block (each post-norm block ends in its own)",
     }
-    return _StackPlan(stack, blocks, around, why)
+    return _StackPlan(stack, blocks, around, why, blocks_path)
 
 
 def _modules_of(stack: _StackPlan) -> list[str]:
@@ -218,6 +223,10 @@ class _StackResolver:
         for index, block in enumerate(self.plan.blocks):
             if not self.seen.ran(block.name):
                 raise self._error(f"block {block.name!r} did not run in the check forward", block.name)
+            calls = self.seen.calls(block.name)
+            if calls > 1:
+                what = f"block {block.name!r} ran {calls} times in one forward"
+                raise shared_block_error(self.family.name, what, block.name)
             pre, post = self.seen.input(block.name), self.seen.output(block.name)
             for label, value in (("resid_pre", pre), ("resid_post", post)):
                 if value.dim() != 3 or (width is not None and value.shape != width):
@@ -370,7 +379,7 @@ class _StackResolver:
         sublayers, BLOOM's attention), its output; in a post-norm block, the sublayer's
         ``norm``, whose input is the sum; else an add in the block's own code, found by value.
         """
-        expected = before + added
+        expected = self._sum(f"{check} (block {index})", block.name, before, added)
         if module is not None or self.layout == "post":
             carrier = module if module is not None else norm
             if carrier is None:
@@ -388,12 +397,14 @@ class _StackResolver:
 
     def _op_site(self, name: str, block: str, op: str, next_norm: str | None) -> StdSite:
         """A residual add inside the block's code: edited at the op; read at the next norm's
-        input where that is the same value (a module boundary costs less than watching ops)."""
+        input where that is the same value (a module boundary costs less than watching ops), as
+        a ``"stream"`` site: read before the norm's other pre-hooks, so that one attached after
+        the map (a user's, an input edit) changes what the norm takes, not what is read."""
         write = f"{escape_name(block)}:op[{op}]"
         value = self.seen.op_value(block, op)
         if next_norm is not None and self.seen.ran(next_norm) and torch.equal(self.seen.input(next_norm), value):
             read = self.seen.site(name, next_norm, "input")
-            return StdSite(name, read.read, write, None, "input")
+            return StdSite(name, read.read, write, None, "stream")
         return StdSite(name, write, write, None, "op")
 
     def _mlp_parts(self, index: int, block: _BlockPlan) -> None:
@@ -419,23 +430,35 @@ class _StackResolver:
             ln2 = block.roles["ln2"]
             if ln2 is None or before_mlp is None:
                 raise self._error("a post-norm block without ln2", block.name)
-            self._expect(
-                self.seen.input(ln2), before_mlp + mlp, f"ln2's input is resid_mid + mlp (block {index})", block.name
-            )
+            check = f"ln2's input is resid_mid + mlp (block {index})"
+            self._expect(self.seen.input(ln2), self._sum(check, block.name, before_mlp, mlp), check, block.name)
             self._expect(self.seen.output(ln2), post, f"resid_post is ln2's output (block {index})", block.name)
         elif before_mlp is not None:
-            self._expect(post, before_mlp + mlp, f"resid_post == resid_mid + mlp (block {index})", block.name)
+            check = f"resid_post == resid_mid + mlp (block {index})"
+            self._expect(post, self._sum(check, block.name, before_mlp, mlp), check, block.name)
         else:
             attn = self._value(f"{self.prefix}blocks.{index}.attn")
             if attn is None:
                 raise self._error("a block without attention", block.name)
-            parallel = self.seen.input(block.name) + attn + mlp
-            self._expect(post, parallel, f"resid_post == resid_pre + attn + mlp (block {index}, parallel)", block.name)
+            check = f"resid_post == resid_pre + attn + mlp (block {index}, parallel)"
+            parallel = self._sum(check, block.name, self.seen.input(block.name), attn, mlp)
+            self._expect(post, parallel, check, block.name)
 
     def _value(self, name: str) -> torch.Tensor | None:
         """The value of a site named for a module's output (``attn``, ``mlp``), if resolved."""
         site = self.sites.get(name)
         return None if site is None or site.module is None else self.seen.output(site.module)
+
+    def _sum(self, check: str, block: str, *parts: torch.Tensor) -> torch.Tensor:
+        """The sum a check compares against; parts of different shapes fail the check (a role
+        that is not what the table or the detector took it for), never a raw broadcasting error."""
+        shapes = [tuple(part.shape) for part in parts]
+        if len(set(shapes)) > 1:
+            raise self._error(f"check failed: {check}: the values have shapes {', '.join(map(str, shapes))}", block)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def _expect(self, got: torch.Tensor, expected: torch.Tensor, check: str, block: str) -> None:
         if got.shape != expected.shape or not values_close(got, expected):
@@ -447,10 +470,18 @@ class _StackResolver:
             self.checks.append(check)
 
     def _error(self, what: str, block: str) -> StdMapError:
+        if self.family.detected:
+            fix = (
+                "the structural detector cannot read this architecture; select its modules by name instead "
+                "(hs.layers(model) lists them)"
+            )
+        else:
+            fix = (
+                "the installed transformers may have changed the architecture's code: pass family=None to "
+                "hs.std_map to use the structural detector, or report it"
+            )
         return StdMapError(
-            f"the {self.family.name} canonical map does not fit this model: {what} (at {block!r}); the installed "
-            "transformers may have changed the architecture's code: pass family=None to hs.std_map to use the "
-            "structural detector, or report it",
+            f"the {self.family.name} canonical map does not fit this model: {what} (at {block!r}); {fix}",
             family=self.family.name,
             check=what,
         )

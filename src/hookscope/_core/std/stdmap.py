@@ -26,7 +26,7 @@ __all__ = ["STD_PREFIX", "StdMap", "StdSite", "is_std_selector", "std_matches", 
 #: Canonical selectors start with this: ``"std:blocks.*.resid_post"``.
 STD_PREFIX = "std:"
 
-SiteKind = Literal["module", "output", "input", "op", "attn"]
+SiteKind = Literal["module", "output", "input", "stream", "op", "attn"]
 
 
 def is_std_selector(selector: object) -> bool:
@@ -49,7 +49,9 @@ class StdSite:
         write: the selector an edit uses (the same, or the op site of a residual add).
         module: the module whose output is the value (trace, gradients, diff), or None.
         kind: what ``read`` names: a whole module, one output or input tensor, an op, an
-            attention sub-site.
+            attention sub-site; ``"stream"``: the residual stream as the next module takes it
+            (``resid_mid`` at the next norm's input), read before any other pre-hook of that
+            module, which may change what the module takes but not the stream.
     """
 
     name: str
@@ -134,6 +136,9 @@ class StdMap(Mapping[str, StdSite]):
                 f"canonical site {shown!r} is not defined for this {self.family} model: {name}{more}: {why}",
                 selector=shown,
             )
+        beyond = self._beyond_last_block(pattern)
+        if beyond is not None:
+            return SelectionError(f"canonical site {shown!r} {beyond}", selector=shown)
         generic = sorted({_generic(name) for name in self.sites})
         close = difflib.get_close_matches(_generic(pattern), generic, n=3, cutoff=0.6)
         hint = (
@@ -146,6 +151,23 @@ class StdMap(Mapping[str, StdSite]):
             f"sites, blocks numbered from 0); {hint}",
             selector=shown,
             suggestions=tuple(STD_PREFIX + c for c in close),
+        )
+
+    def _beyond_last_block(self, pattern: str) -> str | None:
+        """Why a name of block ``i`` names nothing when the model has ``i`` blocks or fewer
+        (``blocks.7.resid_post`` on a 2-block model), else None: the count is the fix."""
+        found = _BLOCK.match(pattern)
+        if found is None:
+            return None
+        stack, number = found.group(1), int(found.group(2))
+        numbers = {int(m.group(2)) for name in self.sites if (m := _BLOCK.match(name)) and m.group(1) == stack}
+        if not numbers or number in numbers:
+            return None
+        count = max(numbers) + 1
+        owner = f"model's {stack[: -len('.blocks')]}" if stack != "blocks" else "model"
+        return (
+            f"names block {number}, and this {self.family} {owner} has {count} block{'s' if count != 1 else ''} "
+            f"({stack}.0 to {stack}.{count - 1}; blocks are numbered from 0): pick a number below {count}"
         )
 
     def __repr__(self) -> str:
