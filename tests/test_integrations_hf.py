@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -46,16 +47,18 @@ def model() -> nn.Module:
     return track(transformers.GPT2LMHeadModel(config))
 
 
-def arguments(out: Path, steps: int = 20) -> Any:
-    return transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
+def arguments(out: Path, steps: int = 20, **changed: Any) -> Any:
+    settings: dict[str, Any] = {
+        "output_dir": str(out), "max_steps": steps, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "learning_rate": 1e-3, "report_to": [], "use_cpu": True,
+        "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0, "seed": 0,
+    }  # fmt: skip
+    return transformers.TrainingArguments(**(settings | changed))
 
 
 class RawNorms(transformers.TrainerCallback):  # type: ignore[misc]
-    """The reference: every parameter's gradient norm at the same moment, read without hookscope."""
+    """The reference: every parameter's gradient norm when the callback is called, read without
+    hookscope (after the Trainer's clipping: the gradient before it where nothing was clipped)."""
 
     def __init__(self) -> None:
         self.norms: dict[int, dict[str, float]] = {}
@@ -70,8 +73,8 @@ def test_the_callback_logs_gradient_norms_equal_to_autograd_over_20_steps(tmp_pa
     net = model()
     callback = HookscopeCallback(every=5, precision="bf16", sinks=[tmp_path / "metrics.jsonl"])
     raw = RawNorms()
-    trainer = transformers.Trainer(
-        model=net, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[callback, raw]
+    trainer = transformers.Trainer(  # no clipping: the gradients at the callback are the backward's
+        model=net, args=arguments(tmp_path, max_grad_norm=0.0), train_dataset=Tokens(), callbacks=[callback, raw]
     )
     trainer.train()
     assert [step.step for step in callback.steps] == [0, 5, 10, 15]
@@ -122,3 +125,54 @@ def test_a_second_train_call_logs_again_to_the_same_sink_object(tmp_path: Path) 
     trainer.train()  # the sink is the caller's: still open
     sink.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_under_clipping_every_gradient_of_a_record_is_the_one_before_clipping(tmp_path: Path) -> None:
+    """The Trainer clips before on_pre_optimizer_step and logs grad_norm, the norm before clipping.
+    The record's parameter norms were read after the clipping, beside activation gradients from
+    before it; now every one is from before, and they add up to the Trainer's grad_norm."""
+    net = model()
+    callback = HookscopeCallback(names="modules")
+    raw = RawNorms()
+    args = arguments(tmp_path, steps=4, max_grad_norm=0.01, logging_strategy="steps", logging_steps=1)
+    trainer = transformers.Trainer(model=net, args=args, train_dataset=Tokens(), callbacks=[callback, raw])
+    trainer.train()
+    # The Trainer logs step k's grad_norm once global_step has become k + 1.
+    grad_norms = {row["step"] - 1: row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row}
+    assert [step.step for step in callback.steps] == sorted(grad_norms) == [0, 1, 2, 3]
+    for logged in callback.steps:
+        total = grad_norms[logged.step]
+        scale = min(1.0, 0.01 / (total + 1e-6))  # clip_grad_norm_'s factor
+        assert scale < 0.1  # every step was clipped, hard
+        norms = {name: value for name, value in logged.scalars.items() if name.startswith("param_grad/norm/")}
+        assert math.sqrt(sum(value**2 for value in norms.values())) == pytest.approx(total, rel=1e-4)
+        for name, clipped in raw.norms[logged.step].items():  # before clipping: the clipped norm undone
+            assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(clipped / scale, rel=1e-4)
+
+
+def albert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return track(transformers.AlbertForMaskedLM(config))
+
+
+def test_albert_trains_under_the_callback(tmp_path: Path) -> None:
+    """ALBERT (one block object at every layer) crashed the callback with a raw shape error from
+    the canonical map; the monitor falls back to the modules with parameters where it cannot be made."""
+    import warnings
+
+    callback = HookscopeCallback(every=2)
+    raw = RawNorms()
+    args = arguments(tmp_path, steps=4, max_grad_norm=0.0)
+    trainer = transformers.Trainer(model=albert(), args=args, train_dataset=Tokens(), callbacks=[callback, raw])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "hs.monitor: no canonical names for AlbertForMaskedLM", UserWarning)
+        trainer.train()
+    assert [step.step for step in callback.steps] == [0, 2]
+    for logged in callback.steps:
+        for name, norm in raw.norms[logged.step].items():
+            assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-5)
+    assert not callback.monitor.live

@@ -386,3 +386,145 @@ def test_precision_edges_empty_tensors_and_the_rounding_at_the_top() -> None:
     with hs.monitor(model, names="modules", precision="bf16") as mon:
         model(torch.randn(0, 4)).sum().backward()
         assert mon.step() is not None
+
+
+# -- the tripwire switched off, steps called wrong (issue 36) ------------------------------------------
+
+
+def test_tripwire_false_flags_a_nan_gradient_and_the_run_goes_on() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    poison = {"on": True}
+
+    def inject(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if poison["on"]:
+            output.register_hook(lambda grad: grad * math.nan)
+
+    handle = model[2].register_forward_hook(inject)
+    try:
+        with hs.monitor(model, names="modules", tripwire=False) as mon:
+            model(torch.randn(3, 4)).sum().backward()
+            first = mon.step()  # raised NonFiniteError before: the option was ignored by the gradient check
+            model.zero_grad()
+            poison["on"] = False
+            x = torch.randn(3, 4)
+            hidden = model[0](x)
+            hidden.retain_grad()
+            model[2](model[1](hidden)).sum().backward()  # the reference: autograd's own gradient, read by hand
+            second = mon.step()
+    finally:
+        handle.remove()
+    assert first is not None and second is not None  # noqa: PT018
+    (flag,) = [flag for flag in first.flags if flag.kind == "grad_nonfinite"]
+    assert flag.layer == "2" and flag.value == 3  # noqa: PT018  # the (3, 1) output gradient, all NaN
+    assert math.isnan(first.scalars["grad/norm/2"])
+    assert not second.flags
+    assert second.scalars["grad/norm/0"] == pytest.approx(float(hidden.grad.double().norm()))
+
+
+def test_step_after_the_with_block_or_twice_after_one_backward_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    with hs.monitor(model, names="modules") as mon:
+        with pytest.raises(hs.SpecError, match="no training forward or backward .* since the monitor was attached"):
+            mon.step()
+        model(torch.randn(3, 4)).sum().backward()
+        assert mon.step() is not None
+        with pytest.raises(hs.SpecError, match="since the last step\\(\\): call it once per optimiser step"):
+            mon.step()  # the same backward again: logged as a second step before
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # an evaluation forward is no training step either
+        with pytest.raises(hs.SpecError, match="no training forward"):
+            mon.step()
+        model(torch.randn(3, 4)).sum().backward()
+        assert mon.step() is not None
+    with pytest.raises(hs.SpecError, match="monitor that was removed"):
+        mon.step()
+    assert [s.step for s in mon.steps] == [0, 1]
+
+
+def test_a_module_named_like_another_modules_second_call_keeps_its_own_metric() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.add_module("fc#1", nn.Linear(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return getattr(self, "fc#1")(self.fc(torch.tanh(self.fc(x))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    outputs: dict[str, list[torch.Tensor]] = {"fc": [], "fc#1": []}
+    handles = [
+        module.register_forward_hook(lambda m, a, out, name=name: outputs[name].append(out) or out.retain_grad())
+        for name, module in (("fc", model.fc), ("fc#1", getattr(model, "fc#1")))
+    ]
+    try:
+        with hs.monitor(model, names="modules") as mon:
+            model(torch.randn(5, 4)).square().sum().backward()
+            logged = mon.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert logged is not None
+    expected = {
+        "grad/norm/fc": outputs["fc"][0],
+        "grad/norm/fc#1": outputs["fc#1"][0],  # the module named fc#1, under its own name
+        "grad/norm/fc#1~2": outputs["fc"][1],  # fc's second call: before, one of the two overwrote the other
+    }
+    for name, output in expected.items():
+        assert logged.scalars[name] == pytest.approx(float(output.grad.double().norm()), rel=1e-6), name
+
+
+# -- ALBERT: one block object at every layer (issue 36) -----------------------------------------------------
+
+
+def albert() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.AlbertForMaskedLM(config).train()
+
+
+@pytest.mark.transformers
+def test_albert_is_monitored_even_where_its_canonical_names_cannot_be_made() -> None:
+    """``std:`` names for ALBERT crashed hs.monitor with a raw shape error. Where the map cannot be
+    made (a StdMapError), the monitor watches the modules with parameters, with a warning; where
+    it can, the blocks. Either way the logged norms are autograd's."""
+    import warnings
+
+    model = albert()
+    try:
+        hs.std_map(model)
+        mapped = True
+    except hs.StdMapError:
+        mapped = False  # a RuntimeError here is the defect itself: the test fails on it
+    ffn = model.albert.encoder.albert_layer_groups[0].albert_layers[0].ffn
+    calls: list[torch.Tensor] = []
+    ids = batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hs.monitor(model) as mon:  # attaching runs the map's probe: the reference hook comes after
+            handle = ffn.register_forward_hook(lambda m, a, out: calls.append(out) or out.retain_grad())
+            try:
+                model(input_ids=ids, labels=ids).loss.backward()
+            finally:
+                handle.remove()
+            logged = mon.step()
+    assert logged is not None
+    notes = [str(w.message) for w in caught if "no canonical names" in str(w.message)]
+    assert len(notes) == (0 if mapped else 1) and (mon.note is None) == mapped  # noqa: PT018
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None:
+            expected = float(parameter.grad.double().norm())
+            assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(expected, rel=1e-5), name
+    if not mapped:  # the shared block's feed-forward, once per layer, each call its own metric
+        shown = "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn"
+        assert len(calls) == 3
+        for call, output in enumerate(calls):
+            name = f"grad/norm/{shown}" + (f"#{call}" if call else "")
+            assert logged.scalars[name] == pytest.approx(float(output.grad.double().norm()), rel=1e-5)

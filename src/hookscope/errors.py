@@ -27,6 +27,8 @@ does::
     │                                      a DataParallel replica, autograd's thread (.feature, .module)
     ├── NonFiniteError (FloatingPointError)  a module made a NaN/Inf from finite inputs
     │                                      (.module, .call, .what, .path, .nan, .posinf, .neginf)
+    ├── SinkError (RuntimeError)           a monitor's sinks failed to take a step or to close;
+    │                                      every other sink took it (.step, .failures)
     ├── EditError (ValueError)             an edit returned a value the model cannot take (wrong
     │                                      shape, dtype or device) or named a part that is not there
     ├── StoreError (OSError)               a feature store cannot be made, resumed or read as asked:
@@ -67,6 +69,7 @@ __all__ = [
     "OutputWriteError",
     "PairingWarning",
     "SelectionError",
+    "SinkError",
     "SiteNotFoundError",
     "SpecError",
     "StaleCompiledCodeWarning",
@@ -270,6 +273,28 @@ class NonFiniteError(HookscopeError, FloatingPointError):
         self.posinf = posinf
         self.neginf = neginf
         self.step = step  # the training step, where a monitor saw it (hs.monitor, the callbacks)
+
+
+class SinkError(HookscopeError, RuntimeError):
+    """One or more of a monitor's sinks failed to write a logged step (a full disk, a tracking
+    server that is down) or to close. Every sink is given every step: this is raised after the
+    others took it, naming each sink that failed.
+
+    Attributes:
+        step: the step that was being written; None when closing failed.
+        failures: ``(sink, description, error)`` for each failed sink, in sink order.
+
+    >>> error = SinkError("1 of 2 sinks failed at step 3: ...", step=3)
+    >>> error.step, error.failures
+    (3, ())
+    """
+
+    def __init__(
+        self, message: str, *, step: int | None = None, failures: tuple[tuple[Any, str, BaseException], ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.failures = failures
 
 
 class EditError(HookscopeError, ValueError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,18 @@ from hookscope._core.attach import Scoped, WrapSpec, remove_through
 from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.std import known_std_map, select_std
-from hookscope._core.tree import map_tensors
 from hookscope._grads import GradMonitor, GradStep, watch_grads
-from hookscope._monitor.sinks import as_sink
+from hookscope._monitor.evidence import note as _note
+from hookscope._monitor.evidence import save_evidence
+from hookscope._monitor.labels import UniqueLabels
+from hookscope._monitor.params import ParamNorms
+from hookscope._monitor.sinks import Failures, as_sink, close_all, sink_error, write_all
 from hookscope._monitor.watch import LayerRead, LayerWatch
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.precision import precision_target
 from hookscope._shared.stats import RAW_FIELDS, RawStats, Stats, finalize
 from hookscope._shared.transfer import fetch
-from hookscope._trace import NonFiniteDetector, detect_nonfinite, trace
+from hookscope._trace import NonFiniteDetector, detect_nonfinite
 from hookscope.errors import HookscopeError, NonFiniteError, SpecError, StdMapError
 
 __all__ = ["Monitor", "MonitorFlag", "MonitorStep", "monitor"]
@@ -47,7 +51,7 @@ class MonitorFlag:
 
     step: int
     layer: str
-    kind: str  # "grad_underflow", "act_underflow", "grad_overflow", "act_overflow"
+    kind: str  # "grad_underflow", "act_underflow", "grad_overflow", "act_overflow", "grad_nonfinite"
     value: float
     message: str
 
@@ -57,7 +61,13 @@ class MonitorFlag:
 
 @dataclass
 class MonitorStep:
-    """One logged step: its index, every scalar by name, and its flags."""
+    """One logged step: its index, every scalar by name, and its flags.
+
+    Every gradient in it is as the step's backward left it: the activations' (``grad/``) and the
+    parameters' (``param_grad/``) alike, before any clipping, unscaling or optimiser step, after
+    DDP's all-reduce. The transformers Trainer's logged ``grad_norm`` is the norm of the same
+    gradients: ``sqrt(sum of param_grad/norm**2)``.
+    """
 
     step: int
     scalars: dict[str, float]
@@ -67,7 +77,11 @@ class MonitorStep:
 
 
 class Monitor(Scoped):
-    """The hooks of :func:`monitor`; ``step()`` once per optimiser step, after the backward."""
+    """The hooks of :func:`monitor`; ``step()`` once per optimiser step, after the backward.
+
+    ``note`` says why the layers are not the blocks a transformers model should have (its
+    canonical names could not be made: it watches its modules with parameters), else None.
+    """
 
     def __init__(
         self,
@@ -99,11 +113,19 @@ class Monitor(Scoped):
         self._target = precision_target(precision)
         self._every = every
         self._flag_above = flag_above
+        self._tripwire_on = tripwire
         self._index = start
-        self._chosen = _layers(model, layers)
-        named = _logged_names(model, self._chosen) if names == "std" else {n: n for n, _ in self._chosen}
-        # Names as the core spells them: below a DDP or torch.compile wrapper, without its segment.
-        self._names = {module: shown or "(root)" for module, shown in named.items()}
+        self._stepped = False
+        self._chosen, self.note, unmapped = _layers(model, layers)
+        std = names == "std" and not unmapped  # a map that failed for the layers is not made again
+        named = _logged_names(model, self._chosen) if std else {n: n for n, _ in self._chosen}
+        # Names as the core spells them: below a DDP or torch.compile wrapper, without its segment;
+        # one per module, and one per module call (a module named "fc#1" is not fc's second call).
+        shown = UniqueLabels(mark="~")
+        self._names = {module: shown.claim(module, name or "(root)") for module, name in named.items()}
+        self._labels = UniqueLabels(mark="~")
+        for module, name in self._names.items():
+            self._labels.claim((module, 0), name)
         self._params = [(n, p) for n, p in named_parameters(model) if p.requires_grad] if params else []
         self._sinks = [as_sink(sink) for sink in sinks]
         # Sinks made here from paths are closed with the monitor; objects the caller passed are the caller's.
@@ -111,10 +133,14 @@ class Monitor(Scoped):
         self.steps: list[MonitorStep] = []
         self._grads: GradMonitor | None = None
         self._tripwire: NonFiniteDetector | None = None
+        self._param_norms: ParamNorms | None = None
         self._watch = LayerWatch(model, self._chosen, activations, self._target, histograms)
         self._watch.recording = start % every == 0
         parts: list[Any] = []
         try:
+            if self._params:
+                self._param_norms = ParamNorms(self._params)
+                self._param_norms.recording = self._watch.recording
             # The wrapper of the model's call sees the batch of a forward trip; a compiled model
             # (its forward is Dynamo's) would run eagerly inside one, so it goes without.
             wraps = () if hasattr(model, "_orig_mod") else (WrapSpec("", model, "call", self._guarded),)
@@ -129,8 +155,9 @@ class Monitor(Scoped):
                 self._tripwire = detect_nonfinite(model)
                 parts.append(self._tripwire)
         except BaseException:
-            for part in parts:
-                part.remove()
+            for part in [*parts, self._param_norms]:
+                if part is not None:
+                    part.remove()
             raise
         for part in parts[1:]:
             remove_through(part._group, self.remove)
@@ -145,18 +172,23 @@ class Monitor(Scoped):
         """
         if self.tripped is not None:
             return None  # the run stopped at the trip; its hooks are gone
+        self._refuse_an_empty_step()
         if step is not None:
             self._index = step
         index = self._index
         self._index += 1
         logged = self._watch.recording  # what this step's hooks did: its numbers are read, never carried over
         self._watch.recording = self._index % self._every == 0  # hooks of the next step
+        if self._param_norms is not None:
+            self._param_norms.recording = self._watch.recording
         if not logged:
             if self._grads is not None:
                 self._grads.step()  # closes the skipped step (its hooks returned at once)
                 self._grads.record_next(self._watch.recording)
+            if self._param_norms is not None:
+                self._param_norms.skip()
             return None
-        parameters, norms = self._parameter_norms()
+        parameters, norms = self._param_norms.take() if self._param_norms is not None else ([], [])
         vectors, parse = self._watch.collect()
         own = [*vectors, *norms]
         rows: list[Any] = []
@@ -182,18 +214,40 @@ class Monitor(Scoped):
         shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
         result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
-        if grad_step is not None:  # the tripwire before the sinks: a failing sink must not hide a NaN
-            try:
-                self._check_grads(index, grad_step)
-            except NonFiniteError as error:
-                self._trip(error)
-                raise
-        for sink in self._sinks:
-            write_histograms = getattr(sink, "write_histograms", None)
-            if shown and callable(write_histograms):
-                write_histograms(index, {f"act/{name}": h for name, h in shown.items()})
-            sink.write(index, scalars)
+        found = None if grad_step is None else self._nonfinite(index, grad_step)
+        if found is not None and not self._tripwire_on:
+            result.flags.append(found[1])  # tripwire=False: a flag, and the run goes on
+        # Every sink gets the step, a NaN step most of all; what failed is raised after.
+        failures = write_all(self._sinks, index, scalars, {f"act/{name}": h for name, h in shown.items()})
+        failed = sink_error(failures, len(self._sinks), index) if failures else None
+        if found is not None and self._tripwire_on:
+            trip = found[0]
+            if failed is not None:
+                _note(trip, str(failed))
+            self._trip(trip)
+            raise trip
+        if failed is not None:
+            raise failed
         return result
+
+    def _refuse_an_empty_step(self) -> None:
+        """A step after the hooks came off, or with no training forward or backward since the
+        last, would log stale gradients (or nothing) under a new step number: refused."""
+        if not self.live:
+            raise SpecError(
+                "mon.step() on a monitor that was removed (its with block ended, or remove() was called): nothing is "
+                "recorded any more; call step() inside the with block, once per optimiser step"
+            )
+        ran = self._watch.ran or (self._param_norms is not None and self._param_norms.backward_seen)
+        if not ran:
+            since = "the last step()" if self._stepped else "the monitor was attached"
+            raise SpecError(
+                f"mon.step() found no training forward or backward of the watched model since {since}: call it once "
+                "per optimiser step, after the backward (a second call would log the same gradients again as a new "
+                "step)"
+            )
+        self._stepped = True
+        self._watch.ran = False
 
     # -- the tripwire ------------------------------------------------------------------------------
 
@@ -214,7 +268,7 @@ class Monitor(Scoped):
         if self.tripped is not None:
             return
         self.tripped = error
-        self.remove()  # the run stops here; a loop the monitor does not enclose (a Trainer's) keeps no hook
+        self.remove(during=error)  # the run stops here; a loop the monitor does not enclose (a Trainer's) keeps no hook
         if self._trip_dir is not None and self._last_batch is not None:
             saved = save_evidence(self._model_ref, self._trip_dir, error, *self._last_batch)
             _note(error, f"hookscope kept the batch and a trace of it: {', '.join(map(str, saved))}")
@@ -233,21 +287,15 @@ class Monitor(Scoped):
                         scalars[f"precision/{side}/{metric}/{shown}"] = value
         for record in grad_step.records if grad_step is not None else []:
             if record.what == "grad_output" and record.path in ("", "[0]"):
-                shown = self._names.get(record.module, record.module)
-                suffix = "" if record.call == 0 else f"#{record.call}"
-                scalars[f"grad/norm/{shown}{suffix}"] = record.norm
-                scalars[f"grad/max_abs/{shown}{suffix}"] = record.max_abs
+                label = self._call_label(record.module, record.call)
+                scalars[f"grad/norm/{label}"] = record.norm
+                scalars[f"grad/max_abs/{label}"] = record.max_abs
         return scalars
 
-    def _parameter_norms(self) -> tuple[list[str], list[torch.Tensor]]:
-        """Every trainable parameter with a gradient, and ``[|g|, |w|]`` of each on its device
-        (read with the layers' numbers, in the same transfer)."""
-        named = [(name, p, p.grad) for name, p in self._params if p.grad is not None]
-        norms = [
-            torch.stack([torch.linalg.vector_norm(g.detach().float()), torch.linalg.vector_norm(p.detach().float())])
-            for _, p, g in named
-        ]
-        return [name for name, _, _ in named], norms
+    def _call_label(self, module: str, call: int) -> str:
+        """``blocks.3`` for a module's first call, ``blocks.3#1`` for its second; never another's name."""
+        shown = self._names.get(module, module)
+        return self._labels.claim((module, call), shown if call == 0 else f"{shown}#{call}")
 
     @staticmethod
     def _parameter_scalars(names: list[str], rows: list[Any]) -> dict[str, float]:
@@ -279,17 +327,18 @@ class Monitor(Scoped):
                         )  # fmt: skip
         return flags
 
-    def _check_grads(self, index: int, grad_step: GradStep) -> None:
-        """The backward tripwire: the first gradient (in backward order) holding a NaN/Inf."""
+    def _nonfinite(self, index: int, grad_step: GradStep) -> tuple[NonFiniteError, MonitorFlag] | None:
+        """The first gradient (in backward order) holding a NaN/Inf: the tripwire's error, and
+        the flag that stands for it with ``tripwire=False``."""
         bad = [r for r in grad_step.records if r.what != "param" and not r.finite]
         if not bad:
-            return
+            return None
         first = min(bad, key=lambda r: math.inf if r.order is None else r.order)
-        shown = self._names.get(first.module, first.module)
-        raise NonFiniteError(
-            f"step {index}: the gradient of {shown!r} ({first.class_name}, call {first.call}) holds "
-            f"{first.nan} NaN and {first.inf} Inf values, the first in backward order; the layers after it in the "
-            "forward got finite gradients",
+        shown = self._call_label(first.module, first.call)
+        error = NonFiniteError(
+            f"step {index}: the gradient of {self._names.get(first.module, first.module)!r} ({first.class_name}, call "
+            f"{first.call}) holds {first.nan} NaN and {first.inf} Inf values, the first in backward order; the layers "
+            "after it in the forward got finite gradients",
             module=first.module,
             call=first.call,
             what=first.what,
@@ -297,48 +346,47 @@ class Monitor(Scoped):
             nan=first.nan,
             step=index,
         )
+        flag = MonitorFlag(
+            index, shown, "grad_nonfinite", float(first.nan + first.inf),
+            f"the gradient of {shown} holds {first.nan} NaN and {first.inf} Inf values (step {index}), the first in "
+            "backward order; tripwire=False lets the run go on",
+        )  # fmt: skip
+        return error, flag
 
-    def remove(self) -> None:
+    def remove(self, *, during: BaseException | None = None) -> None:
         """Remove every hook and close the sinks made from paths (a sink object passed in is
-        left open: its owner closes it). Safe to call twice."""
+        left open: its owner closes it). Safe to call twice.
+
+        Every sink is closed whatever the others do; those that fail raise one
+        :class:`~hookscope.SinkError` after, or, given ``during`` (an error already on its way
+        out), are added to it as a note instead.
+        """
+        failures = self._let_go()
+        if failures:
+            failed = sink_error(failures, len(failures), None)
+            if during is None:
+                raise failed
+            _note(during, str(failed))
+
+    def _let_go(self) -> Failures:
         try:
-            for part in (self._tripwire, self._grads):
+            for part in (self._tripwire, self._grads, self._param_norms):
                 if part is not None:
                     part.remove()
             self._watch.remove()
         finally:
             owned, self._owned_sinks = self._owned_sinks, []
-            for sink in owned:
-                close = getattr(sink, "close", None)
-                if callable(close):
-                    close()
+            failures = close_all(owned)
+        return failures
 
     def __exit__(self, *exc_info: object) -> bool | None:
-        if len(exc_info) > 1 and isinstance(exc_info[1], NonFiniteError) and exc_info[1].step is None:
-            exc_info[1].step = self._index  # a forward NaN: name the step it came in
-        return super().__exit__(*exc_info)
-
-
-def save_evidence(
-    model: nn.Module, folder: Path, error: NonFiniteError, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Path]:
-    """The offending batch (``nonfinite_step{N}_batch.pt``) and a trace of the model on it
-    (``..._trace.csv``: every call's shapes and value ranges, the first NaN/Inf marked)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"nonfinite_step{error.step if error.step is not None else 'unknown'}"
-    batch = stem.with_name(stem.name + "_batch.pt")
-    detached = map_tensors(lambda t: t.detach().cpu(), {"args": list(args), "kwargs": kwargs})
-    torch.save(detached, batch)
-    saved = [batch]
-    try:
-        with torch.no_grad():
-            found = trace(model, *args, model_kwargs=kwargs)
-        table = stem.with_name(stem.name + "_trace.csv")
-        found.to_csv(table)
-        saved.append(table)
-    except Exception as failure:
-        _note(error, f"the trace of the offending batch failed too: {failure}")
-    return saved
+        error = exc_info[1] if len(exc_info) > 1 and isinstance(exc_info[1], BaseException) else None
+        if isinstance(error, NonFiniteError) and error.step is None:
+            error.step = self._index  # a forward NaN: name the step it came in
+        if error is not None:
+            self._group.note_failure(error)
+        self.remove(during=error)
+        return None
 
 
 def _table(rows: list[Any]) -> np.ndarray:
@@ -346,34 +394,39 @@ def _table(rows: list[Any]) -> np.ndarray:
     return np.stack(rows) if rows else np.empty((0, len(RAW_FIELDS)))
 
 
-def _note(error: BaseException, text: str) -> None:
-    """``error.add_note(text)`` where Python has it (3.11 on)."""
-    add_note = getattr(error, "add_note", None)
-    if callable(add_note):
-        add_note(text)
-
-
-def _layers(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
+def _layers(
+    model: nn.Module, layers: Selector | Sequence[Selector] | None
+) -> tuple[list[tuple[str, nn.Module]], str | None, bool]:
     """The layers given, or by default the blocks (``std:blocks.*``) where the model has a map,
-    else every module that holds parameters of its own."""
+    else every module that holds parameters of its own; and a note where a transformers model,
+    which should have a map, fell back (a warning too: its logs are named unlike its family's);
+    and whether the map failed."""
     if layers is not None:
-        return select_std(model, layers)
+        return select_std(model, layers), None, False
     try:
-        return select_std(model, "std:blocks.*")
-    except HookscopeError:
-        if hasattr(model, "config"):  # a transformers model: its map should resolve, and the error says why not
-            raise
+        return select_std(model, "std:blocks.*"), None, False
+    except HookscopeError as error:
+        mapped = hasattr(model, "config")  # a transformers model: its map should resolve
+        if mapped and not isinstance(error, StdMapError):
+            raise  # the error says why it does not, and what to pass
         owners = [(n, m) for n, m in named_modules(model) if n and any(True for _ in m.parameters(recurse=False))]
         if not owners:
             raise SpecError("the model holds no parameters of its own modules: name the layers to monitor") from None
-        return owners
+        if not mapped:
+            return owners, None, True
+        note = (
+            f"hs.monitor: no canonical names for {type(model).__name__} ({error}); it watches the {len(owners)} "
+            "modules with parameters of their own, under their module names; pass layers= to choose others"
+        )
+        warnings.warn(note, UserWarning, stacklevel=4)
+        return owners, note, True
 
 
 def _logged_names(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> dict[str, str]:
     """Module name -> canonical name where the map names the module itself (``blocks.3``)."""
     try:
         std = known_std_map(model)
-    except (StdMapError, HookscopeError):
+    except HookscopeError:  # a StdMapError among them: module names, as the layers fell back to
         return {name: name for name, _ in chosen}
     by_module = {site.module: name for name, site in std.items() if site.kind == "module" and site.module}
     return {name: by_module.get(name, name) for name, _ in chosen}
@@ -413,13 +466,16 @@ def monitor(
             hook off before the error leaves, so a loop the monitor does not enclose (a
             Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
             ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
-            check a run that trips eagerly.
+            check a run that trips eagerly. ``tripwire=False`` raises neither: a NaN/Inf
+            gradient becomes a ``grad_nonfinite`` flag of the step, and the run goes on.
         every: log every N-th step (by the step numbers, from ``start``); other steps' hooks return
             at once and cross to the host never. Only forwards under grad count (an evaluation's
             forward between steps does not), and the backward tripwire checks logged steps.
         sinks: paths (``.jsonl``, ``.csv``; closed with the monitor), a TensorBoard
             ``SummaryWriter``, or objects with ``write(step, scalars)`` (left open: their
-            owner closes them, so one sink can serve several runs).
+            owner closes them, so one sink can serve several runs). Every sink gets every
+            step; sinks that raise are named after the others wrote, in one
+            :class:`~hookscope.SinkError`.
         names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
         histograms: also a histogram of each layer's output per logged step (64 buckets of a
             sample of at most 32,768 values, counted on the device): ``step.histograms``, and
@@ -437,6 +493,10 @@ def monitor(
                 mon.step()                    # after backward, before zero_grad
                 optimizer.step(); optimizer.zero_grad()
         mon.steps[-1].flags                   # "layer blocks.3 loses 4.1% of its gradient to underflow ..."
+
+    ``step()`` is refused (:class:`~hookscope.SpecError`) after the monitor was removed, and
+    when no watched layer ran a training forward and no gradient reached a parameter since the
+    last ``step()``: a second call after one backward would log the same gradients again.
     """
     return Monitor(
         model, layers, grads=grads, params=params, activations=activations, precision=precision,

@@ -3,6 +3,9 @@
 Every sink gets the same flat ``{name: value}`` dict with stable names (``grad/norm/blocks.3``,
 ``act/mean_abs/blocks.3``, ``precision/grad/underflow/blocks.3``), so switching or adding a sink
 never renames a metric. Files are appended and flushed per step: a run that dies keeps what it logged.
+Every sink is given every step and every close (:func:`write_all`, :func:`close_all`): one that
+raises (a full disk, a tracking server down) keeps no other from it, and the failures are raised
+after, together (:func:`sink_error`).
 """
 
 from __future__ import annotations
@@ -12,16 +15,29 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from hookscope._monitor.labels import UniqueLabels
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
-from hookscope.errors import SpecError
+from hookscope.errors import SinkError, SpecError
 
-__all__ = ["CsvSink", "JsonLinesSink", "MLflowSink", "Sink", "TensorBoardSink", "WandbSink", "as_sink"]
+__all__ = [
+    "CsvSink",
+    "JsonLinesSink",
+    "MLflowSink",
+    "Sink",
+    "TensorBoardSink",
+    "WandbSink",
+    "as_sink",
+    "close_all",
+    "sink_error",
+    "write_all",
+]
 
 
 @runtime_checkable
@@ -97,9 +113,10 @@ class TensorBoardSink:
 
     def __init__(self, writer: Any) -> None:
         if isinstance(writer, (str, os.PathLike)):
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(os.fspath(writer))
+            tensorboard = require(
+                "torch.utils.tensorboard", purpose="TensorBoardSink", extra="tensorboard", package="tensorboard"
+            )
+            writer = tensorboard.SummaryWriter(os.fspath(writer))
         if not callable(getattr(writer, "add_scalar", None)):
             raise SpecError(f"TensorBoardSink takes a SummaryWriter or a log directory, not {type(writer).__name__}")
         self.writer = writer
@@ -159,18 +176,54 @@ class WandbSink:
 
 class MLflowSink:
     """``mlflow.log_metrics(scalars, step=step)`` into the active MLflow run (one this sink starts
-    with ``mlflow.start_run(**start)`` when none is active, and ends on close). Names keep their
-    ``/``; ``#`` (a module's later call) becomes ``_call``, and any other character MLflow
-    refuses becomes ``_``."""
+    with ``mlflow.start_run(**start)`` when none is active, and ends on close).
+
+    Where the run is kept is MLflow's tracking URI: for local use MLflow 3 recommends, and
+    defaults to, a SQLite store (``mlflow.set_tracking_uri("sqlite:///mlflow.db")``), which needs
+    ``sqlalchemy`` and ``alembic`` beside ``mlflow-skinny`` (``pip install 'hookscope[mlflow]'``
+    installs all three); its older ``./mlruns`` file store is refused unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``.
+
+    Names keep their ``/``; ``#`` (a module's later call) becomes ``_call``, and any other
+    character MLflow refuses becomes ``_``. Two names that would clean to one (``x+1`` and
+    ``x_1``) stay two metrics: a name MLflow takes as it is keeps it, the other gets ``-2``
+    (``renamed`` lists them), the same at every step.
+    """
 
     def __init__(self, **start: Any) -> None:
         self._mlflow = require("mlflow", purpose="MLflowSink", extra="mlflow", package="mlflow-skinny")
+        self._names = UniqueLabels(mark="-")
         self._owned = self._mlflow.active_run() is None
-        self.run = self._mlflow.active_run() or self._mlflow.start_run(**start)
+        self.run = self._mlflow.active_run() or self._start(start)
+
+    def _start(self, start: dict[str, Any]) -> Any:
+        uri = str(self._mlflow.get_tracking_uri())
+        if uri.startswith("sqlite:"):  # mlflow-skinny leaves the database's packages out
+            for module in ("sqlalchemy", "alembic"):
+                require(module, purpose=f"MLflowSink on the SQLite store {uri}", extra="mlflow")
+        try:
+            return self._mlflow.start_run(**start)
+        except self._mlflow.exceptions.MlflowException as error:
+            if "MLFLOW_ALLOW_FILE_STORE" not in str(error):
+                raise
+            raise SpecError(
+                f"MLflow refuses its file store {uri} (MLflow 3 keeps it for old runs only): "
+                "mlflow.set_tracking_uri('sqlite:///mlflow.db'), the local store MLflow recommends, or set "
+                "MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+            ) from error
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        clean = {_mlflow_name(name): value for name, value in scalars.items() if math.isfinite(value)}
+        for name in scalars:  # names MLflow takes as they are first: they keep their own spelling
+            if _mlflow_name(name) == name:
+                self._names.claim(name, name)
+        finite = {name: value for name, value in scalars.items() if math.isfinite(value)}
+        clean = {self._names.claim(name, _mlflow_name(name)): value for name, value in finite.items()}
         self._mlflow.log_metrics(clean, step=step, run_id=self.run.info.run_id)
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """The metric names whose MLflow spelling another name had already: name -> the spelling logged."""
+        return {str(name): spelling for name, spelling in self._names.renamed.items()}
 
     def close(self) -> None:
         active = self._mlflow.active_run()
@@ -186,6 +239,58 @@ def _mlflow_name(name: str) -> str:
     """
     cleaned = re.sub(r"[^\w\-./ :]", "_", name.replace("#", "_call"))
     return cleaned + "root" if cleaned.endswith("/") else cleaned
+
+
+def describe(sink: Any) -> str:
+    """A sink as an error names it: its class, and its file where it writes one."""
+    path = getattr(sink, "path", None)
+    where = f"({os.fspath(path)!r})" if isinstance(path, (str, os.PathLike)) else ""
+    return f"{type(sink).__name__}{where}"
+
+
+Failures = list[tuple[Any, str, BaseException]]
+
+
+def write_all(sinks: Sequence[Any], step: int, scalars: dict[str, float], histograms: dict[str, Histogram]) -> Failures:
+    """Give every sink the step (its histograms first, to the sinks that draw them); a sink that
+    raises keeps no other sink from the step. Returns the failures, for the caller to raise."""
+    failures: Failures = []
+    for sink in sinks:
+        try:
+            write_histograms = getattr(sink, "write_histograms", None)
+            if histograms and callable(write_histograms):
+                write_histograms(step, histograms)
+            sink.write(step, scalars)
+        except Exception as error:
+            failures.append((sink, describe(sink), error))
+    return failures
+
+
+def close_all(sinks: Sequence[Any]) -> Failures:
+    """Close every sink that has a ``close()``, whatever the others do; returns the failures."""
+    failures: Failures = []
+    for sink in sinks:
+        close = getattr(sink, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception as error:
+            failures.append((sink, describe(sink), error))
+    return failures
+
+
+def sink_error(failures: Failures, total: int, step: int | None) -> SinkError:
+    """One error naming each failed sink (the first failure as its cause)."""
+    what = f"failed to write step {step}; the other sinks have it" if step is not None else "failed to close"
+    each = "; ".join(f"{shown}: {type(error).__name__}: {error}" for _, shown, error in failures)
+    error = SinkError(
+        f"{len(failures)} of {total} sinks {what} ({each}); free the disk or fix the sink, or drop it from sinks=",
+        step=step,
+        failures=tuple(failures),
+    )
+    error.__cause__ = failures[0][2]
+    return error
 
 
 def as_sink(given: Any) -> Sink:

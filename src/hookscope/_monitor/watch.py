@@ -7,7 +7,7 @@ and, when the forward runs with grad, puts a tensor hook on that output to count
 gradient. Nothing crosses to the host until :meth:`LayerWatch.read`, one transfer per device
 per logged step (with the monitor's own vectors);
 micro-batches of one step (gradient accumulation) merge. On a step that is not logged every hook
-returns after one check.
+returns after two checks (it notes that a training forward ran: a step with none is refused).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class LayerWatch:
     precision: torch.dtype | None
     histograms: bool = False
     recording: bool = True
+    ran: bool = False  # a watched layer ran with grad since the monitor's last step (set, never read, by the hooks)
     _kept: dict[str, _Kept] = field(default_factory=dict)
     _group: HookGroup | None = None
 
@@ -68,7 +69,10 @@ class LayerWatch:
 
     def _hook(self, name: str) -> Any:
         def watch(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self.recording or not torch.is_grad_enabled():  # an evaluation's forward is not the step's
+            if not torch.is_grad_enabled():  # an evaluation's forward is not the step's
+                return
+            self.ran = True
+            if not self.recording:
                 return
             tensor = _first_floating(output)
             if tensor is None or tensor.numel() == 0:

@@ -29,6 +29,7 @@ from hookscope.errors import (
     DataError,
     HookscopeError,
     OutputWriteError,
+    SinkError,
     SpecError,
     StoreBusyError,
     StoreWriteError,
@@ -50,6 +51,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
     OutputWriteError: EXIT_FAILURE,  # a file's write failed part-way (disk full); nothing was left
     ConcurrentPassError: EXIT_FAILURE,  # a replica or autograd thread would mix into the pass: nothing the command did
+    SinkError: EXIT_FAILURE,  # a metrics sink failed to write (disk full); the other sinks have the step
     KeyboardInterrupt: EXIT_INTERRUPTED,
     Exception: EXIT_FAILURE,  # anything else: the model, torch, the system failed while running
 }

@@ -76,9 +76,11 @@ class MonitorCallback:
         self._remove()
         self.monitor = self.settings.start(model, default_dir, step)
 
-    def _remove(self) -> None:
+    def _remove(self, during: BaseException | None = None) -> None:
+        """Let go of the monitor; with ``during`` (the error training raised), a sink that fails
+        to close is added to that error as a note instead of hiding it."""
         if self.monitor is not None:
-            self.monitor.remove()
+            self.monitor.remove(during=during)
 
     def __repr__(self) -> str:
         return f"HookscopeCallback({self.settings!r})"

@@ -1,9 +1,12 @@
 """``HookscopeCallback``: :func:`hookscope.monitor` inside the transformers ``Trainer``.
 
 Attached once, at ``on_train_begin``; each optimiser step is read at ``on_pre_optimizer_step``
-(after every micro-batch's backward and the gradient clipping, before the optimiser and
-``zero_grad``), so gradient accumulation gives one record per optimiser step with the
-micro-batches merged; removed at ``on_train_end``. A NaN/Inf stops training with
+(after every micro-batch's backward, before the optimiser and ``zero_grad``), so gradient
+accumulation gives one record per optimiser step with the micro-batches merged; removed at
+``on_train_end``. The Trainer (transformers 5) clips the gradients before that callback, and
+logs as ``grad_norm`` their norm before clipping; the record holds every gradient as the
+backward left it, before clipping, the parameters' too (read when the backward ends): the
+Trainer's ``grad_norm`` is ``sqrt(sum of param_grad/norm**2)`` of the same step. A NaN/Inf stops training with
 :class:`hookscope.NonFiniteError` naming the module, call and step (``error.step`` is the
 Trainer's ``global_step``), after saving the offending batch and a trace of it to
 ``output_dir`` (default: the Trainer's), and with every hook already removed.
@@ -56,8 +59,8 @@ class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type
             return
         try:
             logged = self.monitor.step(step=state.global_step)
-        except BaseException:
-            self.monitor.remove()  # the Trainer calls no callback when training raises: let go here
+        except BaseException as error:
+            self._remove(during=error)  # the Trainer calls no callback when training raises: let go here
             raise
         if logged is not None:
             self.steps.append(logged)

@@ -61,4 +61,4 @@ class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,nam
         self._remove()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._remove()
+        self._remove(during=exception)
