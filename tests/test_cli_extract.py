@@ -35,6 +35,14 @@ def test_random_rows_through_a_demo_cnn(capsys: pytest.CaptureFixture[str], tmp_
     assert store["conv1"].shape == (40, 16, 30, 30)
     assert store.meta["config"]["model"]["spec"] == "demo:cnn"
     assert store.meta["command"] == f"hookscope extract demo:cnn --data random:40:3x32x32 -l conv1,fc -o {out} -b 16"
+    before = store_files(out)
+    code, stdout, err = run_cli(
+        capsys, "extract", "demo:cnn", "--data", "random:40:3x32x32", "-l", "conv1,fc", "-o", str(out), "-b", "16"
+    )
+    assert code == 0, err
+    assert f"verified 40 rows of 2 sites in {out}" in stdout  # a complete store is checked, not written
+    assert "wrote" not in stdout
+    assert store_files(out) == before
 
 
 @pytest.mark.transformers

@@ -240,6 +240,7 @@ def test_old_call_sites_still_work(error: Exception, fields: dict[str, Any]) -> 
         hs.SiteNotFoundError("m", key="fcc", candidates=("fc", "fc#0:output")),
         hs.CaptureError("m", site="fc#0:output"),
         hs.DataError("m", rows=range(8, 12)),
+        hs.StoreReadError("m", array="h.0", chunk=3),  # raised in a DataLoader worker
     ],
 )
 def test_fields_survive_a_pickle(error: Exception) -> None:
@@ -329,6 +330,7 @@ class _Narrower(hs.DataError):
         (hs.StoreError("x"), 2),
         (hs.MissingDependencyError("x"), 2),
         (hs.StoreWriteError("x"), 1),
+        (hs.StoreReadError("x"), 1),  # the network failed, not the command
         (hs.DataError("x"), 1),
         (_Narrower("x"), 1),  # a subclass takes its nearest listed class's code
         (RuntimeError("x"), 1),

@@ -667,7 +667,7 @@ def test_to_hf_dataset(tmp_path: Path) -> None:
     store = run(SmallCNN().eval(), torch.randn(6, 3, 32, 32), ["pool", "fc"], tmp_path / "f.zarr", dtype="bfloat16")
     dataset = store.to_hf_dataset(cache_dir=str(tmp_path / "hf-cache"))
     assert len(dataset) == 6
-    assert dataset.column_names == ["pool", "fc"]
+    assert dataset.column_names == ["pool", "fc", "row_index"]  # what each row is (tokens too, where kept)
     assert np.allclose(np.asarray(dataset[2]["fc"]), store["fc"][2])
     assert np.asarray(dataset[0]["pool"]).shape == (16, 1, 1)
 

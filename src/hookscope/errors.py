@@ -37,6 +37,8 @@ does::
     │   │                                  (.array, .chunk)
     │   ├── StoreBusyError                 another process is writing the store (.holder)
     │   ├── StoreIndexError (IndexError)   rows the array does not have
+    │   ├── StoreReadError                 a chunk could not be fetched (network, credentials, a
+    │   │                                  timeout); the store is not known to be damaged
     │   └── StoreWriteError                writing failed part-way (disk full, ...); what landed is
     │                                      recorded, and the same call resumes after it
     └── OutputPathError (OSError)          a file cannot be written where asked: the parent is a
@@ -77,6 +79,7 @@ __all__ = [
     "StoreBusyError",
     "StoreError",
     "StoreIndexError",
+    "StoreReadError",
     "StoreRepairWarning",
     "StoreWriteError",
     "UnsupportedModelError",
@@ -359,6 +362,14 @@ class StoreBusyError(StoreError):
     def __init__(self, message: str, *, holder: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.holder = holder or {}
+
+
+class StoreReadError(StoreError):
+    """Reading a feature store's chunk failed on the way, not in what is stored: the network,
+    the credentials, a timeout, the file system. The chunk's bytes were not found damaged, so
+    running the extraction again would not help: read again once the store can be reached.
+    ``.array`` and ``.chunk`` name what was being read.
+    """
 
 
 class StoreWriteError(StoreError):

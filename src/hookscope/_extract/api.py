@@ -48,7 +48,8 @@ from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
 from hookscope._extract.redact import redacted_command
 from hookscope._extract.reduce import TokenMask
-from hookscope._extract.store import Store, merged_stats, open_store, stored_layout
+from hookscope._extract.store import Store, open_store
+from hookscope._extract.store_meta import merged_stats, stored_layout
 from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
 from hookscope._extract.writer import ChunkWriter, WriterThread
 from hookscope._extract.zarr_io import (
@@ -260,7 +261,7 @@ class _Job:
             self.step("reopening the store", lambda: self._reopen_if_repaired(complete), main_only=True)
             existing = self.step("reading the store", lambda: read_meta(self.target))
             if existing is None or existing.get("state") == "complete":
-                return self._opened()
+                return self._opened(written=0)  # checked, nothing to write
             checked = True
         reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
@@ -273,6 +274,7 @@ class _Job:
         if existing is not None and not checked:
             self.step("checking the stored chunks", lambda: self._check_stored(existing, repair=True))
         group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
+        kept_chunks = set(done)  # ``done`` grows as chunks land
         confirm = hold.confirm if self.ranks.is_main else None
         rows = self.step(
             "writing chunks", lambda: self._write(group, manifest, done, layout, first, confirm, provenance)
@@ -280,7 +282,9 @@ class _Job:
         self.step(
             "completing the store", lambda: self._complete(group, manifest, layout, meta, rows, hold), main_only=True
         )
-        return self._opened()
+        # every rank read the same manifest before any wrote: what was not done then is what this run wrote
+        kept = sum(max(0, min(rows, (c + 1) * layout.chunk_rows) - c * layout.chunk_rows) for c in kept_chunks)
+        return self._opened(written=rows - kept)
 
     def _check_stored(self, meta: dict[str, Any], *, repair: bool) -> None:
         """Check this rank's share of the done chunks against their checksums (see ``verify``).
@@ -294,7 +298,7 @@ class _Job:
         group, manifest, done = self._manifest()
         stored = stored_layout(meta)
         mine = sorted(done)[self.ranks.rank :: self.ranks.world_size]
-        damage = damaged_chunks(group, stored.arrays, manifest, mine, stored.chunk_rows)
+        damage = damaged_chunks(group, stored.arrays, manifest, mine, stored.chunk_rows, secrets=self.target.secrets)
         broken = sorted({found.chunk for found in damage})
         if isinstance(self.source, IndexedSource):
             intact = [chunk for chunk in mine if chunk not in broken]
@@ -334,8 +338,10 @@ class _Job:
         manifest = Manifest(group)
         return group, manifest, manifest.done()
 
-    def _opened(self) -> Store:
-        return open_store(self.target)
+    def _opened(self, *, written: int) -> Store:
+        store = open_store(self.target)
+        store.written_rows = written
+        return store
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -471,8 +477,11 @@ class _Job:
             label=self.target.label,
             confirm=confirm,
             flushers=_flushers(layout) if self.target.remote else 1,
+            secrets=self.target.secrets,
         )
-        name = Path(self.target.label).name + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
+        # a local store by its folder's name; one at a URL by the URL (without credentials)
+        where = self.target.label if self.target.url is not None else Path(self.target.label).name
+        name = where + (f" (rank {self.ranks.rank})" if self.ranks.world_size > 1 else "")
         shown = self.progress if self.ranks.is_main else False
         with ExtractProgress(
             total, enabled=shown, label=f"extract → {name}", written=lambda: writer.bytes_written

@@ -103,13 +103,21 @@ def _content_checksum(tensor: torch.Tensor) -> str:
 def differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
     """Each key whose value differs, as ``"key: stored A, now B"``, nested keys dotted.
 
+    A key absent on one side and None on the other is no difference: both say "not set" (the
+    reduction of a layer no longer selected is None, which its absence from the other side
+    repeats beside the real difference, the layers).
+
     >>> differences({"dtype": "float32", "model": {"class": "A"}}, {"dtype": "bfloat16", "model": {"class": "A"}})
     ["dtype: stored 'float32', now 'bfloat16'"]
+    >>> differences({"layers": ["0"], "reduce": {"0": None}}, {"layers": ["1"], "reduce": {"1": None}})
+    ["layers: stored ['0'], now ['1']"]
     """
     found: list[str] = []
     for key in sorted(set(stored) | set(wanted), key=str):
         a, b = stored.get(key, _ABSENT), wanted.get(key, _ABSENT)
         label = f"{prefix}{key}"
+        if {type(a), type(b)} <= {_Absent, type(None)}:
+            continue
         if isinstance(a, dict) and isinstance(b, dict):
             found.extend(differences(a, b, prefix=f"{label}."))
         elif _canonical(a) != _canonical(b):

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hookscope._extract.verify import present_chunks
+from hookscope._extract.verify import present_chunks, unreadable_error
 from hookscope._shared.bits import bits_to_tensor
 from hookscope.errors import SiteNotFoundError, SpecError, StoreError
 
@@ -116,7 +116,8 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
 
     Iterate it directly or through ``torch.utils.data.DataLoader(loader, batch_size=None,
     num_workers=W)`` (``batch_size=None``: the loader makes the batches; a fresh, not persistent,
-    set of workers each epoch sees :meth:`set_epoch`). ``len(loader)`` is the number of batches this
+    set of workers each epoch sees :meth:`set_epoch`; a store at a URL makes its connections anew in
+    each worker). ``len(loader)`` is the number of batches this
     rank yields in the epoch after ``start_step``. Every row (or token) is yielded once per epoch
     across all ranks and workers. To resume at step ``k`` of epoch ``e`` (``k`` batches already
     taken on each rank), make the loader with ``epoch=e, start_step=k`` and the same seed, ranks
@@ -248,7 +249,12 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         arrays = [*self._arrays, *([self._mask] if self._mask is not None else [])]
         wanted = set(self._chunks.tolist())
         for array in arrays:  # listed anew by every loader: a file may have gone since the last one
-            gone = sorted(wanted - present_chunks(array.zarr))
+            try:
+                gone = sorted(wanted - present_chunks(array.zarr))
+            except Exception as error:  # the listing failed: the network, not the store
+                first = int(self._chunks[0])
+                reason = f"{type(error).__name__}: {error}"
+                raise unreadable_error(array.name, first, array.chunk_span(first), reason, array.secrets) from error
             if gone:
                 raise StoreError(
                     f"chunk {gone[0]} of {array.name!r} is damaged: its file is gone (the chunk is recorded as "
@@ -448,18 +454,12 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
     @staticmethod
     def _read_zarr(array: StoreArray, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of ``array`` straight from zarr (one chunk: no per-read checks); a failed
-        read is a ``StoreError`` naming the chunk."""
+        read is a ``StoreError`` naming the chunk: damaged where its bytes are, a ``StoreReadError``
+        where they could not be fetched."""
         try:
             return np.asarray(array.zarr[start:stop])
         except Exception as error:
-            chunk = start // array.zarr.chunks[0]
-            raise StoreError(
-                f"chunk {chunk} (rows {start}..{stop - 1}) of {array.name!r} cannot be read "
-                f"({type(error).__name__}: {error}); run the same extraction again, which checks every chunk and "
-                "writes the damaged ones anew",
-                array=array.name,
-                chunk=chunk,
-            ) from error
+            raise array.fault(start // array.zarr.chunks[0], error) from error
 
     def _shuffled(self, where: np.ndarray, ids: np.ndarray, number: int) -> tuple[np.ndarray, np.ndarray]:
         """Window ``number``'s units in the order they are yielded: permuted by the window's own seed."""

@@ -103,8 +103,8 @@ class ObjectRecord:
             if "IfMatch" in condition:  # the version to replace is gone
                 return False
             raise StoreError(
-                f"out {self.target.label!r} cannot be written: {error}; check that the bucket exists and the "
-                "credentials may write to it"
+                f"out {self.target.label!r} cannot be written: {self.target.said(error)}; check that the bucket exists "
+                "and the credentials may write to it"
             ) from error
         except OSError as error:
             if _precondition_failed(error):

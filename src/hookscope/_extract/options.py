@@ -8,7 +8,7 @@ an extraction accepts exactly what a capture does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from hookscope._core.sites import Calls, Keep
 from hookscope._extract.data import Inputs
 from hookscope._extract.pipeline import ReduceOption
 from hookscope._extract.provenance import TokensOption
+from hookscope._extract.redact import redacted_command, redacted_options
 from hookscope._shared.dtypes import Overflow, overflow_choice, parse_device
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
@@ -50,7 +51,9 @@ class ExtractConfig(Options):
     ``model_spec`` (how the store names the model), ``rank`` / ``world_size`` (default: from
     ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded),
     ``storage_options`` (for an ``out`` URL such as ``s3://bucket/feats.zarr``: the fsspec file
-    system's options, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``; not recorded).
+    system's options, any mapping, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``; not
+    recorded, and shown by a repr or ``to_dict()`` with every value but the harmless ones as ``***``,
+    as the command's credentials are).
 
     >>> ExtractConfig(dtype="bf16", reduce="mean:1").recorded()["dtype"]
     'bfloat16'
@@ -83,7 +86,7 @@ class ExtractConfig(Options):
     world_size: int | None = None
     command: str | None = None
     overflow: Overflow = "warn"
-    storage_options: dict[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = None
     tokens: TokensOption = "auto"
 
     def __post_init__(self) -> None:
@@ -102,10 +105,36 @@ class ExtractConfig(Options):
         self.capture_options  # noqa: B018 (keep, calls and dtype refused now, as a capture refuses them)
         parse_device(self.device)
         overflow_choice(self.overflow)
+        if self.storage_options is not None:
+            if not isinstance(self.storage_options, Mapping):  # never its repr: it may hold credentials
+                raise SpecError(
+                    f"storage_options is a {type(self.storage_options).__name__}; expected a mapping of the file "
+                    "system's options, e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
+                )
+            object.__setattr__(self, "storage_options", dict(self.storage_options))  # one spelling: a dict
         if self.tokens not in (True, False, "auto"):
             raise SpecError(
                 f"tokens={self.tokens!r} is not 'auto' (keep token ids when the batches carry some), True or False"
             )
+
+    def __repr__(self) -> str:
+        """Every option, as a dataclass shows them; storage options without their secrets."""
+        shown = {name: getattr(self, name) for name in self.names()}
+        shown.update(self._without_secrets())
+        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """As :meth:`Options.to_dict`, storage options and the command without their secrets (``***``)."""
+        return {**super().to_dict(), **self._without_secrets()}
+
+    def _without_secrets(self) -> dict[str, Any]:
+        """The options that may hold credentials, as they are shown: ``***`` in their place."""
+        shown: dict[str, Any] = {}
+        if self.storage_options is not None:
+            shown["storage_options"] = redacted_options(self.storage_options)
+        if self.command is not None:
+            shown["command"] = redacted_command(self.command)
+        return shown
 
     def recorded(self) -> dict[str, Any]:
         """What the store records of these options and a resumed run must match (reductions apart,

@@ -3,16 +3,21 @@
 A store is read by others (a team's bucket), and it records the command that made it, and its
 writer record the command that writes it. A command line may carry credentials: storage options
 (``--storage-option secret=...``), a URL with a key in it (``s3://KEY:SECRET@bucket/...``), a
-presigned URL's query (``?X-Amz-Security-Token=...``). They are recorded as ``***``; what the user
-typed is shown back to the user alone (the note after Ctrl-C).
+presigned URL's query (``?X-Amz-Security-Token=...``). They are recorded as ``***``.
+
+Messages never show them either: a store's name is its URL without credentials (:func:`shown_url`),
+and the text of another library's error that a message quotes (botocore quotes a bucket, aiohttp
+a URL) goes through :func:`scrub` with the secrets of the store (:func:`secrets_of`) first.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["redacted_command", "shown_url"]
+__all__ = ["redacted_command", "redacted_options", "scrub", "secrets_of", "shown_url", "userinfo"]
 
 #: Storage options recorded as written: they name where, not who.
 SHOWN_OPTIONS = frozenset(
@@ -22,6 +27,8 @@ SHOWN_OPTIONS = frozenset(
 SECRET_WORDS = frozenset({"key", "secret", "token", "password", "passwd", "credential", "credentials", "apikey"})
 _OPTION = "--storage-option"
 _QUERY = re.compile(r"\?[^\s'\"#]*")
+#: Shorter values are not taken for secrets to scrub: replacing "1" in a message would hide numbers.
+_SHORTEST_SECRET = 4
 _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]*")
 
 
@@ -34,6 +41,83 @@ def shown_url(url: str) -> str:
     ('https://host/x', 's3://b/f', 'http://minio:9000/r@1/f')
     """
     return _without_credentials(url, "")
+
+
+def userinfo(url: str) -> str | None:
+    """The credentials written into ``url`` (``KEY:SECRET`` of ``s3://KEY:SECRET@bucket/...``), or None.
+
+    >>> userinfo("s3://AKIA:se/cret@bucket/f.zarr"), userinfo("s3://b/runs/step@10/f.zarr"), userinfo("x")
+    ('AKIA:se/cret', None, None)
+    """
+    _, found, rest = url.partition("://")
+    if not found:
+        return None
+    authority, _, path = rest.partition("/")
+    if "@" in authority:
+        return authority.rpartition("@")[0]
+    if ":" in authority and not authority.rpartition(":")[2].isdigit() and "@" in path:
+        return rest.partition("@")[0]  # KEY:SE/CRET@bucket/...: the secret ran past a '/'
+    return None
+
+
+def secrets_of(url: str | None, options: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """What no message about a store at ``url`` opened with ``options`` may show: the credentials
+    in the URL (whole, and each part), its query's values, and every storage option's value but
+    the harmless ones (:data:`SHOWN_OPTIONS`), nested ones too; short values (under 4 characters)
+    are left out.
+
+    >>> secrets_of("s3://AK12:se/cret@b/f?token=tok1", {"secret": "hunter2", "anon": False, "endpoint_url": "http://h"})
+    ('AK12:se/cret', 'AK12', 'se/cret', 'tok1', 'hunter2')
+    """
+    found: list[str] = []
+    if url is not None:
+        credentials = userinfo(url)
+        if credentials:
+            found += [credentials, *credentials.split(":", 1)]
+        query = url.partition("?")[2].partition("#")[0]
+        found += [part.partition("=")[2] for part in query.split("&")]
+    found += _option_values(options or {})
+    unique = dict.fromkeys(text for text in found if len(text) >= _SHORTEST_SECRET)
+    return tuple(unique)
+
+
+def _option_values(options: Mapping[str, Any]) -> list[str]:
+    found: list[str] = []
+    for key, value in options.items():
+        if str(key) in SHOWN_OPTIONS:
+            continue
+        if isinstance(value, Mapping):
+            found += _option_values(value)
+        elif isinstance(value, (str, bytes)):
+            found.append(value.decode(errors="replace") if isinstance(value, bytes) else value)
+        elif isinstance(value, (list, tuple)):
+            found += [str(item) for item in value if isinstance(item, str)]
+    return found
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` replaced by ``***``, and the credentials and query of any URL
+    in it removed: for the text of another library's error, which a message quotes.
+
+    >>> scrub('Invalid bucket name "AKIA:hunter2@b": see s3://u:p@h/x?sig=1', ["hunter2"])
+    'Invalid bucket name "AKIA:***@b": see s3://h/x'
+    """
+    for secret in sorted(secrets, key=len, reverse=True):  # a whole before its parts
+        if len(secret) >= _SHORTEST_SECRET:
+            text = text.replace(secret, "***")
+    return _URL.sub(lambda found: _without_credentials(found.group(0), ""), text)
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Storage options as a repr or a record shows them: harmless ones as given, others ``***``.
+
+    >>> redacted_options({"endpoint_url": "http://h:9000", "key": "AKIA", "client_kwargs": {"region_name": "x"}})
+    {'endpoint_url': 'http://h:9000', 'key': '***', 'client_kwargs': {'region_name': 'x'}}
+    """
+    return {
+        key: value if str(key) in SHOWN_OPTIONS else redacted_options(value) if isinstance(value, Mapping) else "***"
+        for key, value in options.items()
+    }
 
 
 def redacted_command(command: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +23,29 @@ from torch.utils.data import IterableDataset
 
 from hookscope._core.sites import Site
 from hookscope._core.std.stdmap import is_std_selector, std_pattern
-from hookscope._extract.layout import Layout, SiteLayout
+from hookscope._extract.layout import SiteLayout
 from hookscope._extract.provenance import INDEX, MASK, TOKENS
-from hookscope._extract.running_stats import SiteStats, chunk_part, features, merge, summary
-from hookscope._extract.verify import damaged_chunks, describe, missing_chunk, present_chunks
-from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest, Target, open_group, read_meta, target_of
+from hookscope._extract.redact import scrub
+from hookscope._extract.running_stats import SiteStats
+from hookscope._extract.store_meta import checked_layout, merged_stats, stored_layout
+from hookscope._extract.verify import (
+    damaged_chunks,
+    damaged_error,
+    describe,
+    missing_chunk,
+    present_chunks,
+    reaching,
+    read_fault,
+    unreadable_error,
+)
+from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
-from hookscope.errors import SiteNotFoundError, StoreError, StoreIndexError
+from hookscope.errors import SiteNotFoundError, StoreError, StoreIndexError, StoreReadError
 
-__all__ = ["Store", "StoreArray", "merged_stats", "open_store"]
+__all__ = ["Store", "StoreArray", "open_store"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,10 @@ class StoreArray:
     ``array.torch(slice(10, 20))`` a tensor in the values' own dtype; ``array.zarr`` the zarr array.
     In a partial store, rows of chunks not recorded as done read as NaN, never as the zeros
     the file holds there; integer and boolean rows, which have no NaN, are refused. A chunk that
-    fails its CRC32C, or whose file is gone, is a :class:`~hookscope.errors.StoreError` naming it.
+    fails its CRC32C, or whose file is gone, is a :class:`~hookscope.errors.StoreError` naming it;
+    one whose bytes could not be fetched (the network) a :class:`~hookscope.errors.StoreReadError`.
+    Usable in processes forked or unpickled from the one that opened it (``DataLoader`` workers):
+    a store at a URL makes its connections anew there (see ``hookscope._extract.fsspec_store``).
     """
 
     def __init__(
@@ -63,9 +77,11 @@ class StoreArray:
         *,
         checks_files: bool = True,
         present: set[int] | None = None,
+        secrets: tuple[str, ...] = (),
     ) -> None:
         self.zarr = zarr_array
         self.layout = layout
+        self.secrets = secrets  # what messages about the store must not show (its credentials)
         self._unwritten = unwritten
         self._checks_files = checks_files  # format 2 writes every chunk's file; format 1 skipped all-zero ones
         self._present = set() if present is None else present  # chunks whose file was seen: the store's, shared
@@ -222,6 +238,24 @@ class StoreArray:
         first (once per array and chunk; stores of format 2, which write every chunk's file).
         """
         chunks = self._chunks_of(rows)
+        try:
+            self._look_for_files(chunks)
+        except StoreError:
+            raise
+        except Exception as error:  # the look itself failed: the network, not the store
+            reason = f"{type(error).__name__}: {error}"
+            raise unreadable_error(self.name, chunks[0], self.chunk_span(chunks[0]), reason, self.secrets) from error
+        try:
+            return np.asarray(self.zarr[index])
+        except MemoryError as error:
+            raise StoreError(f"reading {self.name!r} at {index!r}: {error}; read fewer rows", array=self.name) from None
+        except Exception as error:
+            if isinstance(error, (IndexError, TypeError)) and not isinstance(error, StoreError):
+                raise StoreError(f"{self.name!r}[{index!r}]: {error}", array=self.name) from None
+            raise self._culprit(chunks, error) from error
+
+    def _look_for_files(self, chunks: list[int]) -> None:
+        """Refuse a read of done ``chunks`` whose file is gone (zarr would give zeros)."""
         unseen = [chunk for chunk in chunks if chunk not in self._present and self._written(chunk)]
         if len(unseen) > _LIST_AFTER:  # one listing of the array's chunk files instead of a look per chunk
             self._present.update(present_chunks(self.zarr))
@@ -232,14 +266,6 @@ class StoreArray:
             if missing_chunk(self.zarr, chunk):
                 raise self._damaged(chunk, "its file is gone (the chunk is recorded as written)")
             self._present.add(chunk)
-        try:
-            return np.asarray(self.zarr[index])
-        except MemoryError as error:
-            raise StoreError(f"reading {self.name!r} at {index!r}: {error}; read fewer rows", array=self.name) from None
-        except Exception as error:
-            if isinstance(error, (IndexError, TypeError)) and not isinstance(error, StoreError):
-                raise StoreError(f"{self.name!r}[{index!r}]: {error}", array=self.name) from None
-            raise self._culprit(chunks, error) from error
 
     def _chunks_of(self, rows: range | np.ndarray) -> list[int]:
         step = self.zarr.chunks[0]
@@ -259,26 +285,33 @@ class StoreArray:
         return self._unwritten is None or bool(chunk < len(self._unwritten.done) and self._unwritten.done[chunk])
 
     def _culprit(self, chunks: list[int], error: Exception) -> StoreError:
-        """The chunk a failed read broke on (read one by one: only on this error path)."""
+        """The chunk a failed read broke on, damaged or not fetched (read one by one: only on this error path)."""
         step = self.zarr.chunks[0]
         for chunk in chunks:
             try:
                 self.zarr[chunk * step : (chunk + 1) * step]
             except Exception as found:
-                return self._damaged(chunk, f"it cannot be read ({type(found).__name__}: {found})")
-        return StoreError(f"reading {self.name!r} failed: {type(error).__name__}: {error}", array=self.name)
+                return self.fault(chunk, found)
+        return StoreReadError(
+            f"reading {self.name!r} failed on the way ({scrub(f'{type(error).__name__}: {error}', self.secrets)}), "
+            "and each of its chunks read at a second try; the store is not known to be damaged: read again",
+            array=self.name,
+        )
+
+    def fault(self, chunk: int, error: BaseException) -> StoreError:
+        """The error for ``chunk`` having failed to read with ``error``: damaged, or not fetched."""
+        damaged, reason = read_fault(self.zarr, chunk, error)
+        if damaged:
+            return self._damaged(chunk, scrub(reason, self.secrets))
+        return unreadable_error(self.name, chunk, self.chunk_span(chunk), reason, self.secrets)
+
+    def chunk_span(self, chunk: int) -> range:
+        """The rows of row-chunk ``chunk``."""
+        step = self.zarr.chunks[0]
+        return range(chunk * step, min((chunk + 1) * step, self.shape[0]))
 
     def _damaged(self, chunk: int, reason: str) -> StoreError:
-        step = self.zarr.chunks[0]
-        first = chunk * step
-        last = min(first + step, self.shape[0]) - 1
-        return StoreError(
-            f"chunk {chunk} (rows {first}..{last}) of {self.name!r} is damaged: {reason}; run the same extraction "
-            "again, which checks every chunk and writes the damaged ones again (hs.open_store(path, verify=True) "
-            "lists them all)",
-            array=self.name,
-            chunk=chunk,
-        )
+        return damaged_error(self.name, chunk, self.chunk_span(chunk), reason)
 
     def _missing(self, rows: range | np.ndarray) -> np.ndarray | None:
         """Which of ``rows`` were never written (a mask over them), or None when all were."""
@@ -344,6 +377,9 @@ class Store:
         self._stats: dict[str, SiteStats] | None = None
         self._by_key: dict[str, SiteLayout] = {}
         self._present: dict[str, set[int]] = {}  # per array, the chunks whose file a read has seen
+        #: Rows the ``hs.extract`` call that returned this store wrote, on all ranks (0: the store was
+        #: complete and only checked); None for a store opened by ``hs.open_store``.
+        self.written_rows: int | None = None
         for layout in self._layouts:
             self._by_key[layout.name] = layout
             self._by_key.setdefault(layout.site, layout)
@@ -376,7 +412,8 @@ class Store:
 
     def done_chunks(self) -> set[int]:
         """The chunks recorded as written; every chunk of a complete store."""
-        return Manifest(self.group).done()
+        with reaching(self.path, "reading its manifest", self.target.secrets):
+            return Manifest(self.group).done()
 
     # -- what each row is ---------------------------------------------------------------------
 
@@ -421,7 +458,8 @@ class Store:
         if self._stats is None:
             layout = stored_layout(self.meta, self.path)
             chunks = self.meta.get("chunks") if self.complete else sorted(self.done_chunks())
-            self._stats = merged_stats(Manifest(self.group), layout, chunks if chunks is not None else [])
+            with reaching(self.path, "reading its statistics", self.target.secrets):
+                self._stats = merged_stats(Manifest(self.group), layout, chunks if chunks is not None else [])
         return self._stats
 
     def __len__(self) -> int:
@@ -444,12 +482,15 @@ class Store:
 
     def _array(self, layout: SiteLayout) -> StoreArray:
         """The :class:`StoreArray` of a site or provenance array."""
+        with reaching(self.path, f"opening array {layout.name!r}", self.target.secrets):
+            found = self.group[layout.name]
         return StoreArray(
-            self.group[layout.name],
+            found,
             layout,
             self._unwritten_rows(),
             checks_files=self.meta.get("format") != 1,
             present=self._present.setdefault(layout.name, set()),
+            secrets=self.target.secrets,
         )
 
     def _unwritten_rows(self) -> _Unwritten | None:
@@ -474,14 +515,16 @@ class Store:
         """
         stored = stored_layout(self.meta)
         current = self.meta.get("format") != 1
-        damage = damaged_chunks(
-            self.group,
-            stored.arrays,
-            Manifest(self.group),
-            sorted(self.done_chunks()),
-            stored.chunk_rows,
-            checks_files=current,
-        )
+        with reaching(self.path, "checking its chunks", self.target.secrets):
+            damage = damaged_chunks(
+                self.group,
+                stored.arrays,
+                Manifest(self.group),
+                sorted(self.done_chunks()),
+                stored.chunk_rows,
+                checks_files=current,
+                secrets=self.target.secrets,
+            )
         if damage:
             fix = (
                 "run the same extraction again, which writes them anew"
@@ -522,8 +565,12 @@ class Store:
         message = f"no site {key!r} in {self.path}; {hint}"
         return SiteNotFoundError(message, key=key, candidates=tuple(close or self.sites))
 
-    def to_hf_dataset(self, sites: list[str] | None = None, *, cache_dir: str | None = None) -> Any:
-        """The rows as a Hugging Face ``datasets.Dataset``, one column per site (``pip install datasets``).
+    def to_hf_dataset(
+        self, sites: list[str] | None = None, *, provenance: bool = True, cache_dir: str | None = None
+    ) -> Any:
+        """The rows as a Hugging Face ``datasets.Dataset``, one column per site (``pip install datasets``),
+        and what each row is: ``row_index``, and ``tokens`` and ``attention_mask`` where the store
+        keeps them (``provenance=False`` leaves them out).
 
         Rows are read chunk by chunk and written to the datasets cache (``cache_dir``, default the
         datasets library's), so the store never has to fit in memory. Values kept as bits
@@ -532,14 +579,30 @@ class Store:
         datasets = require("datasets", purpose="to_hf_dataset()", extra="datasets")
         if self.target.path is None:
             raise StoreError("to_hf_dataset reads a store by path; this store is not on a local path")
-        names = [self[key].name for key in (sites or self.sites)]
-        features = datasets.Features({name: _hf_feature(datasets, self[name]) for name in names})
+        columns = {self[key].name: self[key].name for key in (sites or self.sites)}
+        if provenance:
+            kept = {column: name for column, name in _HF_PROVENANCE.items() if name in self._extras}
+            taken = sorted(set(kept) & set(columns))
+            if taken:
+                raise StoreError(
+                    f"site(s) {', '.join(map(repr, taken))} have the name of a provenance column; pass "
+                    "provenance=False (and read store.row_index, store.tokens yourself), or leave those sites out"
+                )
+            columns.update(kept)
+        features = datasets.Features(
+            {column: _hf_feature(datasets, self._column(name)) for column, name in columns.items()}
+        )
         return datasets.Dataset.from_generator(  # a tuple: datasets would shard a list between workers
             _hf_rows,
             features=features,
-            gen_kwargs={"path": str(self.target.path), "names": tuple(names)},
+            gen_kwargs={"path": str(self.target.path), "columns": tuple(columns.items())},
             cache_dir=cache_dir,
         )
+
+    def _column(self, name: str) -> StoreArray:
+        """A site's array, or a provenance array (``_rows/index``) by its name."""
+        extra = self._extras.get(name)
+        return self._array(extra) if extra is not None else self[name]
 
     def _table(self) -> Table:
         """One row per array: its name, the site that fills it, one row's shape, its dtype and its
@@ -554,7 +617,9 @@ class Store:
         for layout in self._layouts:
             shape = str(("N", *layout.shape)).replace("'", "")  # (N, 16, 30, 30)
             size = format_bytes(self.rows * layout.row_bytes)
-            table.add(layout.name, layout.site, shape, layout.dtype, size, *([layout.reduce or ""] if reduced else []))
+            table.add(
+                layout.name, layout.site, shape, layout.dtype, size, *([_shown_reduce(layout)] if reduced else [])
+            )
         return table
 
     def __repr__(self) -> str:
@@ -562,6 +627,24 @@ class Store:
 
     def _repr_html_(self) -> str:
         return self._table().html()
+
+
+#: The longest reduction a store's table shows whole (the record keeps it all: ``store.meta``).
+_REDUCE_SHOWN = 40
+
+
+def _shown_reduce(layout: SiteLayout) -> str:
+    """A site's reduction as the store's table shows it: sparse latents by their ``k`` and width
+    (the record names the encoder, a long text), anything else on one line, cut past 40 characters.
+
+    >>> _shown_reduce(SiteLayout("h.1", "h.1", "h.1", (10, 8), "float32", "sparse_topk(k=4, encode=...)",
+    ...                          {"k": 4, "width": 96}))
+    'sparse_topk(k=4, width=96)'
+    """
+    if layout.sparse is not None:
+        return f"sparse_topk(k={layout.sparse['k']}, width={layout.sparse['width']})"
+    text = " ".join(str(layout.reduce or "").split())
+    return text if len(text) <= _REDUCE_SHOWN else text[: _REDUCE_SHOWN - 3] + "..."
 
 
 def _hf_feature(datasets: Any, array: StoreArray) -> Any:
@@ -577,13 +660,18 @@ def _hf_feature(datasets: Any, array: StoreArray) -> Any:
     return kind(shape=shape, dtype=value)
 
 
-def _hf_rows(path: str, names: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+#: The provenance columns of ``to_hf_dataset``, and the arrays that fill them.
+_HF_PROVENANCE = {"row_index": INDEX, "tokens": TOKENS, "attention_mask": MASK}
+
+
+def _hf_rows(path: str, columns: tuple[tuple[str, str], ...]) -> Iterator[dict[str, Any]]:
     store = open_store(path)
     step = store.chunk_rows
+    arrays = {column: store._column(name) for column, name in columns}
     for start in range(0, len(store), step):
-        block = {name: store[name][start : start + step] for name in names}
+        block = {column: array[start : start + step] for column, array in arrays.items()}
         for offset in range(len(next(iter(block.values())))):
-            yield {name: values[offset] for name, values in block.items()}
+            yield {column: values[offset] for column, values in block.items()}
 
 
 def open_store(
@@ -591,7 +679,7 @@ def open_store(
     *,
     partial: bool = False,
     verify: bool = False,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
     """Open a store made by :func:`hookscope.extract` for reading.
 
@@ -624,7 +712,7 @@ def open_store(
     try:
         group = open_group(target, writable=False)
     except Exception as error:
-        raise StoreError(f"store {target.label!r} cannot be opened: {type(error).__name__}: {error}") from error
+        raise StoreError(f"store {target.label!r} cannot be opened: {target.said(error)}") from error
     if meta.get("state") == "creating":
         raise StoreError(
             f"store {target.label!r} was cut short while it was being made and holds no data; run the extraction "
@@ -644,118 +732,6 @@ def open_store(
     return store
 
 
-def merged_stats(manifest: Manifest, layout: Layout, chunks: int | Iterable[int]) -> dict[str, SiteStats]:
-    """Each site's statistics over ``chunks`` (a count: the first ones; or which), merged in chunk order.
-
-    A site some of whose chunks have no part recorded (written by a hookscope that kept none) has
-    no statistics rather than those of the chunks that have one.
-    """
-    wanted = sorted(range(chunks) if isinstance(chunks, int) else chunks)
-    found = {}
-    for site in layout.sites:
-        array = manifest.stats_array(site.name)
-        if array is None:
-            continue
-        merged: np.ndarray | None = chunk_part(np.zeros((0, features(site.shape))))
-        for start in range(0, len(wanted), _STATS_BLOCK):  # a block of chunks' parts in memory at a time
-            block = [c for c in wanted[start : start + _STATS_BLOCK] if c < array.shape[0]]
-            parts = np.asarray(array[block[0] : block[-1] + 1])[[c - block[0] for c in block]] if block else None
-            if len(block) < len(wanted[start : start + _STATS_BLOCK]) or (
-                parts is not None and not np.isfinite(parts[:, 0]).all()
-            ):
-                merged = None  # a chunk without its part (the fill value, NaN): no statistics for the site
-                break
-            if parts is not None and merged is not None:
-                merged = merge([merged, *parts])
-        if merged is not None:
-            found[site.name] = summary(merged)
-    return found
-
-
-#: Chunks whose statistics are merged at a time (a part is 4 + 4 * features floats).
-_STATS_BLOCK = 256
-
-
-def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:
-    """The :class:`Layout` a store's hookscope attributes describe (checked: ``StoreError`` if they lie)."""
-
-    def damaged(what: str) -> StoreError:
-        where = f"store {label!r}" if label else "the store"
-        return StoreError(
-            f"{where}: {what}; its attributes are damaged: make it anew with the same extraction and "
-            "overwrite=True (--overwrite)"
-        )
-
-    config = meta.get("config")
-    sites = meta.get("sites")
-    if not isinstance(config, dict) or not isinstance(sites, list):
-        raise damaged("the hookscope attributes lack 'config' or 'sites'")
-    chunk_rows = config.get("chunk_rows")
-    batch_size = config.get("batch_size", chunk_rows)
-    rows = meta.get("rows")
-    if not isinstance(chunk_rows, int) or not isinstance(batch_size, int) or min(chunk_rows, batch_size) < 1:
-        raise damaged(f"chunk_rows {chunk_rows!r} is not a positive int")
-    if rows is not None and not _whole(rows, least=0):
-        raise damaged(f"rows {rows!r} is not an int >= 0")
-    layouts = []
-    for record in sites:
-        try:
-            layout = SiteLayout.from_json(record)
-            layout.stored  # noqa: B018  (a dtype name torch does not know raises here)
-        except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as error:
-            raise damaged(
-                f"the record of a site ({str(record)[:80]}) is damaged: {type(error).__name__}: {error}"
-            ) from None
-        if not isinstance(layout.name, str) or not all(_whole(n, least=0) for n in layout.shape):
-            raise damaged(f"the record of site {layout.name!r} is damaged: shape {list(layout.shape)}")
-        layouts.append(layout)
-    extras = []
-    for record in meta.get("provenance") or []:
-        try:
-            extras.append(SiteLayout.from_json(record))
-        except (KeyError, TypeError, ValueError) as error:
-            raise damaged(f"the record of a provenance array ({str(record)[:80]}) is damaged: {error}") from None
-    return Layout(tuple(layouts), rows, batch_size, chunk_rows, tuple(extras))
-
-
-def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
-    """:func:`stored_layout`, with each array checked against it: present, its dtype, its row
-    shape, its chunking and (a store that knows it) its number of rows."""
-    layout = stored_layout(meta, label)
-    complete = meta.get("state") == "complete"
-    if complete and layout.rows is None:
-        raise StoreError(f"store {label!r} says it is complete but not how many rows it holds; it is damaged")
-    for site in layout.arrays:
-        try:
-            array = group[site.name]
-            shape, chunks, dtype = tuple(array.shape), tuple(array.chunks), np.dtype(array.dtype)
-        except Exception as error:
-            raise StoreError(
-                f"array {site.name!r} of store {label!r} cannot be opened ({type(error).__name__}: {error}); the "
-                "store is damaged: run the extraction again with overwrite=True",
-                array=site.name,
-            ) from None
-        wanted = (site.stored, site.shape, (layout.chunk_rows, *site.shape))
-        if (dtype, shape[1:], chunks) != wanted or (layout.rows is not None and shape[0] != layout.rows):
-            rows = "N" if layout.rows is None else layout.rows
-            raise StoreError(
-                f"array {site.name!r} of store {label!r} is {shape} {dtype} in chunks of {chunks}, but the store's "
-                f"record says ({rows}, {', '.join(map(str, site.shape))}) {site.stored} in chunks of {wanted[2]}; "
-                "the store is damaged: run the extraction again with overwrite=True",
-                array=site.name,
-            )
-    if complete and layout.chunks is not None:
-        manifest = Manifest(group).array
-        if manifest is None or tuple(manifest.shape) != (layout.chunks,):
-            found = "none" if manifest is None else f"{tuple(manifest.shape)}"
-            raise StoreError(
-                f"store {label!r} says it holds {layout.rows:,} rows in {layout.chunks:,} chunks, but its manifest "
-                f"has {found} entries; the store is damaged: run the extraction again with overwrite=True",
-                array=f"{MANIFEST_GROUP}/done",
-            )
-    return layout
-
-
 #: Past this many chunk files to look for, a read lists the array's chunk files once instead.
 _LIST_AFTER = 8
 
@@ -765,10 +741,6 @@ def _whole_rows(index: Any) -> bool:
     if not isinstance(index, tuple):
         return True
     return all(part is Ellipsis or part == slice(None) for part in index[1:])
-
-
-def _whole(value: object, *, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _memory_bytes() -> int:

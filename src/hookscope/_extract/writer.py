@@ -25,6 +25,7 @@ import torch
 from hookscope._extract.checksums import combine, crc32c
 from hookscope._extract.layout import Layout
 from hookscope._extract.provenance import MASK
+from hookscope._extract.redact import scrub
 from hookscope._extract.running_stats import chunk_part, vectors_of
 from hookscope._extract.zarr_io import Manifest, stats_widths
 from hookscope._shared.bits import bits_to_tensor, tensor_to_numpy
@@ -58,6 +59,8 @@ class ChunkWriter:
     #: Chunks written at once: 1 on a local disk; more on object storage, where each write waits
     #: on the network rather than the disk (a stream, whose arrays grow, always writes one at a time).
     flushers: int = 1
+    #: What the failure's message must not show (the store's credentials; see ``Target.secrets``).
+    secrets: tuple[str, ...] = ()
     bytes_written: int = 0
     _chunks: dict[int, _Chunk] = field(default_factory=dict)
     _free: list[list[np.ndarray]] = field(default_factory=list)
@@ -169,9 +172,10 @@ class ChunkWriter:
     def _failure(self, chunk: int, rows: int, what: str, error: Exception) -> StoreWriteError:
         first = chunk * self.layout.chunk_rows
         of = f" of {self.layout.chunks}" if self.layout.chunks is not None else ""
+        said = scrub(f"{type(error).__name__}: {error}", self.secrets)
         return StoreWriteError(
             f"writing chunk {chunk} (rows {first}..{first + rows - 1}) of {what!r} to {self.label} failed: "
-            f"{type(error).__name__}: {error}; {len(self.done)}{of} chunks are recorded as done and stay valid "
+            f"{said}; {len(self.done)}{of} chunks are recorded as done and stay valid "
             f"({format_bytes(self.bytes_written)} written here): fix the cause (e.g. free disk space) and run the "
             "same extraction again to resume after them"
         )

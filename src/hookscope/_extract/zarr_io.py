@@ -1,10 +1,10 @@
 """The zarr side of a store: where it lives, what is there already, making it, its manifest.
 
-zarr is imported here and only here (``import hookscope`` stays light). A store is one zarr v3
-group: the hookscope attributes, one array per site, and a subgroup ``_hookscope`` whose
-``done`` array is the manifest of completed chunks. The manifest is an array with one element
-per chunk and one chunk per element, so each process writes its own chunk files and never
-another's; an element is 1 once every site's chunk has landed. It is not inferred from the
+zarr is imported here (``import hookscope`` stays light), and by ``fsspec_store`` for a store
+at a URL. A store is one zarr v3 group: the hookscope attributes, one array per site, and a
+subgroup ``_hookscope`` whose ``done`` array is the manifest of completed chunks. The manifest is
+an array with one element per chunk and one chunk per element, so each process writes its own
+chunk files and never another's; an element is 1 once every site's chunk has landed. It is not inferred from the
 presence of chunk files: zarr writes no file for a chunk that holds only its fill value.
 
 The hookscope attributes say ``state``: ``"creating"`` until every array exists (a store cut
@@ -18,7 +18,8 @@ import os
 import re
 import shutil
 import urllib.parse
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from hookscope._extract.layout import Layout
-from hookscope._extract.redact import shown_url
+from hookscope._extract.redact import scrub, secrets_of, shown_url, userinfo
 from hookscope._extract.running_stats import part_width
 from hookscope._shared.optional import require
 from hookscope.errors import MissingDependencyError, StoreError
@@ -63,40 +64,56 @@ def zarr_module() -> ModuleType:
 @dataclass(frozen=True)
 class Target:
     """Where a store goes: a local path (``path`` set), an fsspec URL (``url`` set: ``s3://``,
-    ``gs://``, ``memory://``, ...) or any zarr store object."""
+    ``gs://``, ``memory://``, ...) or any zarr store object.
+
+    ``label`` is how messages name it (a URL without credentials); ``secrets`` what no message
+    may show (see :meth:`said`). Neither the URL nor the secrets are in its repr.
+    """
 
     store: Any
     label: str
     path: Path | None
-    url: str | None = None
+    url: str | None = field(default=None, repr=False)
+    secrets: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def remote(self) -> bool:
         """True for a store on an fsspec file system (a URL): writes wait on a network, not a disk."""
-        return self.url is not None or type(self.store).__name__ == "FsspecStore"
+        return self.url is not None or type(self.store).__name__ in ("FsspecStore", "ProcessFsspecStore")
+
+    def said(self, error: BaseException) -> str:
+        """``"Kind: text"`` of another library's error, for a message: without this store's secrets."""
+        return scrub(f"{type(error).__name__}: {error}", self.secrets)
+
+    def __repr__(self) -> str:
+        return f"Target({self.label!r})"
 
 
-def target_of(out: Any, storage_options: dict[str, Any] | None = None) -> Target:
+def target_of(out: Any, storage_options: Mapping[str, Any] | None = None) -> Target:
     """A :class:`Target` for ``out``: a path (str or ``PathLike``), an fsspec URL, or a ``zarr.abc.store.Store``.
 
-    A URL goes through zarr's ``FsspecStore`` with ``storage_options`` (credentials, endpoint,
-    ...: those of the fsspec file system, e.g. s3fs's ``endpoint_url``, ``key``, ``secret``).
-    ``file://`` URLs are local paths.
+    A URL goes through zarr's ``FsspecStore`` with ``storage_options`` (any mapping: credentials,
+    endpoint, ...: those of the fsspec file system, e.g. s3fs's ``endpoint_url``, ``key``,
+    ``secret``). ``file://`` URLs are local paths. An ``s3://`` URL is checked before any request:
+    credentials written into it (which s3fs would take for part of the bucket's name, and
+    botocore then quote in its error) and a malformed bucket name are refused.
     """
     zarr = zarr_module()
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise StoreError(
-            f"storage_options={storage_options!r} is a {type(storage_options).__name__}; expected a dict of the "
-            "file system's options, e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise StoreError(  # never its repr: it may hold credentials
+            f"storage_options is a {type(storage_options).__name__}; expected a mapping of the file system's "
+            "options, e.g. {'endpoint_url': 'http://127.0.0.1:9000'}"
         )
+    options = dict(storage_options) if storage_options is not None else None
     if isinstance(out, str) and _URL.match(out):
         if out.split("://", 1)[0].lower() != "file":
-            return Target(_fsspec_store(out, storage_options), shown_url(out), None, out)
+            _check_s3_url(out)
+            return Target(_fsspec_store(out, options), shown_url(out), None, out, secrets_of(out, options))
         parts = urllib.parse.urlsplit(out)
         if parts.netloc not in ("", "localhost"):
-            raise StoreError(f"out={out!r} names another host; a file:// URL is a path on this machine")
+            raise StoreError(f"out={shown_url(out)!r} names another host; a file:// URL is a path on this machine")
         out = urllib.parse.unquote(parts.path)
-    if storage_options:
+    if options:
         raise StoreError(
             f"storage_options were given, but out={str(out)!r} is a local path: they are for stores such as "
             "'s3://bucket/feats.zarr'; drop them for a local path"
@@ -107,30 +124,56 @@ def target_of(out: Any, storage_options: dict[str, Any] | None = None) -> Target
     if isinstance(out, zarr.abc.store.Store):
         return Target(out, repr(out), None)
     raise StoreError(
-        f"out={out!r} is a {type(out).__name__}; expected a path such as 'feats.zarr', a URL such as "
+        f"out is a {type(out).__name__}; expected a path such as 'feats.zarr', a URL such as "
         "'s3://bucket/feats.zarr', or a zarr Store"
     )
 
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+#: What botocore accepts as a bucket: a name (AWS itself asks 3-63 lowercase letters, digits, dots
+#: and hyphens; other S3 stores are looser) or an access point's ARN.
+_S3_BUCKET = re.compile(r"^(?:[a-zA-Z0-9.\-_]{1,255}|arn:[^/]+)$")
+
+
+def _check_s3_url(url: str) -> None:
+    """Refuse an ``s3://`` URL that s3fs would send on as a malformed bucket name, naming the fix."""
+    if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+        return
+    shown = shown_url(url)
+    if userinfo(url) is not None:
+        raise StoreError(
+            f"out {shown!r} has credentials written into the URL, which s3fs does not read (it would take them "
+            "for part of the bucket's name); pass them as storage_options={'key': ..., 'secret': ...} "
+            "(--storage-option key=...), or in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
+        )
+    bucket = url.split("://", 1)[1].partition("/")[0].partition("?")[0]
+    if not _S3_BUCKET.match(bucket):
+        raise StoreError(
+            f"out {shown!r} names the bucket {bucket!r}, which is not an S3 bucket name: S3 buckets are named with "
+            "3 to 63 lowercase letters, digits, dots and hyphens (or an access point's ARN); write the URL as "
+            "s3://BUCKET/path/feats.zarr"
+        )
 
 
 def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
-    """zarr's ``FsspecStore`` for ``url``; a missing file-system package is named with its install line."""
-    zarr = zarr_module()
+    """A zarr ``FsspecStore`` for ``url`` whose file system is each process's own (see
+    ``hookscope._extract.fsspec_store``); a missing file-system package is named with its install line."""
     require("fsspec", purpose=f"a store at {shown_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
+    from hookscope._extract.fsspec_store import ProcessFsspecStore
+
     protocol = url.split("://", 1)[0]
     # no cached listings: other processes (torchrun ranks, a second writer) change the store under us
     options = {"use_listings_cache": False, **(storage_options or {})}
     try:
-        return zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=False)
+        return ProcessFsspecStore.from_url(url, storage_options=options, read_only=False)
     except ImportError as error:
         package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
         wanted = package.get(protocol, f"the fsspec implementation of {protocol}://")
         raise MissingDependencyError(f"a store at {shown_url(url)} needs {wanted}: pip install {wanted}") from error
     except (TypeError, ValueError) as error:
+        said = scrub(str(error), secrets_of(url, storage_options))
         raise StoreError(
-            f"out {shown_url(url)!r} cannot be opened: {error}; check the URL and storage_options"
+            f"out {shown_url(url)!r} cannot be opened: {said}; check the URL and storage_options"
         ) from error
 
 
@@ -155,7 +198,8 @@ def read_meta(target: Target) -> dict[str, Any] | None:
     try:
         group = zarr.open_group(store=target.store, mode="r")
     except Exception as error:
-        raise StoreError(f"out {target.label!r} holds something that is not a zarr group ({error})") from error
+        said = target.said(error)
+        raise StoreError(f"out {target.label!r} holds something that is not a zarr group ({said})") from error
     meta = group.attrs.asdict().get(META_KEY)
     if not isinstance(meta, dict):
         return {}  # a zarr store hookscope did not make
@@ -289,7 +333,8 @@ def create_store(target: Target, layout: Layout, meta: dict[str, Any], compressi
         Manifest.create(group, layout.chunks or 0, len(layout.arrays), stats_widths(layout))
         write_meta(group, {**meta, "state": "writing"})
     except OSError as error:
-        raise StoreError(f"out {target.label!r} cannot be written: {error}; choose a writable path") from error
+        said = target.said(error)
+        raise StoreError(f"out {target.label!r} cannot be written: {said}; choose a writable path") from error
     return group
 
 

@@ -23,6 +23,7 @@ import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.methods_commands import lens_command, patch_command
 from hookscope.cli.options import Dtype, InputShape, ModelSpec
+from hookscope.cli.secrets import scrub, secrets_in
 from hookscope.cli.train_check import train_check_command
 from hookscope.errors import (
     ConcurrentPassError,
@@ -32,6 +33,7 @@ from hookscope.errors import (
     SinkError,
     SpecError,
     StoreBusyError,
+    StoreReadError,
     StoreWriteError,
 )
 
@@ -49,6 +51,7 @@ EXIT_CODES: dict[type[BaseException], int] = {
     DataError: EXIT_FAILURE,  # the data broke a promise part-way (fewer rows than its len(), ...)
     StoreBusyError: EXIT_FAILURE,  # another process is writing the store now: run again once it is done
     StoreWriteError: EXIT_FAILURE,  # writing failed part-way (disk full); the same command resumes
+    StoreReadError: EXIT_FAILURE,  # a chunk could not be fetched (the network): the store is not known to be damaged
     OutputWriteError: EXIT_FAILURE,  # a file's write failed part-way (disk full); nothing was left
     ConcurrentPassError: EXIT_FAILURE,  # a replica or autograd thread would mix into the pass: nothing the command did
     SinkError: EXIT_FAILURE,  # a metrics sink failed to write (disk full); the other sinks have the step
@@ -615,6 +618,7 @@ def extract_command(
     from hookscope.cli.data_specs import load_data
     from hookscope.cli.extract_run import (
         distributed_job,
+        done_line,
         interrupted_note,
         parse_reductions,
         parse_storage_options,
@@ -667,11 +671,7 @@ def extract_command(
         elapsed = time.perf_counter() - started
         if rank == 0:
             typer.echo(repr(store))
-            size = store_size(out)
-            typer.echo(
-                f"wrote {_counted(len(store), 'row')} of {_counted(len(store.sites), 'site')} to {out} "
-                f"in {elapsed:.1f} s" + (f" ({size:,} bytes on disk)" if size is not None else "")
-            )
+            typer.echo(done_line(store, out, elapsed, store_size(out)))
 
 
 def _tokens_choice(text: str) -> bool | Literal["auto"]:
@@ -713,15 +713,15 @@ def main(argv: list[str] | None = None) -> None:
         given = list(sys.argv[1:] if argv is None else argv)
         app(args=given, prog_name="hookscope", obj={"argv": given})  # extract records its command line
     except Exception as error:  # one line, not a traceback
-        _fail(error, exit_code(error))
+        _fail(error, exit_code(error), secrets_in(given))
 
 
-def _fail(error: Exception, code: int) -> None:
+def _fail(error: Exception, code: int, secrets: tuple[str, ...] = ()) -> None:
     if os.environ.get("HOOKSCOPE_TRACEBACK"):
         raise error
-    if isinstance(error, HookscopeError):
-        typer.echo(f"error: {error}", err=True)
+    if isinstance(error, HookscopeError):  # another library's error may quote a credential it was given
+        typer.echo(scrub(f"error: {error}", secrets), err=True)
     else:
-        typer.echo(f"error: {type(error).__name__}: {error}", err=True)
+        typer.echo(scrub(f"error: {type(error).__name__}: {error}", secrets), err=True)
         typer.echo("(set HOOKSCOPE_TRACEBACK=1 to see where it happened)", err=True)
     sys.exit(code)

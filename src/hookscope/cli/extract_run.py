@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,11 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.cli.secrets import scrub, secrets_in
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = [
     "Recorded",
     "distributed_job",
+    "done_line",
     "every_module",
     "interrupted_note",
     "parse_reductions",
@@ -197,14 +200,45 @@ def recorded(out: str, storage_options: dict[str, Any] | None = None) -> Recorde
 
 
 def interrupted_note(out: str, command: str, storage_options: dict[str, Any] | None = None) -> str:
-    """The line after Ctrl-C: what the store kept, and the command that resumes after it."""
+    """The line after Ctrl-C: what the store kept, and the command that resumes after it (its
+    credentials shown as ``***``: the line goes to terminals and logs)."""
     kept = recorded(out, storage_options)
+    secrets = secrets_in(shlex.split(command)) + secrets_in([out])
+    shown = scrub(command, secrets)
+    again = "the same command" + (" (its credentials shown as ***)" if shown != command else "")
     if kept is None or kept.done == 0:
-        return (
-            f"interrupted (Ctrl-C) before any chunk was recorded in {out}; run the same command again to start: "
+        note = f"interrupted (Ctrl-C) before any chunk was recorded in {out}; run {again} again to start: {command}"
+    else:
+        note = (
+            f"interrupted (Ctrl-C): {kept.describe()} are recorded in {out}; run {again} again to resume after them: "
             f"{command}"
         )
-    return (
-        f"interrupted (Ctrl-C): {kept.describe()} are recorded in {out}; run the same command again to resume "
-        f"after them: {command}"
-    )
+    return scrub(note, secrets)
+
+
+def done_line(store: Any, out: str, elapsed: float, size: int | None) -> str:
+    """The line after the store is complete: what this run wrote, or that it only checked a complete store.
+
+    >>> class Done:
+    ...     sites, written_rows = ["h.1"], 0
+    ...     def __len__(self): return 4096
+    >>> done_line(Done(), "s3://acts/f.zarr", 2.04, None)
+    'verified 4,096 rows of 1 site in s3://acts/f.zarr in 2.0 s: the store was complete, nothing was written'
+    """
+    rows, sites, written = len(store), _counted(len(store.sites), "site"), store.written_rows
+    where = scrub(out, secrets_in([out]))
+    disk = f" ({size:,} bytes on disk)" if size is not None else ""
+    if written == 0:
+        return (
+            f"verified {_counted(rows, 'row')} of {sites} in {where} in {elapsed:.1f} s: the store was complete, "
+            "nothing was written"
+        )
+    line = f"wrote {_counted(rows, 'row')} of {sites} to {where} in {elapsed:.1f} s"
+    if written is not None and written < rows:
+        line += f", {written:,} of them in this run (the others were stored already)"
+    return line + disk
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 site``, ``2 sites``: a count with its noun, plural unless one."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
