@@ -264,7 +264,9 @@ def trace_command(
     dtype: Dtype = None,
     depth: Annotated[
         int | None,
-        typer.Option("--depth", "-d", min=0, help="Show calls nested at most this deep (0: the model only)."),
+        typer.Option(
+            "--depth", "-d", min=0, help="Show calls nested at most this deep (0: the model only); --ops rows always."
+        ),
     ] = None,
     only: Annotated[
         list[str] | None,
