@@ -197,7 +197,7 @@ TINY = {
     "1e-200": np.array([1e-200, 2e-200, 3e-200, -5e-201]),
     "1e-300 around a mean": np.array([1e-300 + k * 1e-304 for k in range(9)]),
     "subnormal": np.array([5e-324, 1e-323, 4e-322, 0.0, -2e-322]),
-    "1e-160 mixed with zeros": np.array([0.0, 4e-160, -3e-160, 0.0, 1e-161]),
+    "1e-170 mixed with zeros": np.array([0.0, 4e-170, -3e-170, 0.0, 1e-171]),
 }
 
 
