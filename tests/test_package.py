@@ -99,3 +99,49 @@ def test_make_demo_installs_every_package_the_tour_imports() -> None:
     assert third_party <= installed | {"torch"}, third_party - installed
     makefile = (root / "Makefile").read_text()
     assert '-e ".[demo]"' in makefile.split("\n$(VENV)/.installed:")[1].split("\n\n")[0]
+
+
+#: The modules a user imports by name: the package, its public modules and the documented entry points.
+PUBLIC_MODULES = [
+    "hookscope",
+    "hookscope.cli",
+    "hookscope.demo",
+    "hookscope.demo.shapes",
+    "hookscope.edits",
+    "hookscope.errors",
+    "hookscope.integrations",
+    "hookscope.integrations.hf",
+    "hookscope.integrations.lightning",
+    "hookscope.methods",
+    "hookscope.plots",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_tab_completion_offers_only_public_names(name: str) -> None:
+    """``dir()`` (what tab completion lists) holds no imported module, typing name or ``annotations``."""
+    import collections.abc
+    import importlib
+    import types
+    import typing
+
+    try:
+        module = importlib.import_module(name)
+    except hs.MissingDependencyError:
+        pytest.skip(f"{name} needs an optional package that is not installed")
+    typing_names = [value for space in (typing, collections.abc) for key, value in vars(space).items() if key[0] != "_"]
+    public = getattr(module, "__all__", None)
+    for shown in dir(module):
+        if shown.startswith("_"):
+            continue
+        value = getattr(module, shown)
+        assert shown != "annotations", name
+        if isinstance(value, types.ModuleType):  # only the module's own public submodules
+            assert value.__name__ == f"{name}.{shown}", f"{name}.{shown} is the imported module {value.__name__}"
+        else:
+            assert public is None or shown in public, f"{name}.{shown} is not in {name}.__all__"
+            assert not any(value is kind for kind in typing_names), f"{name}.{shown} is a typing name"
+    for exported in public or []:
+        assert exported in dir(module), f"{name}.{exported} is public yet not offered"
+    if name == "hookscope":
+        assert {"edits", "errors", "methods", "plots"} <= set(dir(module))

@@ -314,3 +314,22 @@ def test_functional_ops_inside_a_module_are_numbered_per_call() -> None:
     assert [row.op for row in traced if row.op] == ["softmax#0", "softmax#1"]
     assert_stats(traced["0:op[softmax#0]"], inner)
     assert_stats(traced["0:op[softmax#1]"], functional.softmax(inner * 3, dim=-1))
+
+
+def test_max_depth_keeps_the_op_rows_asked_for() -> None:
+    model, x = net(), torch.randn(3, 4)
+    traced = hs.trace(model, x, ops=["block:op[add]", "block.fc:op[linear]"])
+    shown = traced.table(max_depth=1)
+    for row in traced:
+        if row.op:  # op rows sit one deeper than their module, yet were asked for
+            assert row.depth >= 2
+            assert row.called_as(numbered=True) in shown
+    assert "block.fc#0 " not in shown
+    assert "block#0 " in shown
+
+
+def test_cli_trace_depth_keeps_the_op_rows_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "trace", "demo:cnn", "--ops", "conv1:op[conv2d]", "--depth", "0")
+    assert code == 0, err
+    assert "conv1:op[conv2d#0]" in out
+    assert "relu#0" not in out

@@ -223,3 +223,16 @@ def _own_exports() -> None:
 
 
 _own_exports()
+
+
+def __dir__() -> list[str]:
+    """The public names and public submodules (``hs.errors``, ``hs.edits``, ...), not the imports
+    they are built from: what tab completion offers."""
+    from types import ModuleType
+
+    children = [
+        name
+        for name, value in globals().items()
+        if isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}" and not name.startswith("_")
+    ]
+    return sorted({*__all__, *children})

@@ -343,3 +343,8 @@ def splice(sae: Any, *, keep_error: bool = False, path: str | None = None) -> Sp
     (True, ['0#0:output'], torch.Size([2, 8]))
     """
     return Splice(sae, keep_error=keep_error, path=path)
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)

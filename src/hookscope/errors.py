@@ -433,3 +433,8 @@ class PairingWarning(UserWarning):
     """``hs.diff(match="order")`` paired calls of modules of different kinds (a layer with a
     container, or layers of different classes): the two models' call orders differ there, and
     those rows compare unrelated values. Pair by name or by a mapping of name patterns instead."""
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)

@@ -25,3 +25,8 @@ from hookscope import _methods
 from hookscope._methods import *  # noqa: F403 (the names of its __all__, listed once there)
 
 __all__ = _methods.__all__
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)

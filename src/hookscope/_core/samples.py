@@ -12,6 +12,7 @@ declare ``example_input_shape``; any other model gets one positional tensor of t
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ def sample_input(
     >>> args[0].shape, kwargs
     (torch.Size([2, 4]), {})
     """
+    if isinstance(seed, bool) or not hasattr(seed, "__index__") or not -(2**63) <= operator.index(seed) < 2**64:
+        raise SpecError(f"seed={seed!r} is not a torch seed; expected a whole number from 0 to 2**64 - 1")
     size = shape if shape is not None else default_input_shape(model)
     if size is None:
         raise SpecError(

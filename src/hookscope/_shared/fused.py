@@ -40,6 +40,8 @@ __all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fu
 SCALE_ABOVE = 2.0**500
 #: Squares of float32 values below this underflow (vanishing gradients): summed scaled up.
 SCALE_BELOW = 2.0**-50
+#: The same for float64 (squares of values near 1e-200 are 0): scaled up below this.
+SCALE_BELOW_F64 = 2.0**-400
 #: A sum of squares this many times the sum of squared deviations has lost the spread's digits:
 #: the values are summed again around their mean.
 CANCELLATION_RATIO = 16.0
@@ -149,20 +151,23 @@ def measure(values: torch.Tensor) -> FusedPart | None:
         return None
     kernel, flat = readable
     part = _read(kernel, flat)
-    tiny = 0.0 < max(-part.low, part.high) < SCALE_BELOW if part is not None else False
-    if part is None or not tiny or part.low == part.high or flat.dtype == torch.float64:
+    below = SCALE_BELOW_F64 if flat.dtype == torch.float64 else SCALE_BELOW
+    tiny = 0.0 < max(-part.low, part.high) < below if part is not None else False
+    if part is None or not tiny or part.low == part.high:
         return part
-    scale = 2.0 ** -math.frexp(max(-part.low, part.high))[1]  # the largest |x| lands in [0.5, 1)
-    scaled = _read(kernel, flat * scale)
+    # Divided by a power of two (exact), the largest |x| lands in [0.5, 1); its inverse could
+    # overflow (2**1073 for float64's smallest subnormal).
+    scale = 2.0 ** math.frexp(max(-part.low, part.high))[1]
+    scaled = _read(kernel, flat / scale)
     if scaled is None:
         return None
     return FusedPart(
         low=part.low,
         high=part.high,
         zeros=part.zeros,  # scaling up keeps every non-zero value non-zero
-        mean=scaled.mean / scale,
-        spread=scaled.spread / scale,
-        abs_mean=scaled.abs_mean / scale,
+        mean=scaled.mean * scale,
+        spread=scaled.spread * scale,
+        abs_mean=scaled.abs_mean * scale,
     )
 
 

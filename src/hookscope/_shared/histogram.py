@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._shared.stats import flat_values
+from hookscope._shared.stats import flat_values, unexpanded
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
@@ -103,10 +103,13 @@ def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int
     """
     if bins < 1:
         raise SpecError(f"bins={bins}; expected a whole number of at least 1")
-    values = flat_values(tensor.detach())
-    total = values.numel()
-    if total > sample:
+    base, repeats = unexpanded(tensor.detach())  # an expanded view: its source's values, never its size
+    values = flat_values(base)
+    total = values.numel() * repeats
+    if values.numel() > sample:
         values = _runs(values, sample)
+    elif total > sample:  # the source is counted whole: its counts scaled stay exact, not over the sample
+        repeats = 1
     work = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
     finite = torch.isfinite(work)
     infinity = torch.full((), math.inf, dtype=work.dtype, device=work.device)  # torch.tensor(): a copy, a sync
@@ -117,6 +120,8 @@ def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int
     position = ((torch.where(finite, work, low) - low) * scale).nan_to_num(0.0)  # all non-finite: inf - inf
     buckets = position.floor().clamp_(0, bins - 1).to(torch.int64)
     counts = torch.zeros(bins, dtype=work.dtype, device=work.device).index_add_(0, buckets, finite.to(work.dtype))
+    if repeats > 1:  # a small expanded view: every one of its values counted, as for any small tensor
+        counts.mul_(repeats)
     return RawHistogram(torch.cat([low.reshape(1), high.reshape(1), counts]), total)
 
 

@@ -25,8 +25,14 @@ nan, inf    free when min and max are finite (NaN and Inf propagate into them), 
 ==========  ===============================================================================
 
 Integer tensors keep their exact min and max beside the vector (int64 past 2**53 would round
-in float64). Float64 values past 2**500, whose squares would overflow, are scaled by a power
-of two (exactly) while they are summed.
+in float64; uint64 past 2**63 is kept with its top bit flipped, in order, and read back exactly).
+Float64 values past 2**500, whose squares would overflow, and below 2**-400 (float32 below
+2**-50), whose squares would underflow, are scaled by a power of two (exactly) while they are summed.
+
+An expanded view (a stride-0 dimension, ``x.expand(...)``) repeats each value of the tensor it
+was made from the same number of times: min, max, mean, spread and mean ``|x|`` are that
+tensor's, and the counts scale. So its statistics are computed on that tensor (see
+:func:`unexpanded`) and never allocate the view's logical size.
 
 The shortcuts need to *look* at min and max, which on an accelerator would be a host sync per
 tensor. So there are two strategies: on the CPU the tensor already lives on the host, reading a
@@ -64,7 +70,7 @@ import torch
 
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._shared import fused
-from hookscope._shared.fused import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW
+from hookscope._shared.fused import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW, SCALE_BELOW_F64
 from hookscope._shared.transfer import fetch
 from hookscope.errors import SpecError
 
@@ -84,6 +90,7 @@ __all__ = [
     "raw_stats",
     "read_stats",
     "tensor_stats",
+    "unexpanded",
 ]
 
 RAW_FIELDS = ("min", "max", "mean", "spread", "abs_mean", "zeros", "nan", "posinf", "neginf")
@@ -92,6 +99,9 @@ STAT_CHOICES = ("min", "max", "mean", "std", "abs_mean", "zeros", "nonfinite")
 STAT_FIELDS = ("count", "min", "max", "mean", "std", "abs_mean", "zero_frac", "nan", "posinf", "neginf")
 _MIN, _MAX, _MEAN, _SPREAD, _ABS, _ZEROS, _NAN, _POSINF, _NEGINF = range(len(RAW_FIELDS))
 _HALF_TYPES = (torch.float16, torch.bfloat16)
+#: Unsigned types torch has few kernels for (no aminmax, no count_nonzero): widened first.
+_WIDENED_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+_UINT64_OFFSET = 1 << 63  # uint64 extremes are kept as int64 with the top bit flipped
 _CHUNK_BYTES = 4 << 20  # reduce a few MiB at a time, while they are in the cache
 
 
@@ -100,12 +110,15 @@ class RawStats:
     """The statistics of one tensor before they are read: a count (known on the host), a
     vector of :data:`RAW_FIELDS` on the tensor's device (``spread`` is the root mean square
     deviation from the mean), for integer tensors their exact ``[min, max]`` as int64, and
-    which fields were chosen: the vector's others are whatever was cheapest, blanked when read."""
+    which fields were chosen: the vector's others are whatever was cheapest, blanked when read.
+    ``offset`` is added to the extremes when they are read (2**63 for uint64, whose extremes
+    are kept with the top bit flipped, which maps its order onto int64's)."""
 
     count: int
     vector: torch.Tensor
     extremes: torch.Tensor | None = None
     kept: tuple[bool, ...] | None = None  # the raw fields chosen (None: all); the others read NaN
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -194,8 +207,9 @@ def raw_stats(
             f"cannot summarise a {tensor.dtype} tensor on {tensor.device} ({tensor.layout}); expected a strided "
             "tensor of numbers (floating, integer or bool)"
         )
-    source = flat_values(full_value(tensor.detach()))
-    count = source.numel()
+    base, repeats = unexpanded(full_value(tensor.detach()))
+    source = flat_values(base)
+    count = source.numel() * repeats
     if count == 0:  # filled on the device: a host-made tensor would be a copy, i.e. a sync
         empty = torch.full((len(RAW_FIELDS),), math.nan, dtype=accumulator(source.device), device=source.device)
         empty[_ZEROS:] = 0.0
@@ -211,8 +225,36 @@ def raw_stats(
         vector = _branching(_as_vector(source), scratch, wanted)
     else:
         vector = _device_path(source)(source, wanted)
+    if repeats > 1:  # every value of the expanded view's source appears `repeats` times
+        vector[_ZEROS:].mul_(repeats)
     kept = None if wanted is _ALL else wanted.kept
-    return RawStats(count, vector, _exact_extremes(tensor) if wanted.extremes else None, kept)
+    extremes, offset = _exact_extremes(base) if wanted.extremes else (None, 0)
+    return RawStats(count, vector, extremes, kept, offset)
+
+
+def unexpanded(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor an expanded view repeats (its stride-0 dimensions cut to size 1), and how many
+    times each of its values appears in the view; other tensors as they are, once.
+
+    Flattening an expanded view copies it to its logical size (a ``(1,)`` tensor expanded to
+    ``(2**28,)`` is 1 GiB), whereas its values are those of the small tensor. Not while
+    torch.compile traces: there the strides may be symbolic, and the compiled kernels read an
+    expanded input without copying it anyway.
+
+    >>> base, repeats = unexpanded(torch.arange(3.0).expand(1000, 3))
+    >>> base.shape, repeats
+    (torch.Size([1, 3]), 1000)
+    """
+    if tensor.is_nested or tensor.layout != torch.strided or is_compiling():
+        return tensor, 1
+    repeats = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride == 0 and size > 1:
+            repeats *= size
+    if repeats == 1:
+        return tensor, 1
+    cut = [size if stride != 0 else min(size, 1) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)]
+    return tensor.as_strided(cut, tensor.stride()), repeats
 
 
 @dataclass(frozen=True)
@@ -251,13 +293,18 @@ class _Wanted:
 _ALL = _Wanted()
 
 
-def _exact_extremes(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``[min, max]`` of an integer tensor as int64, on its device; None for other dtypes."""
+def _exact_extremes(tensor: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``[min, max]`` of an integer tensor as int64, on its device, and the offset to add when
+    they are read; None for other dtypes."""
     if tensor.is_floating_point() or tensor.dtype == torch.bool:
-        return None
-    values = flat_values(full_value(tensor.detach()))
+        return None, 0
+    values, offset = flat_values(tensor), 0
+    if values.dtype == torch.uint64:  # flipping the top bit keeps the order and fits int64
+        values, offset = values.view(torch.int64) ^ -_UINT64_OFFSET, _UINT64_OFFSET
+    elif values.dtype in _WIDENED_UNSIGNED:
+        values = values.to(torch.int64)
     low, high = torch.aminmax(values)
-    return torch.stack([low, high]).to(torch.int64)
+    return torch.stack([low, high]).to(torch.int64), offset
 
 
 def tensor_stats(tensor: torch.Tensor) -> Stats:
@@ -279,7 +326,12 @@ def read_stats(raws: Sequence[RawStats]) -> list[Stats]:
     for device in {raws[i].vector.device for i in with_extremes}:
         mine = [i for i in with_extremes if raws[i].vector.device == device]
         pairs = torch.stack([raws[i].extremes for i in mine]).cpu().tolist()  # type: ignore[misc]
-        extremes.update({i: (int(low), int(high)) for i, (low, high) in zip(mine, pairs, strict=True)})
+        extremes.update(
+            {
+                i: (int(low) + raws[i].offset, int(high) + raws[i].offset)
+                for i, (low, high) in zip(mine, pairs, strict=True)
+            }
+        )
     return finalize([raw.count for raw in raws], table, extremes)
 
 
@@ -337,10 +389,10 @@ def merge_raw(a: RawStats, b: RawStats) -> RawStats:
     )
     merged[_SPREAD] = torch.where(known, spread, torch.full_like(spread, math.nan))  # hypot(nan, inf) is inf
     extremes = None
-    if a.extremes is not None and b.extremes is not None:
+    if a.extremes is not None and b.extremes is not None and a.offset == b.offset:  # else: min/max of the vector
         other = b.extremes.to(a.extremes.device)
         extremes = torch.stack([torch.minimum(a.extremes[0], other[0]), torch.maximum(a.extremes[1], other[1])])
-    return RawStats(a.count + b.count, merged, extremes, a.kept)
+    return RawStats(a.count + b.count, merged, extremes, a.kept, a.offset if extremes is not None else 0)
 
 
 class Scratch:
@@ -472,7 +524,8 @@ def _chunk_stats(
     """``(min, max, n, mean, spread, mean |x|, zeros)`` of one chunk, or None if it holds a NaN or Inf.
 
     float64 values past 2**500 are reduced scaled down by a power of two, exactly, so that
-    their squares do not overflow; the results are scaled back.
+    their squares do not overflow, and tiny values scaled up, so that they do not underflow;
+    the results are scaled back.
     """
     low, high = (float(v) for v in torch.aminmax(values))
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -481,7 +534,8 @@ def _chunk_stats(
     scale = 1.0
     largest = max(-low, high)
     huge = values.dtype == torch.float64 and largest > SCALE_ABOVE
-    tiny = values.dtype == torch.float32 and 0.0 < largest < SCALE_BELOW and low != high
+    below = SCALE_BELOW_F64 if values.dtype == torch.float64 else SCALE_BELOW
+    tiny = 0.0 < largest < below and low != high
     if huge or tiny:
         scale = 2.0 ** (math.frexp(largest)[1] - 1)  # 2**1023 at most: itself finite
         original, values = values, values / scale
@@ -625,10 +679,12 @@ def _unconditional(values: torch.Tensor, wanted: _Wanted = _ALL) -> torch.Tensor
     if wanted.extremes or values.dtype == torch.float64:
         low, high = torch.aminmax(values)
     if values.dtype == torch.float64 and (wanted.moments or wanted.magnitude):
-        # finite values past 2**500 are summed scaled by a power of two (exact)
+        # finite values past 2**500 or below 2**-400 are summed scaled by a power of two (exact);
+        # float32 needs none: its squares are taken in float64
         largest = torch.maximum(-low, high)
         power = torch.ldexp(torch.ones_like(largest), torch.frexp(largest).exponent - 1)
-        scale = torch.where((largest > SCALE_ABOVE) & torch.isfinite(largest), power, torch.ones_like(largest))
+        outside = (largest > SCALE_ABOVE) | ((largest < SCALE_BELOW_F64) & (largest > 0))
+        scale = torch.where(outside & torch.isfinite(largest), power, torch.ones_like(largest))
         values = values / scale
     if wanted.moments:
         first = values[0]

@@ -34,7 +34,7 @@ from hookscope._shared import fused
 from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.identity import SeenTensors
-from hookscope._shared.stats import Stats, accumulator, flat_values, is_measurable, tensor_stats
+from hookscope._shared.stats import Stats, accumulator, flat_values, is_measurable, tensor_stats, unexpanded
 from hookscope.errors import NonFiniteError
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
@@ -63,7 +63,7 @@ def signature(tensor: torch.Tensor) -> Signature:
     """What :mod:`nonfinite` needs of a tensor, without a host sync off the CPU."""
     if not tensor.is_floating_point() or not is_measurable(tensor):
         return 0.0  # integers and booleans are always finite; meta tensors hold no values
-    values = flat_values(tensor.detach())
+    values = flat_values(unexpanded(tensor.detach())[0])  # an expanded view: the values it repeats
     if values.numel() == 0:
         return 0.0
     if values.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

@@ -229,7 +229,8 @@ class Trace(Sequence[TraceRow]):
     ) -> str:
         """The aligned table as text; ``print(trace)`` shows ``trace.table()``.
 
-        ``max_depth`` hides calls nested deeper (0: the model alone), ``filter`` keeps the rows
+        ``max_depth`` hides calls nested deeper (0: the model alone), except the rows of op sites,
+        which the trace holds only because ``ops=`` asked for them; ``filter`` keeps the rows
         of the modules a selector picks, ``columns`` picks and orders columns by key (see
         :data:`hookscope._trace.render.COLUMNS`).
         """
@@ -240,7 +241,7 @@ class Trace(Sequence[TraceRow]):
         if max_depth is not None:
             if max_depth < 0:
                 raise SpecError(f"max_depth={max_depth} is negative; 0 shows the model's own call, 1 its children")
-            rows = [row for row in rows if row.depth <= max_depth]
+            rows = [row for row in rows if row.depth <= max_depth or row.op]
         if filter is not None:
             names = self._names_of(filter)
             rows = [row for row in rows if row.name in names]

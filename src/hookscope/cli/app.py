@@ -22,8 +22,9 @@ from typer.core import TyperGroup
 import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.methods_commands import lens_command, patch_command
-from hookscope.cli.options import Dtype, InputShape, ModelSpec
+from hookscope.cli.options import MAX_WORKERS, Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.secrets import scrub, secrets_in
+from hookscope.cli.specs import COUNT_MAX
 from hookscope.cli.train_check import train_check_command
 from hookscope.errors import (
     ConcurrentPassError,
@@ -235,7 +236,7 @@ def capture_command(
     max_bytes: Annotated[
         str | None, typer.Option("--max-bytes", help="Memory budget for the capture, e.g. 512MiB.")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
     from hookscope.cli.sample import prepare
@@ -269,7 +270,9 @@ def trace_command(
     dtype: Dtype = None,
     depth: Annotated[
         int | None,
-        typer.Option("--depth", "-d", min=0, help="Show calls nested at most this deep (0: the model only)."),
+        typer.Option(
+            "--depth", "-d", min=0, help="Show calls nested at most this deep (0: the model only); --ops rows always."
+        ),
     ] = None,
     only: Annotated[
         list[str] | None,
@@ -300,7 +303,7 @@ def trace_command(
     json: Annotated[
         Path | None, typer.Option("--json", help="Also write every row and tensor to this JSON file.")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once (eval mode, no grad) and print every module call: shapes, dtypes, value ranges.
 
@@ -363,7 +366,7 @@ def grads_command(
     steps: Annotated[int, typer.Option("--steps", "-n", min=1, help="Training steps to run.")] = 3,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="SGD learning rate.")] = 0.01,
     png: Annotated[Path | None, typer.Option("--png", help="Save the gradient-flow plot of the last step.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs and targets.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the random inputs and targets.")] = 0,
 ) -> None:
     """Train MODEL for a few SGD steps on random data and print the layers whose gradients look wrong.
 
@@ -416,7 +419,7 @@ def edit_command(
     input_shape: InputShape = None,
     dtype: Dtype = None,
     on: Annotated[str, typer.Option("--on", help="Edit what the modules return (output) or take (input).")] = "output",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL with and without edits and print how much the final output changed."""
     import torch
@@ -478,7 +481,7 @@ def report_command(
         typer.Option("--loss", help="Add gradients: mean or norm of the output, or package.module:function."),
     ] = None,
     title: Annotated[str | None, typer.Option("--title", help="The page's title.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random sample input.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once and write a self-contained HTML report: model, trace table, plots, gradients."""
     from hookscope.cli.report_run import loss_from_spec
@@ -581,14 +584,21 @@ def extract_command(
         ),
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", "-b", min=1, help="Rows per forward of a data set (default 32).")
+        int | None,
+        typer.Option("--batch-size", "-b", min=1, max=COUNT_MAX, help="Rows per forward of a data set (default 32)."),
     ] = None,
     num_workers: Annotated[
         int | None,
-        typer.Option("--num-workers", min=0, help="DataLoader worker processes (default: a loader's own, else 0)."),
+        typer.Option(
+            "--num-workers",
+            min=0,
+            max=MAX_WORKERS,
+            help="DataLoader worker processes (default: a loader's own, else 0).",
+        ),
     ] = None,
     chunk_rows: Annotated[
-        int | None, typer.Option("--chunk-rows", min=1, help="Rows per chunk, a multiple of the batch size.")
+        int | None,
+        typer.Option("--chunk-rows", min=1, max=COUNT_MAX, help="Rows per chunk, a multiple of the batch size."),
     ] = None,
     keep: Annotated[str, typer.Option("--keep", help="output, input or both.")] = "output",
     calls: Annotated[str, typer.Option("--calls", help="all, first, last, or a call index.")] = "all",
@@ -603,7 +613,7 @@ def extract_command(
         bool, typer.Option("--resume/--no-resume", help="Continue a store a stopped run left (default).")
     ] = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a store made another way.")] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of random weights (hf-config) and random: data.")] = 0,
+    seed: Annotated[int, seed_option("Seed of random weights (hf-config) and random: data.")] = 0,
 ) -> None:
     """Run MODEL over a data set and store the chosen layers' values for every row in a zarr store.
 

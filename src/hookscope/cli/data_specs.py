@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.specs import load_attribute, make_input, parse_shape
+from hookscope.cli.specs import COUNT_MAX, load_attribute, make_input, parse_shape
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["DATA_FORMS", "RandomRows", "load_data"]
@@ -104,8 +104,10 @@ def load_data(spec: str, model: nn.Module, *, seed: int = 0) -> Any:
 
 def _random(spec: str, model: nn.Module, seed: int) -> RandomRows:
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or not parts[1].strip().isdecimal() or int(parts[1]) < 1:
-        raise SpecError(f"data {spec!r}: expected 'random:N' or 'random:N:SHAPE' with N >= 1, e.g. random:1000:3x32x32")
+    if len(parts) not in (2, 3) or not parts[1].strip().isdecimal() or not 1 <= int(parts[1]) <= COUNT_MAX:
+        raise SpecError(
+            f"data {spec!r}: expected 'random:N' or 'random:N:SHAPE' with 1 <= N <= 2**63 - 1, e.g. random:1000:3x32x32"
+        )
     rows = int(parts[1])
     sample_shape = f"1x{parts[2]}" if len(parts) == 3 else None
     if len(parts) == 3:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import InputShape
+from hookscope.cli.options import InputShape, seed_option
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["diff_command"]
@@ -44,7 +44,7 @@ def diff_command(
         typer.Option("--atol", min=0.0, help="Absolute tolerance; default by dtype: 1e-8, or 1e-3 for bf16/fp16."),
     ] = None,
     csv: Annotated[Path | None, typer.Option("--csv", help="Also write one row per site to this CSV file.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample input and of random weights.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the sample input and of random weights.")] = 0,
 ) -> None:
     """Run MODEL_A and MODEL_B on the same input and compare them layer by layer.
 

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 import hookscope as hs
+from hookscope.cli.specs import COUNT_MAX
 from hookscope.errors import SpecError
 
 __all__ = ["METRIC_FORMS", "check_pair", "parse_ids", "parse_metric", "parse_positions", "split_selectors"]
@@ -47,11 +48,11 @@ def parse_ids(text: str, *, what: str) -> torch.Tensor:
     parsed: list[list[int]] = []
     for number, row in enumerate(rows, start=1):
         parts = [part.strip() for part in row.split(",")]
-        bad = [part for part in parts if not part.isdecimal()]
+        bad = [part for part in parts if not part.isdecimal() or int(part) > COUNT_MAX]
         if bad:
             raise SpecError(
-                f"{what} {text!r}: row {number} holds {bad[0]!r}, which is not a token id (a non-negative int); "
-                f"expected {_IDS_EXAMPLE}"
+                f"{what} {text!r}: row {number} holds {bad[0]!r}, which is not a token id (an int from 0 to "
+                f"2**63 - 1); expected {_IDS_EXAMPLE}"
             )
         parsed.append([int(part) for part in parts])
         if len(parsed[-1]) != len(parsed[0]):
@@ -130,7 +131,7 @@ def parse_metric(
 
 def _token_list(text: str, argument: str, count: int, form: str) -> list[int]:
     parts = [part.strip() for part in argument.split(",")] if argument else []
-    if len(parts) != count or not all(part.isdecimal() for part in parts):
+    if len(parts) != count or not all(part.isdecimal() and int(part) <= COUNT_MAX for part in parts):
         raise SpecError(f"--metric {text!r}: expected {form}, e.g. --metric {_example(count)}")
     return [int(part) for part in parts]
 

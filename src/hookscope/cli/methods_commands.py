@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import Dtype, ModelSpec
+from hookscope.cli.options import Dtype, ModelSpec, seed_option
 from hookscope.errors import HookscopeError, OutputWriteError, SpecError
 
 __all__ = ["lens_command", "patch_command"]
@@ -29,7 +29,7 @@ T = TypeVar("T")
 _PATCH_OUTPUTS = (".html", ".htm", ".csv", ".png")
 _FIGURE_OUTPUTS = (".png", ".svg", ".pdf")
 
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random weights of an hf-config: model.")]
+Seed = Annotated[int, seed_option("Seed of the random weights of an hf-config: model.")]
 
 
 def patch_command(

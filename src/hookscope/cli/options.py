@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from hookscope.cli.specs import HF_HEADS
 
-__all__ = ["Dtype", "InputShape", "ModelSpec"]
+__all__ = ["MAX_WORKERS", "SEED_MAX", "Dtype", "InputShape", "ModelSpec", "seed_option"]
+
+#: torch's seeds are whole numbers below 2**64 (``torch.manual_seed``); past it, torch raises a raw
+#: ``ValueError`` once the model is built, so ``--seed`` is checked when the line is read (exit 2).
+SEED_MAX = 2**64 - 1
+#: More DataLoader processes than this is a typo, not a plan: each one imports torch.
+MAX_WORKERS = 1024
+
+
+def seed_option(help: str) -> Any:  # noqa: A002 (typer's word)
+    """The ``--seed`` option of every command: a whole number from 0 to :data:`SEED_MAX`."""
+    return typer.Option("--seed", min=0, max=SEED_MAX, help=help)
+
 
 ModelSpec = Annotated[
     str,

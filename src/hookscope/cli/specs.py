@@ -27,6 +27,7 @@ import importlib.util
 import inspect
 import itertools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -39,7 +40,11 @@ from torch import nn
 import hookscope as hs
 from hookscope.errors import MissingDependencyError, SpecError
 
-__all__ = ["DEMO_MODELS", "HF_HEADS", "load_attribute", "load_model", "make_input", "parse_shape"]
+__all__ = ["COUNT_MAX", "DEMO_MODELS", "HF_HEADS", "load_attribute", "load_model", "make_input", "parse_shape"]
+
+#: Sizes and counts read from a command line (rows, batch sizes, token ids): what an int64 holds,
+#: torch's index type; past it torch raises a raw overflow error.
+COUNT_MAX = 2**63 - 1
 
 FORMS = (
     "'package.module:factory', 'path/to/file.py:factory', 'demo:<name>' or "
@@ -155,14 +160,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
     Traceback (most recent call last):
     ...
     hookscope.errors.SpecError: input shape '1x0' is not understood; ...
+    >>> parse_shape(f"1x{2**64}")
+    Traceback (most recent call last):
+    ...
+    hookscope.errors.SpecError: input shape '1x18446744073709551616' holds more values than a tensor can index ...
     """
     parts = text.strip().strip("()[]").lower().replace(",", "x").split("x")
-    if all(part.strip().isdecimal() and int(part) > 0 for part in parts):
-        return tuple(int(part) for part in parts)
-    raise SpecError(
-        f"input shape {text!r} is not understood; expected positive sizes joined by 'x' or ',', "
-        "e.g. 1x3x224x224 or 1,16"
-    )
+    if not all(part.strip().isdecimal() and int(part) > 0 for part in parts):
+        raise SpecError(
+            f"input shape {text!r} is not understood; expected positive sizes joined by 'x' or ',', "
+            "e.g. 1x3x224x224 or 1,16"
+        )
+    sizes = tuple(int(part) for part in parts)
+    if math.prod(sizes) > COUNT_MAX:
+        raise SpecError(
+            f"input shape {text!r} holds more values than a tensor can index (2**63 - 1); expected the sizes "
+            "of a tensor that fits in memory, e.g. 1x3x224x224"
+        )
+    return sizes
 
 
 def _error(spec: str, problem: str, fix: str, kind: str = "model") -> SpecError:

@@ -21,7 +21,7 @@ import torch
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import Dtype, InputShape, ModelSpec
+from hookscope.cli.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.specs import make_input
 from hookscope.cli.training import synthetic_loss
 
@@ -40,7 +40,7 @@ def train_check_command(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Also log every step's scalars here (.jsonl or .csv).")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights' training data.")] = 0,
+    seed: Annotated[int, seed_option("Seed of the weights' training data.")] = 0,
 ) -> None:
     """Train MODEL for a few steps with hs.monitor fully on and print its health report.
 

@@ -95,3 +95,8 @@ def make_shapes(count: int, *, seed: int, size: int = 32) -> tuple[torch.Tensor,
     images = background + (foreground - background) * mask
     images = images + torch.randn(images.shape, generator=gen) * uniform(0.02, 0.1, count, 1, 1, 1)
     return ((images - _MEAN) / _STD).float(), labels
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)

@@ -67,3 +67,8 @@ class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove()
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)

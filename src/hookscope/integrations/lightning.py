@@ -62,3 +62,8 @@ class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,nam
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._remove(during=exception)
+
+
+def __dir__() -> list[str]:
+    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
+    return sorted(__all__)
