@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.std import known_std_map
 from hookscope._methods.metrics import MetricFn, metric_name
 from hookscope._methods.resid import _captured, final_norm, stack_std, unembed
@@ -117,6 +118,7 @@ def logit_lens(
         print(lens)                          # top tokens per layer at the last position
         lens.top(5, position=3); lens.plot().savefig("lens.png")
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     chosen = layers if layers is not None else f"std:{stack}blocks.*.resid_post"
     patterns = [chosen] if isinstance(chosen, str) else list(chosen)
     std = known_std_map(model)
