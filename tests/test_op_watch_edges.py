@@ -378,3 +378,49 @@ def test_with_children_a_hook_s_calls_are_still_nobody_s_code() -> None:
     assert plain == ["doubles:linear#0", "doubles:tanh#0", "doubles:mul#0", "(root):add#0"]
     assert log == plain
     assert stack() == []
+
+
+class Timed:
+    """A user's own wrapper of a module's forward, as picklable as any plain object."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_model_whose_forward_other_code_wrapped_during_a_watch_saves_after_it(how: str) -> None:
+    """The watch's forward wrapper stays under the user's as a pass-through (undoing it would
+    undo theirs); it refused to pickle as if the watch were still attached, so the model could
+    never be saved again."""
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LinearThenSoftmax(), nn.Linear(4, 2))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), hs.capture(model, "0:op[softmax#0]") as cap:
+        model[0].forward = Timed(model[0].forward)  # wraps the watch's own forward wrapper
+        out = model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(cap["0:op[softmax#0]"], model[0].lin(x).softmax(-1))
+    assert hs.attached(model) == []
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    assert isinstance(twin[0].forward, Timed)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), out)
+        torch.testing.assert_close(twin(x), model[1](model[0].lin(x).softmax(-1) * 2))
+    assert twin[0].forward.calls == model[0].forward.calls + 2
+    with torch.no_grad():
+        twin[0].lin.weight.zero_()  # the copy computes with its own weights, not the original's
+        assert not torch.equal(twin(x), model(x))

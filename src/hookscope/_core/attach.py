@@ -27,6 +27,7 @@ import copy
 import difflib
 import inspect
 import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ class WrapSpec:
 
     Installed as an instance attribute and removed by :class:`HookGroup` like a hook; if other
     code wrapped the same attribute after it (accelerate wraps ``forward``), removal leaves a
-    pass-through in place rather than undo the other wrapper. Under ``torch.compile`` a wrapped
+    pass-through in place rather than undo the other wrapper (it copies and pickles as what
+    it wraps, so the model can still be saved). Under ``torch.compile`` a wrapped
     module runs eagerly, everything it calls included (a graph break around it): what a wrapper
     watches then runs as written.
     """
@@ -214,6 +216,10 @@ class _Wrapper:
         raise _copied(self.owner, "copied", "copy")
 
     def __reduce__(self) -> Any:
+        if not self.active:
+            # A pass-through left behind under other code's wrapper: it pickles as what it wraps
+            # (memoised with the rest), through a stdlib function, so loading needs no hookscope.
+            return (operator.getitem, ((self.inner,), 0))
         raise _copied(self.owner, "pickled", "save")
 
 
