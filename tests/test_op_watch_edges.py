@@ -424,3 +424,56 @@ def test_a_model_whose_forward_other_code_wrapped_during_a_watch_saves_after_it(
     with torch.no_grad():
         twin[0].lin.weight.zero_()  # the copy computes with its own weights, not the original's
         assert not torch.equal(twin(x), model(x))
+
+
+class SoftmaxOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).softmax(-1)
+
+
+class CallsForward(nn.Module):
+    """Runs its child's ``forward`` itself, bypassing ``nn.Module.__call__`` (and so every hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = SoftmaxOfLinear()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.child.forward(x))
+        return out
+
+
+def test_a_module_whose_parent_calls_its_forward_is_refused_naming_it_and_the_parent() -> None:
+    """It got the call tracker's internal "no call of this module is open; current() is valid
+    only inside its hooks", and hs.layers(ops=True) failed on the whole model."""
+    torch.manual_seed(0)
+    model = CallsForward()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for scope in (
+        lambda: hs.capture(model, "child:op[softmax#0]"),
+        lambda: hs.edit(model, {"child:op[softmax#0]": hs.edits.zero()}),
+    ):
+        with pytest.raises(hs.UnsupportedModelError) as info, scope():
+            model(x)
+        message = str(info.value)
+        assert "'child' (SoftmaxOfLinear)" in message
+        assert ".forward() directly" in message
+        assert "'(root)'" in message
+        assert "\n" not in message
+        assert hs.attached(model) == []
+        assert wrapped(model) == []
+    with torch.no_grad():
+        expected = model.child.fc(x).softmax(-1)
+    with hs.capture(model, "(root):op[softmax#0]") as cap:  # the way out the error names
+        model(x)
+    torch.testing.assert_close(cap["(root):op[softmax#0]"], expected)
+    assert [str(op) for op in list_ops(model, x)] == [
+        "child.fc#0:op[linear#0]",
+        "(root)#0:op[softmax#0]",
+        "head#0:op[linear#0]",
+    ]
