@@ -1,9 +1,10 @@
-"""torch.compile: hooks fire in compiled code, stale compiled code is dropped, no graph breaks.
+"""torch.compile: hooks fire in compiled code, stale compiled code is stepped around, no graph breaks.
 
 Dynamo traces hooks present at its first call into the graph and guards on them, but not on
-hook dicts it saw empty: hooks attached after a compiled run would never fire. hookscope drops
-such code (``StaleCompiledCodeWarning``), and its statistics and capture hooks trace without
-graph breaks, so a compiled model stays one graph while it is watched.
+hook dicts it saw empty: hooks attached after a compiled run would never fire. hookscope runs
+that model eagerly while they are attached (``StaleCompiledCodeWarning``), dropping no compiled
+code, and its statistics and capture hooks trace without graph breaks, so a compiled model stays
+one graph while it is watched.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_hooks_attached_before_the_first_call_fire_with_eager_values(x: torch.Te
             torch.testing.assert_close(cap[key], value)
 
 
-def test_attaching_after_a_compiled_run_recompiles_with_the_hooks(x: torch.Tensor) -> None:
+def test_attaching_after_a_compiled_run_runs_eagerly_with_the_hooks(x: torch.Tensor) -> None:
     model = mlp()
     compiled_model = torch.compile(model, backend="eager")
     compiled_model(x)  # compiled without hooks: that code would never call them
@@ -232,7 +233,7 @@ def test_inductor_capture_and_trace_equal_eager(x: torch.Tensor) -> None:
 
 
 @pytest.mark.transformers
-def test_gpt2_compiled_with_graph_breaks_recompiles_with_the_hooks() -> None:
+def test_gpt2_compiled_with_graph_breaks_runs_eagerly_with_the_hooks() -> None:
     """GPT-2 compiles as its own frame (``GPT2Model.forward``): stale code found there too."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
