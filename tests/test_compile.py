@@ -1,9 +1,10 @@
-"""torch.compile: hooks fire in compiled code, stale compiled code is dropped, no graph breaks.
+"""torch.compile: hooks fire in compiled code, stale compiled code is stepped around, no graph breaks.
 
 Dynamo traces hooks present at its first call into the graph and guards on them, but not on
-hook dicts it saw empty: hooks attached after a compiled run would never fire. hookscope drops
-such code (``StaleCompiledCodeWarning``), and its statistics and capture hooks trace without
-graph breaks, so a compiled model stays one graph while it is watched.
+hook dicts it saw empty: hooks attached after a compiled run would never fire. hookscope runs
+that model eagerly while they are attached (``StaleCompiledCodeWarning``), dropping no compiled
+code, and its statistics and capture hooks trace without graph breaks, so a compiled model stays
+one graph while it is watched.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_hooks_attached_before_the_first_call_fire_with_eager_values(x: torch.Te
             torch.testing.assert_close(cap[key], value)
 
 
-def test_attaching_after_a_compiled_run_recompiles_with_the_hooks(x: torch.Tensor) -> None:
+def test_attaching_after_a_compiled_run_runs_eagerly_with_the_hooks(x: torch.Tensor) -> None:
     model = mlp()
     compiled_model = torch.compile(model, backend="eager")
     compiled_model(x)  # compiled without hooks: that code would never call them
@@ -232,7 +233,7 @@ def test_inductor_capture_and_trace_equal_eager(x: torch.Tensor) -> None:
 
 
 @pytest.mark.transformers
-def test_gpt2_compiled_with_graph_breaks_recompiles_with_the_hooks() -> None:
+def test_gpt2_compiled_with_graph_breaks_runs_eagerly_with_the_hooks() -> None:
     """GPT-2 compiles as its own frame (``GPT2Model.forward``): stale code found there too."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -358,3 +359,158 @@ def test_another_thread_calling_the_hooked_wrapper_passes_through_while_the_owne
         ("1", 0),
         ("2", 0),
     ]
+
+
+# -- hooks on one compiled model never drop another's compiled code (issue 36, item 13) ------------
+
+
+class TwoLayer(nn.Module):
+    """A class of the user's own: torch.compile compiles its forward as a frame of its own."""
+
+    def __init__(self, graph_break: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        out: torch.Tensor = self.b(torch.relu(y))
+        return out
+
+
+def counting(counts: dict[str, int], tag: str) -> object:
+    """A Dynamo backend that runs the graph as traced and counts each compilation under ``tag``."""
+
+    def backend(graph: torch.fx.GraphModule, _inputs: object) -> object:
+        counts[tag] = counts.get(tag, 0) + 1
+        return graph.forward
+
+    return backend
+
+
+def raw_outputs(model: TwoLayer, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``a`` and ``b``'s outputs from plain forward hooks on the eager model."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        getattr(model, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.detach()))
+        for name in ("a", "b")
+    ]
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("how", ["wrapper", "eager module hooked", "in place", "function around it"])
+def test_hooks_after_a_compiled_call_fire_and_keep_other_models_compiled_code(how: str, x: torch.Tensor) -> None:
+    torch.manual_seed(0)
+    first, second = TwoLayer(graph_break=how == "function around it"), TwoLayer()
+    expected = raw_outputs(first, x)
+    counts: dict[str, int] = {}
+    call: nn.Module | object
+    if how == "in place":
+        first.compile(backend=counting(counts, "first"))
+        call = target = first
+    elif how == "function around it":
+        call, target = torch.compile(lambda inputs: first(inputs), backend=counting(counts, "first")), first
+    else:
+        call = torch.compile(first, backend=counting(counts, "first"))
+        target = first if how == "eager module hooked" else call
+    other = torch.compile(second, backend=counting(counts, "second"))
+    assert callable(call)
+    call(x)
+    other(x)
+    warm = dict(counts)
+    with pytest.warns(hs.StaleCompiledCodeWarning):
+        cap = hs.capture(target, ["a", "b"])
+    with cap:
+        call(x)
+    torch.testing.assert_close(cap["a"], expected["a"])
+    torch.testing.assert_close(cap["b"], expected["b"])
+    with pytest.warns(hs.StaleCompiledCodeWarning), hs.edit(target, {"a": hs.edits.zero()}) as editor:
+        edited = call(x)
+    assert editor.applied == {"a": 1}
+    torch.testing.assert_close(edited, first.b(torch.relu(torch.zeros_like(expected["a"]))))
+    used = dict(counts)
+    torch.testing.assert_close(other(x), second(x))
+    torch.testing.assert_close(call(x), expected["b"])
+    assert counts == used  # no code was dropped: both models run the code compiled before
+    assert counts["second"] == warm["second"]
+    if how != "function around it":  # there Dynamo compiles around the hooked modules, once per attach
+        assert counts == warm
+    assert hs.attached(first) == []
+
+
+@pytest.mark.transformers
+def test_a_sweep_on_a_compiled_model_compiles_nothing_and_equals_the_eager_sweep() -> None:
+    """The issue's case: a 10-token sweep reset Dynamo per cell (21 s) and the next call of another
+    compiled model recompiled."""
+    transformers = pytest.importorskip("transformers")
+
+    def lm() -> nn.Module:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+
+    first, second = lm(), lm()
+    clean = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    corrupted = clean.clone()
+    corrupted[0, 3] = (clean[0, 3] + 1) % 100
+    metric = hs.methods.logit_diff(5, 6)
+    eager = hs.methods.patch_sweep(first, clean, corrupted, metric=metric, sites="std:blocks.*.resid_pre")
+    counts: dict[str, int] = {}
+    compiled_first = torch.compile(first, backend=counting(counts, "first"))
+    compiled_second = torch.compile(second, backend=counting(counts, "second"))
+    compiled_first(clean)
+    compiled_second(clean)
+    warm = dict(counts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hs.StaleCompiledCodeWarning)
+        swept = hs.methods.patch_sweep(compiled_first, clean, corrupted, metric=metric, sites="std:blocks.*.resid_pre")
+    compiled_second(clean)
+    compiled_first(clean)
+    assert counts == warm
+    torch.testing.assert_close(swept.raw, eager.raw)
+    torch.testing.assert_close(swept.values, eager.values)
+
+
+# -- an op site's graph break keeps every later module's hooks (issue 36, item 19) -----------------
+
+
+@pytest.mark.transformers
+def test_op_sites_under_compile_keep_the_hooks_of_later_blocks() -> None:
+    """An op watcher runs its module eagerly: a graph break inside block 0, after which Dynamo
+    compiles the rest of the block as a frame shared by both blocks. Compiled for block 0 (no
+    hooks on its MLP), it ran for block 1 and skipped block 1's hooks: the capture lacked the
+    site, the edit applied 0 times."""
+    from tests.models import attention_gpt2, attention_tokens
+
+    model, ids = attention_gpt2("eager"), attention_tokens()
+    sites = ["h.0.attn:op[softmax#0]", "h.1.mlp", "ln_f", "std:blocks.1.resid_mid"]
+    with hs.capture(model, sites) as eager:
+        model(ids)
+    edits = {"h.0.attn:op[softmax#0]": hs.edits.scale(0.5), "h.1.mlp": hs.edits.zero()}
+    with hs.edit(model, edits):
+        eager_edited = model(ids).last_hidden_state
+    plain = model(ids).last_hidden_state
+    compiled_model = torch.compile(model, backend="eager")
+    hs.std_map(compiled_model)  # names std: sites by one compiled run: before the reset, so the hooks compile in
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.StaleCompiledCodeWarning)  # compiled with the hooks, not run eagerly
+        with hs.capture(compiled_model, sites) as cap:
+            compiled_model(ids)
+    assert sorted(cap) == sorted(eager)
+    for key in eager:
+        torch.testing.assert_close(cap[key], eager[key])
+    torch._dynamo.reset()  # the edit's own first compiled call, as a user would make it
+    with hs.edit(compiled_model, edits) as editor:
+        edited = compiled_model(ids).last_hidden_state
+    assert editor.applied == {"h.0.attn:op[softmax#0]": 1, "h.1.mlp": 1}
+    torch.testing.assert_close(edited, eager_edited)
+    assert not torch.allclose(edited, plain)

@@ -378,3 +378,102 @@ def test_with_children_a_hook_s_calls_are_still_nobody_s_code() -> None:
     assert plain == ["doubles:linear#0", "doubles:tanh#0", "doubles:mul#0", "(root):add#0"]
     assert log == plain
     assert stack() == []
+
+
+class Timed:
+    """A user's own wrapper of a module's forward, as picklable as any plain object."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_model_whose_forward_other_code_wrapped_during_a_watch_saves_after_it(how: str) -> None:
+    """The watch's forward wrapper stays under the user's as a pass-through (undoing it would
+    undo theirs); it refused to pickle as if the watch were still attached, so the model could
+    never be saved again."""
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LinearThenSoftmax(), nn.Linear(4, 2))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), hs.capture(model, "0:op[softmax#0]") as cap:
+        model[0].forward = Timed(model[0].forward)  # wraps the watch's own forward wrapper
+        out = model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(cap["0:op[softmax#0]"], model[0].lin(x).softmax(-1))
+    assert hs.attached(model) == []
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    assert isinstance(twin[0].forward, Timed)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), out)
+        torch.testing.assert_close(twin(x), model[1](model[0].lin(x).softmax(-1) * 2))
+    assert twin[0].forward.calls == model[0].forward.calls + 2
+    with torch.no_grad():
+        twin[0].lin.weight.zero_()  # the copy computes with its own weights, not the original's
+        assert not torch.equal(twin(x), model(x))
+
+
+class SoftmaxOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).softmax(-1)
+
+
+class CallsForward(nn.Module):
+    """Runs its child's ``forward`` itself, bypassing ``nn.Module.__call__`` (and so every hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = SoftmaxOfLinear()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.child.forward(x))
+        return out
+
+
+def test_a_module_whose_parent_calls_its_forward_is_refused_naming_it_and_the_parent() -> None:
+    """It got the call tracker's internal "no call of this module is open; current() is valid
+    only inside its hooks", and hs.layers(ops=True) failed on the whole model."""
+    torch.manual_seed(0)
+    model = CallsForward()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for scope in (
+        lambda: hs.capture(model, "child:op[softmax#0]"),
+        lambda: hs.edit(model, {"child:op[softmax#0]": hs.edits.zero()}),
+    ):
+        with pytest.raises(hs.UnsupportedModelError) as info, scope():
+            model(x)
+        message = str(info.value)
+        assert "'child' (SoftmaxOfLinear)" in message
+        assert ".forward() directly" in message
+        assert "'(root)'" in message
+        assert "\n" not in message
+        assert hs.attached(model) == []
+        assert wrapped(model) == []
+    with torch.no_grad():
+        expected = model.child.fc(x).softmax(-1)
+    with hs.capture(model, "(root):op[softmax#0]") as cap:  # the way out the error names
+        model(x)
+    torch.testing.assert_close(cap["(root):op[softmax#0]"], expected)
+    assert [str(op) for op in list_ops(model, x)] == [
+        "child.fc#0:op[linear#0]",
+        "(root)#0:op[softmax#0]",
+        "head#0:op[linear#0]",
+    ]

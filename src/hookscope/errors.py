@@ -414,9 +414,9 @@ class OutputWriteError(OutputPathError):
 
 
 class StaleCompiledCodeWarning(UserWarning):
-    """hookscope reset ``torch.compile``'s code (``torch._dynamo.reset()``) so that hooks attached
-    after a compiled call are called: the next call recompiles. Attach hooks before the first
-    compiled call to avoid it."""
+    """Hooks were attached to a model whose ``torch.compile``'d code was made without them: the
+    model runs eagerly while they are attached, so that they fire (no compiled code is dropped).
+    Attach hooks before the first compiled call to have them compiled in."""
 
 
 class CastOverflowWarning(UserWarning):

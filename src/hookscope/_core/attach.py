@@ -27,6 +27,7 @@ import copy
 import difflib
 import inspect
 import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.compat.compiled import never_compiled, recompile_if_stale, sentinels
+from hookscope._core.compat.compiled import eager_routes, guard_hook_dicts, never_compiled, sentinels
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
@@ -63,9 +64,10 @@ __all__ = [
 HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
 HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
 #: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
-#: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone.
-WrapKind = Literal["call", "forward"]
-_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": "_call_impl", "forward": "forward"}
+#: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone;
+#: ``"compiled"``, the call ``model.compile()`` compiled (only the compile routes wrap it).
+WrapKind = Literal["call", "forward", "compiled"]
+_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": "_call_impl", "forward": "forward", "compiled": "_compiled_call_impl"}
 
 # How PyTorch calls each kind of hook, for the arity check made once at attach time.
 _SIGNATURES: dict[tuple[str, bool], str] = {
@@ -148,7 +150,8 @@ class WrapSpec:
 
     Installed as an instance attribute and removed by :class:`HookGroup` like a hook; if other
     code wrapped the same attribute after it (accelerate wraps ``forward``), removal leaves a
-    pass-through in place rather than undo the other wrapper. Under ``torch.compile`` a wrapped
+    pass-through in place rather than undo the other wrapper (it copies and pickles as what
+    it wraps, so the model can still be saved). Under ``torch.compile`` a wrapped
     module runs eagerly, everything it calls included (a graph break around it): what a wrapper
     watches then runs as written.
     """
@@ -213,6 +216,10 @@ class _Wrapper:
         raise _copied(self.owner, "copied", "copy")
 
     def __reduce__(self) -> Any:
+        if not self.active:
+            # A pass-through left behind under other code's wrapper: it pickles as what it wraps
+            # (memoised with the rest), through a stdlib function, so loading needs no hookscope.
+            return (operator.getitem, ((self.inner,), 0))
         raise _copied(self.owner, "pickled", "save")
 
 
@@ -282,7 +289,7 @@ class AttachedHook:
     kind: HookKind | Literal["call wrapper", "forward wrapper"]
     owner: str
     group: HookGroup
-    purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"
+    purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"; "eager route"
 
 
 @dataclass(frozen=True)
@@ -330,6 +337,8 @@ class HookGroup:
         self._anchors: list[RemovableHandle] = []
         self._modes = [(weakref.ref(m), m.training) for m in model.modules()] if restore_mode else []
         self._live = True
+        # Called on removal, or when a group nobody removed is collected.
+        self._guards = weakref.finalize(self, guard_hook_dicts())
         try:
             self._attach(model, specs, count)
             for wrap in wraps:
@@ -347,7 +356,12 @@ class HookGroup:
     def _attach(self, model: nn.Module, specs: Sequence[HookSpec], count: Sequence[tuple[str, nn.Module]]) -> None:
         refuse_uncalled(model, [spec.name for spec in specs])
         hooked = [*(spec.module for spec in specs), *(module for _, module in count)]
-        recompile_if_stale(model, hooked)
+        for name, module, around, fn in eager_routes(model, hooked):
+            route = _WrapHandle(module, self.owner, around, fn)  # type: ignore[arg-type]
+            wrapped: Literal["call wrapper", "forward wrapper"] = (
+                "forward wrapper" if around == "forward" else "call wrapper"
+            )
+            self._records.append(_Record(name, weakref.ref(module), wrapped, "eager route", route))
         for name, module, kind, fn in sentinels(model, hooked):
             self._add(name, module, kind, "compile check", fn)  # type: ignore[arg-type]
         tracked: dict[int, tuple[str, nn.Module]] = {}
@@ -468,6 +482,7 @@ class HookGroup:
         anchors, self._anchors = self._anchors, []
         for handle in anchors:
             handle.remove()
+        self._guards()
 
     def hooks(self) -> Iterator[AttachedHook]:
         """The hooks this group has attached (empty once removed)."""

@@ -37,6 +37,10 @@ How, and what it costs:
   a branch not taken (an ``if`` on the input, a key/value cache present or not) shifts the
   indices after it, so list the sites with the inputs that will be used (:func:`list_ops`).
   A checkpointed block recomputing in backward reports its ops again (``replaying`` is True).
+- **A forward run without its call** (the parent calls ``child.forward(x)``, not ``child(x)``):
+  no hook sees that call, so it has no call index; inside a watched call's own code its ops are
+  that call's (as for any code that is not a module call), else a selected module run so is
+  refused, naming the caller to watch instead.
 - **Only calls that return a tensor** (or a tuple or list holding one) are reported and numbered:
   ``x.size()``, ``x.shape``, ``x.dim()``, ``len(x)``, ``x[0] = 1`` (``setitem`` returns None) are not.
 - **Threads.** The watcher follows the thread rule of
@@ -70,12 +74,12 @@ from torch.overrides import TorchFunctionMode
 from hookscope._core.attach import HookGroup, Scoped, WrapSpec, calls_through_call_impl, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.function_modes import put_under, take_off
-from hookscope._core.names import named_modules
+from hookscope._core.names import module_label, named_modules
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import CallTracker
 from hookscope._core.tree import flatten_tensors
-from hookscope.errors import UnsupportedModelError
+from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["OpCall", "OpListener", "OpLog", "OpPattern", "OpSite", "OpWatcher", "list_ops", "op_name", "op_pattern"]
 
@@ -194,6 +198,18 @@ def _refuse_replicas(model: nn.Module) -> None:
                 "the modules without the watch); run the module inside it on one device, or use "
                 "DistributedDataParallel, where each process runs its own model"
             )
+
+
+def _bare_forward(name: str, module: nn.Module) -> UnsupportedModelError:
+    """The refusal of a watched module whose forward its caller ran directly: hooks and the
+    call wrapper never saw that call, so it has no call to number its ops under."""
+    parent = name.rpartition(".")[0]
+    return UnsupportedModelError(
+        f"module {module_label(name)!r} ({type(module).__name__}) ran its forward without being called: its "
+        "caller (usually its parent) calls .forward() directly, bypassing nn.Module.__call__, so hooks and op "
+        f"watches cannot see its calls; watch the module making that call instead ({module_label(parent)!r}), "
+        "whose op sites then include this module's ops"
+    )
 
 
 class OpWatcher(Scoped):
@@ -322,13 +338,19 @@ class OpWatcher(Scoped):
         self, selected: str, module: nn.Module
     ) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a selected module's forward: its own code's ops are reported as its call's."""
-        stack, mine, run, claim = self._stack, self._mine, self._run, self._claim
+        stack, mine, run, claim, mode = self._stack, self._mine, self._run, self._claim, self._mode
         tracker, current, key = self._tracker, self._tracker.current, id(module)
 
         def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if (stack and not mine()) or (not stack and tracker.shared and tracker.foreign()):
                 return inner(*args, **kwargs)  # another thread's forward: passes through
-            frame = _Frame(selected, current(module), key)  # may raise (a bare .forward() call): before any claim
+            try:
+                call = current(module)  # before any claim
+            except SpecError:  # no call of it is open: its caller ran its forward, not its call
+                if stack and mode.frame is not None:  # inside a watched call's code: its ops are that call's
+                    return inner(*args, **kwargs)
+                raise _bare_forward(selected, module) from None
+            frame = _Frame(selected, call, key)
             if not stack and not claim():
                 return inner(*args, **kwargs)
             return run(frame, inner, args, kwargs)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache, capture
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, unwrapped_modules
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.std import known_std_map, select_std
@@ -49,6 +50,8 @@ def compare_models(
     ``paired_b_only`` hooks only b's modules that pair with one of a's: for a wrapper around a
     (autocast, compile), whose own root is no counterpart of anything.
     """
+    ensure_loaded(a)  # a meta model: one line, not torch's error
+    ensure_loaded(b)
     _check_tolerances(rtol, atol)
     if match == "std":  # pair the modules carrying the same canonical name (two architectures)
         match, std_layers = std_pairs(ensure_module(a), ensure_module(b))

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf, split_leaf_selector
 from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import SDPA, OpPattern, op_pattern
@@ -470,6 +471,7 @@ def run_with_edits(
     >>> out.abs().sum().item(), editor.applied
     (0.0, {'1': 1})
     """
+    ensure_loaded(model, (args, kwargs, model_kwargs))  # a meta model: one line, not torch's error
     chosen, model_kw = EditOptions.split(kwargs)
     with Editor(model, edits, EditOptions.build(options, chosen)) as editor:
         output = model(*args, **{**model_kw, **(model_kwargs or {})})

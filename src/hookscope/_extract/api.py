@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.op_sites import op_pattern
 from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module
@@ -142,6 +143,7 @@ def extract(
         store = hs.extract(model, loader, layers=["h.5", "ln_f"], out="feats.zarr", reduce="mean:1")
         store["h.5"][:10]                       # numpy rows 0..9
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     ensure_module(model)
     config = ExtractConfig.build(options, opts)
     given: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]

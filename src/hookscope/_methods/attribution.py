@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._methods.grid import Cell, Heads, Positions
 from hookscope._methods.metrics import MetricFn
 from hookscope._methods.result import Disagreement, Effects, disagree
@@ -60,6 +61,7 @@ def attribution_patch(
         atp.correlation(hs.methods.patch_sweep(gpt2, clean_ids, corrupted_ids, metric=metric))
         atp.flags                                 # cells the estimate gets wrong
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise SpecError(f"verify={verify!r}: expected how many of the largest cells to patch exactly (0: none)")
     plan = plan_study(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import escape_name
 from hookscope._core.std import known_std_map
 from hookscope._core.std.stdmap import STD_PREFIX
@@ -134,6 +135,7 @@ def logit_lens(
         print(lens)                          # top tokens per layer at the last position
         lens.top(5, position=3); lens.plot().savefig("lens.png")
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     if metric is not None:
         check_metric(metric)
     chosen = layers if layers is not None else f"std:{stack}blocks.*.resid_post"

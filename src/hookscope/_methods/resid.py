@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache, Stacked, run_with_capture
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.std import known_std_map
 from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite
 from hookscope._methods.checks import refuse_training
@@ -107,6 +108,7 @@ def decompose_resid(
         parts, labels = hs.methods.decompose_resid(gpt2, ids)
         torch.testing.assert_close(parts.sum(0), cache["std:blocks.11.resid_post"])
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     std = known_std_map(model)
     count = block_count(std, stack)
     names = [f"{stack}blocks.0.resid_pre"]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache, run_with_capture
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector
 from hookscope._edit import EditContext, edit
 from hookscope._methods.checks import default_sites, refuse_training
@@ -385,6 +386,7 @@ def patch_sweep(
         effects.at("blocks.3.resid_pre", 5), effects.top(5)
         effects.plot().savefig("sweep.png")
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     plan = plan_study(
         model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads, num_heads=num_heads,
         stack=stack, direction=direction, model_kwargs=model_kwargs, method="patch_sweep",

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import Scoped, WrapSpec, remove_through
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module
 from hookscope._core.std import known_std_map, select_std
@@ -498,6 +499,7 @@ def monitor(
     when no watched layer ran a training forward and no gradient reached a parameter since the
     last ``step()``: a second call after one backward would log the same gradients again.
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     return Monitor(
         model, layers, grads=grads, params=params, activations=activations, precision=precision,
         tripwire=tripwire, every=every, sinks=sinks, names=names, flag_above=flag_above,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import capture
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
 from hookscope._core.std import expand_std
@@ -76,6 +77,7 @@ def report(
 
         hs.report(model, images, out="report.html", loss_fn=lambda logits: F.cross_entropy(logits, labels))
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     model = ensure_module(model)
     layers = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.report")
     layers = None if layers is None else given_selectors((), layers, feature="report")

@@ -7,23 +7,25 @@ removal makes it recompile. But it does not guard on hook dicts it saw empty
 code was made without them would never be called. That silent loss is what this module
 prevents:
 
-- :func:`recompile_if_stale` runs before hooks are attached. When the model is, holds, or is
-  held by a ``torch.compile`` wrapper and Dynamo holds compiled code of such wrappers, the code
-  is dropped (``torch._dynamo.reset()``), so the next call compiles again, with the hooks.
+- :func:`eager_routes` runs before hooks are attached. When Dynamo holds code compiled without
+  them that this model could run, this model, and only it, leaves compiled code while hooked: its
+  ``torch.compile`` wrappers call the eager module. No ``torch._dynamo.reset()``: other models
+  keep their compiled code, and this one finds its own again once the hooks are removed.
+- :func:`guard_hook_dicts` has Dynamo guard on empty hook dicts while hooks are attached, so code
+  compiled meanwhile for one block is not reused for another block whose hooks it never saw.
 - :func:`sentinels` are two hooks per compile wrapper inside the model: one on the module it
   wraps (inside the compiled code) marks the call, one on the wrapper (outside it) checks the
   mark. A call whose compiled code skipped the hooks raises instead of returning a result the
   hooks never saw.
-
-``model.compile()`` (in place) compiles ``_call_impl`` with the hooks read at run time, and
-needs neither.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +35,16 @@ from torch import nn
 from hookscope._core.names import module_label, named_modules
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
-__all__ = ["EAGER", "compile_wrappers", "is_compiling", "never_compiled", "recompile_if_stale", "sentinels"]
+__all__ = [
+    "EAGER",
+    "Route",
+    "compile_wrappers",
+    "eager_routes",
+    "guard_hook_dicts",
+    "is_compiling",
+    "never_compiled",
+    "sentinels",
+]
 
 _COMPILER = getattr(torch, "compiler", None)
 _DISABLE: Callable[..., Any] | None = getattr(_COMPILER, "disable", None)
@@ -84,32 +95,148 @@ def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list
     return [(name, w) for name, w in wrappers if any(id(m) in ids for m in _inner(w).modules())]
 
 
-def recompile_if_stale(model: nn.Module, hooked: Sequence[nn.Module]) -> None:
-    """Drop compiled code that was made without the hooks about to be attached to ``hooked``.
+Route = tuple[str, nn.Module, str, Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]]
 
-    Any frame a hook would run in may have been compiled: the wrapper's own, or the ``forward``
-    of any module class of the model (where a graph break split the model into several compiled
-    frames). Dynamo keeps its code per code object,
-    so this asks it about each of those code objects, once per class: a few lookups, and none at
-    all in a process that never imported Dynamo. ``torch._dynamo.reset()`` is process-wide:
-    other compiled functions compile again on their next call, the price of hooks that fire.
+
+def eager_routes(model: nn.Module, hooked: Sequence[nn.Module]) -> list[Route]:
+    """``(name, module, around, fn)`` wraps (``around``: ``"forward"`` or ``"compiled"``, the
+    in-place ``_compiled_call_impl``) that keep compiled code made without the hooks about to be
+    attached to ``hooked`` from running while they are attached; none when there is no such code.
+
+    Dynamo keeps its code per code object, shared by every model of a class (and the code of
+    every ``torch.compile`` wrapper is one code object), so no compiled code can be dropped for
+    one model alone: ``torch._dynamo.reset()`` would make every compiled model in the process
+    compile again, and a method attaching hooks per cell would compile once per cell. Instead,
+    only this model leaves its compiled code while hooked:
+
+    - a ``torch.compile`` wrapper holding a hooked module, or around the model, calls the eager
+      module it wraps; ``model.compile()`` (in place) calls the module's own ``_call_impl``;
+    - found neither (a function compiled around a call of the model): each hooked module gets a
+      pass-through ``forward`` that is never compiled. Dynamo guards that a module it inlined has
+      no ``forward`` of its own, so code that inlined *these* modules compiles again around them
+      (a graph break at each) and runs them eagerly; other models' code is untouched.
+
+    Removing the hooks takes the routes off, and the compiled code, still valid, runs again.
     """
     if not hooked or "torch._dynamo" not in sys.modules:
-        return
+        return []
     stale = _stale_frames(model)
     if not stale:
-        return
-    import torch._dynamo
-
+        return []
+    routes = [(name, wrapper, "forward", _run_inner(wrapper)) for name, wrapper in compile_wrappers(model, hooked)]
+    ids = {id(module) for module in hooked}
+    for name, module in named_modules(model):
+        if module.__dict__.get("_compiled_call_impl") is not None and any(id(m) in ids for m in module.modules()):
+            routes.append((name, module, "compiled", _run_call_impl(module)))
+    if not routes:
+        routes = _routes_around(model)
+    if routes:
+        done = "while they are attached, this model runs eagerly (its compiled code is kept, and used again after)"
+    else:
+        own = {id(module): module for module in hooked}.values()
+        routes = [("", module, "forward", _pass_through) for module in own]
+        done = "compiled code that calls these modules compiles again around them and runs them eagerly meanwhile"
     warnings.warn(
-        f"torch.compile holds code compiled for {stale} before these hooks were attached, and that code "
-        "would never call them (torch.compile does not notice hooks added later); hookscope called "
-        "torch._dynamo.reset(), so the next call compiles again, with the hooks (attach hooks before the "
-        "first compiled call to avoid the recompilation)",
+        f"torch.compile holds code compiled for {stale} before these hooks were attached, and that code would "
+        f"never call them (torch.compile does not notice hooks added later); {done}; other compiled code is "
+        "untouched (to run them compiled, attach them before the first compiled call, or call "
+        "torch._dynamo.reset() first)",
         StaleCompiledCodeWarning,
         stacklevel=_caller_level(),
     )
-    torch._dynamo.reset()
+    return routes
+
+
+def _run_inner(wrapper: nn.Module) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
+    """In place of a wrapper's compiled ``forward``: the eager module it wraps, called (its hooks too)."""
+    ref = weakref.ref(wrapper)  # the route sits in the wrapper's own __dict__: no cycle through it
+
+    def eager(_compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        owner = ref()
+        assert owner is not None, "a route is only called through the module that holds it"
+        return _inner(owner)(*args, **kwargs)
+
+    return eager
+
+
+def _run_call_impl(module: nn.Module) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
+    """In place of ``model.compile()``'s compiled call: the module's own call, eagerly."""
+    ref = weakref.ref(module)
+
+    def eager(_compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        owner = ref()
+        assert owner is not None, "a route is only called through the module that holds it"
+        call: Callable[..., Any] = owner._call_impl
+        return call(*args, **kwargs)
+
+    return eager
+
+
+def _pass_through(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return inner(*args, **kwargs)
+
+
+def _routes_around(model: nn.Module) -> list[Route]:
+    """Routes for the compiled callers elsewhere in the process that hold ``model`` (the eager
+    module was hooked, the wrapper is what gets called). One heap walk, only where stale code exists."""
+    cls = _optimized_module()
+    routes: list[Route] = []
+    for obj in gc.get_objects():
+        kind = type(obj)  # type(), not isinstance: no __class__ of proxies is read
+        if not issubclass(kind, nn.Module) or obj is model:
+            continue
+        if cls is not None and issubclass(kind, cls):
+            inner = obj._modules.get("_orig_mod")
+            if inner is not None and any(module is model for module in inner.modules()):
+                routes.append((kind.__name__, obj, "forward", _run_inner(obj)))
+        elif obj.__dict__.get("_compiled_call_impl") is not None and any(m is model for m in obj.modules()):
+            routes.append((kind.__name__, obj, "compiled", _run_call_impl(obj)))
+    return routes
+
+
+# While hookscope hooks are attached, Dynamo guards on every hook dict it reads, empty or not.
+_GUARDS_LOCK = threading.Lock()
+_guard_holders = 0
+_guard_saved = True
+
+
+def guard_hook_dicts() -> Callable[[], None]:
+    """Have Dynamo guard on empty hook dicts until the returned function is called (once).
+
+    Dynamo skips guards on hook dicts it saw empty (``torch._dynamo.config.skip_nnmodule_hook_guards``).
+    A graph break inside a block (an op watcher's eager module, a model's own break) makes
+    Dynamo compile the rest of the block as a frame of its own, shared by every block of that
+    class: compiled for block 0, whose MLP had no hooks, it ran for block 1 too and skipped
+    block 1's hooks. With the guard, block 1 fails it and gets code with its hooks. Code
+    compiled meanwhile keeps these guards (it recompiles when its hooks change, as it does for
+    hooks it saw); the setting is put back when the last hookscope group is removed.
+    """
+    config: Any = sys.modules.get("torch._dynamo.config")
+    if config is None or not hasattr(config, "skip_nnmodule_hook_guards"):
+        return _nothing
+    global _guard_holders, _guard_saved
+    with _GUARDS_LOCK:
+        if not _guard_holders:
+            _guard_saved = config.skip_nnmodule_hook_guards
+            config.skip_nnmodule_hook_guards = False
+        _guard_holders += 1
+    released: list[bool] = []
+
+    def release() -> None:
+        global _guard_holders
+        with _GUARDS_LOCK:
+            if released:
+                return
+            released.append(True)
+            _guard_holders -= 1
+            if not _guard_holders and config.skip_nnmodule_hook_guards is False:
+                config.skip_nnmodule_hook_guards = _guard_saved
+
+    return release
+
+
+def _nothing() -> None:
+    return None
 
 
 def sentinels(model: nn.Module, hooked: Sequence[nn.Module]) -> list[tuple[str, nn.Module, str, Callable[..., Any]]]:

@@ -51,20 +51,27 @@ def real_value(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tenso
     )
 
 
-def ensure_loaded(model: nn.Module, inputs: Any) -> None:
-    """Refuse, in one line, a model whose weights are on ``meta`` when ``inputs`` are real tensors.
+def ensure_loaded(model: nn.Module, inputs: Any = None) -> None:
+    """Refuse, in one line, a model whose weights are on ``meta`` (built there, not loaded), at
+    every public entry point that runs a forward.
 
     Without it the forward fails deep inside the first layer with a device-mismatch
-    ``RuntimeError``. A model built on ``meta`` runs on ``meta`` inputs (shapes only), and
-    accelerate's offloaded weights are real where they live: both pass. Costs one look at each
-    parameter and buffer, and at the inputs only when one is on ``meta``.
+    ``RuntimeError``, a statistic with torch's ``.item()`` error, or returns meta values
+    silently. With ``inputs`` (the run's own), a model built on ``meta`` given ``meta`` inputs
+    passes: a run for shapes only (``hs.layers``, ``hs.trace``). Without them the entry point
+    reads values (a method, a store, a statistic, a probe of its own) and any such model is
+    refused. accelerate's offloaded weights are real where they live: they pass. Costs one
+    look at each parameter and buffer, and at the inputs only when one is on ``meta``.
 
     >>> ensure_loaded(nn.Linear(2, 2), (torch.ones(1, 2),))
+    >>> ensure_loaded(nn.Linear(2, 2, device="meta"), (torch.ones(1, 2, device="meta"),))
     >>> ensure_loaded(nn.Linear(2, 2, device="meta"), (torch.ones(1, 2),))
     Traceback (most recent call last):
     ...
     hookscope.errors.UnsupportedModelError: the model's parameters are on the meta device (no values), ...
     """
+    if not isinstance(model, nn.Module):  # called before the entry point's own check, which names it
+        return  # type: ignore[unreachable]
     meta = next(((n, t) for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
     if meta is None:
         return
@@ -73,12 +80,16 @@ def ensure_loaded(model: nn.Module, inputs: Any) -> None:
             return  # offloaded by accelerate: its hooks bring the values in for the forward
     except UnsupportedModelError:
         pass
+    fix = "materialise the model first (model.to_empty(device=...) and load_state_dict, or load it from a checkpoint)"
+    if inputs is None:
+        raise UnsupportedModelError(
+            f"the model's parameters are on the meta device, e.g. {meta[0]!r}: there are no values to read; {fix}"
+        )
     real = next(((p, t) for p, t in flatten_tensors(inputs, "input") if not t.is_meta), None)
     if real is not None:
         raise UnsupportedModelError(
             f"the model's parameters are on the meta device (no values), e.g. {meta[0]!r}, but "
-            f"{real[0]} is on {real[1].device}; materialise the model first "
-            "(model.to_empty(device=...) and load_state_dict, or load it from a checkpoint)"
+            f"{real[0]} is on {real[1].device}; {fix}"
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from torch import nn
 
 from hookscope._core.attach import attached
+from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules, split_leaf_selector
 from hookscope._core.params import model_device, model_float_dtype
 from hookscope._core.samples import sample_input
@@ -69,6 +70,7 @@ def std_map(model: nn.Module, *args: Any, family: str | None = "auto", **kwargs:
     >>> hs.std_map(model)["blocks.1.resid_post"].read  # doctest: +SKIP
     'transformer.h.1:output[0]'
     """
+    ensure_loaded(model)  # a meta model: one line, not torch's error
     ensure_module(model)
     if family not in ("auto", None):
         raise SpecError(
