@@ -20,14 +20,11 @@ _FOREIGN = ("transformers.",)
 
 
 def raw_hook_count(model: nn.Module) -> int:
-    """Hooks on ``model``'s modules, read from PyTorch's own dicts (tests only), foreign libraries' aside."""
-    return sum(
-        1
-        for module in model.modules()
-        for attr in _HOOK_DICTS
-        for hook in getattr(module, attr).values()
-        if not getattr(hook, "__module__", "").startswith(_FOREIGN)
-    )
+    """Hooks on ``model``'s modules and its parameters' post-accumulate-grad hooks, read from
+    PyTorch's own dicts (tests only), foreign libraries' aside."""
+    on_modules = [hook for module in model.modules() for attr in _HOOK_DICTS for hook in getattr(module, attr).values()]
+    on_parameters = [hook for p in model.parameters() for hook in (p._post_accumulate_grad_hooks or {}).values()]
+    return sum(1 for hook in on_modules + on_parameters if not getattr(hook, "__module__", "").startswith(_FOREIGN))
 
 
 @pytest.fixture(autouse=True)

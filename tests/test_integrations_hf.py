@@ -176,3 +176,26 @@ def test_albert_trains_under_the_callback(tmp_path: Path) -> None:
         for name, norm in raw.norms[logged.step].items():
             assert logged.scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-5)
     assert not callback.monitor.live
+
+
+def test_under_fp16_the_record_is_divided_by_the_trainers_loss_scale(tmp_path: Path) -> None:
+    """The Trainer's fp16 path (accelerate's GradScaler: scale the loss, unscale_ before clipping,
+    step and update) logged parameter norms carrying the scale. accelerate gives a CPU no scaler,
+    so the test hands the Trainer's accelerator a real CPU GradScaler and float16 autocast, as it
+    would make them on a GPU; the Trainer's code runs unchanged."""
+    from hookscope.integrations.hf import trainer_scaler
+
+    callback = HookscopeCallback(names="modules")
+    args = arguments(tmp_path, steps=3, fp16=True, max_grad_norm=0.01, logging_strategy="steps", logging_steps=1)
+    trainer = transformers.Trainer(model=model(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True  # what a GPU's fp16 sets up
+    trainer.train()
+    assert trainer_scaler(trainer.optimizer) is scaler
+    grad_norms = {row["step"] - 1: row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row}
+    assert [step.step for step in callback.steps] == sorted(grad_norms) == [0, 1, 2]
+    for logged in callback.steps:
+        assert logged.scalars["grad/loss_scale"] == 2.0 ** (8 + logged.step)  # doubled after each step
+        norms = [value for name, value in logged.scalars.items() if name.startswith("param_grad/norm/")]
+        assert math.sqrt(sum(value**2 for value in norms)) == pytest.approx(grad_norms[logged.step], rel=1e-4)
+    assert not callback.monitor.live

@@ -184,6 +184,54 @@ def test_the_lightning_callback_logs_each_optimiser_step(tmp_path: Path) -> None
     assert "param_grad/norm/net.0.weight" in logged.splitlines()[0]
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # Lightning's own use of a torch API
+@pytest.mark.filterwarnings("ignore:.*does not have many workers.*")  # a 64-row data set needs none
+def test_the_lightning_callback_under_16_mixed_logs_the_unscaled_gradients(tmp_path: Path) -> None:
+    """16-mixed scales the loss with its precision plugin's GradScaler and unscales before
+    on_before_optimizer_step; the record's parameter norms carried the scale. A CPU gets
+    bf16-mixed by default, so the plugin is given as a GPU's 16-mixed would be, with a CPU scaler."""
+    lightning = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    class Regressor(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny()
+            self.norms: dict[int, dict[str, float]] = {}
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).float(), y)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # the reference: unscaled by Lightning
+            self.norms[self.trainer.global_step] = {
+                name: float(p.grad.double().norm()) for name, p in self.named_parameters()
+            }
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    callback = HookscopeCallback(names="modules", log_to_lightning=False)
+    module = Regressor()
+    trainer = lightning.Trainer(
+        max_steps=3, callbacks=[callback], logger=False, accelerator="cpu", enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    assert [step.step for step in callback.steps] == [0, 1, 2]
+    for step in callback.steps:
+        assert step.scalars["grad/loss_scale"] == 2.0 ** (8 + step.step)
+        for name, norm in module.norms[step.step].items():
+            assert step.scalars[f"param_grad/norm/{name}"] == pytest.approx(norm, rel=1e-6), name
+    assert not callback.monitor.live
+
+
 @pytest.mark.transformers
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # Lightning's own use of a torch API
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")  # a 16-row data set needs none

@@ -124,3 +124,54 @@ def test_mlflow_file_store_refusal_names_the_sqlite_store(tmp_path: Path, mlflow
     mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
     with pytest.raises(hs.SpecError, match=r"mlflow.set_tracking_uri\('sqlite:///mlflow.db'\)"):
         hs.MLflowSink()
+
+
+class NoHistograms:
+    """A sink that draws histograms and whose histogram writes fail (a full event file); its scalars work."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+
+    def write_histograms(self, step: int, histograms: dict[str, Any]) -> None:
+        raise OSError("histogram event file: no space left")
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.written.append(step)
+
+
+def test_a_failed_histogram_write_keeps_the_same_sinks_scalars(tmp_path: Path) -> None:
+    """write_histograms raising skipped the same sink's write(): its scalars of the step were lost."""
+    model, sink, other = tiny(), NoHistograms(), tmp_path / "b.jsonl"
+    with hs.monitor(model, names="modules", histograms=True, sinks=[sink, other]) as mon:
+        for step in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            with pytest.raises(hs.SinkError, match=f"1 of 2 sinks failed to write step {step}") as caught:
+                mon.step()
+            model.zero_grad()
+    assert sink.written == steps_in(other) == [0, 1]
+    assert [shown for _, shown, _ in caught.value.failures] == ["NoHistograms (histograms)"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning")  # MLflow's
+def test_a_sink_error_quoting_a_tracking_uri_keeps_no_credentials(
+    tmp_path: Path, mlflow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow quotes its tracking URI, userinfo and all, when the server is gone: SinkError quoted it."""
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    secret = "Sup3rSecretValue9"
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    sink = hs.MLflowSink()
+    mlflow.set_tracking_uri(f"http://user:{secret}@127.0.0.1:1")  # the server, reached with basic auth, is gone
+    model = tiny()
+    with hs.monitor(model, names="modules", sinks=[sink]) as mon:
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(hs.SinkError) as caught:
+            mon.step()
+    assert secret in str(caught.value.failures[0][2])  # MLflow's own error has it
+    assert secret not in str(caught.value)
+    assert "user:" not in str(caught.value)
+    assert "http://127.0.0.1:1/" in str(caught.value)  # where, without who
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")

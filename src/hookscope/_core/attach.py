@@ -48,6 +48,7 @@ from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 __all__ = [
     "HOOK_KINDS",
     "AttachedHook",
+    "AttachedKind",
     "HookGroup",
     "HookKind",
     "HookSpec",
@@ -63,6 +64,9 @@ __all__ = [
 
 HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
 HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
+#: What a listed hook is: a module hook of a kind above, a wrapper, or a parameter's
+#: post-accumulate-grad hook (:meth:`HookGroup.add_grad_accumulated`).
+AttachedKind = HookKind | Literal["call wrapper", "forward wrapper", "grad accumulated"]
 #: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
 #: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone;
 #: ``"compiled"``, the call ``model.compile()`` compiled (only the compile routes wrap it).
@@ -286,7 +290,7 @@ class AttachedHook:
     """One live hookscope hook, as listed by :func:`attached`."""
 
     module: str
-    kind: HookKind | Literal["call wrapper", "forward wrapper"]
+    kind: AttachedKind
     owner: str
     group: HookGroup
     purpose: str  # "hook": the caller's function; "call counter": per-call numbering; "compile check"; "eager route"
@@ -296,7 +300,7 @@ class AttachedHook:
 class _Record:
     name: str
     module: weakref.ReferenceType[nn.Module]
-    kind: HookKind | Literal["call wrapper", "forward wrapper"]
+    kind: AttachedKind
     purpose: str
     handle: RemovableHandle | _WrapHandle
 
@@ -428,6 +432,18 @@ class HookGroup:
         else:
             handle = module.register_full_backward_hook(fn, prepend=prepend)
         self._records.append(_Record(name, weakref.ref(module), kind, purpose, handle))
+
+    def add_grad_accumulated(
+        self, name: str, module: nn.Module, parameter: torch.Tensor, fn: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Call ``fn(parameter)`` each time a backward has accumulated ``parameter``'s gradient
+        (PyTorch's post-accumulate-grad hook), as a hook of this group: listed under ``module``
+        (the one holding the parameter) by :func:`attached`, and removed with the group, by
+        :func:`remove_all` too, whoever else forgot it."""
+        if not self._live:
+            raise SpecError(f"hookscope.{self.owner}: its hooks were removed; attach a new one")
+        handle = parameter.register_post_accumulate_grad_hook(fn)  # type: ignore[no-untyped-call]
+        self._records.append(_Record(name, weakref.ref(module), "grad accumulated", "hook", handle))
 
     @property
     def live(self) -> bool:

@@ -50,6 +50,7 @@ __all__ = [
     "PassListener",
     "Site",
     "SiteKind",
+    "backward_id",
     "call_filter",
     "canonical_calls",
     "in_backward",
@@ -179,6 +180,13 @@ def is_reentered(module: nn.Module) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+def backward_id() -> int:
+    """The id of the backward pass running on this thread (each ``backward()`` its own, a
+    reentrant checkpoint's inner one too), -1 outside one: state kept per backward is keyed by
+    it, so a backward that raised before its end leaves nothing that the next one inherits."""
+    return _GRAPH_TASK()
 
 
 def in_backward() -> bool:

@@ -33,6 +33,7 @@ from hookscope._monitor.evidence import note as _note
 from hookscope._monitor.evidence import save_evidence
 from hookscope._monitor.labels import UniqueLabels
 from hookscope._monitor.params import ParamNorms
+from hookscope._monitor.scale import LossScale, unscaled
 from hookscope._monitor.sinks import Failures, as_sink, close_all, sink_error, write_all
 from hookscope._monitor.watch import LayerRead, LayerWatch
 from hookscope._shared.histogram import Histogram
@@ -65,9 +66,12 @@ class MonitorStep:
     """One logged step: its index, every scalar by name, and its flags.
 
     Every gradient in it is as the step's backward left it: the activations' (``grad/``) and the
-    parameters' (``param_grad/``) alike, before any clipping, unscaling or optimiser step, after
-    DDP's all-reduce. The transformers Trainer's logged ``grad_norm`` is the norm of the same
-    gradients: ``sqrt(sum of param_grad/norm**2)``.
+    parameters' (``param_grad/``) alike, before any clipping or optimiser step, after DDP's
+    all-reduce, and divided by the loss scale where a GradScaler is known (``grad_scaler=``; the
+    callbacks find the Trainer's): the gradients of the loss itself, whose scale is logged as
+    ``grad/loss_scale``. The transformers Trainer's logged ``grad_norm`` is the norm of the same
+    gradients: ``sqrt(sum of param_grad/norm**2)``. The gradients' precision fractions are of the
+    gradients as the backward held them, scaled: what the format keeps of them.
     """
 
     step: int
@@ -101,8 +105,10 @@ class Monitor(Scoped):
         histograms: bool = False,
         trip_dir: str | os.PathLike[str] | None = None,
         start: int = 0,
+        grad_scaler: Any = None,
     ) -> None:
         ensure_module(model)
+        self._scale = LossScale(grad_scaler, model)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise SpecError(f"every={every!r} is not a positive whole number of steps; 1 logs every step")
         if names not in ("std", "modules"):
@@ -139,14 +145,14 @@ class Monitor(Scoped):
         self._watch.recording = start % every == 0
         parts: list[Any] = []
         try:
-            if self._params:
-                self._param_norms = ParamNorms(self._params)
-                self._param_norms.recording = self._watch.recording
             # The wrapper of the model's call sees the batch of a forward trip; a compiled model
             # (its forward is Dynamo's) would run eagerly inside one, so it goes without.
             wraps = () if hasattr(model, "_orig_mod") else (WrapSpec("", model, "call", self._guarded),)
             self._group = self._watch.attach(*wraps)
             parts.append(self._watch)
+            if self._params:  # the parameters' hooks are the layer hooks' group's: removed with it
+                self._param_norms = ParamNorms(model, self._params, self._group)
+                self._param_norms.recording = self._watch.recording
             if grads:
                 chosen = [name for name, _ in self._chosen]
                 self._grads = watch_grads(model, layers=chosen, params=False, activations=True)
@@ -156,9 +162,8 @@ class Monitor(Scoped):
                 self._tripwire = detect_nonfinite(model)
                 parts.append(self._tripwire)
         except BaseException:
-            for part in [*parts, self._param_norms]:
-                if part is not None:
-                    part.remove()
+            for part in parts:
+                part.remove()
             raise
         for part in parts[1:]:
             remove_through(part._group, self.remove)
@@ -189,14 +194,15 @@ class Monitor(Scoped):
             if self._param_norms is not None:
                 self._param_norms.skip()
             return None
-        parameters, norms = self._param_norms.take() if self._param_norms is not None else ([], [])
+        norms, parse_norms = self._param_norms.take(index) if self._param_norms is not None else ([], None)
         vectors, parse = self._watch.collect()
         own = [*vectors, *norms]
         rows: list[Any] = []
+        scale = self._scale.factor()
 
         def read_with_ours(raws: Sequence[RawStats]) -> list[Stats]:  # one transfer for everything
             rows.extend(fetch([raw.vector for raw in raws] + own))
-            return finalize([raw.count for raw in raws], _table(rows[: len(raws)]))
+            return finalize([raw.count for raw in raws], unscaled(_table(rows[: len(raws)]), scale))
 
         grad_step = None
         if self._grads is not None:
@@ -211,12 +217,18 @@ class Monitor(Scoped):
         mine = rows[len(rows) - len(own) :]
         layers = parse(mine[: len(vectors)])
         scalars = self._scalars(layers, grad_step)
-        scalars.update(self._parameter_scalars(parameters, mine[len(vectors) :]))
+        if parse_norms is not None:
+            scalars.update(self._parameter_scalars(parse_norms(mine[len(vectors) :]), scale))
+        if self._scale.scaler is not None:
+            scalars["grad/loss_scale"] = scale
         shown = {self._names.get(n, n): read.histogram for n, read in layers.items() if read.histogram is not None}
         result = MonitorStep(index, scalars, self._flags(index, layers), grad_step, shown)
         self.steps.append(result)
         found = None if grad_step is None else self._nonfinite(index, grad_step)
-        if found is not None and not self._tripwire_on:
+        if found is not None and self._scale.scaler is not None:
+            result.flags.append(found[1])  # the scaler's business: it skips the step and lowers its scale
+            found = None
+        elif found is not None and not self._tripwire_on:
             result.flags.append(found[1])  # tripwire=False: a flag, and the run goes on
         # Every sink gets the step, a NaN step most of all; what failed is raised after.
         failures = write_all(self._sinks, index, scalars, {f"act/{name}": h for name, h in shown.items()})
@@ -257,6 +269,7 @@ class Monitor(Scoped):
         a forward NaN/Inf name the step, keep the evidence and, if asked, let go of every hook."""
         if torch.is_grad_enabled():  # a training forward, not an evaluation's
             self._last_batch = (args, kwargs)
+            self._scale.check_forward()
         try:
             return inner(*args, **kwargs)
         except NonFiniteError as error:
@@ -299,11 +312,11 @@ class Monitor(Scoped):
         return self._labels.claim((module, call), shown if call == 0 else f"{shown}#{call}")
 
     @staticmethod
-    def _parameter_scalars(names: list[str], rows: list[Any]) -> dict[str, float]:
+    def _parameter_scalars(norms: dict[str, tuple[float, float]], scale: float) -> dict[str, float]:
         scalars: dict[str, float] = {}
-        for name, (grad_norm, weight_norm) in zip(names, rows, strict=True):
-            scalars[f"param_grad/norm/{name}"] = float(grad_norm)
-            scalars[f"param_grad/ratio/{name}"] = float(grad_norm / weight_norm) if weight_norm else math.nan
+        for name, (grad_norm, weight_norm) in norms.items():
+            scalars[f"param_grad/norm/{name}"] = grad_norm / scale
+            scalars[f"param_grad/ratio/{name}"] = grad_norm / scale / weight_norm if weight_norm else math.nan
         return scalars
 
     def _flags(self, index: int, layers: dict[str, LayerRead]) -> list[MonitorFlag]:
@@ -350,7 +363,12 @@ class Monitor(Scoped):
         flag = MonitorFlag(
             index, shown, "grad_nonfinite", float(first.nan + first.inf),
             f"the gradient of {shown} holds {first.nan} NaN and {first.inf} Inf values (step {index}), the first in "
-            "backward order; tripwire=False lets the run go on",
+            "backward order; "
+            + (
+                "the GradScaler skips this step and lowers its scale"
+                if self._scale.scaler is not None
+                else "tripwire=False lets the run go on"
+            ),
         )  # fmt: skip
         return error, flag
 
@@ -371,7 +389,7 @@ class Monitor(Scoped):
 
     def _let_go(self) -> Failures:
         try:
-            for part in (self._tripwire, self._grads, self._param_norms):
+            for part in (self._tripwire, self._grads):
                 if part is not None:
                     part.remove()
             self._watch.remove()
@@ -449,6 +467,7 @@ def monitor(
     histograms: bool = False,
     trip_dir: str | os.PathLike[str] | None = None,
     start: int = 0,
+    grad_scaler: Any = None,
 ) -> Monitor:
     """Watch a training loop: per-layer gradient and activation statistics, per-parameter gradient
     norms, precision health, and a NaN/Inf tripwire; logged to sinks once per logged step.
@@ -468,7 +487,9 @@ def monitor(
             Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
             ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
             check a run that trips eagerly. ``tripwire=False`` raises neither: a NaN/Inf
-            gradient becomes a ``grad_nonfinite`` flag of the step, and the run goes on.
+            gradient becomes a ``grad_nonfinite`` flag of the step, and the run goes on. So does
+            one under a known ``grad_scaler``: an overflow is the scaler's to handle (it skips
+            the step and lowers its scale).
         every: log every N-th step (by the step numbers, from ``start``); other steps' hooks return
             at once and cross to the host never. Only forwards under grad count (an evaluation's
             forward between steps does not), and the backward tripwire checks logged steps.
@@ -484,6 +505,11 @@ def monitor(
         trip_dir: where a trip keeps its evidence: the offending batch and a trace of the model
             on it (every call's shapes and value ranges), named by step.
         start: the number of the first step (a resumed run's), for the logs and ``error.step``.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss (fp16): every gradient
+            statistic of a step is divided by its scale (``get_scale()``, read once per logged
+            step: call ``step()`` before ``scaler.update()``), so the record holds the
+            gradients of the loss itself. Under float16 autocast with none given, a warning
+            (once) says the gradients may carry a scale.
 
     Example::
 
@@ -503,5 +529,5 @@ def monitor(
     return Monitor(
         model, layers, grads=grads, params=params, activations=activations, precision=precision,
         tripwire=tripwire, every=every, sinks=sinks, names=names, flag_above=flag_above,
-        histograms=histograms, trip_dir=trip_dir, start=start,
+        histograms=histograms, trip_dir=trip_dir, start=start, grad_scaler=grad_scaler,
     )  # fmt: skip

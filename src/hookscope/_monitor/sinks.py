@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from hookscope._extract import scrub
 from hookscope._monitor.labels import UniqueLabels
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
@@ -252,14 +253,18 @@ Failures = list[tuple[Any, str, BaseException]]
 
 
 def write_all(sinks: Sequence[Any], step: int, scalars: dict[str, float], histograms: dict[str, Histogram]) -> Failures:
-    """Give every sink the step (its histograms first, to the sinks that draw them); a sink that
-    raises keeps no other sink from the step. Returns the failures, for the caller to raise."""
+    """Give every sink every part of the step (its histograms first, to the sinks that draw
+    them, then its scalars): a part that raises keeps neither another sink nor the same sink's
+    other part from the step. Returns the failures, for the caller to raise."""
     failures: Failures = []
     for sink in sinks:
-        try:
-            write_histograms = getattr(sink, "write_histograms", None)
-            if histograms and callable(write_histograms):
+        write_histograms = getattr(sink, "write_histograms", None)
+        if histograms and callable(write_histograms):
+            try:
                 write_histograms(step, histograms)
+            except Exception as error:
+                failures.append((sink, f"{describe(sink)} (histograms)", error))
+        try:
             sink.write(step, scalars)
         except Exception as error:
             failures.append((sink, describe(sink), error))
@@ -281,16 +286,23 @@ def close_all(sinks: Sequence[Any]) -> Failures:
 
 
 def sink_error(failures: Failures, total: int, step: int | None) -> SinkError:
-    """One error naming each failed sink (the first failure as its cause)."""
+    """One error naming each failed sink (the first failure as its cause); the sinks' own error
+    texts are quoted without credentials (a tracking URI ``http://user:SECRET@host``)."""
     what = f"failed to write step {step}; the other sinks have it" if step is not None else "failed to close"
-    each = "; ".join(f"{shown}: {type(error).__name__}: {error}" for _, shown, error in failures)
+    each = _scrubbed("; ".join(f"{shown}: {type(error).__name__}: {error}" for _, shown, error in failures))
+    failed = len({id(sink) for sink, _, _ in failures})
     error = SinkError(
-        f"{len(failures)} of {total} sinks {what} ({each}); free the disk or fix the sink, or drop it from sinks=",
+        f"{failed} of {total} sinks {what} ({each}); free the disk or fix the sink, or drop it from sinks=",
         step=step,
         failures=tuple(failures),
     )
     error.__cause__ = failures[0][2]
     return error
+
+
+def _scrubbed(text: str) -> str:
+    """``text`` without the credentials written into URLs it holds, by the package's one scrubbing."""
+    return scrub(text, ())
 
 
 def as_sink(given: Any) -> Sink:

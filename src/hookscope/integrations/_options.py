@@ -34,9 +34,12 @@ class MonitorSettings:
         self.sinks = list(sinks)
         self.options = options
 
-    def start(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int) -> hs.Monitor:
+    def start(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int, scaler: Any = None) -> hs.Monitor:
         """A monitor on ``model``, its trips kept in ``output_dir`` (else ``default_dir``),
-        numbering its steps from ``step`` (a resumed run's)."""
+        numbering its steps from ``step`` (a resumed run's), its gradients divided by the
+        scale of ``scaler`` (the Trainer's GradScaler, found by the callback) unless the
+        callback was given ``grad_scaler=`` itself."""
+        options = {"grad_scaler": scaler} | self.options
         return hs.monitor(
             model,
             self.layers,
@@ -45,7 +48,7 @@ class MonitorSettings:
             sinks=self.sinks,
             trip_dir=Path(self.output_dir or default_dir),
             start=step,
-            **self.options,
+            **options,
         )
 
     def __repr__(self) -> str:
@@ -71,10 +74,11 @@ class MonitorCallback:
         self.monitor: hs.Monitor | None = None
         self.steps: list[hs.MonitorStep] = []
 
-    def _attach(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int) -> None:
-        """A monitor for this training run; a previous run's (a second ``train()``) is removed."""
+    def _attach(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int, scaler: Any = None) -> None:
+        """A monitor for this training run (``scaler``: the GradScaler its loss is scaled by, if
+        any); a previous run's (a second ``train()``) is removed."""
         self._remove()
-        self.monitor = self.settings.start(model, default_dir, step)
+        self.monitor = self.settings.start(model, default_dir, step, scaler)
 
     def _remove(self, during: BaseException | None = None) -> None:
         """Let go of the monitor; with ``during`` (the error training raised), a sink that fails

@@ -9,7 +9,9 @@ backward left it, before clipping, the parameters' too (read when the backward e
 Trainer's ``grad_norm`` is ``sqrt(sum of param_grad/norm**2)`` of the same step. A NaN/Inf stops training with
 :class:`hookscope.NonFiniteError` naming the module, call and step (``error.step`` is the
 Trainer's ``global_step``), after saving the offending batch and a trace of it to
-``output_dir`` (default: the Trainer's), and with every hook already removed.
+``output_dir`` (default: the Trainer's), and with every hook already removed. Under ``fp16``
+the gradients are divided by the loss scale of the Trainer's GradScaler (accelerate's
+``accelerator.scaler``, found by :func:`trainer_scaler`), as the Trainer's ``grad_norm`` is.
 
 >>> from hookscope.integrations.hf import HookscopeCallback
 >>> HookscopeCallback(precision="bf16", every=10)
@@ -24,9 +26,18 @@ import hookscope as hs
 from hookscope._shared.optional import require
 from hookscope.integrations._options import MonitorCallback
 
-__all__ = ["HookscopeCallback"]
+__all__ = ["HookscopeCallback", "trainer_scaler"]
 
 _transformers = require("transformers", purpose="hookscope.integrations.hf", package="transformers")
+
+
+def trainer_scaler(optimizer: Any) -> Any:
+    """The GradScaler that scales a Trainer's loss, from the optimizer its callbacks are given:
+    accelerate wraps it (``AcceleratedOptimizer``) with its ``accelerator.scaler``, which steps
+    and unscales it; None without fp16 (bf16 and fp32 scale nothing) and under DeepSpeed, whose
+    loss scale is its own."""
+    scaler = getattr(optimizer, "scaler", None)
+    return scaler if callable(getattr(scaler, "get_scale", None)) else None
 
 
 class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type: ignore[misc,name-defined]
@@ -52,7 +63,7 @@ class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             raise hs.SpecError("HookscopeCallback needs the Trainer's model (on_train_begin got none)")
-        self._attach(model, args.output_dir, state.global_step)
+        self._attach(model, args.output_dir, state.global_step, trainer_scaler(kwargs.get("optimizer")))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None or not self.monitor.live:

@@ -5,7 +5,8 @@ Attached at ``on_train_start`` to the ``LightningModule``; each optimiser step i
 merged, before the optimiser and ``zero_grad``); removed at ``on_train_end`` and in
 ``on_exception``. A NaN/Inf stops training with :class:`hookscope.NonFiniteError` naming the
 module and ``error.step`` (the Trainer's ``global_step``), after saving the batch and a trace to
-``output_dir`` (default: the Trainer's ``default_root_dir``).
+``output_dir`` (default: the Trainer's ``default_root_dir``). Under ``precision="16-mixed"`` the
+gradients are divided by the loss scale of the precision plugin's GradScaler.
 
 >>> from hookscope.integrations.lightning import HookscopeCallback
 >>> HookscopeCallback(every=5)
@@ -43,7 +44,8 @@ class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,nam
         self.log_to_lightning = log_to_lightning
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._attach(pl_module, trainer.default_root_dir, trainer.global_step)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)  # 16-mixed's GradScaler
+        self._attach(pl_module, trainer.default_root_dir, trainer.global_step, scaler)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.monitor is None or not self.monitor.live:
