@@ -216,9 +216,12 @@ def test_histogram_of_an_expanded_view_is_that_of_its_contiguous_copy(
     base = torch.randint(0, bins, base_shape).float()  # whole numbers: numpy's buckets and hookscope's agree
     view = base.expand(expanded_shape)
     copy = np.ascontiguousarray(view.numpy())
-    expanded, contiguous = read_histograms([raw_histogram(view, bins=bins), raw_histogram(view.contiguous(), bins=bins)])
+    expanded, contiguous = read_histograms(
+        [raw_histogram(view, bins=bins), raw_histogram(view.contiguous(), bins=bins)]
+    )
     assert expanded == contiguous
-    assert expanded.total == copy.size and expanded.counted == SAMPLE
+    assert expanded.total == copy.size
+    assert expanded.counted == SAMPLE
     assert list(expanded.counts) == _sampled_numpy_histogram(copy, bins)
 
 
