@@ -114,6 +114,7 @@ PUBLIC_MODULES = [
     "hookscope.integrations.lightning",
     "hookscope.methods",
     "hookscope.plots",
+    "hookscope.redaction",
 ]
 
 
