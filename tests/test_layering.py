@@ -7,7 +7,8 @@
   never ``hookscope._capture.cache``) and the public feature modules ``hookscope.edits`` and
   ``hookscope.plots``;
 - the CLI imports only the public API: ``hookscope`` itself, its public modules (``errors``,
-  ``edits``, ``plots``), the demo models and ``hookscope.cli.*``; not even ``hookscope._version``.
+  ``edits``, ``plots``, ``methods``, ``redaction``), the demo models and ``hookscope.cli.*``; not
+  even ``hookscope._version``.
 
 Every import counts, also one inside a function. A violation names the file, the line and the rule.
 """
@@ -39,7 +40,7 @@ FEATURES = {
 #: Public modules a feature may use as any user would (their package roots, not their internals).
 PUBLIC_FEATURE_MODULES = {"hookscope.edits", "hookscope.plots"}
 #: Public modules besides the package root, which the CLI may import.
-PUBLIC_MODULES = {"hookscope.errors", "hookscope.edits", "hookscope.plots", "hookscope.methods"}
+PUBLIC_MODULES = {"hookscope.errors", "hookscope.edits", "hookscope.plots", "hookscope.methods", "hookscope.redaction"}
 
 
 def module_name(path: Path) -> str:

@@ -114,12 +114,15 @@ PUBLIC_MODULES = [
     "hookscope.integrations.lightning",
     "hookscope.methods",
     "hookscope.plots",
+    "hookscope.redaction",
 ]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
-def test_tab_completion_offers_only_public_names(name: str) -> None:
-    """``dir()`` (what tab completion lists) holds no imported module, typing name or ``annotations``."""
+def test_tab_completion_offers_only_public_names(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dir()`` (what tab completion lists) holds no imported module, typing name or ``annotations``;
+    it holds the module's dunders (what ``help()``, doctest and IDEs read) and every public
+    submodule, also one not imported yet."""
     import collections.abc
     import importlib
     import types
@@ -144,4 +147,23 @@ def test_tab_completion_offers_only_public_names(name: str) -> None:
     for exported in public or []:
         assert exported in dir(module), f"{name}.{exported} is public yet not offered"
     if name == "hookscope":
-        assert {"edits", "errors", "methods", "plots"} <= set(dir(module))
+        assert {"edits", "errors", "methods", "plots", "__version__"} <= set(dir(module))
+    dunders = {key for key in vars(module) if key.startswith("__") and key.endswith("__")}
+    assert {"__name__", "__doc__", "__file__"} <= dunders <= set(dir(module)), name
+    assert public is None or "__all__" in dir(module)
+    folder = Path(str(module.__file__)).parent
+    on_disk = set()
+    if Path(str(module.__file__)).name == "__init__.py" and name != "hookscope.cli":  # cli: main is its API
+        assert "__path__" in dir(module)
+        on_disk = {
+            path.stem
+            for path in folder.iterdir()
+            if not path.name.startswith("_") and (path.suffix == ".py" or (path / "__init__.py").is_file())
+        }
+    with monkeypatch.context() as patched:  # as in a fresh interpreter: no submodule imported yet
+        for child in on_disk:
+            patched.delitem(sys.modules, f"{name}.{child}", raising=False)
+            patched.delattr(module, child, raising=False)
+        assert on_disk <= set(dir(module)), f"{name}: public submodules missing from dir()"
+    for child in on_disk - set(public or []):  # hs.plots.attention is the function, not its module
+        assert getattr(module, child).__name__ == f"{name}.{child}"  # offered, so it can be read

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hookscope as hs
 from hookscope._shared import fused
-from hookscope._shared.histogram import raw_histogram, read_histograms
+from hookscope._shared.histogram import BLOCK, SAMPLE, raw_histogram, read_histograms
 from hookscope._shared.stats import RunningStats, Stats, raw_stats, read_stats, unexpanded
 
 STRATEGIES = ["fused", "chunked", "device"]
@@ -188,6 +188,41 @@ def test_histogram_of_a_small_expanded_view_counts_every_value() -> None:
     expected, _ = np.histogram(view.numpy(), bins=3, range=(0.0, 3.0))
     assert list(histogram.counts) == expected.tolist()
     assert histogram.total == 400
+
+
+def _sampled_numpy_histogram(values: np.ndarray, bins: int) -> list[int]:
+    """The counts of the values a histogram samples, by numpy: evenly spread runs of BLOCK values
+    of the row-major flat array, SAMPLE values in all."""
+    flat = values.reshape(-1)
+    rows = flat.size // BLOCK
+    picked = np.round(np.linspace(0, rows - 1, min(rows, SAMPLE // BLOCK))).astype(np.int64)
+    sampled = flat[: rows * BLOCK].reshape(rows, BLOCK)[picked].reshape(-1)
+    return np.histogram(sampled, bins=bins, range=(0.0, bins - 1.0))[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("base_shape", "expanded_shape"),
+    [
+        pytest.param((SAMPLE * 2,), (3, SAMPLE * 2), id="source-larger-than-the-sample"),
+        pytest.param((SAMPLE // 2,), (3, SAMPLE // 2), id="source-between-sample-and-view"),
+        pytest.param((64, 1, 40), (64, 30, 40), id="repeated-middle-dimension"),
+    ],
+)
+def test_histogram_of_an_expanded_view_is_that_of_its_contiguous_copy(
+    base_shape: tuple[int, ...], expanded_shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    bins = 8
+    base = torch.randint(0, bins, base_shape).float()  # whole numbers: numpy's buckets and hookscope's agree
+    view = base.expand(expanded_shape)
+    copy = np.ascontiguousarray(view.numpy())
+    expanded, contiguous = read_histograms(
+        [raw_histogram(view, bins=bins), raw_histogram(view.contiguous(), bins=bins)]
+    )
+    assert expanded == contiguous
+    assert expanded.total == copy.size
+    assert expanded.counted == SAMPLE
+    assert list(expanded.counts) == _sampled_numpy_histogram(copy, bins)
 
 
 # -- float64 values whose squares underflow -------------------------------------------------------

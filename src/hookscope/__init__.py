@@ -12,6 +12,9 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 from hookscope import edits, methods, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
@@ -42,6 +45,7 @@ from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
 from hookscope._shared.files import check_output_path
 from hookscope._shared.histogram import Histogram
+from hookscope._shared.names import public_dir, public_submodule
 from hookscope._shared.precision import Precision
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
 from hookscope._trace import (
@@ -226,13 +230,13 @@ _own_exports()
 
 
 def __dir__() -> list[str]:
-    """The public names and public submodules (``hs.errors``, ``hs.edits``, ...), not the imports
-    they are built from: what tab completion offers."""
-    from types import ModuleType
+    """The public names, the dunders and the public submodules (``hs.errors``, ``hs.integrations``,
+    ...), not the imports they are built from: what tab completion offers."""
+    return public_dir(__name__)
 
-    children = [
-        name
-        for name, value in globals().items()
-        if isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}" and not name.startswith("_")
-    ]
-    return sorted({*__all__, *children})
+
+if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept any hs.<name>
+
+    def __getattr__(name: str) -> ModuleType:
+        """A public submodule not imported yet (``hs.integrations``, ``hs.demo``), imported now."""
+        return public_submodule(__name__, name)

@@ -30,6 +30,7 @@ from hookscope._core.sites import Site
 from hookscope._edit.context import EditContext, checked_path
 from hookscope._edit.part import Part
 from hookscope._edit.splice import SparseTopk, Splice, topk_latents
+from hookscope._shared.names import public_dir
 from hookscope.errors import EditError, SiteNotFoundError, SpecError
 
 __all__ = [
@@ -346,5 +347,5 @@ def splice(sae: Any, *, keep_error: bool = False, path: str | None = None) -> Sp
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__``, the dunders and public submodules, not the imports: what tab completion offers."""
+    return public_dir(__name__)

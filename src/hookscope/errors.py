@@ -436,5 +436,6 @@ class PairingWarning(UserWarning):
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__`` and the dunders, not the imports: what tab completion offers (this module imports
+    nothing of the package, so it does not use ``hookscope._shared.names``)."""
+    return sorted({*__all__, *(key for key in globals() if key.startswith("__") and key.endswith("__"))})

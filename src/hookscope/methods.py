@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from hookscope import _methods
 from hookscope._methods import *  # noqa: F403 (the names of its __all__, listed once there)
+from hookscope._shared.names import public_dir
 
 __all__ = _methods.__all__
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__``, the dunders and public submodules, not the imports: what tab completion offers."""
+    return public_dir(__name__)

@@ -47,7 +47,6 @@ from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_f
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
-from hookscope._extract.redact import redacted_command
 from hookscope._extract.reduce import TokenMask
 from hookscope._extract.store import Store, open_store
 from hookscope._extract.store_meta import merged_stats, stored_layout
@@ -67,6 +66,7 @@ from hookscope._extract.zarr_io import (
     write_meta,
     zarr_module,
 )
+from hookscope._shared.credentials import redacted_command
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.options import with_options
 from hookscope._version import __version__

@@ -19,7 +19,7 @@ from hookscope._core.sites import Calls, Keep
 from hookscope._extract.data import Inputs
 from hookscope._extract.pipeline import ReduceOption
 from hookscope._extract.provenance import TokensOption
-from hookscope._extract.redact import redacted_command, redacted_options
+from hookscope._shared.credentials import redacted_command, redacted_options
 from hookscope._shared.dtypes import Overflow, overflow_choice, parse_device
 from hookscope._shared.options import Options
 from hookscope.errors import SpecError
@@ -52,8 +52,8 @@ class ExtractConfig(Options):
     ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded),
     ``storage_options`` (for an ``out`` URL such as ``s3://bucket/feats.zarr``: the fsspec file
     system's options, any mapping, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``; not
-    recorded, and shown by a repr or ``to_dict()`` with every value but the harmless ones as ``***``,
-    as the command's credentials are).
+    recorded, and shown by a repr or ``to_dict()`` with its secrets as ``***``, as the command's
+    are: the values of secret options such as ``key`` and ``secret``, and credentials in URLs).
 
     >>> ExtractConfig(dtype="bf16", reduce="mean:1").recorded()["dtype"]
     'bfloat16'

@@ -25,7 +25,6 @@ from hookscope._core.sites import Site
 from hookscope._core.std.stdmap import is_std_selector, std_pattern
 from hookscope._extract.layout import SiteLayout
 from hookscope._extract.provenance import INDEX, MASK, TOKENS
-from hookscope._extract.redact import scrub
 from hookscope._extract.running_stats import SiteStats
 from hookscope._extract.store_meta import checked_layout, merged_stats, stored_layout
 from hookscope._extract.verify import (
@@ -40,6 +39,7 @@ from hookscope._extract.verify import (
 )
 from hookscope._extract.zarr_io import Manifest, Target, open_group, read_meta, target_of
 from hookscope._shared.bits import bits_to_tensor
+from hookscope._shared.credentials import scrub
 from hookscope._shared.optional import require
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
@@ -371,7 +371,7 @@ class Store:
         self.target = target
         self.group = group
         self.meta = meta
-        checked = checked_layout(target.label, group, meta)
+        checked = checked_layout(target.label, group, meta, target.secrets)
         self._layouts = list(checked.sites)
         self._extras = {extra.name: extra for extra in checked.extras}
         self._stats: dict[str, SiteStats] | None = None

@@ -6,7 +6,7 @@ extraction: a store whose attributes contradict its arrays is refused before a r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from hookscope._extract.layout import Layout, SiteLayout
 from hookscope._extract.running_stats import SiteStats, chunk_part, features, merge, summary
 from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest
+from hookscope._shared.credentials import scrub
 from hookscope.errors import StoreError
 
 __all__ = ["checked_layout", "merged_stats", "stored_layout"]
@@ -93,9 +94,10 @@ def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:
     return Layout(tuple(layouts), rows, batch_size, chunk_rows, tuple(extras))
 
 
-def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
+def checked_layout(label: str, group: Any, meta: dict[str, Any], secrets: Sequence[str] = ()) -> Layout:
     """:func:`stored_layout`, with each array checked against it: present, its dtype, its row
-    shape, its chunking and (a store that knows it) its number of rows."""
+    shape, its chunking and (a store that knows it) its number of rows. ``secrets`` are the
+    store's, left out of the file system's error a message quotes."""
     layout = stored_layout(meta, label)
     complete = meta.get("state") == "complete"
     if complete and layout.rows is None:
@@ -105,8 +107,9 @@ def checked_layout(label: str, group: Any, meta: dict[str, Any]) -> Layout:
             array = group[site.name]
             shape, chunks, dtype = tuple(array.shape), tuple(array.chunks), np.dtype(array.dtype)
         except Exception as error:
+            said = scrub(f"{type(error).__name__}: {error}", secrets)
             raise StoreError(
-                f"array {site.name!r} of store {label!r} cannot be opened ({type(error).__name__}: {error}); the "
+                f"array {site.name!r} of store {label!r} cannot be opened ({said}); the "
                 "store is damaged: run the extraction again with overwrite=True",
                 array=site.name,
             ) from None

@@ -28,8 +28,8 @@ import numpy as np
 from hookscope._extract.checksums import InputDigests, crc32c, input_parts, regions
 from hookscope._extract.data import Batch
 from hookscope._extract.layout import Layout, SiteLayout
-from hookscope._extract.redact import scrub
 from hookscope._extract.zarr_io import Manifest, zarr_module
+from hookscope._shared.credentials import scrub
 from hookscope.errors import DataError, HookscopeError, StoreError, StoreReadError
 
 __all__ = [

@@ -25,10 +25,10 @@ import torch
 from hookscope._extract.checksums import combine, crc32c
 from hookscope._extract.layout import Layout
 from hookscope._extract.provenance import MASK
-from hookscope._extract.redact import scrub
 from hookscope._extract.running_stats import chunk_part, vectors_of
 from hookscope._extract.zarr_io import Manifest, stats_widths
 from hookscope._shared.bits import bits_to_tensor, tensor_to_numpy
+from hookscope._shared.credentials import scrub
 from hookscope._shared.memory import ResidentWatch
 from hookscope._shared.units import format_bytes
 from hookscope.errors import StoreWriteError

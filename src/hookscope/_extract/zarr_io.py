@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from hookscope._extract.layout import Layout
-from hookscope._extract.redact import scrub, secrets_of, shown_url, userinfo
 from hookscope._extract.running_stats import part_width
+from hookscope._shared.credentials import scrub, scrub_url, secrets_of, userinfo
 from hookscope._shared.optional import require
 from hookscope.errors import MissingDependencyError, StoreError
 
@@ -108,10 +108,10 @@ def target_of(out: Any, storage_options: Mapping[str, Any] | None = None) -> Tar
     if isinstance(out, str) and _URL.match(out):
         if out.split("://", 1)[0].lower() != "file":
             _check_s3_url(out)
-            return Target(_fsspec_store(out, options), shown_url(out), None, out, secrets_of(out, options))
+            return Target(_fsspec_store(out, options), scrub_url(out), None, out, secrets_of(url=out, options=options))
         parts = urllib.parse.urlsplit(out)
         if parts.netloc not in ("", "localhost"):
-            raise StoreError(f"out={shown_url(out)!r} names another host; a file:// URL is a path on this machine")
+            raise StoreError(f"out={scrub_url(out)!r} names another host; a file:// URL is a path on this machine")
         out = urllib.parse.unquote(parts.path)
     if options:
         raise StoreError(
@@ -139,7 +139,7 @@ def _check_s3_url(url: str) -> None:
     """Refuse an ``s3://`` URL that s3fs would send on as a malformed bucket name, naming the fix."""
     if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
         return
-    shown = shown_url(url)
+    shown = scrub_url(url)
     if userinfo(url) is not None:
         raise StoreError(
             f"out {shown!r} has credentials written into the URL, which s3fs does not read (it would take them "
@@ -158,7 +158,7 @@ def _check_s3_url(url: str) -> None:
 def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
     """A zarr ``FsspecStore`` for ``url`` whose file system is each process's own (see
     ``hookscope._extract.fsspec_store``); a missing file-system package is named with its install line."""
-    require("fsspec", purpose=f"a store at {shown_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
+    require("fsspec", purpose=f"a store at {scrub_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
     from hookscope._extract.fsspec_store import ProcessFsspecStore
 
     protocol = url.split("://", 1)[0]
@@ -169,11 +169,11 @@ def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
     except ImportError as error:
         package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
         wanted = package.get(protocol, f"the fsspec implementation of {protocol}://")
-        raise MissingDependencyError(f"a store at {shown_url(url)} needs {wanted}: pip install {wanted}") from error
+        raise MissingDependencyError(f"a store at {scrub_url(url)} needs {wanted}: pip install {wanted}") from error
     except (TypeError, ValueError) as error:
-        said = scrub(str(error), secrets_of(url, storage_options))
+        said = scrub(str(error), secrets_of(url=url, options=storage_options))
         raise StoreError(
-            f"out {shown_url(url)!r} cannot be opened: {said}; check the URL and storage_options"
+            f"out {scrub_url(url)!r} cannot be opened: {said}; check the URL and storage_options"
         ) from error
 
 

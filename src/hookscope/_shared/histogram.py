@@ -103,13 +103,15 @@ def raw_histogram(tensor: torch.Tensor, *, bins: int = DEFAULT_BINS, sample: int
     """
     if bins < 1:
         raise SpecError(f"bins={bins}; expected a whole number of at least 1")
-    base, repeats = unexpanded(tensor.detach())  # an expanded view: its source's values, never its size
-    values = flat_values(base)
-    total = values.numel() * repeats
-    if values.numel() > sample:
-        values = _runs(values, sample)
-    elif total > sample:  # the source is counted whole: its counts scaled stay exact, not over the sample
-        repeats = 1
+    tensor = tensor.detach()
+    base, repeats = unexpanded(tensor)  # an expanded view: its source's values, never its size
+    total = base.numel() * repeats
+    if repeats > 1 and total > sample:  # the runs its contiguous copy would give, read where they are stored
+        values, repeats = _expanded_runs(tensor, total, sample), 1
+    else:  # every value of a small expanded view appears `repeats` times: its source's counts, scaled
+        values = flat_values(base)
+        if values.numel() > sample:
+            values = _runs(values, sample)
     work = values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
     finite = torch.isfinite(work)
     infinity = torch.full((), math.inf, dtype=work.dtype, device=work.device)  # torch.tensor(): a copy, a sync
@@ -130,9 +132,30 @@ def _runs(values: torch.Tensor, sample: int) -> torch.Tensor:
     block = min(BLOCK, sample)
     rows = values.numel() // block
     runs = values[: rows * block].view(rows, block)
-    keep = min(rows, sample // block)
-    picked = torch.linspace(0, rows - 1, keep, device=values.device).round().to(torch.int64)  # made on the device
-    return runs.index_select(0, picked).reshape(-1)
+    return runs.index_select(0, _picked_runs(rows, block, sample, values.device)).reshape(-1)
+
+
+def _picked_runs(rows: int, block: int, sample: int, device: torch.device) -> torch.Tensor:
+    """Which of ``rows`` runs the sample reads: evenly spread, made on the device (no transfer)."""
+    return torch.linspace(0, rows - 1, min(rows, sample // block), device=device).round().to(torch.int64)
+
+
+def _expanded_runs(view: torch.Tensor, total: int, sample: int) -> torch.Tensor:
+    """The values :func:`_runs` picks from ``view``'s contiguous copy, gathered from its storage.
+
+    So an expanded view's histogram is its copy's (the same runs, the same sample size), while
+    only the sample is read: each picked logical position becomes a storage offset through the
+    view's strides, which are 0 along the repeated dimensions.
+    """
+    block = min(BLOCK, sample)
+    picked = _picked_runs(total // block, block, sample, view.device)
+    position = (picked[:, None] * block + torch.arange(block, device=view.device)).reshape(-1)
+    offsets = torch.zeros_like(position)
+    for size, stride in zip(reversed(view.shape), reversed(view.stride()), strict=True):
+        offsets += (position % size) * stride
+        position = position // size
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True))
+    return view.as_strided((extent,), (1,), view.storage_offset()).index_select(0, offsets)
 
 
 def read_histograms(raws: Sequence[RawHistogram]) -> list[Histogram]:

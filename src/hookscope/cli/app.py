@@ -23,7 +23,6 @@ import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.methods_commands import lens_command, patch_command
 from hookscope.cli.options import MAX_WORKERS, Dtype, InputShape, ModelSpec, seed_option
-from hookscope.cli.secrets import scrub, secrets_in
 from hookscope.cli.specs import COUNT_MAX
 from hookscope.cli.train_check import train_check_command
 from hookscope.errors import (
@@ -37,6 +36,7 @@ from hookscope.errors import (
     StoreReadError,
     StoreWriteError,
 )
+from hookscope.redaction import scrub, secrets_of
 
 __all__ = ["EXIT_CODES", "app", "exit_code", "main"]
 
@@ -723,7 +723,7 @@ def main(argv: list[str] | None = None) -> None:
         given = list(sys.argv[1:] if argv is None else argv)
         app(args=given, prog_name="hookscope", obj={"argv": given})  # extract records its command line
     except Exception as error:  # one line, not a traceback
-        _fail(error, exit_code(error), secrets_in(given))
+        _fail(error, exit_code(error), secrets_of(argv=given))
 
 
 def _fail(error: Exception, code: int, secrets: tuple[str, ...] = ()) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.cli.secrets import scrub, secrets_in
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.redaction import scrub, secret_key, secrets_of
 
 __all__ = [
     "Recorded",
@@ -163,15 +163,20 @@ def parse_storage_options(options: list[str]) -> dict[str, Any] | None:
         key, equals, value = option.partition("=")
         if not equals or not key.strip():
             raise SpecError(
-                f"--storage-option {option!r} is not KEY=VALUE; e.g. --storage-option endpoint_url=http://127.0.0.1:9000"
+                f"--storage-option {_shown(option)!r} is not KEY=VALUE (a value that may be a credential is shown as "
+                "***); e.g. --storage-option endpoint_url=http://127.0.0.1:9000"
             )
-        found[key.strip()] = value if _credential(key) else _value(value)
+        found[key.strip()] = value if secret_key(key) else _value(value)  # a numeric secret stays a string
     return found or None
 
 
-def _credential(key: str) -> bool:
-    """True for an option that holds a secret: kept as written (a numeric secret stays a string)."""
-    return any(word in key.lower() for word in ("key", "secret", "token", "password", "credential"))
+def _shown(option: str) -> str:
+    """A malformed ``--storage-option`` as an error shows it: what may be a credential as ``***``.
+
+    >>> _shown("secret:Sup3rSecret"), _shown("=Sup3rSecret"), _shown("Sup3rSecret"), _shown("endpoint_url")
+    ('secret:***', '=***', '***', 'endpoint_url')
+    """
+    return scrub(option, secrets_of(argv=["--storage-option", option]))
 
 
 def _value(text: str) -> Any:
@@ -203,7 +208,7 @@ def interrupted_note(out: str, command: str, storage_options: dict[str, Any] | N
     """The line after Ctrl-C: what the store kept, and the command that resumes after it (its
     credentials shown as ``***``: the line goes to terminals and logs)."""
     kept = recorded(out, storage_options)
-    secrets = secrets_in(shlex.split(command)) + secrets_in([out])
+    secrets = secrets_of(argv=[*shlex.split(command), out])
     shown = scrub(command, secrets)
     again = "the same command" + (" (its credentials shown as ***)" if shown != command else "")
     if kept is None or kept.done == 0:
@@ -226,7 +231,7 @@ def done_line(store: Any, out: str, elapsed: float, size: int | None) -> str:
     'verified 4,096 rows of 1 site in s3://acts/f.zarr in 2.0 s: the store was complete, nothing was written'
     """
     rows, sites, written = len(store), _counted(len(store.sites), "site"), store.written_rows
-    where = scrub(out, secrets_in([out]))
+    where = scrub(out, secrets_of(argv=[out]))
     disk = f" ({size:,} bytes on disk)" if size is not None else ""
     if written == 0:
         return (

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from hookscope._shared.names import public_dir
 from hookscope.errors import SpecError
 
 __all__ = ["CLASSES", "make_shapes"]
@@ -98,5 +99,5 @@ def make_shapes(count: int, *, seed: int, size: int = 32) -> tuple[torch.Tensor,
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__``, the dunders and public submodules, not the imports: what tab completion offers."""
+    return public_dir(__name__)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import hookscope as hs
+from hookscope._shared.names import public_dir
 from hookscope._shared.optional import require
 from hookscope.integrations._options import MonitorCallback
 
@@ -81,5 +82,5 @@ class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__``, the dunders and public submodules, not the imports: what tab completion offers."""
+    return public_dir(__name__)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hookscope._shared.names import public_dir
 from hookscope._shared.optional import require
 from hookscope.integrations._options import MonitorCallback
 
@@ -67,5 +68,5 @@ class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,nam
 
 
 def __dir__() -> list[str]:
-    """The public names only: tab completion offers what ``__all__`` lists, not the imports."""
-    return sorted(__all__)
+    """``__all__``, the dunders and public submodules, not the imports: what tab completion offers."""
+    return public_dir(__name__)

@@ -13,6 +13,7 @@ touches pyplot's global state; save one with ``fig.savefig("grad_flow.png")``.
 - :func:`effects`, :func:`lens`: a patching sweep's grid, a logit lens's tokens per layer.
 """
 
+from hookscope._shared.names import public_dir
 from hookscope.plots.activations import feature_maps, histograms
 from hookscope.plots.attention import attention
 from hookscope.plots.depth import layer_stats
@@ -31,3 +32,8 @@ __all__ = [
     "layer_stats",
     "lens",
 ]
+
+
+def __dir__() -> list[str]:
+    """``__all__``, the dunders and the modules the plots live in, not the imports."""
+    return public_dir(__name__)
