@@ -21,8 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from hookscope._extract import scrub
 from hookscope._monitor.labels import UniqueLabels
+from hookscope._shared.credentials import scrub
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
 from hookscope.errors import SinkError, SpecError
