@@ -300,17 +300,31 @@ def test_decompose_resid_of_a_bf16_llama_sums_within_bf16_rounding(layers: int, 
     assert 0 < float((total - final).abs().max()) <= 0.02 * float(final.abs().max())  # rounding, and only that
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decompose_resid_still_refuses_a_post_norm_model_in_low_precision(dtype: torch.dtype) -> None:
+def bert() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, **SMALL)
-    model = transformers.BertForMaskedLM(config).eval()
-    with torch.no_grad():
-        for module in model.bert.encoder.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(0.5)  # a block norm that rescales, as trained ones do
+    return transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=VOCAB, **SMALL)).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("build", "stack"), [(bert, ""), (bart, "decoder.")])
+def test_decompose_resid_refuses_a_post_norm_model_in_every_dtype(
+    build: Callable[[], nn.Module], stack: str, dtype: torch.dtype
+) -> None:
+    model = build().to(dtype)  # default initialisation: block norms that barely move the stream
+    inputs: Any = encoder_decoder_inputs() if stack else ids()
     with pytest.raises(hs.SpecError, match="post-norm"):
-        hs.methods.decompose_resid(model.to(dtype), ids())
+        hs.methods.decompose_resid(model, inputs, stack=stack)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decompose_resid_of_a_parallel_block_in_low_precision(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)  # the block adds attn + mlp first, then the stream: another order of rounding
+    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, use_parallel_residual=True, **SMALL)
+    model = transformers.GPTNeoXForCausalLM(config).eval().to(dtype)
+    _, blocks = kept_outputs([model.gpt_neox.layers[-1]], lambda: model(ids()))
+    parts, _ = hs.methods.decompose_resid(model, ids())
+    total, final = parts.double().sum(0), blocks[0].double()
+    assert float((total - final).abs().max()) <= 0.02 * float(final.abs().max())
 
 
 @pytest.mark.parametrize("build", [gpt2, llama])
