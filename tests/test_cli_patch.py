@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from tests.test_cli import run_cli
 from hookscope.cli.specs import load_model
+from tests.test_cli import run_cli
 from tests.test_cli_methods import CLEAN, CLEAN_IDS, CORRUPTED, CORRUPTED_IDS, MODEL, gpt2, table_rows
 
 __all__ = ["gpt2"]  # the fixture, used by name
@@ -100,7 +100,8 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
     assert code == 2
     assert "pass --stack decoder. (or another of them), or --sites" in err
     assert "stack=" not in err
-    code, out, err = run_cli(capsys, "patch", T5, *argv, "--stack", "decoder", "--decoder-prompt", "0,3;0,4", "-k", "4")
+    decoded = ["--stack", "decoder", "--decoder-prompt", "0,3;0,4", "-k", "4"]  # decoder: no dot
+    code, out, err = run_cli(capsys, "patch", T5, *argv, *decoded)
     assert code == 0, err
     torch.manual_seed(0)
     model = load_model(T5)
@@ -115,7 +116,9 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
     assert [(site, int(position), float(v)) for site, position, v in rows] == [
         (site, position, round(value, 3)) for (site, position), value in expected.top(4)
     ]
-    code, _, err = run_cli(capsys, "patch", T5, *argv, "--stack", "decoder.", "--sites", "std:decoder.blocks.0.resid_pre")
+    code, _, err = run_cli(
+        capsys, "patch", T5, *argv, "--stack", "decoder.", "--sites", "std:decoder.blocks.0.resid_pre"
+    )
     assert code == 2
     assert "--stack decoder. picks the default sites, and --sites names its own: drop --stack" in err
 

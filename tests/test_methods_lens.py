@@ -164,7 +164,7 @@ def test_a_soft_cap_is_named_as_left_out_in_every_dtype(dtype: torch.dtype) -> N
 def test_the_encoders_lens_takes_the_decoders_steps_to_the_head() -> None:
     model = t5()
     inputs = encoder_decoder_inputs()
-    output, blocks = kept_outputs(list(model.encoder.block), lambda: model(**inputs))
+    _, blocks = kept_outputs(list(model.encoder.block), lambda: model(**inputs))
     lens = hs.methods.logit_lens(model, inputs, stack="encoder.")
     with torch.no_grad():  # T5 scales the decoder's normed output by d_model ** -0.5 before its tied head
         expected = torch.stack([model.lm_head(model.encoder.final_layer_norm(b) * 32**-0.5) for b in blocks])

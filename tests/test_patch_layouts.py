@@ -27,7 +27,6 @@ from tests.test_patch_grid import (
     METRIC,
     SEQ,
     SIZE,
-
     gpt2,
     pattern_of,
     projection_inputs,
@@ -180,19 +179,22 @@ def test_a_query_sweep_is_the_query_columns_patched_by_raw_hooks() -> None:
     by_head = hs.methods.patch_sweep(
         model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.q", heads=[0, 2], positions=[3, 9]
     )
-    for layer in range(2):
+    for layer, source in enumerate(qkv):
         for head in [None, 0, 2]:
             for position in CHECKED if head is None else [3, 9]:
                 columns = slice(0, HEADS * SIZE) if head is None else slice(head * SIZE, (head + 1) * SIZE)
 
-                def patch(m: nn.Module, a: Any, out: torch.Tensor, at: int = position, cs: slice = columns) -> Any:
+                def patch(
+                    m: nn.Module, a: Any, out: torch.Tensor, at: int = position, cs: slice = columns, kept: Any = source
+                ) -> Any:
                     out = out.clone()
-                    out[:, at, cs] = qkv[layer][:, at, cs]
+                    out[:, at, cs] = kept[:, at, cs]
                     return out
 
                 handle = model.transformer.h[layer].attn.c_attn.register_forward_hook(patch)
                 with torch.no_grad():
                     expected = (score(model(corrupted)) - low) / (high - low)
                 handle.remove()
-                got = sweep.values[layer, position] if head is None else by_head.at(f"blocks.{layer}.attn.q", head, position)
+                site = f"blocks.{layer}.attn.q"
+                got = sweep.at(site, position) if head is None else by_head.at(site, head, position)
                 assert float(got) == pytest.approx(expected, abs=1e-5), (layer, head, position)

@@ -215,7 +215,8 @@ class OpSelectors:
         merged = merged_heads(self._model, module, dict(self.modules)[module])
         eager = f"the pattern per head is the softmax {softmax}, and {merged}{per_head}"
         if self._refuses_sdpa:
-            return f"transformers refuses attn_implementation='sdpa' for this model, so read its eager attention: {eager}"
+            refused = "transformers refuses attn_implementation='sdpa' for this model"
+            return f"{refused}, so read its eager attention: {eager}"
         return f"load a transformers model with attn_implementation='sdpa', or read its eager attention: {eager}"
 
     def remove(self) -> None:

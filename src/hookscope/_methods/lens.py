@@ -185,7 +185,9 @@ def logit_lens(
 
 def _normed_at(std: StdMap, stack: str) -> str:
     """Where ``stack``'s last residual leaves its final norm (its last block, where it has none)."""
-    return f"{stack}ln_final" if f"{stack}ln_final" in std else f"{stack}blocks.{block_count(std, stack) - 1}.resid_post"
+    if f"{stack}ln_final" in std:
+        return f"{stack}ln_final"
+    return f"{stack}blocks.{block_count(std, stack) - 1}.resid_post"
 
 
 def _feeding_stack(std: StdMap, stack: str) -> str:

@@ -335,10 +335,8 @@ class _StackResolver:
                 "this eager attention's product after its softmax does not keep the heads apart (a bmm over batch "
                 f"x heads): {self.seen.merged_heads.get(attn, 'read the input of its output projection')}; {sdpa}"
             )
-        named = "attn.pattern (its softmax) and attn.z (the product after it)" if eager_z else "attn.pattern (its softmax)"
-        return (
-            f"eager attention calls no {SDPA}, which attention sub-sites read; of it only {named} are named; {sdpa}"
-        )
+        named = "attn.pattern (its softmax)" + (" and attn.z (the product after it)" if eager_z else "")
+        return f"eager attention calls no {SDPA}, which attention sub-sites read; of it only {named} are named; {sdpa}"
 
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""
