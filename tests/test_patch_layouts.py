@@ -164,6 +164,8 @@ def test_an_eager_softmax_op_site_is_swept_by_query_position_and_head() -> None:
     torch.testing.assert_close(
         by_head.values, reference_grid(model, clean, corrupted, [1, 3], [3, 8], clean_row), rtol=1e-4, atol=1e-5
     )
+    with pytest.raises(hs.SpecError, match=r"num_heads=2, and every site holds its heads apart .*: 4 heads"):
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=softmax, heads=True, num_heads=2)
     with pytest.raises(hs.SpecError, match=r"\(2, 4, 10, 10\): a value of 4 or more dims .* not guessed"):
         hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="transformer.h.*.attn:op[matmul#0]")
 

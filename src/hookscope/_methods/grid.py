@@ -146,6 +146,11 @@ def lay_out(
             head_count = count
         layouts.append(layout)
     assert seq is not None
+    if num_heads is not None and all(layout.per_head for layout in layouts):  # an option nothing reads
+        raise SpecError(
+            f"num_heads={num_heads}, and every site holds its heads apart on dim 1 ({found[0].label}: "
+            f"{head_count} heads): num_heads= is for a value whose heads are merged in its last dim; drop it"
+        )
     position_labels = _positions(positions, seq)
     dims: tuple[str, ...] = ("site", "position")
     coords: dict[str, list[Any]] = {"site": [site.label for site in found], "position": position_labels}
