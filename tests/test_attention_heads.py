@@ -342,11 +342,44 @@ def test_gemma2_eager_attention_gives_attn_z_and_names_the_fix_that_works() -> N
         model(ids)
     message = str(refused.value)
     assert "transformers refuses attn_implementation='sdpa' for this model" in message
-    assert "std:blocks.N.attn.z" in message
+    assert "per head, std:blocks.0.attn.z" in message  # the map names it for this model
     assert "op[softmax#0]" in message
     assert hs.attached(model) == []
-    with pytest.raises(hs.SelectionError, match=r"not for Gemma 2"):
+    with pytest.raises(hs.SelectionError, match=r"transformers refuses attn_implementation='sdpa' for this model"):
         hs.capture(model, "std:blocks.0.attn.k")
+
+
+@pytest.mark.transformers
+def test_bloom_eager_attention_is_told_where_its_heads_are() -> None:
+    """BLOOM's product after the softmax is a bmm over batch x heads: no attn.z to name, and no
+    sdpa to load. The advice given is followed here, and read against a raw pre-hook."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=HEADS, vocab_size=64)
+    model = track(transformers.BloomForCausalLM(config).eval())
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(hs.CaptureError) as refused, hs.capture(model, "transformer.h.0.self_attention:attn.z"):
+        model(ids)
+    message = str(refused.value)
+    assert "attn.z" not in message.split("matched nothing")[1]  # no site this model lacks
+    assert "load a transformers model" not in message
+    with pytest.raises(hs.SelectionError) as unnamed:
+        hs.capture(model, "std:blocks.0.attn.z")
+    assert "attn_implementation='sdpa' to" not in str(unnamed.value)
+    advised = message.split("merged in the last dim, is '")[1].split("'")[0]
+    assert advised == str(unnamed.value).split("merged in the last dim, is '")[1].split("'")[0]
+    merged: list[torch.Tensor] = []
+    handle = model.transformer.h[0].self_attention.dense.register_forward_pre_hook(
+        lambda m, args: merged.append(args[0].clone())
+    )
+    try:
+        with torch.no_grad():
+            _, cache = hs.run_with_capture(model, ids, layers=[advised])
+    finally:
+        handle.remove()
+    assert advised == "transformer.h.0.self_attention.dense:input[0]"
+    assert torch.equal(cache[advised], merged[-1])
+    assert f"num_heads={HEADS}" in message
 
 
 def test_an_sdpa_call_of_our_own_reads_as_passed() -> None:

@@ -146,8 +146,9 @@ def test_models_that_do_nothing_after_the_norm_get_nothing_applied(build: Callab
     assert lens.readout == f"read through std:{stack}ln_final then std:unembed"
 
 
-def test_a_soft_cap_is_named_as_left_out() -> None:
-    model = gemma2()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_soft_cap_is_named_as_left_out_in_every_dtype(dtype: torch.dtype) -> None:
+    model = gemma2().to(dtype)  # small logits: the cap is a scale of 1 to within bf16's rounding, and not one
     _, blocks = kept_outputs([model.model.layers[-1]], lambda: model(ids()))
     lens = hs.methods.logit_lens(model, ids())
     with torch.no_grad():
@@ -156,6 +157,52 @@ def test_a_soft_cap_is_named_as_left_out() -> None:
     assert "left out" in lens.readout
     assert "soft-cap" in lens.readout
     assert "soft-cap" in repr(lens)
+    assert "std:unembed then x" not in lens.readout
+
+
+@pytest.mark.slow
+def test_the_encoders_lens_takes_the_decoders_steps_to_the_head() -> None:
+    model = t5()
+    inputs = encoder_decoder_inputs()
+    _, blocks = kept_outputs(list(model.encoder.block), lambda: model(**inputs))
+    lens = hs.methods.logit_lens(model, inputs, stack="encoder.")
+    with torch.no_grad():  # T5 scales the decoder's normed output by d_model ** -0.5 before its tied head
+        expected = torch.stack([model.lm_head(model.encoder.final_layer_norm(b) * 32**-0.5) for b in blocks])
+    torch.testing.assert_close(lens.logits, expected)
+    assert "left out" not in lens.readout
+    assert "x 0.176777" in lens.readout
+    assert "decoder" in lens.readout
+
+
+def opt() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=VOCAB, word_embed_proj_dim=16
+    )
+    return transformers.OPTForCausalLM(config).eval()
+
+
+@pytest.mark.slow
+def test_a_projection_between_the_norm_and_a_narrower_head_is_applied() -> None:
+    model = opt()
+    output, blocks = kept_outputs(list(model.model.decoder.layers), lambda: model(ids()))
+    lens = hs.methods.logit_lens(model, ids())
+    decoder = model.model.decoder
+    with torch.no_grad():
+        expected = torch.stack([model.lm_head(decoder.project_out(decoder.final_layer_norm(b))) for b in blocks])
+    torch.testing.assert_close(lens.logits, expected)
+    torch.testing.assert_close(lens.logits[-1], output.logits)
+    assert "model.decoder.project_out" in lens.readout
+    assert "left out" not in lens.readout
+
+    class Halves(nn.Module):  # a step between the norm and the head that no linear module makes
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[..., ::2] * 2
+
+    decoder.project_out = Halves().eval()
+    with pytest.raises(hs.SpecError, match=r"head takes values of width 16 and the final norm gives 32.*project_out"):
+        hs.methods.logit_lens(model, ids())
+    assert not live_groups()
 
 
 # -- item: one metric contract ---------------------------------------------------------------------
@@ -183,9 +230,12 @@ def test_a_metric_of_the_output_reads_each_layer_of_the_lens() -> None:
 def test_a_metric_of_a_seq2seq_output_and_a_tuple_output() -> None:
     model = t5()
     inputs = encoder_decoder_inputs()
+    _, blocks = kept_outputs(list(model.decoder.block), lambda: model(**inputs))
+    with torch.no_grad():
+        by_hand = [model.lm_head(model.decoder.final_layer_norm(b) * 32**-0.5)[:, -1, 3] for b in blocks]
     lens = hs.methods.logit_lens(model, inputs, stack="decoder.", metric=lambda out: out.logits[:, -1, 3])
     assert lens.scores is not None
-    torch.testing.assert_close(lens.scores, lens.logits[:, :, -1, 3].double().mean(1))
+    torch.testing.assert_close(lens.scores, torch.stack([value.double().mean() for value in by_hand]))
     tuples = hs.methods.logit_lens(
         model, inputs, stack="decoder.", metric=lambda out: out[0][:, -1, 3], model_kwargs={"return_dict": False}
     )
@@ -250,17 +300,31 @@ def test_decompose_resid_of_a_bf16_llama_sums_within_bf16_rounding(layers: int, 
     assert 0 < float((total - final).abs().max()) <= 0.02 * float(final.abs().max())  # rounding, and only that
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decompose_resid_still_refuses_a_post_norm_model_in_low_precision(dtype: torch.dtype) -> None:
+def bert() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, **SMALL)
-    model = transformers.BertForMaskedLM(config).eval()
-    with torch.no_grad():
-        for module in model.bert.encoder.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(0.5)  # a block norm that rescales, as trained ones do
+    return transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=VOCAB, **SMALL)).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("build", "stack"), [(bert, ""), (bart, "decoder.")])
+def test_decompose_resid_refuses_a_post_norm_model_in_every_dtype(
+    build: Callable[[], nn.Module], stack: str, dtype: torch.dtype
+) -> None:
+    model = build().to(dtype)  # default initialisation: block norms that barely move the stream
+    inputs: Any = encoder_decoder_inputs() if stack else ids()
     with pytest.raises(hs.SpecError, match="post-norm"):
-        hs.methods.decompose_resid(model.to(dtype), ids())
+        hs.methods.decompose_resid(model, inputs, stack=stack)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decompose_resid_of_a_parallel_block_in_low_precision(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)  # the block adds attn + mlp first, then the stream: another order of rounding
+    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, use_parallel_residual=True, **SMALL)
+    model = transformers.GPTNeoXForCausalLM(config).eval().to(dtype)
+    _, blocks = kept_outputs([model.gpt_neox.layers[-1]], lambda: model(ids()))
+    parts, _ = hs.methods.decompose_resid(model, ids())
+    total, final = parts.double().sum(0), blocks[0].double()
+    assert float((total - final).abs().max()) <= 0.02 * float(final.abs().max())
 
 
 @pytest.mark.parametrize("build", [gpt2, llama])

@@ -168,8 +168,6 @@ def test_heads_and_positions_come_from_the_site_not_the_option() -> None:
     assert z.dims == ("site", "position")
     assert z.coords["position"] == list(range(SEQ))  # not the 4 heads
     torch.testing.assert_close(z.values[:, CHECKED], every_head, rtol=1e-4, atol=1e-5)
-    q = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.q", positions=[3, 9])
-    assert q.values.shape == (2, 2)
 
 
 @pytest.mark.transformers
@@ -337,7 +335,24 @@ def test_sweep_and_attribution_of_an_encoder_decoders_stack(stack: str, seq: int
     torch.testing.assert_close(sweep.values, expected, rtol=1e-4, atol=1e-5)
     atp = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, stack=stack)
     assert atp.coords == sweep.coords
-    assert atp.values.isfinite().all()
+    kept: list[torch.Tensor] = []
+    handles = [
+        block.register_forward_pre_hook(lambda m, a, k: kept.append(block_hidden(a, k)), with_kwargs=True)
+        for block in blocks
+    ]
+    try:
+        metric = METRIC(model(**corrupted)).mean()
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = torch.autograd.grad(metric, kept)  # grad . (clean - corrupted) per position, over rows and features
+    by_autograd = torch.stack(
+        [
+            (g.double() * (c.double() - k.detach().double())).sum(-1).sum(0)
+            for g, c, k in zip(grads, sources, kept, strict=True)
+        ]
+    ) / (high - float(metric.detach()))
+    torch.testing.assert_close(atp.values, by_autograd, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.transformers

@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from hookscope._core.attention import HeadCounts, head_counts
+from hookscope._core.eager_advice import merged_heads, refuses_sdpa
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
@@ -61,7 +62,8 @@ class OpSelectors:
     ) -> None:
         self.patterns = list(patterns)
         # transformers refuses attn_implementation="sdpa" for some models (Gemma 2): never advised then
-        self._refuses_sdpa = getattr(model, "_supports_sdpa", None) is False
+        self._refuses_sdpa = refuses_sdpa(model)
+        self._model = model  # read only for the advice of an error
         self._owner = owner
         self._error = error
         self._per_module: dict[str, list[tuple[int, OpPattern]]] = {}
@@ -179,7 +181,7 @@ class OpSelectors:
         called = ", ".join(f"{op} (x{count})" if count > 1 else op for op, count in list(seen.items())[:20])
         close = difflib.get_close_matches(pattern.op, list(seen), n=3, cutoff=0.5)
         if pattern.sub:
-            return _unfired_attention(pattern, module, seen, called, self._refuses_sdpa)
+            return _unfired_attention(pattern, module, seen, called, self._eager_advice(module))
         if pattern.op in seen:  # the name ran, the index did not
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"
         elif close:
@@ -197,37 +199,45 @@ class OpSelectors:
             f"{called or 'no torch op returning a tensor'}; {hint}"
         )
 
+    def _eager_advice(self, module: str) -> str:
+        """How to read ``module``'s eager attention on this model: only sites it has, and
+        ``attn_implementation='sdpa'`` only where transformers allows it."""
+        from hookscope._core.std import kept_std_map  # an error path: the map is read, never made
+
+        softmax = f"'{escape_name(module)}:op[softmax#0]'"
+        std = kept_std_map(self._model)
+        named = [
+            site.name
+            for site in (std.sites.values() if std is not None else ())
+            if site.name.endswith("attn.z") and site.read.startswith(f"{escape_name(module)}:")
+        ]
+        per_head = f"; per head, std:{named[0]}" if named else ""
+        merged = merged_heads(self._model, module, dict(self.modules)[module])
+        eager = f"the pattern per head is the softmax {softmax}, and {merged}{per_head}"
+        if self._refuses_sdpa:
+            refused = "transformers refuses attn_implementation='sdpa' for this model"
+            return f"{refused}, so read its eager attention: {eager}"
+        return f"load a transformers model with attn_implementation='sdpa', or read its eager attention: {eager}"
+
     def remove(self) -> None:
         """Take the op watcher's hooks off (safe to call twice)."""
         if self._watcher is not None:
             self._watcher.remove()
 
 
-def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str, refuses_sdpa: bool) -> str:
-    """Why an attention sub-site selector matched nothing, and the fix (one that works for the
-    model: never ``attn_implementation='sdpa'`` where transformers refuses it)."""
+def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str, eager: str) -> str:
+    """Why an attention sub-site selector matched nothing, and the fix (``eager``: how to read
+    the module's eager attention on this model)."""
     where = module_label(module)
     if SDPA in seen:
         return (
             f"attention sub-site selector {str(pattern)!r} matched no {SDPA} call of {where!r}, which called it "
             f"{seen[SDPA]} time(s) per call: indices 0 to {seen[SDPA] - 1}"
         )
-    eager = "softmax" in seen
     called = called or "no torch op returning a tensor"
-    softmax = f"'{escape_name(module)}:op[softmax#0]'"
-    if refuses_sdpa:
-        fix = (
-            "transformers refuses attn_implementation='sdpa' for this model (as for Gemma 2), so read its eager "
-            "attention: "
-            + (f"the pattern is the softmax {softmax}, and " if eager else "")
-            + "std:blocks.N.attn.pattern and std:blocks.N.attn.z name the eager pattern and output per head"
-        )
-    else:
-        fix = "load a transformers model with attn_implementation='sdpa'" + (
-            f", or capture the eager softmax itself: {softmax} (std:blocks.N.attn.z names the output per head)"
-            if eager
-            else ""
-        )
+    fix = eager if "softmax" in seen else "load a transformers model with attn_implementation='sdpa'"
+    if "softmax" not in seen and eager.startswith("transformers refuses"):
+        fix = "transformers refuses attn_implementation='sdpa' for this model, and its attention calls no softmax"
     return (
         f"attention sub-site selector {str(pattern)!r} matched nothing: {where!r} ran but its own code never called "
         f"torch.nn.functional.{SDPA}, which attention sub-sites read; it called: {called}; {fix} "

@@ -77,12 +77,20 @@ def attribution_patch(
 
 
 def _per_position(plan: Plan, index: int, by_head: bool) -> torch.Tensor:
-    """``grad · delta`` at one site summed over features: ``(batch, seq)``, or ``(batch, heads, seq)``."""
+    """``grad · delta`` at one site summed over features: ``(batch, seq)``, or ``(batch, heads, seq)``.
+
+    An entry both runs hold alike changes nothing, and one the metric does not depend on (a zero
+    gradient) moves it by nothing to first order, whatever the change: both contribute 0. Causal
+    attention scores hold ``-inf`` at every masked entry of both runs, where ``-inf - -inf`` is
+    NaN and ``0 * NaN`` would make every cell NaN."""
     site = plan.sites[index]
     assert plan.grads is not None
     grad = plan.grads[site.read].double()
-    delta = plan.source[site.read].to(grad.device).double() - plan.target[site.read].double()
-    return plan.layouts[index].summed(grad * delta, by_head).cpu()
+    source = plan.source[site.read].to(grad.device).double()
+    target = plan.target[site.read].double()
+    delta = torch.where(source == target, 0.0, source - target)
+    product = torch.where(grad == 0, 0.0, grad * delta)
+    return plan.layouts[index].summed(product, by_head).cpu()
 
 
 def _cell(values: torch.Tensor, cell: Cell, per_row: bool) -> torch.Tensor:

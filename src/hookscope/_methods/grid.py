@@ -7,6 +7,10 @@ for a head dim in the grid:
   ``attn.*``/``cross_attn.*`` names, eager attention's softmax among them) holds
   ``(batch, heads, seq, ...)``: positions on dim 2, heads on dim 1. Patched without ``heads=``,
   a cell is one position of every head.
+- an op site the model's canonical map reads one of those names at (eager attention's
+  ``:op[softmax#0]`` is ``attn.pattern``) is laid out as that name.
+- a value of 4 or more dims that is none of these is refused: dim 1 may be heads or positions,
+  and nothing in the value says which.
 - any other value is ``(batch, seq, ...)``. By head, a merged value ``(batch, seq, hidden)``
   (the input of attention's output projection) is read as ``num_heads`` blocks of its last dim,
   as ``hs.edits.zero(heads=, num_heads=)`` reads it. Nothing in the value says how many heads it
@@ -142,6 +146,11 @@ def lay_out(
             head_count = count
         layouts.append(layout)
     assert seq is not None
+    if num_heads is not None and all(layout.per_head for layout in layouts):  # an option nothing reads
+        raise SpecError(
+            f"num_heads={num_heads}, and every site holds its heads apart on dim 1 ({found[0].label}: "
+            f"{head_count} heads): num_heads= is for a value whose heads are merged in its last dim; drop it"
+        )
     position_labels = _positions(positions, seq)
     dims: tuple[str, ...] = ("site", "position")
     coords: dict[str, list[Any]] = {"site": [site.label for site in found], "position": position_labels}
@@ -180,9 +189,17 @@ def _site_layout(
         if value.dim() < 3:
             raise SpecError(f"{site.label} has shape {tuple(value.shape)}: expected (batch, heads, seq, ...)")
         return SiteLayout(per_head=True)
+    shape = tuple(value.shape)
+    if value.dim() >= 4:
+        raise SpecError(
+            f"{site.label} has shape {shape}: a value of 4 or more dims may hold heads on dim 1 (attention's "
+            "(batch, heads, seq, ...)) or positions, and nothing says which for this site, so it is not guessed: "
+            "patch attention's values by their canonical names, which are held per head (std:blocks.*.attn.pattern, "
+            "std:blocks.*.attn.z, std:blocks.*.attn.scores), or a value (batch, seq, ...) such as the input of the "
+            "attention's output projection (by head: heads=True with num_heads=)"
+        )
     if heads is False:
         return SiteLayout(per_head=False)
-    shape = tuple(value.shape)
     if num_heads is None:
         config = getattr(getattr(model, "config", None), "num_attention_heads", None)
         said = f" (this model's config says num_attention_heads={config})" if isinstance(config, int) else ""

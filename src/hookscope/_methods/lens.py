@@ -16,7 +16,7 @@ from torch import nn
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import escape_name
 from hookscope._core.std import known_std_map
-from hookscope._core.std.stdmap import STD_PREFIX
+from hookscope._core.std.stdmap import STD_PREFIX, StdMap
 from hookscope._methods.metrics import MetricFn, check_metric, logits_of, metric_name, run_score, with_logits
 from hookscope._methods.readout import Readout, measure_readout
 from hookscope._methods.resid import block_count, captured_run, final_norm, unembed, unembed_site
@@ -120,14 +120,17 @@ def logit_lens(
             layer's residual before the norm (layers without one are read as they are).
         decode: turns token ids into text for ``print(lens)``, ``lens.top()`` and ``lens.plot()``: a
             tokenizer's ``decode`` or a list of strings.
-        stack: ``"decoder."`` reads an encoder-decoder's decoder (its blocks and final norm).
+        stack: ``"decoder."`` reads an encoder-decoder's decoder (its blocks and final norm);
+            ``"encoder."`` its encoder, through the encoder's final norm, then the steps the
+            decoder's output takes to the head (the inputs must run the decoder too).
 
     A model without a final norm (post-norm stacks such as BART, whose blocks end in their own)
     is read through the unembedding alone. Whatever linear steps the model takes between its final
     norm and its logits (T5's ``d_model ** -0.5`` before its tied head, a scale or a bias after
     the head) are measured on the same run and applied to every layer, so the last layer's
     ``resid_post`` through the lens is the model's own logits; a step that is not linear (Gemma 2's
-    soft-cap) is left out. ``lens.readout`` (and ``print(lens)``) says which.
+    soft-cap) is left out. A linear module between the norm and a head of another width (OPT's
+    ``project_out``) is applied too. ``lens.readout`` (and ``print(lens)``) says which.
 
     Example::
 
@@ -151,14 +154,17 @@ def logit_lens(
         if unknown:
             raise SpecError(f"translators for {unknown}, which the lens does not read; its layers: {names[:6]}...")
     norm, head = final_norm(model, stack, or_identity=True), unembed(model, stack)
-    normed_at = (
-        f"{stack}ln_final" if f"{stack}ln_final" in std else f"{stack}blocks.{block_count(std, stack) - 1}.resid_post"
-    )
+    feeding = _feeding_stack(std, stack)  # the steps after the norm are measured where they happen
+    normed_at = _normed_at(std, stack)
+    fitted_at = _normed_at(std, feeding)
     head_site = unembed_site(model, stack)
     head_input = f"{escape_name(head_site.module or '')}:input[0]"
-    sites = [STD_PREFIX + name for name in dict.fromkeys([*names, normed_at, head_site.name])]
+    sites = [STD_PREFIX + name for name in dict.fromkeys([*names, normed_at, fitted_at, head_site.name])]
     output, cache, rows = captured_run(model, inputs, [*sites, head_input], model_kwargs, "logit_lens")
-    readout = _readout(cache, output, STD_PREFIX + normed_at, head_input, STD_PREFIX + head_site.name)
+    readout = _readout(
+        cache, output, STD_PREFIX + fitted_at, head_input, STD_PREFIX + head_site.name,
+        projections=_projections(model, std, head_site.module or ""), known_after=_soft_cap(model),
+    )  # fmt: skip
     logits = []
     with torch.no_grad():
         for name in names:
@@ -171,10 +177,62 @@ def logit_lens(
         scores = torch.stack([run_score(metric, with_logits(output, layer), rows) for layer in stacked])
     named = metric_name(metric) if metric is not None else ""
     shown_norm = STD_PREFIX + normed_at if normed_at.endswith("ln_final") else ""
-    return Lens(stacked, names, scores, named, decode, readout.describe(shown_norm, STD_PREFIX + head_site.name))
+    described = readout.describe(shown_norm, STD_PREFIX + head_site.name)
+    if feeding != stack:
+        described += f" (the steps after the norm measured on the {feeding[:-1]}, whose std:{fitted_at} feeds the head)"
+    return Lens(stacked, names, scores, named, decode, described)
 
 
-def _readout(cache: Any, output: Any, normed: str, head_input: str, head_output: str) -> Readout:
+def _normed_at(std: StdMap, stack: str) -> str:
+    """Where ``stack``'s last residual leaves its final norm (its last block, where it has none)."""
+    if f"{stack}ln_final" in std:
+        return f"{stack}ln_final"
+    return f"{stack}blocks.{block_count(std, stack) - 1}.resid_post"
+
+
+def _feeding_stack(std: StdMap, stack: str) -> str:
+    """The stack whose final norm's output the head reads: ``stack`` itself, or for an
+    encoder-decoder's encoder (whose output feeds cross-attention, not the head) the decoder.
+    The encoder's layers are read through its own final norm, then every step the model takes
+    between the decoder's final norm and its logits (T5's ``d_model ** -0.5``): measured
+    comparing the encoder's norm with the head's input, those steps fit nothing."""
+    if not stack or f"{stack}unembed" in std:
+        return stack
+    others = [prefix for prefix in ("decoder.",) if prefix != stack and f"{prefix}blocks.0.resid_pre" in std]
+    return others[0] if others else stack
+
+
+def _projections(model: nn.Module, std: StdMap, head: str) -> list[tuple[str, nn.Module]]:
+    """The model's linear modules outside its blocks and head: those that may project the final
+    norm's output to the head's width (OPT's ``project_out``)."""
+    blocks = {site.module for name, site in std.sites.items() if name.endswith(".resid_post") and site.module}
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name != head
+        and not any(name == block or name.startswith(block + ".") for block in blocks)
+    ]
+
+
+def _soft_cap(model: nn.Module) -> str:
+    """The soft-cap of the logits the config declares (Gemma 2's ``final_logit_softcapping``), as words."""
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if isinstance(cap, int | float) and not isinstance(cap, bool) and cap:
+        return f"the soft-cap tanh(logits / {cap:g}) * {cap:g} of config.final_logit_softcapping"
+    return ""
+
+
+def _readout(
+    cache: Any,
+    output: Any,
+    normed: str,
+    head_input: str,
+    head_output: str,
+    *,
+    projections: list[tuple[str, nn.Module]],
+    known_after: str,
+) -> Readout:
     """The steps between the final norm and the logits, from the values one run kept."""
     try:
         head_in: torch.Tensor | None = cache[head_input]
@@ -184,4 +242,6 @@ def _readout(cache: Any, output: Any, normed: str, head_input: str, head_output:
         logits: torch.Tensor | None = logits_of(output)
     except SpecError:
         logits = None
-    return measure_readout(cache[normed], head_in, cache[head_output], logits)
+    return measure_readout(
+        cache[normed], head_in, cache[head_output], logits, projections=projections, known_after=known_after
+    )

@@ -8,19 +8,28 @@ add ``final_logits_bias`` after it, Granite and Cohere scale the logits, Gemma 2
 (``tanh``: not linear). Reading each model's config for these is a list that never ends, so the
 run that captures the layers also keeps the norm's output, the head's input and output and the
 model's logits, and the two steps are fitted on them (in float64): a scale before the head, a
-scale and a per-token bias after it. A fit that reproduces the model to the tolerance of its
-dtype (``hs.diff``'s table) is applied to every layer; a step that no such map reproduces is
-left out, and :meth:`Readout.describe` (shown by ``print(lens)``) says which.
+scale and a per-token bias after it. A fit that reproduces every value to the tolerance of its
+dtype (``hs.diff``'s table, relative to the terms each value sums) is applied to every layer; a
+step that no such map reproduces is left out, and :meth:`Readout.describe` (shown by
+``print(lens)``) says which. A non-linear step the config declares (Gemma 2's
+``final_logit_softcapping``) is never fitted: on small logits a soft-cap is a scale of 1 to
+within bf16's rounding, which is no reason to call it one.
+
+Where the head takes another width than the norm gives (OPT's ``word_embed_proj_dim``), the
+model projects between them: the linear module that maps the norm's output to the head's input
+on this run (``project_out``) is applied too, or the lens is refused, naming the widths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hookscope._shared.tolerances import tolerances
+from hookscope.errors import SpecError
 
 __all__ = ["Readout", "measure_readout"]
 
@@ -28,14 +37,19 @@ __all__ = ["Readout", "measure_readout"]
 @dataclass(frozen=True)
 class Readout:
     """The steps between the final norm's output and the logits: ``logits = scale * head(before *
-    normed) + bias``, with what could not be written so in ``left_out``."""
+    project(normed)) + bias``, with what could not be written so in ``left_out``. ``project``:
+    the model's own linear module between the norm and the head (``project_name``), or none."""
 
     before: float = 1.0
     scale: float = 1.0
     bias: torch.Tensor | None = None
     left_out: tuple[str, ...] = ()
+    project: nn.Module | None = None
+    project_name: str = ""
 
     def __call__(self, head: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        if self.project is not None:
+            normed = self.project(normed)
         logits: torch.Tensor = head(normed * self.before if self.before != 1.0 else normed)
         if self.scale != 1.0:
             logits = logits * self.scale
@@ -47,6 +61,7 @@ class Readout:
         """One line: ``norm`` and ``head`` (how the caller names them), the steps applied besides
         them, and those left out."""
         steps = [f"read through {norm}"] if norm else []
+        steps.append(self.project_name if self.project is not None else "")
         steps.append(f"x {self.before:.6g}" if self.before != 1.0 else "")
         steps.append(head)
         steps.append(f"x {self.scale:.6g}" if self.scale != 1.0 else "")
@@ -59,17 +74,30 @@ class Readout:
 
 
 def measure_readout(
-    normed: torch.Tensor, head_in: torch.Tensor | None, head_out: torch.Tensor, logits: torch.Tensor | None
+    normed: torch.Tensor,
+    head_in: torch.Tensor | None,
+    head_out: torch.Tensor,
+    logits: torch.Tensor | None,
+    *,
+    projections: Sequence[tuple[str, nn.Module]] = (),
+    known_after: str = "",
 ) -> Readout:
     """The :class:`Readout` of one run: ``normed`` the final norm's output (or, without a final norm,
     the last block's), ``head_in`` and ``head_out`` the LM head's input and output, ``logits`` the
     model's. ``None`` for a value the run did not show (a head called by keyword, an output without
-    logits): that step is taken as nothing and named in ``left_out``."""
+    logits): that step is taken as nothing and named in ``left_out``. ``projections``: the model's
+    linear modules that may map the norm's output to the head's input where their widths differ;
+    ``known_after``: a non-linear step after the head the model's config declares (never fitted)."""
     left_out = []
     before = 1.0
+    project: tuple[str, nn.Module] | None = None
     if head_in is None:
         left_out.append("the head's input was not seen (it is passed by keyword), so no step before the head")
     else:
+        if normed.shape != head_in.shape:
+            project = _projection(normed, head_in, projections)
+            with torch.no_grad():
+                normed = project[1](normed)
         fitted = _scale(normed, head_in)
         if fitted is None:
             left_out.append(f"what the model does before the head ({_why(normed, head_in, 'a scale')})")
@@ -78,13 +106,38 @@ def measure_readout(
     scale, bias = 1.0, None
     if logits is None:
         left_out.append("the model's output holds no logits to compare the head's output with")
+    elif known_after and not torch.equal(head_out, logits):
+        left_out.append(f"what the model does after the head ({known_after}, not linear)")
     else:
         after = _affine(head_out, logits)
         if after is None:
             left_out.append(f"what the model does after the head ({_why(head_out, logits, 'a scale and a bias')})")
         else:
             scale, bias = after
-    return Readout(before, scale, bias, tuple(left_out))
+    if project is None:
+        return Readout(before, scale, bias, tuple(left_out))
+    return Readout(before, scale, bias, tuple(left_out), project[1], project[0])
+
+
+def _projection(
+    normed: torch.Tensor, head_in: torch.Tensor, projections: Sequence[tuple[str, nn.Module]]
+) -> tuple[str, nn.Module]:
+    """The module among ``projections`` that maps ``normed`` to ``head_in`` on this run (to the
+    dtype's tolerance, up to a scale fitted after it), else a ``SpecError``: the head cannot take
+    the norm's output, so no layer could be read through it."""
+    width, wanted = normed.shape[-1], head_in.shape[-1]
+    for name, module in projections:
+        if getattr(module, "in_features", None) != width or getattr(module, "out_features", None) != wanted:
+            continue
+        with torch.no_grad():
+            projected = module(normed)
+        if projected.shape == head_in.shape and _scale(projected, head_in) is not None:
+            return name, module
+    raise SpecError(
+        f"the LM head takes values of width {wanted} and the final norm gives {width}: the model projects "
+        f"between them, and none of its linear modules from {width} to {wanted} outside the blocks reproduces the "
+        "head's input on this run (OPT's project_out would), so no layer can be read through the head"
+    )
 
 
 def _why(x: torch.Tensor, y: torch.Tensor, linear: str) -> str:
@@ -111,16 +164,19 @@ def _sample(value: torch.Tensor) -> torch.Tensor:
 
 
 def _within(x: torch.Tensor, y: torch.Tensor, a: float, b: torch.Tensor | None) -> bool:
-    """``a * x + b`` reproduces ``y`` on every row to the dtypes' tolerance (``hs.diff``'s table)."""
+    """``a * x + b`` reproduces each value of ``y`` to the dtypes' tolerance (``hs.diff``'s
+    table), relative to that value's own terms (``|a x| + |b|``, and ``|y|``): the rounding the
+    model's own step leaves there, not a tolerance of the largest logit, which lets a small
+    curve pass for a line."""
     rtol, atol = tolerances(x.dtype, y.dtype)
     worst = torch.zeros((), dtype=torch.float64, device=y.device)
-    peak = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, x.shape[0], _CHECK_ROWS):
         wanted = y[start : start + _CHECK_ROWS].double()
-        fitted = a * x[start : start + _CHECK_ROWS].double() + (0.0 if b is None else b)
-        worst = torch.maximum(worst, (fitted - wanted).abs().max())
-        peak = torch.maximum(peak, wanted.abs().max())
-    return float(worst) <= atol + rtol * float(peak)  # one read back, after every chunk
+        scaled = a * x[start : start + _CHECK_ROWS].double()
+        fitted = scaled + (0.0 if b is None else b)
+        terms = torch.maximum(scaled.abs() + (0.0 if b is None else b.abs()), wanted.abs())
+        worst = torch.maximum(worst, ((fitted - wanted).abs() - rtol * terms).max())
+    return float(worst) <= atol  # one read back, after every chunk
 
 
 def _scale(x: torch.Tensor, y: torch.Tensor) -> float | None:

@@ -5,9 +5,9 @@ Both read canonical names (``std:``), so one call works on GPT-2, Llama or any m
 knows. The decomposition is ``resid_pre`` of the first block (labelled ``embed``: whatever enters
 the blocks, position embeddings and embedding scales included), then each block's ``attn`` and
 ``mlp`` (and, in encoder-decoder decoders, ``cross_attn``): the terms the blocks add, so they sum
-to the last ``resid_post``; the sum is checked, at the tolerance of the values' dtype (the
-table ``hs.diff`` uses, widened by the number of adds, each of which rounds once), and blocks
-that normalise after each add (post-norm: BERT, BART) are refused with the reason.
+to the last ``resid_post``; the sum is checked value by value against the rounding the model's
+adds can leave there, and blocks that normalise after each add (post-norm: BERT, BART) are
+refused with the reason, in every dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from hookscope._core.std import known_std_map
 from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite
 from hookscope._methods.checks import refuse_training
 from hookscope._methods.runs import Inputs
-from hookscope._shared.tolerances import tolerances
 from hookscope.errors import SpecError
 
 __all__ = [
@@ -123,24 +122,32 @@ def decompose_resid(
     error, allowed = _sum_error(stacked.tensor, final)
     if not error <= allowed:
         raise SpecError(
-            f"the components of {std.family}'s residual stream do not sum to {last} (max error {error:.3g}, "
-            f"{final.dtype} rounding allows {allowed:.3g}): its blocks normalise after each add (post-norm) or add "
-            "more than attention and the MLP; use accumulated_resid, which reads the stream itself"
+            f"the components of {std.family}'s residual stream do not sum to {last} (an error of {error:.3g} where "
+            f"{final.dtype} rounding of the adds allows {allowed:.3g}): its blocks normalise after each add "
+            "(post-norm) or add more than attention and the MLP; use accumulated_resid, which reads the stream itself"
         )
     return Stacked(stacked.tensor, ["embed", *names[1:]])
 
 
 def _sum_error(parts: torch.Tensor, final: torch.Tensor) -> tuple[float, float]:
-    """How far ``parts`` sum from ``final``, and how far rounding lets them: the model adds them
-    one at a time in its dtype, each add rounding once, so the dtype's tolerance (``hs.diff``'s
-    table) of the largest partial sum, times the square root of the number of adds (rounding
-    errors of independent adds grow as a random walk). Summed here in float64, adding none."""
+    """How far ``parts`` sum from ``final`` at the value where that is worst against what rounding
+    allows there, and that allowance.
+
+    The parts are the values the model added, kept exactly as it held them, so summing them in
+    float64 leaves only the rounding of the model's own adds: each add rounds its result once, by
+    at most half a unit in the last place, ``u * |partial sum|``. So at every value the error is
+    at most ``u`` times the sum of the partial sums' magnitudes there; twice that covers a model
+    that adds in another order (a parallel block's ``attn + mlp`` first). A post-norm block's
+    norm moves values by far more, at values whose partial sums are small, where no rounding
+    reaches: a bound of the largest value (or of ``hs.diff``'s bf16 tolerance) let BERT pass."""
     if parts.shape[1:] != final.shape:
         return math.inf, 0.0
-    running = parts.double().cumsum(0)
-    rtol, atol = tolerances(parts.dtype, final.dtype)
-    error = float((running[-1] - final.double()).abs().max())
-    return error, math.sqrt(len(parts)) * (atol + rtol * float(running.abs().max()))
+    unit = max(torch.finfo(parts.dtype).eps, torch.finfo(final.dtype).eps) / 2
+    running = parts.double().cumsum(0)  # the partial sums, each add's result
+    error = (running[-1] - final.double()).abs()
+    allowed = 2 * unit * running[1:].abs().sum(0)
+    worst = int((error - allowed).reshape(-1).argmax())
+    return float(error.reshape(-1)[worst]), float(allowed.reshape(-1)[worst])
 
 
 def captured_run(

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache
-from hookscope._core.names import leaf_label
+from hookscope._core.names import escape_name, leaf_label
 from hookscope._core.op_sites import ATTN_KINDS, op_leaf_label
 from hookscope._core.sites import Site
-from hookscope._core.std import expand_std
+from hookscope._core.std import expand_std, known_std_map
 from hookscope._core.std.stdmap import STD_PREFIX
-from hookscope.errors import SiteNotFoundError, SpecError
+from hookscope.errors import HookscopeError, SiteNotFoundError, SpecError
 
 __all__ = ["Inputs", "PatchSite", "patch_sites"]
 
@@ -120,7 +120,8 @@ def _same_plain_value(mine: Any, theirs: Any) -> bool:
 class PatchSite:
     """One site of a study: its label (a canonical name where given one), where a capture reads
     its value, the selector an edit writes it with, and whether the value is held per head
-    (``(batch, heads, seq, ...)``, an attention sub-site) rather than ``(batch, seq, ...)``."""
+    (``(batch, heads, seq, ...)``: an attention sub-site, or an op site the canonical map reads
+    one at, as eager attention's softmax) rather than ``(batch, seq, ...)``."""
 
     label: str
     read: Site
@@ -142,6 +143,7 @@ def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) 
             continue
     found = []
     shown = cache.short_names()  # "shared" for a module's only site; "shared#1:output" where it has several
+    per_head_reads: set[str] | None = None
     for site in cache.sites():
         name = by_site.get(site)
         sub_site = site.op.startswith("attn.")
@@ -149,7 +151,22 @@ def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) 
             found.append(PatchSite(name, site, writes[name], sub_site or bool(_HEAD_NAME.search(name))))
             continue
         label = op_leaf_label(site.op, site.what, site.path) if site.op else leaf_label(site.what, site.path)
-        found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}", sub_site))
+        per_head = sub_site
+        if not per_head and cache[site].dim() >= 4:  # heads or positions on dim 1: ask the map, never guess
+            per_head_reads = _per_head_reads(model) if per_head_reads is None else per_head_reads
+            per_head = f"{escape_name(site.module or '')}:{label}" in per_head_reads
+        found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}", per_head))
     if not found:
         raise SpecError(f"sites={selectors!r} selected nothing that ran in the clean run")
     return found
+
+
+def _per_head_reads(model: nn.Module) -> set[str]:
+    """The selectors the model's canonical map reads per-head values at (``attn.*``), so an op site
+    named by hand (eager attention's ``:op[softmax#0]``, ``std:blocks.N.attn.pattern``) is laid
+    out as its canonical name is; none for a model without a map."""
+    try:
+        std = known_std_map(model)
+    except HookscopeError:
+        return set()
+    return {site.read for site in std.sites.values() if _HEAD_NAME.search(site.name)}

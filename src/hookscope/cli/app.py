@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 import hookscope as hs
 from hookscope.cli.diff_command import diff_command
 from hookscope.cli.methods_commands import lens_command, patch_command
-from hookscope.cli.options import MAX_WORKERS, Dtype, InputShape, ModelSpec, seed_option
+from hookscope.cli.options import MAX_WORKERS, Dtype, InputShape, ModelSpec, seed_option, split_selectors
 from hookscope.cli.specs import COUNT_MAX
 from hookscope.cli.train_check import train_check_command
 from hookscope.errors import (
@@ -325,7 +325,7 @@ def trace_command(
     op_selectors = [str(selector) for selector in _selectors(ops or [])]
     chosen: bool | list[str] = True
     if stats is not None:
-        chosen = False if stats.strip() == "none" else _comma_parts([stats])
+        chosen = False if stats.strip() == "none" else [str(part) for part in _selectors([stats])]
     # a malformed op selector or statistic fails now
     options = hs.TraceOptions(timing=timing, ops=op_selectors or False, stats=chosen)
     sample = prepare(model, input_shape, dtype, seed)
@@ -708,13 +708,9 @@ def _calls(text: str) -> Any:
 
 
 def _selectors(options: list[str]) -> list[hs.Selector]:
-    """Selectors from a repeatable option whose values may also be comma-separated."""
-    return list(_comma_parts(options))
-
-
-def _comma_parts(options: list[str]) -> list[str]:
-    """The parts of an option's values, split at commas, stripped, empty ones left out."""
-    return [part.strip() for option in options for part in option.split(",") if part.strip()]
+    """Selectors from a repeatable option whose values may also be comma-separated (a comma
+    inside a regex's ``{1,2}`` or a glob's ``[0,1]`` stays in its selector)."""
+    return list(split_selectors(options))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import InputShape, seed_option
+from hookscope.cli.options import InputShape, seed_option, split_selectors
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["diff_command"]
@@ -98,7 +98,7 @@ def diff_command(
 def _mapping(options: list[str]) -> dict[str, str]:
     pairs = {}
     for option in options:
-        for item in filter(None, (part.strip() for part in option.split(","))):
+        for item in split_selectors([option]):  # a glob's [0,1] keeps its comma
             source, equals, target = item.partition("=")
             if not equals or not source.strip() or not target.strip():
                 raise SpecError(f"--map {item!r} is not A=B; write e.g. --map 'model.layers.*=transformer.h.*'")

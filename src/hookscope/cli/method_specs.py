@@ -11,22 +11,33 @@ Token ids are written as comma-separated ints per row, rows separated by ``;``:
 ``@P`` after a metric reads position ``P`` instead (``logit_diff:3,4@2``; ``loss@-2``). Every
 text that cannot be read raises ``SpecError`` with what was given, what was expected and the fix.
 
-Selectors (``--sites``) are split at commas, but not at one inside ``()``, ``[]`` or ``{}``, so
-a regular expression keeps its own (``re:h\\.[0-9]{1,2}``, ``re:h\\.(0|1)``); a literal comma
-outside them is written ``[,]`` in a regex.
+Selectors (``--sites``) are split at commas by :func:`~hookscope.cli.options.split_selectors`,
+the one splitter of every command's list options.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import torch
 
 import hookscope as hs
+from hookscope.cli.options import split_selectors
 from hookscope.cli.specs import COUNT_MAX
 from hookscope.errors import SpecError
 
-__all__ = ["METRIC_FORMS", "check_pair", "parse_ids", "parse_metric", "parse_positions", "split_selectors"]
+__all__ = [
+    "LENS_FLAGS",
+    "METRIC_FORMS",
+    "PATCH_FLAGS",
+    "check_pair",
+    "flag_words",
+    "parse_ids",
+    "parse_metric",
+    "parse_positions",
+    "split_selectors",
+]
 
 METRIC_FORMS = "'logit_diff:A,B', 'logprob:T', 'loss', 'loss:clean' or 'loss:corrupted' (optionally '@POSITION')"
 _IDS_EXAMPLE = "e.g. '5,6,7,8' or '5,6,7,8;9,10,11,12' (ints joined by ',', rows by ';')"
@@ -140,34 +151,47 @@ def _example(count: int) -> str:
     return "logit_diff:3,4" if count == 2 else "logprob:3"
 
 
-def split_selectors(options: list[str]) -> list[str]:
-    """The selectors of a repeatable option whose values may also be comma-separated; a comma
-    inside ``()``, ``[]`` or ``{}`` (a regex's ``{1,2}``, a glob's ``[0,1]``) or escaped is part
-    of its selector, not a separator.
+#: The library's argument names as ``hookscope patch`` and ``hookscope lens`` spell them.
+PATCH_FLAGS = {
+    "stack": "--stack",
+    "sites": "--sites",
+    "num_heads": "--num-heads",
+    "heads": "--heads",
+    "positions": "--positions",
+    "batch_rows": "--batch-rows",
+    "verify": "--verify",
+}
+LENS_FLAGS = {"stack": "--stack", "layers": "--layers"}
 
-    >>> split_selectors(["re:h[.][0-9]{1,2}[.]attn, std:blocks.0.resid_pre", "re:h[.](0|1)$,h.[0,1].mlp"])
-    ['re:h[.][0-9]{1,2}[.]attn', 'std:blocks.0.resid_pre', 're:h[.](0|1)$', 'h.[0,1].mlp']
+_CALL = re.compile(r"[\w.]+\([^()]*\)")  # an example call, `hs.edits.zero(heads=, num_heads=4)`: kept as written
+_ARGUMENT = re.compile(r"(?<![\w.'\"-])(?P<name>[a-z_]+)=(?P<value>'[^']*'|\"[^\"]*\"|[\w.\[\]*-]+)?")
+
+
+def flag_words(message: str, flags: dict[str, str]) -> str:
+    """``message`` (a library error) with the arguments it names written as the command's flags:
+    ``pass stack='decoder.'`` reads ``pass --stack decoder.``, ``give num_heads=`` reads ``give
+    --num-heads``, so the command line never sends its user to an argument it does not have.
+
+    >>> flag_words("pass stack='decoder.', or sites=; give num_heads= (config: num_attention_heads=2)", PATCH_FLAGS)
+    'pass --stack decoder., or --sites; give --num-heads (config: num_attention_heads=2)'
+    >>> flag_words("add heads=True or drop num_heads=", PATCH_FLAGS)
+    'add --heads or drop --num-heads'
     """
-    parts: list[str] = []
-    for option in options:
-        current, depth, in_class, escaped = "", 0, False, False
-        for char in option:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif in_class:
-                in_class = char != "]"
-            elif char == "[":
-                in_class = True
-            elif char in "({":
-                depth += 1
-            elif char in ")}":
-                depth = max(depth - 1, 0)
-            elif char == "," and depth == 0:
-                parts.append(current)
-                current = ""
-                continue
-            current += char
-        parts.append(current)
-    return [part.strip() for part in parts if part.strip()]
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match["name"], match["value"]
+        if name not in flags:
+            return match[0]
+        if value is None or (name == "heads" and value == "True"):
+            return flags[name]
+        plain = value.strip("'\"")
+        shown = plain if re.fullmatch(r"[\w.*\[\]-]+", plain) else value
+        return f"{flags[name]} {shown}"
+
+    parts, end = [], 0
+    for call in _CALL.finditer(message):
+        parts.append(_ARGUMENT.sub(flag, message[end : call.start()]))
+        parts.append(call[0])
+        end = call.end()
+    parts.append(_ARGUMENT.sub(flag, message[end:]))
+    return "".join(parts)

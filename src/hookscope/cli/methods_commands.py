@@ -102,6 +102,23 @@ def patch_command(
     batch_rows: Annotated[
         int | None, typer.Option("--batch-rows", min=1, help="Rows per forward of the sweep (default 64).")
     ] = None,
+    stack: Annotated[
+        str | None,
+        typer.Option(
+            "--stack",
+            help="An encoder-decoder's stack whose blocks are patched by default: 'decoder.' or 'encoder.'.",
+            show_default=False,
+        ),
+    ] = None,
+    decoder_prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--decoder-prompt",
+            help="An encoder-decoder's decoder token ids, the same in both runs, one row per --clean row "
+            "(default: its start token). --clean and --corrupted feed the encoder.",
+            show_default=False,
+        ),
+    ] = None,
     dtype: Dtype = None,
     seed: Seed = 0,
 ) -> None:
@@ -114,7 +131,14 @@ def patch_command(
 
     Example: hookscope patch 'hf-config:gpt2/causal-lm?n_layer=2' --clean 5,6,7,8 --corrupted 5,6,9,8 -m logit_diff:3,4
     """
-    from hookscope.cli.method_specs import check_pair, parse_ids, parse_metric, parse_positions, split_selectors
+    from hookscope.cli.method_specs import (
+        PATCH_FLAGS,
+        check_pair,
+        parse_ids,
+        parse_metric,
+        parse_positions,
+        split_selectors,
+    )
 
     if verify and not atp:
         raise SpecError("--verify checks an --atp estimate by exact patches; add --atp or drop --verify")
@@ -126,20 +150,23 @@ def patch_command(
     scorer = parse_metric(metric, clean=clean_ids, corrupted=corrupted_ids, direction=direction)
     chosen = split_selectors(sites or []) or None
     where = parse_positions(positions)
+    stack = _stack(stack)
+    decoder_ids = _decoder_ids(decoder_prompt, clean_ids.shape[0], "--clean")
     net = _seeded(model, dtype, seed)
+    clean_in, corrupted_in = (_with_decoder(net, ids, decoder_ids) for ids in (clean_ids, corrupted_ids))
     if atp:
         effects = _refused(
             lambda: hs.methods.attribution_patch(
-                net, clean_ids, corrupted_ids, metric=scorer, sites=chosen, positions=where, heads=heads,
-                num_heads=num_heads, direction=direction, verify=verify,
-            )
+                net, clean_in, corrupted_in, metric=scorer, sites=chosen, positions=where, heads=heads,
+                num_heads=num_heads, stack=stack or "", direction=direction, verify=verify,
+            ), PATCH_FLAGS,
         )  # fmt: skip
     else:
         effects = _refused(
             lambda: hs.methods.patch_sweep(
-                net, clean_ids, corrupted_ids, metric=scorer, sites=chosen, positions=where, heads=heads,
-                num_heads=num_heads, direction=direction, batch_rows=batch_rows,
-            )
+                net, clean_in, corrupted_in, metric=scorer, sites=chosen, positions=where, heads=heads,
+                num_heads=num_heads, stack=stack or "", direction=direction, batch_rows=batch_rows,
+            ), PATCH_FLAGS,
         )  # fmt: skip
     typer.echo(effects_table(effects, top))
     if effects.clean == effects.corrupted:  # the grid is NaN, which the table shows as 0
@@ -166,6 +193,8 @@ def patch_command(
             "positions": positions,
             "heads": ("each on its own" + (f" ({num_heads} merged)" if num_heads else "")) if heads else "no",
             "direction": direction,
+            "stack": stack or "(default)",
+            "decoder prompt": decoder_prompt or "(start token)" if isinstance(clean_in, dict) else "(none)",
             "method": effects.method + (f", verify={verify}" if atp else ""),
             "clean score": f"{effects.clean:.6g}",
             "corrupted score": f"{effects.corrupted:.6g}",
@@ -229,24 +258,22 @@ def lens_command(
 
     Example: hookscope lens 'hf-config:gpt2/causal-lm?n_layer=2' --prompt 5,6,7,8 --top 3 --out lens.png
     """
-    from hookscope.cli.method_specs import parse_ids
+    from hookscope.cli.method_specs import LENS_FLAGS, parse_ids, split_selectors
 
     if out is not None:
         _check_out(out, _FIGURE_OUTPUTS)
+    stack = _stack(stack)  # before anything reads it: --stack encoder is --stack encoder.
     ids = parse_ids(prompt, what="--prompt")
-    decoder_ids = None if decoder_prompt is None else parse_ids(decoder_prompt, what="--decoder-prompt")
-    if decoder_ids is not None and decoder_ids.shape[0] != ids.shape[0]:
-        raise SpecError(
-            f"--decoder-prompt has {decoder_ids.shape[0]} rows and --prompt {ids.shape[0]}: give the decoder one row "
-            "per prompt row"
-        )
+    decoder_ids = _decoder_ids(decoder_prompt, ids.shape[0], "--prompt")
     read_decoder = decoder_ids is not None and stack != "encoder."
     _check_read(
         decoder_ids if read_decoder else ids, row, position, "--decoder-prompt" if read_decoder else "the prompt"
     )
-    chosen = _split(layers or []) or None
+    chosen = split_selectors(layers or []) or None
     net = _seeded(model, dtype, seed)
-    inputs, stack = _lens_inputs(net, ids, decoder_ids, stack)
+    inputs = _with_decoder(net, ids, decoder_ids)
+    if isinstance(inputs, dict) and stack is None:
+        stack = "decoder."  # an encoder-decoder's decoder feeds the head
     if decoder_ids is None and stack == "decoder.":
         _check_read(
             inputs["decoder_input_ids"],
@@ -254,7 +281,7 @@ def lens_command(
             position,
             "the decoder's input (its start token; --decoder-prompt gives more)",
         )
-    lens = _refused(lambda: hs.methods.logit_lens(net, inputs, layers=chosen, stack=stack))
+    lens = _refused(lambda: hs.methods.logit_lens(net, inputs, layers=chosen, stack=stack or ""), LENS_FLAGS)
     typer.echo(lens_table(lens, top, position=position, row=row))
     if out is not None:
         _write(out, _figure_bytes(lens.plot(row=row), out.suffix.lower()[1:]))
@@ -271,22 +298,39 @@ def _check_read(ids: Any, row: int, position: int, what: str) -> None:
         raise SpecError(f"--position {position}: {what} has {seq} position{plural} (0 to {seq - 1}, or -1 to -{seq})")
 
 
-def _lens_inputs(net: Any, ids: Any, decoder_ids: Any, stack: str | None) -> tuple[Any, str]:
-    """The lens's inputs and stack: an encoder-decoder reads its decoder (unless --stack says
-    otherwise) on --decoder-prompt, or on its start token, one per row."""
-    if stack and not stack.endswith("."):
-        stack += "."  # --stack decoder reads as decoder.
+def _stack(stack: str | None) -> str | None:
+    """``--stack`` as the library spells it: ``decoder`` is ``decoder.``; ``''`` reads one stack."""
+    return stack + "." if stack and not stack.endswith(".") else stack
+
+
+def _decoder_ids(text: str | None, rows: int, paired: str) -> Any:
+    """``--decoder-prompt``'s ids (None where not given), one row per row of ``paired``."""
+    from hookscope.cli.method_specs import parse_ids
+
+    if text is None:
+        return None
+    ids = parse_ids(text, what="--decoder-prompt")
+    if ids.shape[0] != rows:
+        raise SpecError(
+            f"--decoder-prompt has {ids.shape[0]} rows and {paired} {rows}: give the decoder one row per {paired} row"
+        )
+    return ids
+
+
+def _with_decoder(net: Any, ids: Any, decoder_ids: Any) -> Any:
+    """The model's input: ``ids``, or for an encoder-decoder the encoder's ``ids`` with the
+    decoder's (``decoder_ids``, or its start token, one per row)."""
     encoder_decoder = getattr(getattr(net, "config", None), "is_encoder_decoder", False) is True
     if not encoder_decoder:
         if decoder_ids is not None:
             raise SpecError(f"--decoder-prompt: {type(net).__name__} is not an encoder-decoder; drop the option")
-        return ids, stack or ""
+        return ids
     if decoder_ids is None:
         _, sample = hs.sample_input(net, (ids.shape[0], 1))
         decoder_ids = sample.get("decoder_input_ids")
         if decoder_ids is None:
             raise SpecError(f"{type(net).__name__} takes no decoder_input_ids; pass --stack '' to read it as one stack")
-    return {"input_ids": ids, "decoder_input_ids": decoder_ids}, "decoder." if stack is None else stack
+    return {"input_ids": ids, "decoder_input_ids": decoder_ids}
 
 
 # -- printing --------------------------------------------------------------------------------------
@@ -427,19 +471,19 @@ def _seeded(model: str, dtype: str | None, seed: int) -> Any:
     return build_model(model, dtype)
 
 
-def _refused(call: Callable[[], T]) -> T:
-    """``call()``; a failure that is not hookscope's is the model refusing the ids given (exit 2)."""
+def _refused(call: Callable[[], T], flags: dict[str, str]) -> T:
+    """``call()``; a failure that is not hookscope's is the model refusing the ids given (exit 2).
+    A hookscope error names the library's arguments: they are written as the command's ``flags``."""
+    from hookscope.cli.method_specs import flag_words
+
     try:
         return call()
-    except HookscopeError:
+    except HookscopeError as error:
+        if error.args and isinstance(error.args[0], str):
+            error.args = (flag_words(error.args[0], flags), *error.args[1:])
         raise
     except Exception as error:
         raise SpecError(
             f"the model raised {type(error).__name__} on the token ids given: {error}; pass ids inside its "
             "vocabulary and sequences no longer than its positions"
         ) from error
-
-
-def _split(options: list[str]) -> list[str]:
-    """Values of a repeatable option that may also be comma-separated."""
-    return [part.strip() for option in options for part in option.split(",") if part.strip()]

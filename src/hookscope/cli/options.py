@@ -8,7 +8,7 @@ import typer
 
 from hookscope.cli.specs import HF_HEADS
 
-__all__ = ["MAX_WORKERS", "SEED_MAX", "Dtype", "InputShape", "ModelSpec", "seed_option"]
+__all__ = ["MAX_WORKERS", "SEED_MAX", "Dtype", "InputShape", "ModelSpec", "seed_option", "split_selectors"]
 
 #: torch's seeds are whole numbers below 2**64 (``torch.manual_seed``); past it, torch raises a raw
 #: ``ValueError`` once the model is built, so ``--seed`` is checked when the line is read (exit 2).
@@ -42,3 +42,37 @@ InputShape = Annotated[
 Dtype = Annotated[
     str | None, typer.Option("--dtype", help="Cast the model and its float input: fp32, fp16, bf16, fp64.")
 ]
+
+
+def split_selectors(options: list[str]) -> list[str]:
+    """The values of a repeatable option that may also be comma-separated (every command's list
+    options: selectors, layers, statistics, ``--map`` pairs); a comma inside ``()``, ``[]`` or
+    ``{}`` (a regex's ``{1,2}``, a glob's ``[0,1]``) or escaped is part of its value, not a
+    separator. A literal comma outside them is written ``[,]`` in a regex.
+
+    >>> split_selectors(["re:h[.][0-9]{1,2}[.]attn, std:blocks.0.resid_pre", "re:h[.](0|1)$,h.[0,1].mlp"])
+    ['re:h[.][0-9]{1,2}[.]attn', 'std:blocks.0.resid_pre', 're:h[.](0|1)$', 'h.[0,1].mlp']
+    """
+    parts: list[str] = []
+    for option in options:
+        current, depth, in_class, escaped = "", 0, False, False
+        for char in option:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif in_class:
+                in_class = char != "]"
+            elif char == "[":
+                in_class = True
+            elif char in "({":
+                depth += 1
+            elif char in ")}":
+                depth = max(depth - 1, 0)
+            elif char == "," and depth == 0:
+                parts.append(current)
+                current = ""
+                continue
+            current += char
+        parts.append(current)
+    return [part.strip() for part in parts if part.strip()]

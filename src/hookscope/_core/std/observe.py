@@ -33,6 +33,10 @@ class Seen:
         self._op_names: dict[str, dict[str, int]] = {}
         self._attention_ops: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # call 0's ops and shapes, in order
         self._calls: dict[str, int] = {}
+        #: Per attention module, where its heads' output is merged (the errors' advice), and
+        #: whether transformers refuses ``attn_implementation='sdpa'`` for the model.
+        self.merged_heads: dict[str, str] = {}
+        self.refuses_sdpa = False
 
     def ran(self, module: str) -> bool:
         return module in self._outputs or module in self._inputs

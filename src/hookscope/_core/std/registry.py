@@ -31,6 +31,7 @@ __all__ = [
     "CanonicalSource",
     "canonical_source",
     "expand_std",
+    "kept_std_map",
     "known_std_map",
     "select_std",
     "std_map",
@@ -87,6 +88,11 @@ def known_std_map(model: nn.Module) -> StdMap:
     model's modules changed since; a model that needs an example input says so."""
     kept = _kept(model)
     return kept if kept is not None else std_map(model)
+
+
+def kept_std_map(model: nn.Module) -> StdMap | None:
+    """The map kept for ``model``, or None; never runs the model (an error path may ask)."""
+    return _kept(model)
 
 
 def _kept(model: nn.Module) -> StdMap | None:

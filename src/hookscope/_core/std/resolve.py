@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hookscope._core.eager_advice import merged_heads, refuses_sdpa
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
 from hookscope._core.std.observe import Seen, observe, values_close
@@ -90,6 +91,8 @@ def resolve_family(
     attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
     modules = {m for s in stacks for m in _modules_of(s)} | ({unembed} if unembed else set())
     seen = observe(model, sorted(modules), watched_blocks, attention, inputs)
+    seen.refuses_sdpa = refuses_sdpa(model)
+    seen.merged_heads = {name: merged_heads(model, name, by_name[name]) for name in attention}
     readings: list[StdMap] = []
     failure: StdMapError | None = None
     chosen: Sequence[Layout | None] = layouts or [None]
@@ -313,12 +316,27 @@ class _StackResolver:
                 text = f"{escape_name(attn)}:op[{eager_z}]"  # eager attention: the product after its softmax
                 self.sites[full] = StdSite(full, text, text, None, "op")
             else:
-                self.missing[full] = (
-                    f"the attention module does not call {SDPA} (eager or fused attention): attention sub-sites read "
-                    "that call; load a transformers model with attn_implementation='sdpa' where transformers allows it "
-                    "(not for Gemma 2); of eager attention only attn.pattern (its softmax) and attn.z (the product "
-                    "after it) are named"
-                )
+                self.missing[full] = self._unnamed_sub(sub, attn, "softmax" in ops, eager_z is not None)
+
+    def _unnamed_sub(self, sub: str, attn: str, eager: bool, eager_z: bool) -> str:
+        """Why attention sub-site ``sub`` has no name, and what reads it on this model instead."""
+        sdpa = (
+            "transformers refuses attn_implementation='sdpa' for this model"
+            if self.seen.refuses_sdpa
+            else "load the model with attn_implementation='sdpa' to name them all"
+        )
+        if not eager:
+            return (
+                f"the attention module does not call {SDPA} (fused or hand-written attention without a softmax op): "
+                f"attention sub-sites read that call; {sdpa}"
+            )
+        if sub == "z":
+            return (
+                "this eager attention's product after its softmax does not keep the heads apart (a bmm over batch "
+                f"x heads): {self.seen.merged_heads.get(attn, 'read the input of its output projection')}; {sdpa}"
+            )
+        named = "attn.pattern (its softmax)" + (" and attn.z (the product after it)" if eager_z else "")
+        return f"eager attention calls no {SDPA}, which attention sub-sites read; of it only {named} are named; {sdpa}"
 
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""
