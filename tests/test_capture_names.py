@@ -112,6 +112,18 @@ def test_a_value_captured_by_module_name_answers_to_its_canonical_name() -> None
 
 
 @pytest.mark.transformers
+def test_stack_of_canonical_names_takes_values_held_under_module_names_too() -> None:
+    model, ids = tiny_gpt2(), gpt2_input()
+    _, want0 = raw_io(model, "h.0", ids)
+    _, want1 = raw_io(model, "h.1", ids)
+    _, cache = hs.run_with_capture(model, ids, layers=["std:blocks.0.resid_post", "h.1"])
+    values, labels = cache.stack("std:blocks.*.resid_post")
+    assert labels == ["blocks.0.resid_post", "blocks.1.resid_post"]
+    assert torch.equal(values[0], want0)
+    assert torch.equal(values[1], want1)
+
+
+@pytest.mark.transformers
 def test_a_trace_answers_to_canonical_names() -> None:
     model, ids = tiny_gpt2(), gpt2_input()
     trace = hs.trace(model, ids)

@@ -138,6 +138,31 @@ def test_resid_mid_is_read_before_an_input_edit_of_the_next_norm() -> None:
     assert cap.cache["std:blocks.0.resid_mid"].abs().max() > 0  # the stream, not the zeroed norm input
 
 
+def test_a_norm_input_captured_by_module_name_does_not_answer_for_resid_mid_after_an_input_edit() -> None:
+    model, ids = gpt2(), tokens()
+    hs.std_map(model)
+    with torch.no_grad():
+        expected = _resid_mid_by_hand(model, ids)
+    with (
+        torch.no_grad(),
+        hs.edit(model, {"h.0.ln_2": hs.edits.scale(0.5)}, on="input"),
+        hs.capture(model, "std:blocks.0.resid_mid") as by_std,
+        hs.capture(model, "h.0.ln_2", keep="input") as by_module,
+    ):
+        model(ids)
+    torch.testing.assert_close(by_std.cache["std:blocks.0.resid_mid"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_module.cache["h.0.ln_2"], 0.5 * expected, rtol=1e-5, atol=1e-5)  # what ln_2 took
+    with pytest.raises(hs.SiteNotFoundError, match=r"capture 'std:blocks\.0\.resid_mid' itself"):
+        by_module.cache["std:blocks.0.resid_mid"]
+    assert "std:blocks.0.resid_mid" not in by_module.cache
+    # a trace reads a module's input after its other pre-hooks too
+    with hs.edit(model, {"h.0.ln_2": hs.edits.scale(0.5)}, on="input"):
+        traced = hs.trace(model, ids)
+    with pytest.raises(hs.SiteNotFoundError, match="residual stream"):
+        traced["std:blocks.0.resid_mid"]
+    assert traced["std:blocks.0.resid_post"].name == "h.0"  # other canonical names still answer
+
+
 # -- a block whose weights serve several layers is refused, not mapped as fewer blocks -------------
 
 

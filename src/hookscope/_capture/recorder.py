@@ -119,6 +119,8 @@ class Capture(Scoped):
         meta = _describe(model, selectors, options)
         if std_names:
             meta["std"] = dict(std_names)
+        if self._first_inputs:  # their inputs answer to "stream" canonical names (resid_mid) too
+            meta["first_inputs"] = sorted(self._first_inputs)
         chosen = {id(module) for _, module in [*self._selected, *(self._ops.modules if self._ops else [])]}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
