@@ -39,7 +39,14 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.compat.compiled import eager_routes, guard_hook_dicts, never_compiled, sentinels
+from hookscope._core.compat.compiled import (
+    eager_routes,
+    guard_hook_dicts,
+    never_compiled,
+    note_registration,
+    sentinels,
+    watching_wrappers,
+)
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
@@ -627,6 +634,20 @@ def _copied(owner: str, how: str, fix: str) -> HookscopeError:
         f"and report into (or run) the original; {fix} the model before "
         "attaching, or after removal (leave the with-block, or call .remove())"
     )
+
+
+def _watch_wrappers() -> None:
+    """Attach, once per process (on import, before most wrappers exist), the global
+    module-registration hook that notes each ``torch.compile`` wrapper as it is made, so that
+    finding the wrappers around a model at each attach needs no walk of the heap
+    (:mod:`hookscope._core.compat.compiled`)."""
+    register = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+    if register is not None:
+        register(note_registration)
+    watching_wrappers(register is not None)
+
+
+_watch_wrappers()
 
 
 def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
