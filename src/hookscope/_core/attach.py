@@ -47,6 +47,7 @@ from hookscope._core.compat.compiled import (
     sentinels,
     watching_wrappers,
 )
+from hookscope._core.compat.offload import refuse_real_inputs, unloaded_tensor
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
@@ -371,6 +372,9 @@ class HookGroup:
             self._records.append(_Record(name, weakref.ref(module), wrapped, "eager route", route))
         for name, module, kind, fn in sentinels(model, hooked):
             self._add(name, module, kind, "compile check", fn)  # type: ignore[arg-type]
+        meta = unloaded_tensor(model)  # found once here: a loaded model gets no hook for it
+        if meta is not None:
+            self._add("", model, "forward_pre", "meta check", _meta_check(meta), with_kwargs=True, prepend=True)
         tracked: dict[int, tuple[str, nn.Module]] = {}
         if self._tracker is not None:
             tracked[id(model)] = ("", model)
@@ -648,6 +652,17 @@ def _watch_wrappers() -> None:
 
 
 _watch_wrappers()
+
+
+def _meta_check(meta: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    """A pre-hook on the root of a model built on ``meta``: a call on inputs with values is
+    refused, as ``hs.layers`` refuses it, before any hook of the group sees meta values
+    (a shapes-only run, on meta inputs, passes)."""
+
+    def check(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        refuse_real_inputs(meta, (args, kwargs))
+
+    return check
 
 
 def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:
