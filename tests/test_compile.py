@@ -551,3 +551,37 @@ def test_op_sites_under_compile_keep_the_hooks_of_later_blocks() -> None:
     assert editor.applied == {"h.0.attn:op[softmax#0]": 1, "h.1.mlp": 1}
     torch.testing.assert_close(edited, eager_edited)
     assert not torch.allclose(edited, plain)
+
+
+@pytest.mark.transformers
+def test_the_hook_guard_switched_back_on_while_hooks_are_attached_is_switched_off_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user's ``config.patch(skip_nnmodule_hook_guards=True)`` around a capture's creation put
+    the setting back on when it exited, the capture still attached: block 1's hooks were skipped."""
+    from tests.models import attention_gpt2, attention_tokens
+
+    monkeypatch.setattr(compiled, "_SWITCHED_ON_SAID", [], raising=False)  # the warning is said once
+    config = torch._dynamo.config
+    model, ids = attention_gpt2("eager"), attention_tokens()
+    sites = ["h.0.attn:op[softmax#0]", "h.1.mlp", "ln_f", "std:blocks.1.resid_mid"]
+    with hs.capture(model, sites) as eager:
+        model(ids)
+    compiled_model = torch.compile(model, backend="eager")
+    hs.std_map(compiled_model)
+    torch._dynamo.reset()
+    with config.patch(skip_nnmodule_hook_guards=True):
+        cap = hs.capture(compiled_model, sites)
+    assert config.skip_nnmodule_hook_guards is True  # the patch put it back, the capture attached
+    with pytest.warns(hs.StaleCompiledCodeWarning, match="skip_nnmodule_hook_guards"), cap:
+        compiled_model(ids)
+        assert config.skip_nnmodule_hook_guards is False
+    assert sorted(cap) == sorted(eager)
+    for key in eager:
+        torch.testing.assert_close(cap[key], eager[key])
+    # set by hand while a group is attached: the next attach switches it off again
+    small = mlp()
+    with hs.capture(small, "0"):
+        config.skip_nnmodule_hook_guards = True
+        with hs.capture(small, "2"):
+            assert config.skip_nnmodule_hook_guards is False

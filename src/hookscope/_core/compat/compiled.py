@@ -46,6 +46,7 @@ __all__ = [
     "is_compiling",
     "never_compiled",
     "note_registration",
+    "reassert_hook_guards",
     "sentinels",
     "watching_wrappers",
 ]
@@ -204,7 +205,10 @@ def guard_hook_dicts() -> Callable[[], None]:
     class: compiled for block 0, whose MLP had no hooks, it ran for block 1 too and skipped
     block 1's hooks. With the guard, block 1 fails it and gets code with its hooks. Code
     compiled meanwhile keeps these guards (it recompiles when its hooks change, as it does for
-    hooks it saw); the setting is put back when the last hookscope group is removed.
+    hooks it saw); the setting is put back when the last hookscope group is removed. Found
+    switched back on while groups are attached (the user's ``config.patch`` around a capture's
+    creation, an assignment), it is switched off again at each attach and before each call of a
+    ``torch.compile`` wrapper holding hooks (:func:`reassert_hook_guards`), with one warning.
     """
     config: Any = sys.modules.get("torch._dynamo.config")
     if config is None or not hasattr(config, "skip_nnmodule_hook_guards"):
@@ -214,6 +218,8 @@ def guard_hook_dicts() -> Callable[[], None]:
         if not _guard_holders:
             _guard_saved = config.skip_nnmodule_hook_guards
             config.skip_nnmodule_hook_guards = False
+        else:
+            reassert_hook_guards()
         _guard_holders += 1
     released: list[bool] = []
 
@@ -228,6 +234,28 @@ def guard_hook_dicts() -> Callable[[], None]:
                 config.skip_nnmodule_hook_guards = _guard_saved
 
     return release
+
+
+_SWITCHED_ON_SAID: list[bool] = []
+
+
+def reassert_hook_guards() -> None:
+    """While hookscope groups are attached, switch Dynamo's guards on empty hook dicts back on if
+    something turned them off (one config read when nothing did); warn the first time."""
+    config: Any = sys.modules.get("torch._dynamo.config")
+    if not _guard_holders or config is None or config.skip_nnmodule_hook_guards is not True:
+        return
+    config.skip_nnmodule_hook_guards = False
+    if not _SWITCHED_ON_SAID:
+        _SWITCHED_ON_SAID.append(True)
+        warnings.warn(
+            "torch._dynamo.config.skip_nnmodule_hook_guards was switched on while hookscope hooks are attached "
+            "(a config.patch around a capture's creation, or an assignment); code compiled so could skip the hooks "
+            "of later blocks, so hookscope switched it off again until its hooks are removed (set it after "
+            "removing them)",
+            StaleCompiledCodeWarning,
+            stacklevel=_caller_level(),
+        )
 
 
 def _nothing() -> None:
@@ -245,6 +273,7 @@ def sentinels(model: nn.Module, hooked: Sequence[nn.Module]) -> list[tuple[str, 
 
         def calling(_module: nn.Module, _args: Any, mark: list[bool] = mark) -> None:
             mark[0] = False
+            reassert_hook_guards()  # before the wrapper's compiled call compiles anything
 
         def entered(_module: nn.Module, _args: Any, mark: list[bool] = mark) -> None:
             mark[0] = True
