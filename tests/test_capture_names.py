@@ -53,6 +53,20 @@ def test_a_module_and_its_input_leaf_are_both_kept() -> None:
     assert torch.equal(cap.cache["0:output"], want_out)
 
 
+@pytest.mark.parametrize("keep", ["output", "input", "both"])
+def test_a_leaf_that_names_nothing_is_an_error_beside_its_whole_module(keep: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    x = torch.randn(2, 3)
+    _, out = raw_io(model, "0", x)
+    assert isinstance(model[0](x), torch.Tensor) and out.shape == (2, 4)  # a tensor: no "output[0]" in it
+    for selectors in (["0", "0:output[0]"], ["0:output[0]", "0"], ["*", "0:output[0]"]):
+        with pytest.raises(hs.CaptureError, match=r"'0' output has no tensor at 'output\[0\]'"):
+            with torch.no_grad(), hs.capture(model, selectors, keep=keep):
+                model(x)
+        assert hs.attached(model) == []
+
+
 @pytest.mark.transformers
 def test_canonical_blocks_and_one_block_s_names_keep_resid_pre() -> None:
     model, ids = tiny_gpt2(), gpt2_input()
