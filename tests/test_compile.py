@@ -573,8 +573,9 @@ def test_the_hook_guard_switched_back_on_while_hooks_are_attached_is_switched_of
     with config.patch(skip_nnmodule_hook_guards=True):
         cap = hs.capture(compiled_model, sites)
     assert config.skip_nnmodule_hook_guards is True  # the patch put it back, the capture attached
-    with pytest.warns(hs.StaleCompiledCodeWarning, match="skip_nnmodule_hook_guards"), cap:
-        compiled_model(ids)
+    with cap:
+        with pytest.warns(hs.StaleCompiledCodeWarning, match="skip_nnmodule_hook_guards"):
+            compiled_model(ids)
         assert config.skip_nnmodule_hook_guards is False
     assert sorted(cap) == sorted(eager)
     for key in eager:

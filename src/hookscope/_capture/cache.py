@@ -304,6 +304,7 @@ class Cache(Mapping[str, torch.Tensor]):
         if self._index is None:
             aliases = self.meta.get("aliases")
             std = self.meta.get("std")
+            first = self.meta.get("first_inputs")
             self._index = SiteIndex(
                 self._entries,
                 aliases=aliases if isinstance(aliases, dict) else None,
@@ -312,7 +313,7 @@ class Cache(Mapping[str, torch.Tensor]):
                 verb="captured",
                 empty_hint=self._hint,
                 canonical=self._canonical,
-                first_inputs=[str(m) for m in first] if isinstance(first := self.meta.get("first_inputs"), list) else (),
+                first_inputs=[str(m) for m in first] if isinstance(first, list) else [],
             )
         return self._index
 

@@ -194,6 +194,8 @@ def _routes_around(model: nn.Module) -> list[Route]:
 _GUARDS_LOCK = threading.Lock()
 _guard_holders = 0
 _guard_saved = True
+# Dynamo's config is per thread (a context variable): the thread that switched the guard on.
+_guard_thread: int | None = None
 
 
 def guard_hook_dicts() -> Callable[[], None]:
@@ -213,11 +215,12 @@ def guard_hook_dicts() -> Callable[[], None]:
     config: Any = sys.modules.get("torch._dynamo.config")
     if config is None or not hasattr(config, "skip_nnmodule_hook_guards"):
         return _nothing
-    global _guard_holders, _guard_saved
+    global _guard_holders, _guard_saved, _guard_thread
     with _GUARDS_LOCK:
         if not _guard_holders:
             _guard_saved = config.skip_nnmodule_hook_guards
             config.skip_nnmodule_hook_guards = False
+            _guard_thread = threading.get_ident()
         else:
             reassert_hook_guards()
         _guard_holders += 1
@@ -241,9 +244,13 @@ _SWITCHED_ON_SAID: list[bool] = []
 
 def reassert_hook_guards() -> None:
     """While hookscope groups are attached, switch Dynamo's guards on empty hook dicts back on if
-    something turned them off (one config read when nothing did); warn the first time."""
+    something turned them off (one config read when nothing did); warn the first time. Only on
+    the thread that switched them on: Dynamo's config is per thread, and another thread's is
+    its own."""
     config: Any = sys.modules.get("torch._dynamo.config")
-    if not _guard_holders or config is None or config.skip_nnmodule_hook_guards is not True:
+    if not _guard_holders or config is None or threading.get_ident() != _guard_thread:
+        return
+    if config.skip_nnmodule_hook_guards is not True:
         return
     config.skip_nnmodule_hook_guards = False
     if not _SWITCHED_ON_SAID:

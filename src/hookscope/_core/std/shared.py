@@ -38,7 +38,9 @@ def refuse_tied(by_name: dict[str, nn.Module], family: str, blocks_path: str) ->
             )
 
 
-def refuse_shared_role(block: nn.Module, block_name: str, paths: list[str], name_of: dict[int, str], family: str) -> None:
+def refuse_shared_role(
+    block: nn.Module, block_name: str, paths: list[str], name_of: dict[int, str], family: str
+) -> None:
     """Refuse a role module (``mlp``, ``attn``, ``ln_1``, ...) whose object also sits in another
     block (weights tied at the sublayer level): ``named_modules()`` lists it once, under the
     first block, so that block's canonical names would read every block's call of it.
