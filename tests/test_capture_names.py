@@ -53,6 +53,21 @@ def test_a_module_and_its_input_leaf_are_both_kept() -> None:
     assert torch.equal(cap.cache["0:output"], want_out)
 
 
+@pytest.mark.parametrize("keep", ["output", "input", "both"])
+def test_a_leaf_that_names_nothing_is_an_error_beside_its_whole_module(keep: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    x = torch.randn(2, 3)
+    _, out = raw_io(model, "0", x)
+    assert isinstance(model[0](x), torch.Tensor)  # a tensor: no "output[0]" in it
+    assert out.shape == (2, 4)
+    for selectors in (["0", "0:output[0]"], ["0:output[0]", "0"], ["*", "0:output[0]"]):
+        missing = pytest.raises(hs.CaptureError, match=r"'0' output has no tensor at 'output\[0\]'")
+        with missing, torch.no_grad(), hs.capture(model, selectors, keep=keep):
+            model(x)
+        assert hs.attached(model) == []
+
+
 @pytest.mark.transformers
 def test_canonical_blocks_and_one_block_s_names_keep_resid_pre() -> None:
     model, ids = tiny_gpt2(), gpt2_input()
@@ -109,6 +124,18 @@ def test_a_value_captured_by_module_name_answers_to_its_canonical_name() -> None
     values, labels = every.stack("std:blocks.*.resid_post")
     assert labels == ["blocks.0.resid_post", "blocks.1.resid_post"]
     assert torch.equal(values[1], want)
+
+
+@pytest.mark.transformers
+def test_stack_of_canonical_names_takes_values_held_under_module_names_too() -> None:
+    model, ids = tiny_gpt2(), gpt2_input()
+    _, want0 = raw_io(model, "h.0", ids)
+    _, want1 = raw_io(model, "h.1", ids)
+    _, cache = hs.run_with_capture(model, ids, layers=["std:blocks.0.resid_post", "h.1"])
+    values, labels = cache.stack("std:blocks.*.resid_post")
+    assert labels == ["blocks.0.resid_post", "blocks.1.resid_post"]
+    assert torch.equal(values[0], want0)
+    assert torch.equal(values[1], want1)
 
 
 @pytest.mark.transformers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -426,13 +427,24 @@ def test_hooks_after_a_compiled_call_fire_and_keep_other_models_compiled_code(ho
     call(x)
     other(x)
     warm = dict(counts)
-    with pytest.warns(hs.StaleCompiledCodeWarning):
+    # a wrapper or model.compile() of the model runs it eagerly and says so; around a function
+    # Dynamo compiles again around the hooked modules, and nothing needs saying
+    around_a_function = how == "function around it"
+
+    def said() -> Any:
+        return warnings.catch_warnings() if around_a_function else pytest.warns(hs.StaleCompiledCodeWarning)
+
+    with said():
+        if around_a_function:
+            warnings.simplefilter("error", hs.StaleCompiledCodeWarning)
         cap = hs.capture(target, ["a", "b"])
     with cap:
         call(x)
     torch.testing.assert_close(cap["a"], expected["a"])
     torch.testing.assert_close(cap["b"], expected["b"])
-    with pytest.warns(hs.StaleCompiledCodeWarning), hs.edit(target, {"a": hs.edits.zero()}) as editor:
+    with said(), hs.edit(target, {"a": hs.edits.zero()}) as editor:
+        if around_a_function:
+            warnings.simplefilter("error", hs.StaleCompiledCodeWarning)
         edited = call(x)
     assert editor.applied == {"a": 1}
     torch.testing.assert_close(edited, first.b(torch.relu(torch.zeros_like(expected["a"]))))
@@ -444,6 +456,31 @@ def test_hooks_after_a_compiled_call_fire_and_keep_other_models_compiled_code(ho
     if how != "function around it":  # there Dynamo compiles around the hooked modules, once per attach
         assert counts == warm
     assert hs.attached(first) == []
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_a_never_compiled_model_of_a_compiled_class_attaches_as_if_nothing_were_compiled(
+    graph_break: bool, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    eager, other = TwoLayer(graph_break), TwoLayer(graph_break)
+    expected = raw_outputs(eager, x)
+    torch.compile(other, backend="eager")(x)  # the class's code is compiled, for another model
+    del other
+    with hs.capture(eager, ["a"]):  # a first attach may look once for wrappers made before hookscope
+        pass
+    walks: list[int] = []
+    heap_walk = compiled.gc.get_objects
+    monkeypatch.setattr(compiled.gc, "get_objects", lambda *a: walks.append(1) or heap_walk(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.StaleCompiledCodeWarning)
+        for _ in range(3):
+            with hs.capture(eager, ["a", "b"]) as cap:
+                eager(x)
+            torch.testing.assert_close(cap["a"], expected["a"])
+            torch.testing.assert_close(cap["b"], expected["b"])
+    assert walks == []  # no walk of the heap per attach
+    assert hs.attached(eager) == []
 
 
 @pytest.mark.transformers
@@ -514,3 +551,38 @@ def test_op_sites_under_compile_keep_the_hooks_of_later_blocks() -> None:
     assert editor.applied == {"h.0.attn:op[softmax#0]": 1, "h.1.mlp": 1}
     torch.testing.assert_close(edited, eager_edited)
     assert not torch.allclose(edited, plain)
+
+
+@pytest.mark.transformers
+def test_the_hook_guard_switched_back_on_while_hooks_are_attached_is_switched_off_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user's ``config.patch(skip_nnmodule_hook_guards=True)`` around a capture's creation put
+    the setting back on when it exited, the capture still attached: block 1's hooks were skipped."""
+    from tests.models import attention_gpt2, attention_tokens
+
+    monkeypatch.setattr(compiled, "_SWITCHED_ON_SAID", [], raising=False)  # the warning is said once
+    config = torch._dynamo.config
+    model, ids = attention_gpt2("eager"), attention_tokens()
+    sites = ["h.0.attn:op[softmax#0]", "h.1.mlp", "ln_f", "std:blocks.1.resid_mid"]
+    with hs.capture(model, sites) as eager:
+        model(ids)
+    compiled_model = torch.compile(model, backend="eager")
+    hs.std_map(compiled_model)
+    torch._dynamo.reset()
+    with config.patch(skip_nnmodule_hook_guards=True):
+        cap = hs.capture(compiled_model, sites)
+    assert config.skip_nnmodule_hook_guards is True  # the patch put it back, the capture attached
+    with cap:
+        with pytest.warns(hs.StaleCompiledCodeWarning, match="skip_nnmodule_hook_guards"):
+            compiled_model(ids)
+        assert config.skip_nnmodule_hook_guards is False
+    assert sorted(cap) == sorted(eager)
+    for key in eager:
+        torch.testing.assert_close(cap[key], eager[key])
+    # set by hand while a group is attached: the next attach switches it off again
+    small = mlp()
+    with hs.capture(small, "0"):
+        config.skip_nnmodule_hook_guards = True
+        with hs.capture(small, "2"):
+            assert config.skip_nnmodule_hook_guards is False

@@ -113,3 +113,38 @@ def test_methods_refuse_a_transformer_built_on_meta(call: Callable[[nn.Module, t
     with pytest.raises(hs.UnsupportedModelError, match=r"meta device.*'transformer\.wte\.weight'.*to_empty"):
         call(model, ids)
     assert hs.attached(model) == []
+
+
+def meta_embedding() -> nn.Module:
+    """Built on meta; plain torch runs it on real token ids and returns meta values silently."""
+    return nn.Sequential(nn.Embedding(10, 4, device="meta"), nn.ReLU())
+
+
+SCOPES: dict[str, Callable[[nn.Module], Any]] = {
+    "capture": lambda model: hs.capture(model, "0"),
+    "edit": lambda model: hs.edit(model, {"0": hs.edits.zero()}),
+    "tracing": lambda model: hs.tracing(model),
+}
+
+
+@pytest.mark.parametrize("scope", SCOPES.values(), ids=SCOPES.keys())
+def test_a_scoped_hook_group_refuses_real_inputs_to_a_meta_model_at_the_forward(
+    scope: Callable[[nn.Module], Any],
+) -> None:
+    ids = torch.tensor([[1, 2, 3]])
+    assert meta_embedding()(ids).is_meta  # what torch does alone: meta values, no error
+    model = meta_embedding()
+    refused = pytest.raises(hs.UnsupportedModelError, match=r"meta device.*'0\.weight'.*input.*cpu.*to_empty")
+    with refused, scope(model):
+        model(ids)
+    assert hs.attached(model) == []
+    # shapes only: meta inputs still run, with the shapes raw hooks see
+    seen: list[torch.Size] = []
+    handle = model[0].register_forward_hook(lambda _m, _a, out: seen.append(out.shape))
+    model(ids.to("meta"))
+    handle.remove()
+    with hs.capture(model, "0") as cap:
+        model(ids.to("meta"))
+    assert cap["0"].is_meta
+    assert cap["0"].shape == seen[0]
+    assert hs.attached(model) == []

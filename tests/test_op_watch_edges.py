@@ -477,3 +477,25 @@ def test_a_module_whose_parent_calls_its_forward_is_refused_naming_it_and_the_pa
         "(root)#0:op[softmax#0]",
         "head#0:op[linear#0]",
     ]
+
+
+def test_a_bare_forward_child_selected_beside_its_watched_parent_is_refused_too() -> None:
+    """With the parent watched too, the child's op site was a silent no-op: an edit applied 0
+    times and the output unchanged, its ops counted as the parent's."""
+    torch.manual_seed(0)
+    model = CallsForward()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model.head(model.child.fc(x).softmax(-1))  # by hand, no hookscope
+        torch.testing.assert_close(model(x), plain)
+    for scope in (
+        lambda: hs.capture(model, ["(root):op[softmax#0]", "child:op[softmax#0]"]),
+        lambda: hs.edit(model, {"(root):op[softmax#0]": hs.edits.scale(1.0), "child:op[softmax#0]": hs.edits.zero()}),
+    ):
+        refused = pytest.raises(hs.UnsupportedModelError, match=r"'child' \(SoftmaxOfLinear\).*\.forward\(\) directly")
+        with refused, torch.no_grad(), scope():
+            model(x)
+        assert hs.attached(model) == []
+        assert wrapped(model) == []
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain)

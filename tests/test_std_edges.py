@@ -138,6 +138,31 @@ def test_resid_mid_is_read_before_an_input_edit_of_the_next_norm() -> None:
     assert cap.cache["std:blocks.0.resid_mid"].abs().max() > 0  # the stream, not the zeroed norm input
 
 
+def test_a_norm_input_captured_by_module_name_does_not_answer_for_resid_mid_after_an_input_edit() -> None:
+    model, ids = gpt2(), tokens()
+    hs.std_map(model)
+    with torch.no_grad():
+        expected = _resid_mid_by_hand(model, ids)
+    with (
+        torch.no_grad(),
+        hs.edit(model, {"h.0.ln_2": hs.edits.scale(0.5)}, on="input"),
+        hs.capture(model, "std:blocks.0.resid_mid") as by_std,
+        hs.capture(model, "h.0.ln_2", keep="input") as by_module,
+    ):
+        model(ids)
+    torch.testing.assert_close(by_std.cache["std:blocks.0.resid_mid"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_module.cache["h.0.ln_2"], 0.5 * expected, rtol=1e-5, atol=1e-5)  # what ln_2 took
+    with pytest.raises(hs.SiteNotFoundError, match=r"capture 'std:blocks\.0\.resid_mid' itself"):
+        by_module.cache["std:blocks.0.resid_mid"]
+    assert "std:blocks.0.resid_mid" not in by_module.cache
+    # a trace reads a module's input after its other pre-hooks too
+    with hs.edit(model, {"h.0.ln_2": hs.edits.scale(0.5)}, on="input"):
+        traced = hs.trace(model, ids)
+    with pytest.raises(hs.SiteNotFoundError, match="residual stream"):
+        traced["std:blocks.0.resid_mid"]
+    assert traced["std:blocks.0.resid_post"].name == "h.0"  # other canonical names still answer
+
+
 # -- a block whose weights serve several layers is refused, not mapped as fewer blocks -------------
 
 
@@ -171,6 +196,38 @@ def test_albert_is_refused_with_a_hookscope_error() -> None:
     # one layer: the detector's reading does not fit, said as a StdMapError, not torch's shape error
     with pytest.raises(hs.StdMapError, match="does not fit"):
         hs.std_map(albert(layers=1))
+
+
+@pytest.mark.parametrize(("sub", "role"), [("mlp", "mlp"), ("attn", "attn"), ("ln_1", "ln1")])
+def test_a_sublayer_object_in_two_blocks_is_refused_naming_it(sub: str, role: str) -> None:
+    model, ids = gpt2(), tokens()
+    setattr(model.h[1], sub, getattr(model.h[0], sub))  # tied at the sublayer: blocks.0.<role> read block 1's call
+    with pytest.raises(hs.StdMapError, match=rf"'h\.0\.{sub}' is also block 'h\.1'") as raised:
+        hs.std_map(model)
+    assert raised.value.check == "shared block"
+    with pytest.raises(hs.StdMapError, match="shared across layers"):
+        hs.capture(model, f"std:blocks.0.{role}")
+    # the fix the message names reads each call: the second is block 1's, by plain hooks
+    calls: list[torch.Tensor] = []
+    handle = getattr(model.h[0], sub).register_forward_hook(
+        lambda _m, _a, out: calls.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+    )
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    assert f"cache['h.0.{sub}#1']" in str(raised.value)
+    with torch.no_grad(), hs.capture(model, f"h.0.{sub}") as cap:
+        model(ids)
+    torch.testing.assert_close(cap.cache[f"h.0.{sub}#1"], calls[1])
+    assert not torch.equal(calls[0], calls[1])
+
+
+def test_a_role_module_run_twice_in_one_block_is_refused() -> None:
+    model = gpt2()
+    model.h[0].ln_2 = model.h[0].ln_1  # one norm object for both sublayers: ln1 would read its second call
+    with pytest.raises(hs.StdMapError, match=r"'h\.0\.ln_1' of block 'h\.0' ran 2 times") as raised:
+        hs.std_map(model)
+    assert raised.value.check == "shared block"
 
 
 # -- names that name nothing say what there is --------------------------------------------------

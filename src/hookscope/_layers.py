@@ -228,7 +228,7 @@ def _run(
     log = OpLog()
     with HookGroup(model, [], owner="layers", tracker=tracker, count=named), ExitStack() as stack, torch.no_grad():
         if watched is not None:
-            stack.enter_context(OpWatcher(model, watched, log, owner="layers"))
+            stack.enter_context(OpWatcher(model, watched, log, owner="layers", bare_to_caller=True))
         model.eval()
         model(*args, **kwargs)
         return tracker.counts(), None if watched is None else log.calls

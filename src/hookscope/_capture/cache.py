@@ -202,9 +202,10 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def std_names(self, pattern: str) -> list[str]:
         """The canonical names matching ``pattern`` (``"blocks.*.resid_post"``) that name a value
-        held here, in map order: those the capture was given, else those of the model's canonical
-        map whose site was captured (``capture(model, "transformer.h.*")`` holds every
-        ``blocks.*``, ``blocks.*.resid_post`` among them). Empty where the model has no map.
+        held here, in map order: those the capture was given and those of the model's canonical
+        map whose site was captured by module name (``capture(model, "transformer.h.*")`` holds
+        every ``blocks.*``, ``blocks.*.resid_post`` among them). Only the given ones where the
+        model has no map.
 
         >>> Cache({Site("h.0"): torch.zeros(1)}, meta={"std": {"blocks.0": "h.0"}}).std_names("blocks.*")
         ['blocks.0']
@@ -212,17 +213,17 @@ class Cache(Mapping[str, torch.Tensor]):
         wanted = std_pattern(pattern)
         std = self.meta.get("std")
         given = [name for name in (std if isinstance(std, dict) else {}) if std_matches(wanted, name)]
-        if given or self._canonical is None:
+        if self._canonical is None:
             return given
         try:
             canonical = self._canonical()
         except SiteNotFoundError:  # no map: no names beyond those given
-            return []
+            return given
         found = []
-        for name in canonical:
-            if std_matches(wanted, name) and (STD_PREFIX + name) in self:
+        for name in canonical:  # every value answering to the names, whichever name it was captured by
+            if std_matches(wanted, name) and (name in given or (STD_PREFIX + name) in self):
                 found.append(name)
-        return found
+        return found + [name for name in given if name not in found]
 
     def sites(self) -> list[Site]:
         """Every site held, in the order the values were captured."""
@@ -303,6 +304,7 @@ class Cache(Mapping[str, torch.Tensor]):
         if self._index is None:
             aliases = self.meta.get("aliases")
             std = self.meta.get("std")
+            first = self.meta.get("first_inputs")
             self._index = SiteIndex(
                 self._entries,
                 aliases=aliases if isinstance(aliases, dict) else None,
@@ -311,6 +313,7 @@ class Cache(Mapping[str, torch.Tensor]):
                 verb="captured",
                 empty_hint=self._hint,
                 canonical=self._canonical,
+                first_inputs=[str(m) for m in first] if isinstance(first, list) else [],
             )
         return self._index
 

@@ -119,6 +119,8 @@ class Capture(Scoped):
         meta = _describe(model, selectors, options)
         if std_names:
             meta["std"] = dict(std_names)
+        if self._first_inputs:  # their inputs answer to "stream" canonical names (resid_mid) too
+            meta["first_inputs"] = sorted(self._first_inputs)
         chosen = {id(module) for _, module in [*self._selected, *(self._ops.modules if self._ops else [])]}
         aliases = {
             raw: name for name, raw, module in raw_and_named_modules(model) if raw != name and id(module) in chosen
@@ -514,14 +516,18 @@ def _leaf_filter(
     name: str, what: str, paths: list[tuple[str, bool]] | None
 ) -> Callable[[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]] | None:
     """Keep the leaves at ``paths`` (and below them); None (no filter) for every leaf. A strict
-    path that is not there is an error naming the tensors that are."""
-    if paths is None or any(path == "" for path, _ in paths):
+    path that is not there is an error naming the tensors that are, also where the whole value
+    is kept too (``["h.0", "h.0:output[0]"]``): a leaf that names nothing is never let pass."""
+    if paths is None:
         return None
+    every = any(path == "" for path, _ in paths)
     wanted = tuple(path for path, _ in paths)
-    required = tuple(path for path, strict in paths if strict)
+    required = tuple(path for path, strict in paths if strict and path)
+    if every and not required:
+        return None
 
     def chosen(leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        kept = [leaf for leaf in leaves if any(_at_or_below(leaf[0], path) for path in wanted)]
+        kept = leaves if every else [leaf for leaf in leaves if any(_at_or_below(leaf[0], path) for path in wanted)]
         missing = [path for path in required if not any(_at_or_below(p, path) for p, _ in kept)]
         if missing:
             there = ", ".join(repr(f"{name}:{leaf_label(what, p)}") for p, _ in leaves[:8]) or "no tensor"

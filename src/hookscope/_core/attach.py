@@ -39,7 +39,15 @@ import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.compat.compiled import eager_routes, guard_hook_dicts, never_compiled, sentinels
+from hookscope._core.compat.compiled import (
+    eager_routes,
+    guard_hook_dicts,
+    never_compiled,
+    note_registration,
+    sentinels,
+    watching_wrappers,
+)
+from hookscope._core.compat.offload import refuse_real_inputs, unloaded_tensor
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
 from hookscope._core.sites import CallTracker
@@ -368,6 +376,9 @@ class HookGroup:
             self._records.append(_Record(name, weakref.ref(module), wrapped, "eager route", route))
         for name, module, kind, fn in sentinels(model, hooked):
             self._add(name, module, kind, "compile check", fn)  # type: ignore[arg-type]
+        meta = unloaded_tensor(model)  # found once here: a loaded model gets no hook for it
+        if meta is not None:
+            self._add("", model, "forward_pre", "meta check", _meta_check(meta), with_kwargs=True, prepend=True)
         tracked: dict[int, tuple[str, nn.Module]] = {}
         if self._tracker is not None:
             tracked[id(model)] = ("", model)
@@ -643,6 +654,31 @@ def _copied(owner: str, how: str, fix: str) -> HookscopeError:
         f"and report into (or run) the original; {fix} the model before "
         "attaching, or after removal (leave the with-block, or call .remove())"
     )
+
+
+def _watch_wrappers() -> None:
+    """Attach, once per process (on import, before most wrappers exist), the global
+    module-registration hook that notes each ``torch.compile`` wrapper as it is made, so that
+    finding the wrappers around a model at each attach needs no walk of the heap
+    (:mod:`hookscope._core.compat.compiled`)."""
+    register = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+    if register is not None:
+        register(note_registration)
+    watching_wrappers(register is not None)
+
+
+_watch_wrappers()
+
+
+def _meta_check(meta: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    """A pre-hook on the root of a model built on ``meta``: a call on inputs with values is
+    refused, as ``hs.layers`` refuses it, before any hook of the group sees meta values
+    (a shapes-only run, on meta inputs, passes)."""
+
+    def check(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        refuse_real_inputs(meta, (args, kwargs))
+
+    return check
 
 
 def _enter_hook(tracker: CallTracker) -> Callable[[nn.Module, Any], None]:

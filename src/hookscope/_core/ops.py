@@ -227,6 +227,10 @@ class OpWatcher(Scoped):
             module's); by default they are not.
         owner: the hook group's owner label, the ``hs.`` verb named in errors.
         restore_mode: restore every module's train/eval mode on removal.
+        bare_to_caller: a watched module whose caller runs its ``.forward()`` directly (no call
+            of it opens) inside a watched call: its ops are that call's, as if it were not
+            watched (listing every module's ops: ``hs.layers``, a canonical map's check). By
+            default it is refused, as outside one: a site selected at it would never fire.
 
     :attr:`seen` records, per selected module, each op name its code called and the most calls
     of it in one module call, in the order first seen: what a selector that never fired is
@@ -251,10 +255,12 @@ class OpWatcher(Scoped):
         children: bool = False,
         owner: str = "ops",
         restore_mode: bool = False,
+        bare_to_caller: bool = False,
     ) -> None:
         ensure_module(model)
         _refuse_replicas(model)
         self.children = children
+        self._bare_to_caller = bare_to_caller
         #: ``{module name: {op name: most calls in one module call}}``, in the order first seen.
         self.seen: dict[str, dict[str, int]] = {}
         self._mode = _OpMode(listener)
@@ -339,7 +345,7 @@ class OpWatcher(Scoped):
     ) -> Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]:
         """Around a selected module's forward: its own code's ops are reported as its call's."""
         stack, mine, run, claim, mode = self._stack, self._mine, self._run, self._claim, self._mode
-        tracker, current, key = self._tracker, self._tracker.current, id(module)
+        tracker, current, key, to_caller = self._tracker, self._tracker.current, id(module), self._bare_to_caller
 
         def loud(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if (stack and not mine()) or (not stack and tracker.shared and tracker.foreign()):
@@ -347,7 +353,7 @@ class OpWatcher(Scoped):
             try:
                 call = current(module)  # before any claim
             except SpecError:  # no call of it is open: its caller ran its forward, not its call
-                if stack and mode.frame is not None:  # inside a watched call's code: its ops are that call's
+                if to_caller and stack and mode.frame is not None:  # inside a watched call: its ops are that call's
                     return inner(*args, **kwargs)
                 raise _bare_forward(selected, module) from None
             frame = _Frame(selected, call, key)
@@ -525,7 +531,8 @@ def list_ops(
     ensure_loaded(model, (args, kwargs))
     modules = named_modules(model) if layers is None else select(model, layers)
     log = OpLog()
-    with OpWatcher(model, modules, log, children=children, owner="layers", restore_mode=True), torch.no_grad():
+    watcher = OpWatcher(model, modules, log, children=children, owner="layers", restore_mode=True, bare_to_caller=True)
+    with watcher, torch.no_grad():
         model.eval()
         model(*args, **kwargs)
     return log.calls

@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
-from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, unescape_name
+from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, split_leaf_selector, unescape_name
 from hookscope._core.op_sites import op_text, split_op_leaf
 from hookscope._core.sites import Site
 from hookscope._core.std.stdmap import STD_PREFIX, StdMap
@@ -62,6 +62,10 @@ class SiteIndex:
         canonical: the canonical map of the model the values came from, asked (only) for a
             ``"std:"`` name that ``std`` lacks: one value answers to every name it has. It
             raises ``SiteNotFoundError`` saying why there is no map.
+        first_inputs: the modules whose input was read before their other pre-hooks. A
+            ``"stream"`` name (``resid_mid``, read at the next norm's input before anything
+            attached there can change it) answers through ``canonical`` only with such a value:
+            one read by module name came after those hooks, so it is what the norm took.
 
     >>> index = SiteIndex([Site("fc", 0), Site("fc", 1), Site("h", 0, "output", "[0]")])
     >>> index.resolve("fc"), index.resolve("fc#0:output"), index.resolve("h")
@@ -84,12 +88,14 @@ Site(module='h', call=0, what='output', path='[0]'))
         default_call: Literal["first", "last"] = "last",
         std: Mapping[str, str] | None = None,
         canonical: Callable[[], StdMap] | None = None,
+        first_inputs: Iterable[str] = (),
     ) -> None:
         ordered = list(dict.fromkeys(sites))  # leaves are offered in the order they were held
         self._sites = set(ordered)
         self._aliases: Mapping[str, str] = aliases if aliases is not None else {}
         self._std: Mapping[str, str] = std if std is not None else {}  # canonical name -> site text
         self._canonical = canonical
+        self._first_inputs = frozenset(first_inputs)
         self._notes: Mapping[str, str] = notes if notes is not None else {}
         self._verb = verb
         self._empty_hint = empty_hint
@@ -155,9 +161,19 @@ Site(module='h', call=0, what='output', path='[0]'))
                     f"canonical site {key!r} was not {self._verb} by that name; {error}", key=key
                 ) from None
             try:
-                return std[key].read
+                site = std[key]
             except SelectionError as error:
                 raise SiteNotFoundError(str(error), key=key, candidates=tuple(error.suggestions)) from None
+            split = split_leaf_selector(site.read) if site.kind == "stream" else None
+            if split is not None and split[0] not in self._first_inputs:
+                raise SiteNotFoundError(
+                    f"canonical site {key!r} is the residual stream, read at {site.read!r} before that module's other "
+                    f"pre-hooks (one there, such as an input edit, changes what the module takes, not the stream); "
+                    f"the value held for {site.read!r} was {self._verb} by module name, after them, so it is not "
+                    f"{key!r}: capture {key!r} itself to read it",
+                    key=key,
+                )
+            return site.read
         names = list(self._std)
         close = difflib.get_close_matches(key[len(STD_PREFIX) :], names, n=3, cutoff=0.6)
         if not names:

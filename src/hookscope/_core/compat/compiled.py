@@ -22,11 +22,13 @@ prevents:
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import Any
 
 import torch
@@ -43,7 +45,10 @@ __all__ = [
     "guard_hook_dicts",
     "is_compiling",
     "never_compiled",
+    "note_registration",
+    "reassert_hook_guards",
     "sentinels",
+    "watching_wrappers",
 ]
 
 _COMPILER = getattr(torch, "compiler", None)
@@ -111,12 +116,16 @@ def eager_routes(model: nn.Module, hooked: Sequence[nn.Module]) -> list[Route]:
 
     - a ``torch.compile`` wrapper holding a hooked module, or around the model, calls the eager
       module it wraps; ``model.compile()`` (in place) calls the module's own ``_call_impl``;
-    - found neither (a function compiled around a call of the model): each hooked module gets a
-      pass-through ``forward`` that is never compiled. Dynamo guards that a module it inlined has
-      no ``forward`` of its own, so code that inlined *these* modules compiles again around them
-      (a graph break at each) and runs them eagerly; other models' code is untouched.
+    - found neither, but code of the model's classes is compiled (a function compiled around a
+      call of this model, or another model of its class compiled: Dynamo's guards do not tell
+      them apart): each hooked module gets a pass-through ``forward`` that is never compiled.
+      Dynamo guards that a module it inlined has no ``forward`` of its own, so code that inlined
+      *these* modules compiles again around them (a graph break at each) and runs them eagerly;
+      other models' code is untouched, and an eager call costs next to nothing more. Without a
+      compiled caller of this model found, nothing is said: most often there is none.
 
-    Removing the hooks takes the routes off, and the compiled code, still valid, runs again.
+    Only the first case warns (the model loses its compiled speed while hooked). Removing the
+    hooks takes the routes off, and the compiled code, still valid, runs again.
     """
     if not hooked or "torch._dynamo" not in sys.modules:
         return []
@@ -130,15 +139,13 @@ def eager_routes(model: nn.Module, hooked: Sequence[nn.Module]) -> list[Route]:
             routes.append((name, module, "compiled", _run_call_impl(module)))
     if not routes:
         routes = _routes_around(model)
-    if routes:
-        done = "while they are attached, this model runs eagerly (its compiled code is kept, and used again after)"
-    else:
+    if not routes:
         own = {id(module): module for module in hooked}.values()
-        routes = [("", module, "forward", _pass_through) for module in own]
-        done = "compiled code that calls these modules compiles again around them and runs them eagerly meanwhile"
+        return [("", module, "forward", _pass_through) for module in own]
     warnings.warn(
         f"torch.compile holds code compiled for {stale} before these hooks were attached, and that code would "
-        f"never call them (torch.compile does not notice hooks added later); {done}; other compiled code is "
+        "never call them (torch.compile does not notice hooks added later); while they are attached, this model "
+        "runs eagerly (its compiled code is kept, and used again after); other compiled code is "
         "untouched (to run them compiled, attach them before the first compiled call, or call "
         "torch._dynamo.reset() first)",
         StaleCompiledCodeWarning,
@@ -177,27 +184,18 @@ def _pass_through(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 
 
 def _routes_around(model: nn.Module) -> list[Route]:
-    """Routes for the compiled callers elsewhere in the process that hold ``model`` (the eager
-    module was hooked, the wrapper is what gets called). One heap walk, only where stale code exists."""
-    cls = _optimized_module()
-    routes: list[Route] = []
-    for obj in gc.get_objects():
-        kind = type(obj)  # type(), not isinstance: no __class__ of proxies is read
-        if not issubclass(kind, nn.Module) or obj is model:
-            continue
-        if cls is not None and issubclass(kind, cls):
-            inner = obj._modules.get("_orig_mod")
-            if inner is not None and any(module is model for module in inner.modules()):
-                routes.append((kind.__name__, obj, "forward", _run_inner(obj)))
-        elif obj.__dict__.get("_compiled_call_impl") is not None and any(m is model for m in obj.modules()):
-            routes.append((kind.__name__, obj, "compiled", _run_call_impl(obj)))
-    return routes
+    """Routes for the ``torch.compile`` wrappers elsewhere in the process that hold ``model``
+    (the eager module was hooked, the wrapper is what gets called). A module ``model.compile()``'d
+    around it is not found without a heap walk: the pass-through routes cover it."""
+    return [(type(w).__name__, w, "forward", _run_inner(w)) for w in _wrappers_around(model)]
 
 
 # While hookscope hooks are attached, Dynamo guards on every hook dict it reads, empty or not.
 _GUARDS_LOCK = threading.Lock()
 _guard_holders = 0
 _guard_saved = True
+# Dynamo's config is per thread (a context variable): the thread that switched the guard on.
+_guard_thread: int | None = None
 
 
 def guard_hook_dicts() -> Callable[[], None]:
@@ -209,16 +207,22 @@ def guard_hook_dicts() -> Callable[[], None]:
     class: compiled for block 0, whose MLP had no hooks, it ran for block 1 too and skipped
     block 1's hooks. With the guard, block 1 fails it and gets code with its hooks. Code
     compiled meanwhile keeps these guards (it recompiles when its hooks change, as it does for
-    hooks it saw); the setting is put back when the last hookscope group is removed.
+    hooks it saw); the setting is put back when the last hookscope group is removed. Found
+    switched back on while groups are attached (the user's ``config.patch`` around a capture's
+    creation, an assignment), it is switched off again at each attach and before each call of a
+    ``torch.compile`` wrapper holding hooks (:func:`reassert_hook_guards`), with one warning.
     """
     config: Any = sys.modules.get("torch._dynamo.config")
     if config is None or not hasattr(config, "skip_nnmodule_hook_guards"):
         return _nothing
-    global _guard_holders, _guard_saved
+    global _guard_holders, _guard_saved, _guard_thread
     with _GUARDS_LOCK:
         if not _guard_holders:
             _guard_saved = config.skip_nnmodule_hook_guards
             config.skip_nnmodule_hook_guards = False
+            _guard_thread = threading.get_ident()
+        else:
+            reassert_hook_guards()
         _guard_holders += 1
     released: list[bool] = []
 
@@ -233,6 +237,32 @@ def guard_hook_dicts() -> Callable[[], None]:
                 config.skip_nnmodule_hook_guards = _guard_saved
 
     return release
+
+
+_SWITCHED_ON_SAID: list[bool] = []
+
+
+def reassert_hook_guards() -> None:
+    """While hookscope groups are attached, switch Dynamo's guards on empty hook dicts back on if
+    something turned them off (one config read when nothing did); warn the first time. Only on
+    the thread that switched them on: Dynamo's config is per thread, and another thread's is
+    its own."""
+    config: Any = sys.modules.get("torch._dynamo.config")
+    if not _guard_holders or config is None or threading.get_ident() != _guard_thread:
+        return
+    if config.skip_nnmodule_hook_guards is not True:
+        return
+    config.skip_nnmodule_hook_guards = False
+    if not _SWITCHED_ON_SAID:
+        _SWITCHED_ON_SAID.append(True)
+        warnings.warn(
+            "torch._dynamo.config.skip_nnmodule_hook_guards was switched on while hookscope hooks are attached "
+            "(a config.patch around a capture's creation, or an assignment); code compiled so could skip the hooks "
+            "of later blocks, so hookscope switched it off again until its hooks are removed (set it after "
+            "removing them)",
+            StaleCompiledCodeWarning,
+            stacklevel=_caller_level(),
+        )
 
 
 def _nothing() -> None:
@@ -250,6 +280,7 @@ def sentinels(model: nn.Module, hooked: Sequence[nn.Module]) -> list[tuple[str, 
 
         def calling(_module: nn.Module, _args: Any, mark: list[bool] = mark) -> None:
             mark[0] = False
+            reassert_hook_guards()  # before the wrapper's compiled call compiles anything
 
         def entered(_module: nn.Module, _args: Any, mark: list[bool] = mark) -> None:
             mark[0] = True
@@ -281,12 +312,66 @@ def _optimized_module() -> type[nn.Module] | None:
 
 
 def _stale_frames(model: nn.Module) -> str:
-    """What compiled code hooks on ``model`` could run inside, described; ``""`` when none."""
+    """What compiled code hooks on ``model`` could run inside, described; ``""`` when none.
+
+    Only this model's own compiled callers count: a ``torch.compile`` wrapper in it or around it
+    or a ``model.compile()`` in it whose code ran, or code compiled from its classes' own
+    ``forward`` (a function compiled around this model, or around another model of its class:
+    Dynamo's guards do not tell the two apart). A model merely of a class whose other instances
+    were compiled, through their wrappers, attaches as if nothing were compiled: Dynamo only
+    runs that code inside a compiled caller, and this model has none.
+    """
+    codes = _compiled_codes()
+    if codes is not None and not codes:
+        return ""  # nothing is compiled in the process
+    compiled = _compiled_check(codes)
+    inside = [name for name, wrapper in compile_wrappers(model) if _ran_compiled(_inner(wrapper), compiled)]
+    if inside:
+        return f"the torch.compile wrapper {inside[0]!r}" if inside[0] else "this torch.compile'd model"
+    for module in model.modules():
+        if module.__dict__.get("_compiled_call_impl") is not None and _ran_compiled(module, compiled):
+            return f"the model.compile()'d {type(module).__name__}"
+    if any(_ran_compiled(_inner(wrapper), compiled) for wrapper in _wrappers_around(model)):
+        return f"a torch.compile wrapper of this {type(model).__name__}"
+    for module_class in dict.fromkeys(type(module) for module in model.modules()):
+        forward = getattr(module_class, "forward", None)
+        own = inspect.unwrap(forward) if callable(forward) else None
+        if compiled(own):  # its own code, not a decorator's that every decorated class shares
+            return f"{module_class.__qualname__}.forward"
+    return ""
+
+
+def _compiled_codes() -> list[CodeType] | None:
+    """The code objects Dynamo holds compiled code for (a short list: Dynamo tracks what it
+    compiled); None where this torch does not say, and each code is asked instead."""
     try:
-        from torch._dynamo import external_utils
+        from torch._dynamo import convert_frame
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:
-        return ""
+        return None
+    seen = getattr(getattr(convert_frame, "input_codes", None), "seen", None)
+    if not isinstance(seen, list):
+        return None
+    found = []
+    for ref in list(seen):
+        code = ref()
+        try:
+            if code is not None and _debug_get_cache_entry_list(code):
+                found.append(code)
+        except (TypeError, RuntimeError):
+            return None
+    return found
+
+
+def _compiled_check(codes: list[CodeType] | None) -> Callable[[object], bool]:
+    """Whether a function's code has compiled code: by ``codes``, else by asking Dynamo."""
+    if codes is not None:
+        held = {id(code) for code in codes}
+        return lambda function: id(getattr(function, "__code__", None)) in held
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return lambda function: False
 
     def compiled(function: object) -> bool:
         code = getattr(function, "__code__", None)
@@ -295,29 +380,70 @@ def _stale_frames(model: nn.Module) -> str:
         except (TypeError, RuntimeError):
             return True  # an unknown code object: assume the worst
 
-    cls = _optimized_module()
-    if cls is not None and compiled(external_utils.wrap_inline(lambda: None)):  # one code for every wrapper
-        inside = [name for name, _ in compile_wrappers(model)]
-        if inside:
-            return f"the torch.compile wrapper {inside[0]!r}" if inside[0] else "this torch.compile'd model"
-        if _wrappers_around(model, cls):
-            return f"a torch.compile wrapper of this {type(model).__name__}"
-    for module_class in dict.fromkeys(type(module) for module in model.modules()):
+    return compiled
+
+
+def _ran_compiled(module: nn.Module, compiled: Callable[[object], bool]) -> bool:
+    """Whether a wrapper's or a ``model.compile()``'d module's compiled code may have run: the
+    code every wrapper shares, or code of its classes' ``forward`` (decorators' too), is compiled."""
+    try:
+        from torch._dynamo import external_utils
+    except ImportError:
+        return False
+    if compiled(external_utils.wrap_inline(lambda: None)):  # one code for every wrapper
+        return True
+    for module_class in dict.fromkeys(type(inner) for inner in module.modules()):
         forward = getattr(module_class, "forward", None)
-        if compiled(forward):
-            return f"{module_class.__qualname__}.forward"
-    return ""
+        while forward is not None:
+            if compiled(forward):
+                return True
+            forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
-def _wrappers_around(model: nn.Module, cls: type[nn.Module]) -> list[nn.Module]:
+# torch.compile wrappers (OptimizedModule) made in this process, weakly: a global module
+# registration hook (attached by attach.py) notes each as it takes the module it wraps, and one
+# heap walk, the first time one is looked for, finds those made before it was attached. Without
+# it, each attach would walk the heap to find the wrappers around a model.
+_WRAPPERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_REGISTRY = {"watching": False, "seeded": False}
+#: Whether Dynamo was imported before hookscope (which imports it for ``torch.compiler.disable``):
+#: only then can a wrapper predate the registration hook.
+_DYNAMO_BEFORE = _EVAL_FRAME in sys.modules
+
+
+def note_registration(module: nn.Module, name: str, submodule: object) -> None:
+    """The global module-registration hook: keeps each ``torch.compile`` wrapper as it
+    registers the module it wraps (one string compare for every other registration)."""
+    if name == "_orig_mod":
+        cls = _optimized_module()
+        if cls is not None and issubclass(type(module), cls):
+            _WRAPPERS.add(module)
+
+
+def watching_wrappers(watching: bool) -> None:
+    """Told by attach.py once the registration hook is attached (``watching``), or that this
+    torch has none; no wrapper can predate Dynamo's import, so none needs finding then."""
+    _REGISTRY["watching"] = watching
+    _REGISTRY["seeded"] = watching and not _DYNAMO_BEFORE
+
+
+def _wrappers_around(model: nn.Module) -> list[nn.Module]:
     """Compile wrappers elsewhere in the process whose model holds ``model`` (the eager
-    module was hooked, the wrapper is what gets called). One heap walk, only once a wrapper ran."""
+    module was hooked, the wrapper is what gets called)."""
+    cls = _optimized_module()
+    if cls is None:
+        return []
+    if not (_REGISTRY["watching"] and _REGISTRY["seeded"]):
+        for obj in gc.get_objects():  # once: wrappers made before the registration hook
+            if issubclass(type(obj), cls):  # type(), not isinstance: no __class__ of proxies is read
+                _WRAPPERS.add(obj)
+        _REGISTRY["seeded"] = True
     found = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), cls):  # type(), not isinstance: no __class__ of proxies is read
-            inner = obj._modules.get("_orig_mod")
-            if inner is not None and any(module is model for module in inner.modules()):
-                found.append(obj)
+    for wrapper in list(_WRAPPERS):
+        inner = wrapper._modules.get("_orig_mod")
+        if wrapper is not model and inner is not None and any(module is model for module in inner.modules()):
+            found.append(wrapper)
     return found
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from hookscope._core.tree import flatten_tensors
 from hookscope.errors import UnsupportedModelError
 
-__all__ = ["ensure_loaded", "named_real_tensors", "real_value"]
+__all__ = ["ensure_loaded", "named_real_tensors", "real_value", "refuse_real_inputs", "unloaded_tensor"]
 
 
 def real_value(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -72,24 +72,41 @@ def ensure_loaded(model: nn.Module, inputs: Any = None) -> None:
     """
     if not isinstance(model, nn.Module):  # called before the entry point's own check, which names it
         return  # type: ignore[unreachable]
-    meta = next(((n, t) for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
+    meta = unloaded_tensor(model)
     if meta is None:
         return
-    try:
-        if not real_value(model, *meta).is_meta:
-            return  # offloaded by accelerate: its hooks bring the values in for the forward
-    except UnsupportedModelError:
-        pass
-    fix = "materialise the model first (model.to_empty(device=...) and load_state_dict, or load it from a checkpoint)"
     if inputs is None:
         raise UnsupportedModelError(
-            f"the model's parameters are on the meta device, e.g. {meta[0]!r}: there are no values to read; {fix}"
+            f"the model's parameters are on the meta device, e.g. {meta!r}: there are no values to read; {_FIX}"
         )
+    refuse_real_inputs(meta, inputs)
+
+
+_FIX = "materialise the model first (model.to_empty(device=...) and load_state_dict, or load it from a checkpoint)"
+
+
+def unloaded_tensor(model: nn.Module) -> str | None:
+    """The name of a parameter or buffer of ``model`` on ``meta`` with no value anywhere (built
+    there, not loaded; accelerate's offloaded weights have theirs), or None."""
+    meta = next(((n, t) for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta), None)
+    if meta is None:
+        return None
+    try:
+        if not real_value(model, *meta).is_meta:
+            return None  # offloaded by accelerate: its hooks bring the values in for the forward
+    except UnsupportedModelError:
+        pass
+    return meta[0]
+
+
+def refuse_real_inputs(meta: str, inputs: Any) -> None:
+    """Refuse a run of a model whose tensor ``meta`` has no value on inputs that have values: it
+    would return meta tensors, silently. Meta inputs pass (a run for shapes only)."""
     real = next(((p, t) for p, t in flatten_tensors(inputs, "input") if not t.is_meta), None)
     if real is not None:
         raise UnsupportedModelError(
-            f"the model's parameters are on the meta device (no values), e.g. {meta[0]!r}, but "
-            f"{real[0]} is on {real[1].device}; {fix}"
+            f"the model's parameters are on the meta device (no values), e.g. {meta!r}, but "
+            f"{real[0]} is on {real[1].device}; {_FIX}"
         )
 
 

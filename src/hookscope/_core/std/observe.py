@@ -109,7 +109,7 @@ def observe(
     try:
         if watched:
             record = _record_op(seen, set(blocks), set(attention))
-            watcher = OpWatcher(model, [(n, by_name[n]) for n in watched], record, owner="std_map")
+            watcher = OpWatcher(model, [(n, by_name[n]) for n in watched], record, owner="std_map", bare_to_caller=True)
         model.eval()
         args, kwargs = inputs
         with torch.no_grad(), torch.random.fork_rng(devices=[]):

@@ -25,7 +25,7 @@ from hookscope._core.eager_advice import merged_heads, refuses_sdpa
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
 from hookscope._core.std.observe import Seen, observe, values_close
-from hookscope._core.std.shared import refuse_tied, shared_block_error
+from hookscope._core.std.shared import refuse_shared_role, refuse_tied, shared_block_error
 from hookscope._core.std.spec import Block, Family, Layout, Stack
 from hookscope._core.std.stdmap import StdMap, StdSite
 from hookscope.errors import StdMapError
@@ -83,9 +83,8 @@ def resolve_family(
     """
     by_name = dict(named_modules(model))
     names = set(by_name)
-    stacks = [_plan(names, family, stack) for stack in family.stacks]
-    for stack in stacks:
-        refuse_tied(by_name, family.name, stack.blocks_path)
+    name_of = {id(module): name for name, module in by_name.items()}
+    stacks = [_plan(by_name, name_of, family, stack) for stack in family.stacks]
     unembed = _find(names, "", family.unembed)
     watched_blocks = [b.core for s in stacks for b in s.blocks if b.roles["resid_mid"] is None]
     attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
@@ -133,12 +132,16 @@ def _block_list(names: set[str], family: Family, stack: Stack) -> tuple[str, str
     )
 
 
-def _plan(names: set[str], family: Family, stack: Stack) -> _StackPlan:
+def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family, stack: Stack) -> _StackPlan:
+    names = set(by_name)
     base, blocks_path = _block_list(names, family, stack)
+    refuse_tied(by_name, family.name, blocks_path)
+    paths = [path for role in _ROLE_FIELDS if (path := getattr(stack.block, role))]
     blocks = []
     index = 0
     while f"{blocks_path}.{index}" in names:
         block_name = f"{blocks_path}.{index}"
+        refuse_shared_role(by_name[block_name], block_name, paths, name_of, family.name)
         roles = {role: _find(names, block_name, getattr(stack.block, role)) for role in _ROLE_FIELDS}
         why = {
             role: f"{family.name} blocks of this model have no {getattr(stack.block, role)!r} module"
@@ -230,6 +233,10 @@ class _StackResolver:
             if calls > 1:
                 what = f"block {block.name!r} ran {calls} times in one forward"
                 raise shared_block_error(self.family.name, what, block.name)
+            for role in dict.fromkeys(m for m in block.roles.values() if m):  # a canonical name reads one call
+                if (role_calls := self.seen.calls(role)) > 1:
+                    what = f"the module {role!r} of block {block.name!r} ran {role_calls} times in one forward"
+                    raise shared_block_error(self.family.name, what, role)
             pre, post = self.seen.input(block.name), self.seen.output(block.name)
             for label, value in (("resid_pre", pre), ("resid_post", post)):
                 if value.dim() != 3 or (width is not None and value.shape != width):

@@ -13,7 +13,7 @@ from torch import nn
 
 from hookscope.errors import StdMapError
 
-__all__ = ["SHARED_BLOCK", "refuse_tied", "shared_block_error"]
+__all__ = ["SHARED_BLOCK", "refuse_shared_role", "refuse_tied", "shared_block_error"]
 
 #: The ``check`` of the refusal: no table or detector reads such a model otherwise, so the
 #: registry does not try the detector after it.
@@ -38,11 +38,35 @@ def refuse_tied(by_name: dict[str, nn.Module], family: str, blocks_path: str) ->
             )
 
 
+def refuse_shared_role(
+    block: nn.Module, block_name: str, paths: list[str], name_of: dict[int, str], family: str
+) -> None:
+    """Refuse a role module (``mlp``, ``attn``, ``ln_1``, ...) whose object also sits in another
+    block (weights tied at the sublayer level): ``named_modules()`` lists it once, under the
+    first block, so that block's canonical names would read every block's call of it.
+
+    ``paths``: the table's role paths relative to the block (``"mlp"``, ``"attn|self_attn"``);
+    ``name_of``: each module's name in the model, by object. Only role modules count: a module
+    that no role names (a rotary embedding shared by every block) is read by no canonical name.
+    """
+    for path in paths:
+        for alternative in path.split("|"):
+            try:
+                module = block.get_submodule(alternative)
+            except AttributeError:
+                continue
+            own = name_of.get(id(module))
+            if own is not None and not own.startswith(block_name + "."):
+                raise shared_block_error(
+                    family, f"the module {own!r} is also block {block_name!r}'s {alternative!r}", own
+                )
+
+
 def shared_block_error(family: str, what: str, block: str) -> StdMapError:
     """The refusal of a block whose weights serve several layers (tied positions, ALBERT)."""
     return StdMapError(
         f"{what} (weights shared across layers, ALBERT-style): canonical names number blocks by module, and "
-        f"cannot tell one module's calls apart; select the block itself and read each call: "
+        f"cannot tell one module's calls apart; select the shared module itself and read each call: "
         f"hs.capture(model, {block!r}) keeps every call, cache['{block}#1'] is its second",
         family=family,
         check=SHARED_BLOCK,
