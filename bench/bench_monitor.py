@@ -19,9 +19,9 @@ backward (``monitor.step()`` or ``run.log(...)``), ``optimizer.step()`` of plain
   the weight's norm, activation statistics per block, and the NaN/Inf tripwire (``hs.detect_nonfinite`` on every
   module); ``monitor.step()`` runs inside the timer and logs every step;
 - ``monitor every=10, skipped``: ``hs.monitor(model, every=10)``, timed only on steps it does not log. Such a
-  monitor logs steps 0, 10, 20, ...; before a timed step that would be one of those, the script closes it with a
-  ``monitor.step()`` on no forward at all (an empty logged step), outside the timer, so every timed step is one on
-  which its hooks return at once. The script asserts that ``monitor.step()`` returned None on every timed step;
+  monitor logs steps 0, 10, 20, ...; before a timed step that would be one of those, the script trains that step
+  outside the timer (a ``monitor.step()`` with nothing run since the last is refused), so every timed step is one
+  on which its hooks return at once. The script asserts that ``monitor.step()`` returned None on every timed step;
 - ``monitor + precision``: ``hs.monitor(model, precision="bf16")``, logging every step: the defaults plus, per
   block, what bfloat16 would lose of its output and of its gradient.
 
@@ -125,7 +125,7 @@ class Trainer:
         self.wandb_run = wandb_run
         self.steps = 0  # training steps (and monitor.step() calls) so far: the index of the next one
         self.timed_results: list[hs.MonitorStep | None] = []  # what monitor.step() returned on each timed step
-        self.empty_steps: list[int] = []  # logged steps closed on no forward, outside the timer
+        self.untimed_steps: list[int] = []  # logged steps, trained outside the timer
 
     def train_step(self, model: nn.Module, x: torch.Tensor) -> hs.MonitorStep | None:
         """Forward, backward, ``monitor.step()`` or ``run.log``, SGD step, ``zero_grad()``."""
@@ -140,13 +140,13 @@ class Trainer:
 
     def run(self, models: nn.Module, x: Any) -> common.Timed:
         """One timed training step of ``models[key]``; with ``skip_logged``, on a step the monitor skips."""
-        if self.skip_logged and self.monitor is not None:
-            while self.steps % self.every == 0:  # a step the monitor would log: close it empty, untimed
-                self.monitor.step()  # nothing ran and no gradient is left: nothing is measured
-                self.empty_steps.append(self.steps)
-                self.steps += 1
         assert isinstance(models, nn.ModuleDict)
         model = models[self.key]
+        if self.skip_logged and self.monitor is not None:
+            while self.steps % self.every == 0:  # a step the monitor logs: trained outside the timer
+                self.train_step(model, x)  # a step with nothing run is refused, so it trains
+                self.untimed_steps.append(self.steps)
+                self.steps += 1
         timed = common.timed_call(lambda: self.train_step(model, x))
         self.steps += 1
         self.timed_results.append(timed.kept)
@@ -245,14 +245,14 @@ def notes_for(models: nn.ModuleDict, trainers: dict[str, Trainer]) -> list[str]:
     records = "" if grads is None else f" from {len(grads.records)} gradient records"
     kinds = ("act/", "grad/", "param_grad/", "precision/")
     counts = ", ".join(f"{sum(1 for k in last_precision.scalars if k.startswith(kind))} {kind}" for kind in kinds)
-    empty = ", ".join(str(step) for step in skipped.empty_steps)
+    untimed = ", ".join(str(step) for step in skipped.untimed_steps)
     notes = [
         f"monitor: {layers} layers watched; each logged step: {len(last.scalars)} scalars{records}, "
         f"{len(last.flags)} flags",
         f"{PRECISION} ({PRECISION_FORMAT}): each logged step {len(last_precision.scalars)} scalars ({counts}), "
         f"{len(last_precision.flags)} flags on the last",
         f"{SKIPPED}: {len(skipped.timed_results)} steps run (warm-up included), none logged; "
-        f"logged steps {empty} closed empty outside the timer",
+        f"logged steps {untimed} trained outside the timer",
     ]
     if WANDB in trainers:
         notes.append(f"{WANDB}: log='all', log_freq=1, offline; {trainers[WANDB].steps} steps logged with run.log")
