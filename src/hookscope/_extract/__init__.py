@@ -8,9 +8,6 @@ describe a store, ``zarr_io`` makes it and keeps its manifest, ``ranks`` lets pr
 """
 
 from hookscope._extract.api import extract
-from hookscope._extract.loader import StoreLoader
 from hookscope._extract.options import ExtractConfig
-from hookscope._extract.running_stats import SiteStats
-from hookscope._extract.store import Store, StoreArray, open_store
 
-__all__ = ["ExtractConfig", "SiteStats", "Store", "StoreArray", "StoreLoader", "extract", "open_store"]
+__all__ = ["ExtractConfig", "extract"]

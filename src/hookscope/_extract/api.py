@@ -40,35 +40,42 @@ from hookscope._core.std import expand_std
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, differences, model_identity
 from hookscope._extract.data import Batch, IndexedSource, Source, make_source
-from hookscope._extract.holder import StoreHold
-from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope._extract.inputs import InputCheck, check_input_rows
 from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
 from hookscope._extract.reduce import TokenMask
-from hookscope._extract.store import Store, open_store
-from hookscope._extract.store_meta import merged_stats, stored_layout
-from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
 from hookscope._extract.writer import ChunkWriter, WriterThread
-from hookscope._extract.zarr_io import (
+from hookscope._shared.credentials import redacted_command
+from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.options import with_options
+from hookscope._store import (
     FORMAT,
+    Layout,
     Manifest,
+    SiteLayout,
+    Store,
+    StoreHold,
     Target,
+    array_names,
     check_only_ours,
+    choose_chunk_rows,
     clear,
     create_store,
+    damaged_chunks,
+    describe,
+    merged_stats,
     open_group,
+    open_store,
     read_meta,
     remove_partial_files,
+    stored_layout,
     target_of,
     write_meta,
     zarr_module,
 )
-from hookscope._shared.credentials import redacted_command
-from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.options import with_options
 from hookscope._version import __version__
 from hookscope.errors import DataError, SpecError, StoreError, StoreRepairWarning, StoreWriteError
 

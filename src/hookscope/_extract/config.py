@@ -11,7 +11,7 @@ read, so one changed weight among millions changes it; CRC32C runs at over 10 GB
 costs about a tenth of a forward of the same bytes (GPU weights are copied to the host first).
 
 The data is identified by a hash of its first row here, and by a checksum of each chunk's
-input rows in the manifest (:mod:`hookscope._extract.checksums`), which a resumed run checks.
+input rows in the manifest (:mod:`hookscope._extract.inputs`), which a resumed run checks.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch import nn
 from hookscope._core.compat.offload import named_real_tensors
 from hookscope._core.params import count
 from hookscope._core.tree import flatten_tensors
-from hookscope._extract.checksums import crc32c
 from hookscope._extract.data import Batch, Source
 from hookscope._shared.bits import tensor_to_numpy
+from hookscope._store import crc32c
 
 __all__ = ["data_identity", "differences", "fingerprint", "model_identity"]
 

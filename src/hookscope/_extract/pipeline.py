@@ -24,14 +24,14 @@ from hookscope._core.names import escape_name, leaf_label, named_modules, split_
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
-from hookscope._extract.checksums import input_parts, regions
 from hookscope._extract.data import Batch
-from hookscope._extract.layout import Layout
+from hookscope._extract.inputs import input_parts
 from hookscope._extract.provenance import Provenance
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._extract.writer import Work, WriterThread
 from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.reduce import Reduction
+from hookscope._store import Layout, regions
 from hookscope.errors import CastOverflowWarning, DataError, SpecError
 
 __all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]

@@ -48,14 +48,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hookscope._extract.verify import present_chunks, unreadable_error
 from hookscope._shared.bits import bits_to_tensor
+from hookscope._store.array import StoreArray
+from hookscope._store.verify import present_chunks, unreadable_error
 from hookscope.errors import SiteNotFoundError, SpecError, StoreError
 
-# ``Store`` and ``StoreArray`` (hookscope._extract.store) are not imported: the store makes its
-# loaders (``Store.loader``), and the package allows no import loop, even one for type hints.
+# ``Store`` (hookscope._store.store) is not imported: the store makes its loaders
+# (``Store.loader``), and the package allows no import loop, even one for type hints.
 Store = Any
-StoreArray = Any
 
 __all__ = ["StoreLoader"]
 
