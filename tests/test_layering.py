@@ -248,3 +248,24 @@ def test_no_module_imports_itself_round_a_loop() -> None:
 def test_import_cycles_are_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+#: The store's writing side (making a store, its manifest, checksums, statistics parts, the writer
+#: record) and its readers (``open_store``, arrays, the loader, the export).
+STORE_WRITERS = ("zarr_io", "manifest", "checksums", "running_stats", "writer_record", "object_record", "layout")
+STORE_READERS = ("store", "array", "loader", "export", "attributes", "statistics", "window", "loader_options")
+
+
+def test_the_store_writer_imports_none_of_its_readers() -> None:
+    """Writing a store needs none of the code that reads one back, directly or through another module."""
+    graph = {module_name(path): {target for _, target in imports_of(path)} for path in PACKAGE.rglob("*.py")}
+    readers = {f"hookscope._store.{name}" for name in STORE_READERS}
+    for writer in STORE_WRITERS:
+        seen: set[str] = set()
+        todo = [f"hookscope._store.{writer}"]
+        while todo:
+            module = todo.pop()
+            for target in graph.get(module, set()) - seen:
+                seen.add(target)
+                todo.append(target)
+        assert not seen & readers, f"hookscope._store.{writer} imports the reader(s) {sorted(seen & readers)}"

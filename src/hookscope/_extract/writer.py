@@ -29,7 +29,19 @@ from hookscope._shared.units import format_bytes
 from hookscope._store import MASK, Layout, Manifest, chunk_part, combine, crc32c, stats_widths, vectors_of
 from hookscope.errors import StoreWriteError
 
-__all__ = ["ChunkWriter", "Work", "WriterThread"]
+__all__ = ["ChunkWriter", "Work", "WriterThread", "remote_flushers"]
+
+#: Chunks written at once to object storage: enough to hide a round trip of tens of milliseconds
+#: behind the forward, each holding one chunk buffer (every array's rows of the chunk) until it
+#: lands, and together at most REMOTE_BUFFER_BYTES.
+REMOTE_FLUSHERS = 8
+REMOTE_BUFFER_BYTES = 512 * 2**20
+
+
+def remote_flushers(layout: Layout) -> int:
+    """Chunks written at once to a remote store: up to 8, fewer where a chunk of every array is large."""
+    chunk_bytes = layout.chunk_rows * sum(array.row_bytes for array in layout.arrays)
+    return max(1, min(REMOTE_FLUSHERS, REMOTE_BUFFER_BYTES // max(chunk_bytes, 1)))
 
 
 @dataclass
