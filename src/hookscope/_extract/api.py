@@ -41,7 +41,6 @@ from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_f
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
-from hookscope._extract.reduce import TokenMask
 from hookscope._extract.resume import (
     check_stored,
     existing_meta,
@@ -158,7 +157,7 @@ def extract(
         )
     run_on = config.torch_device or model_device(model)
     selectors: list[Selector] = expanded
-    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options, mask=TokenMask())
+    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options)
     job = _Job(
         model=model,
         source=source,

@@ -163,7 +163,9 @@ class ExtractConfig(Options):
     @property
     def capture_options(self) -> CaptureOptions:
         """``keep``, ``calls``, ``dtype`` and ``overflow`` as a capture checks and reads them."""
-        return CaptureOptions(keep=self.keep, calls=self.calls, dtype=self.dtype, overflow=self.overflow)
+        return CaptureOptions(
+            keep=self.keep, calls=self.calls, dtype=self.dtype, overflow=self.overflow, token_mask=self.mask
+        )
 
     @property
     def torch_device(self) -> torch.device | None:
