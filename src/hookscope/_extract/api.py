@@ -157,7 +157,7 @@ def extract(
         )
     run_on = config.torch_device or model_device(model)
     selectors: list[Selector] = expanded
-    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options)
+    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture)
     job = _Job(
         model=model,
         source=source,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._capture import CaptureOptions
 from hookscope._extract.config import differences
 from hookscope._extract.data import IndexedSource, Source
 from hookscope._extract.inputs import check_input_rows
@@ -35,7 +36,7 @@ from hookscope._store import (
     write_meta,
 )
 from hookscope._version import __version__
-from hookscope.errors import StoreError, StoreRepairWarning
+from hookscope.errors import SpecError, StoreError, StoreRepairWarning
 
 __all__ = ["check_stored", "existing_meta", "reopen_if_repaired", "reusable_chunk_rows", "same_config", "store_meta"]
 
@@ -154,7 +155,7 @@ def same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any]) 
     def comparable(meta: dict[str, Any]) -> dict[str, Any]:
         sites = {site["name"]: _site_text(site) for site in meta.get("sites", [])}
         # a store made before provenance kept no tokens: resumed with the default, it keeps none still
-        return {"tokens": "auto", **meta.get("config", {}), "sites": sites}
+        return _capture_spelled({"tokens": "auto", **meta.get("config", {}), "sites": sites})
 
     found = differences(comparable(stored), comparable(wanted))
     if found:
@@ -164,6 +165,16 @@ def same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any]) 
             + "; run with the stored configuration to resume, overwrite=True (--overwrite) to start again, "
             "or choose another path"
         )
+
+
+def _capture_spelled(config: dict[str, Any]) -> dict[str, Any]:
+    """``keep`` and ``calls`` in the one spelling a capture gives them: a store written before the
+    extraction held its capture's options recorded them as given (``[2, 0]``, not ``[0, 2]``)."""
+    try:
+        spelled = CaptureOptions(keep=config.get("keep", "output"), calls=config.get("calls", "all")).to_dict()
+    except SpecError:
+        return config  # a value no capture takes: compared as it is
+    return {**config, **{key: spelled[key] for key in ("keep", "calls") if key in config}}
 
 
 def _site_text(site: dict[str, Any]) -> str:
