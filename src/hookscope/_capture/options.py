@@ -57,7 +57,11 @@ class CaptureOptions(Options):
     - ``grads``: also keep, per call, the gradient of whatever is differentiated later (a
       ``loss.backward()``, or ``run_with_capture(..., backward=metric)``) with respect to each
       kept value, as ``cache.grad[site]``, at every size; a value changed in place after it was
-      kept still gets the gradient of the value as kept. Not with ``reduce``.
+      kept still gets the gradient of the value as kept. Not with ``reduce``;
+    - ``token_mask``: which keyword input of the model's call marks its real tokens, for the named
+      reductions over dimension 1 (``"mean:1"``, ``"last:1"``, ...), which then leave padding out
+      as ``hs.extract`` does: ``"auto"`` (default) reads ``attention_mask`` when the call has a 2-D
+      one; a name reads that keyword, which every call must have; None never masks.
 
     >>> opts = CaptureOptions(keep="both", dtype="bf16", calls="first")
     >>> opts.sides, opts.torch_dtype
@@ -82,6 +86,7 @@ class CaptureOptions(Options):
     passes: Passes = "latest"
     overflow: Overflow = "warn"
     grads: bool = False
+    token_mask: str | None = "auto"
 
     def __post_init__(self) -> None:
         for flag in ("detach", "stop", "grads"):
@@ -100,6 +105,11 @@ class CaptureOptions(Options):
             raise SpecError(
                 f"grads=True cannot keep gradients of reduced values (reduce={self.reduce!r}): the model never "
                 "used the reduced value; capture without reduce, and reduce the values and gradients afterwards"
+            )
+        if not (self.token_mask is None or (isinstance(self.token_mask, str) and self.token_mask)):
+            raise SpecError(
+                f"token_mask={self.token_mask!r} is not 'auto' (default), None, or the name of the model's keyword "
+                "input that marks real tokens"
             )
         overflow_choice(self.overflow)
         parse_reduction(self.reduce)  # refused now, not in the first hook
@@ -139,6 +149,11 @@ class CaptureOptions(Options):
     def budget(self) -> int | None:
         """``max_bytes`` in bytes, or None for no budget."""
         return self.max_bytes if isinstance(self.max_bytes, int) else None
+
+    @property
+    def mask_key(self) -> str | None:
+        """The keyword input that holds the mask of real tokens, or None for no masking."""
+        return "attention_mask" if self.token_mask == "auto" else self.token_mask
 
     @property
     def reduction(self) -> Reduction | None:

@@ -37,6 +37,7 @@ from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
+from hookscope._capture.token_mask import token_mask_specs
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
@@ -189,7 +190,7 @@ class Capture(Scoped):
                 )
             if "output" in whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
-        return specs
+        return specs + token_mask_specs(self._model, self._keeper, self.options)
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
         current, want, keep, last_what = (

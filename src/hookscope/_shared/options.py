@@ -55,6 +55,10 @@ class Options:
     feature: ClassVar[str] = "options"
     #: Bumped when a field changes meaning, so a stored dict of another version is refused.
     VERSION: ClassVar[int] = 1
+    #: Keywords the constructor takes besides the fields: parts of another options object a
+    #: field holds (``ExtractConfig`` takes ``keep=`` into its ``capture``). Accepted by
+    #: :meth:`build` and shown in signatures, with the dataclass's default for them.
+    PART_KEYWORDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -80,7 +84,7 @@ class Options:
 
         A tensor given to an option's name was meant for the model: refused with the way to pass it.
         """
-        names = set(cls.names())
+        names = {*cls.names(), *cls.PART_KEYWORDS}
         chosen = {key: value for key, value in kwargs.items() if key in names}
         for key, value in chosen.items():
             if isinstance(value, torch.Tensor):
@@ -92,7 +96,7 @@ class Options:
 
     @classmethod
     def _refuse_unknown(cls, given: Mapping[str, Any]) -> None:
-        names = cls.names()
+        names = (*cls.names(), *cls.PART_KEYWORDS)
         for key in given:
             if key not in names:
                 close = difflib.get_close_matches(key, names, n=1)
@@ -164,6 +168,11 @@ def with_options(options: type[Options], *, keep: tuple[str, ...] = ()) -> Calla
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type)
             for field in dataclasses.fields(options)  # type: ignore[arg-type]
             if field.init
+        ]
+        declared = options.__dataclass_fields__  # type: ignore[attr-defined]
+        fields += [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=declared[name].default)
+            for name in options.PART_KEYWORDS
         ]
         func.__signature__ = signature.replace(parameters=[*before, *fields, *after])  # type: ignore[attr-defined]
         return func
