@@ -14,7 +14,7 @@ from hookscope._extract.data import TensorRows, make_source, split_batch
 from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
 from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
 from hookscope._shared.bits import numpy_dtype
-from hookscope.cli.data_specs import RandomRows
+from hookscope.cli.parse.data_specs import RandomRows
 from hookscope.errors import DataError, SpecError
 
 
