@@ -31,6 +31,7 @@ from hookscope.cli.commands.report import report_command
 from hookscope.cli.commands.trace import trace_command
 from hookscope.cli.commands.train_check import train_check_command
 from hookscope.cli.common import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, interrupt_note
+from hookscope.cli.parse.flags import plain
 from hookscope.errors import (
     ConcurrentPassError,
     DataError,
@@ -116,18 +117,18 @@ def _root(
 
 
 # Help lists the commands in this order: the tour, looking, changing, the studies, data sets.
-app.command("demo")(demo)
-app.command("layers")(layers_command)
-app.command("capture")(capture_command)
-app.command("trace")(trace_command)
-app.command("grads")(grads_command)
-app.command("edit")(edit_command)
-app.command("report")(report_command)
-app.command("diff")(diff_command)
-app.command("train-check")(train_check_command)
-app.command("patch")(patch_command)
-app.command("lens")(lens_command)
-app.command("extract")(extract_command)
+app.command("demo", help=plain(demo.__doc__ or ""))(demo)
+app.command("layers", help=plain(layers_command.__doc__ or ""))(layers_command)
+app.command("capture", help=plain(capture_command.__doc__ or ""))(capture_command)
+app.command("trace", help=plain(trace_command.__doc__ or ""))(trace_command)
+app.command("grads", help=plain(grads_command.__doc__ or ""))(grads_command)
+app.command("edit", help=plain(edit_command.__doc__ or ""))(edit_command)
+app.command("report", help=plain(report_command.__doc__ or ""))(report_command)
+app.command("diff", help=plain(diff_command.__doc__ or ""))(diff_command)
+app.command("train-check", help=plain(train_check_command.__doc__ or ""))(train_check_command)
+app.command("patch", help=plain(patch_command.__doc__ or ""))(patch_command)
+app.command("lens", help=plain(lens_command.__doc__ or ""))(lens_command)
+app.command("extract", help=plain(extract_command.__doc__ or ""))(extract_command)
 
 
 def main(argv: list[str] | None = None) -> None:

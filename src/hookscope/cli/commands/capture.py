@@ -8,10 +8,14 @@ from typing import Annotated
 import typer
 
 import hookscope as hs
+from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.values import calls_value, counted, selector_list
 
 __all__ = ["capture_command"]
+
+#: The options whose flags (--keep ... --max-bytes) are their fields' own.
+CAPTURE = hs.CaptureOptions
 
 
 def capture_command(
@@ -31,15 +35,13 @@ def capture_command(
     ],
     input_shape: InputShape = None,
     dtype: Dtype = None,
-    keep: Annotated[str, typer.Option("--keep", help="output, input or both.")] = "output",
-    calls: Annotated[str, typer.Option("--calls", help="all, first, last, or a call index.")] = "all",
-    reduce: Annotated[
-        str | None, typer.Option("--reduce", help="Reduce on the device first, e.g. mean:1, sum:2,3, first:1.")
-    ] = None,
-    stop: Annotated[bool, typer.Option("--stop", help="Skip the rest of the model after the last layer.")] = False,
-    max_bytes: Annotated[
-        str | None, typer.Option("--max-bytes", help="Memory budget for the capture, e.g. 512MiB.")
-    ] = None,
+    keep: Annotated[str, option_flag(CAPTURE, "keep")] = option_default(CAPTURE, "keep"),
+    calls: Annotated[str, option_flag(CAPTURE, "calls")] = option_default(CAPTURE, "calls"),
+    reduce: Annotated[str | None, option_flag(CAPTURE, "reduce")] = option_default(hs.CaptureOptions, "reduce"),
+    stop: Annotated[bool, option_flag(CAPTURE, "stop")] = option_default(CAPTURE, "stop"),
+    max_bytes: Annotated[str | None, option_flag(CAPTURE, "max_bytes")] = option_default(
+        hs.CaptureOptions, "max_bytes"
+    ),
     seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""

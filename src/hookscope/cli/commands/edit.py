@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 
 import hookscope as hs
+from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.errors import SpecError
 
@@ -29,7 +30,7 @@ def edit_command(
     ],
     input_shape: InputShape = None,
     dtype: Dtype = None,
-    on: Annotated[str, typer.Option("--on", help="Edit what the modules return (output) or take (input).")] = "output",
+    on: Annotated[str, option_flag(hs.EditOptions, "on")] = option_default(hs.EditOptions, "on"),
     seed: Annotated[int, seed_option("Seed of the random sample input.")] = 0,
 ) -> None:
     """Run MODEL with and without edits and print how much the final output changed."""

@@ -9,6 +9,7 @@ import typer
 
 import hookscope as hs
 from hookscope.cli.common import EXIT_BAD_INPUT, SAMPLE_FIX
+from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.values import selector_list
 
@@ -31,7 +32,7 @@ def trace_command(
             "--filter", "-f", help="Show only these modules: names, globs or 're:' regexes.", show_default=False
         ),
     ] = None,
-    timing: Annotated[bool, typer.Option("--timing", help="Time each call (and its own share).")] = False,
+    timing: Annotated[bool, option_flag(hs.TraceOptions, "timing")] = option_default(hs.TraceOptions, "timing"),
     stats: Annotated[
         str | None,
         typer.Option(

@@ -40,7 +40,14 @@ def counted(count: int, noun: str) -> str:
 
 
 def calls_value(text: str) -> Any:
-    """``--calls``: a call index, or a word the options check (all, first, last)."""
+    """``--calls``: a call index, call indices (``0,2``), or a word the options check (all, first, last).
+
+    >>> calls_value("2"), calls_value("0, 2"), calls_value("first")
+    (2, [0, 2], 'first')
+    """
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) > 1 and all(part.isdigit() for part in parts):
+        return [int(part) for part in parts]
     return int(text) if text.isdigit() else text
 
 
