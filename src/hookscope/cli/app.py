@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -116,19 +117,25 @@ def _root(
         raise typer.Exit(EXIT_BAD_INPUT)
 
 
-# Help lists the commands in this order: the tour, looking, changing, the studies, data sets.
-app.command("demo", help=plain(demo.__doc__ or ""))(demo)
-app.command("layers", help=plain(layers_command.__doc__ or ""))(layers_command)
-app.command("capture", help=plain(capture_command.__doc__ or ""))(capture_command)
-app.command("trace", help=plain(trace_command.__doc__ or ""))(trace_command)
-app.command("grads", help=plain(grads_command.__doc__ or ""))(grads_command)
-app.command("edit", help=plain(edit_command.__doc__ or ""))(edit_command)
-app.command("report", help=plain(report_command.__doc__ or ""))(report_command)
-app.command("diff", help=plain(diff_command.__doc__ or ""))(diff_command)
-app.command("train-check", help=plain(train_check_command.__doc__ or ""))(train_check_command)
-app.command("patch", help=plain(patch_command.__doc__ or ""))(patch_command)
-app.command("lens", help=plain(lens_command.__doc__ or ""))(lens_command)
-app.command("extract", help=plain(extract_command.__doc__ or ""))(extract_command)
+#: Each command and its function, in the order help lists them: the tour, looking, changing,
+#: the studies, data sets.
+COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
+    ("demo", demo),
+    ("layers", layers_command),
+    ("capture", capture_command),
+    ("trace", trace_command),
+    ("grads", grads_command),
+    ("edit", edit_command),
+    ("report", report_command),
+    ("diff", diff_command),
+    ("train-check", train_check_command),
+    ("patch", patch_command),
+    ("lens", lens_command),
+    ("extract", extract_command),
+)
+
+for _name, _command in COMMANDS:  # help as plain text: no reST, paragraphs wrapped by the terminal
+    app.command(_name, help=plain(_command.__doc__ or ""))(_command)
 
 
 def main(argv: list[str] | None = None) -> None:
