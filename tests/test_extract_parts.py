@@ -15,7 +15,7 @@ from hookscope._extract.reduce import describe_reduction, extraction_reduction
 from hookscope._shared.bits import numpy_dtype
 from hookscope._shared.reduce import reduce_value
 from hookscope._store.layout import Layout, SiteLayout, array_names, choose_chunk_rows
-from hookscope.cli.data_specs import RandomRows
+from hookscope.cli.parse.data_specs import RandomRows
 from hookscope.errors import DataError, SpecError
 
 

@@ -151,7 +151,7 @@ def test_the_contract_refuses_upward_and_private_imports(importer: str, target: 
         ("hookscope._extract.pipeline", "hookscope._capture"),
         ("hookscope._report.api", "hookscope.plots"),
         ("hookscope.cli.app", "hookscope"),
-        ("hookscope.cli.specs", "hookscope.demo.models"),
+        ("hookscope.cli.parse.specs", "hookscope.demo.models"),
         ("hookscope.plots.grads", "hookscope._grads"),
         ("hookscope._extract.api", "hookscope._store"),
         ("hookscope._store.array", "hookscope._shared.bits"),
