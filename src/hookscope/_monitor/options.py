@@ -1,0 +1,89 @@
+"""``MonitorOptions``: the training monitor's options, declared and validated once.
+
+``hs.monitor`` (keywords or ``options=``), the transformers and Lightning callbacks (each holds
+one) and ``hookscope train-check`` build the same object, so an option added here reaches all
+of them. It round-trips to a dict (:meth:`~hookscope._shared.options.Options.to_dict`); the
+options that are Python objects (a sink object, a GradScaler) are named there, not restorable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hookscope._shared.options import Options
+from hookscope._shared.precision import precision_target
+from hookscope.errors import SpecError
+
+__all__ = ["MonitorOptions"]
+
+
+@dataclass(frozen=True)
+class MonitorOptions(Options):
+    """What :func:`hookscope.monitor` watches, how often, and where it logs.
+
+    Args:
+        grads: gradient statistics per layer (``grad/norm``, ``grad/max_abs``).
+        params: per-parameter gradient norms and ``|g| / |w|`` (``param_grad/``).
+        activations: activation statistics per layer (``act/mean_abs``, ``act/max_abs``, ``act/std``).
+        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"float8_e5m2"``: what that format
+            loses of each layer's output and of its gradient, per step, flagged above ``flag_above``.
+        tripwire: stop at the first NaN/Inf (forward or backward); False makes a NaN/Inf
+            gradient a ``grad_nonfinite`` flag of the step, and the run goes on.
+        every: log every N-th step (by the step numbers, from ``start``).
+        sinks: paths (``.jsonl``, ``.csv``), a TensorBoard ``SummaryWriter``, or objects with
+            ``write(step, scalars)``.
+        names: ``"std"`` logs canonical names (``blocks.3``) where the model has them, ``"modules"``
+            module names.
+        flag_above: the fraction of a layer's values a format may lose before the step is flagged.
+        histograms: a histogram of each layer's output per logged step.
+        trip_dir: where a trip keeps its evidence (the batch and a trace of it).
+        start: the number of the first step (a resumed run's).
+        grad_scaler: the ``torch.amp.GradScaler`` whose scale divides every gradient statistic.
+
+    >>> MonitorOptions(every=10, precision="bf16").changes()
+    {'precision': 'bf16', 'every': 10}
+    >>> MonitorOptions.from_dict(MonitorOptions(every=10).to_dict()) == MonitorOptions(every=10)
+    True
+    """
+
+    feature = "monitor"
+
+    grads: bool = True
+    params: bool = True
+    activations: bool = True
+    precision: str | torch.dtype | None = None
+    tripwire: bool = True
+    every: int = 1
+    sinks: tuple[Any, ...] = ()
+    names: str = "std"  # type: ignore[assignment]  # hides Options.names(); the base reads option_names()
+    flag_above: float = 0.01
+    histograms: bool = False
+    trip_dir: str | os.PathLike[str] | None = None
+    start: int = 0
+    grad_scaler: Any = None
+
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise SpecError(f"every={every!r} is not a positive whole number of steps; 1 logs every step")
+        if self.names not in ("std", "modules"):
+            raise SpecError(
+                f"names={self.names!r}: expected 'std' (canonical names where the model has them) or 'modules'"
+            )
+        if isinstance(self.start, bool) or not isinstance(self.start, int):
+            raise SpecError(f"start={self.start!r} is not a whole step number; 0 starts the count")
+        if isinstance(self.flag_above, bool) or not isinstance(self.flag_above, (int, float)):
+            raise SpecError(f"flag_above={self.flag_above!r} is not a fraction (0.01 flags a loss above 1%)")
+        precision_target(self.precision)  # a format that is not a low-precision one is refused here
+        if isinstance(self.sinks, (str, os.PathLike)):
+            raise SpecError(f"sinks={self.sinks!r} is one sink: give a list, sinks=[{self.sinks!r}]")
+        object.__setattr__(self, "sinks", tuple(self.sinks))
+
+    @property
+    def target(self) -> torch.dtype | None:
+        """The low-precision format whose losses are counted, or None."""
+        return precision_target(self.precision)
