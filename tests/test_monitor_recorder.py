@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,6 +89,9 @@ def test_monitor_options_are_validated_once_and_round_trip() -> None:
     again = hs.MonitorOptions.from_dict(data)
     assert dataclasses.replace(again, precision=torch.bfloat16) == options
     assert again.target is torch.bfloat16
+    paths = hs.MonitorOptions(sinks=[Path("out") / "m.csv"], trip_dir=Path("trips"))
+    assert hs.MonitorOptions.from_dict(paths.to_dict()) == paths
+    assert (paths.sinks, paths.trip_dir) == ((os.fspath(Path("out") / "m.csv"),), "trips")
     for bad, message in (
         ({"every": 0}, "every=0 is not a positive whole number"),
         ({"names": "canonical"}, "names='canonical'"),

@@ -62,7 +62,7 @@ class MonitorOptions(Options):
     names: str = "std"  # type: ignore[assignment]  # hides Options.names(); the base reads option_names()
     flag_above: float = 0.01
     histograms: bool = False
-    trip_dir: str | os.PathLike[str] | None = None
+    trip_dir: str | os.PathLike[str] | None = None  # kept as a str
     start: int = 0
     grad_scaler: Any = None
 
@@ -81,7 +81,11 @@ class MonitorOptions(Options):
         precision_target(self.precision)  # a format that is not a low-precision one is refused here
         if isinstance(self.sinks, (str, os.PathLike)):
             raise SpecError(f"sinks={self.sinks!r} is one sink: give a list, sinks=[{self.sinks!r}]")
-        object.__setattr__(self, "sinks", tuple(self.sinks))
+        # Paths as strings: a stored dict holds them (a sink object is named there, not kept).
+        sinks = tuple(os.fspath(sink) if isinstance(sink, os.PathLike) else sink for sink in self.sinks)
+        object.__setattr__(self, "sinks", sinks)
+        if isinstance(self.trip_dir, os.PathLike):
+            object.__setattr__(self, "trip_dir", os.fspath(self.trip_dir))
 
     @property
     def target(self) -> torch.dtype | None:
