@@ -47,8 +47,9 @@ __all__ = ["Monitor", "monitor"]
 class Monitor(Scoped):
     """The hooks of :func:`monitor`; ``step()`` once per optimiser step, after the backward.
 
-    ``note`` says why the layers are not the blocks a transformers model should have (its
-    canonical names could not be made: it watches its modules with parameters), else None.
+    ``options`` is the :class:`~hookscope.MonitorOptions` it runs with; ``note`` says why the
+    layers are not the blocks a transformers model should have (its canonical names could not be
+    made: it watches its modules with parameters), else None.
     """
 
     def __init__(self, model: nn.Module, layers: Selector | Sequence[Selector] | None, options: MonitorOptions) -> None:
@@ -263,46 +264,11 @@ def monitor(
     """Watch a training loop: per-layer gradient and activation statistics, per-parameter gradient
     norms, precision health, and a NaN/Inf tripwire; logged to sinks once per logged step.
 
-    The options are :class:`~hookscope.MonitorOptions`' fields, as keywords or whole (``options=``).
-
     Args:
         layers: the layers to watch (selectors); default the blocks (``std:blocks.*``), or every
             module with parameters of its own for a model without a canonical map.
-        grads, params, activations: gradient statistics per layer, per parameter, and activation
-            statistics per layer (``act/mean_abs``, ``act/max_abs``, ``act/std``).
-        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"float8_e5m2"``: what that format
-            loses of each layer's output and of its gradient, per step (underflow, subnormal,
-            overflow fractions and the dynamic range in octaves), flagged above ``flag_above``.
-        tripwire: stop at the first NaN/Inf: in the forward, ``model(x)`` raises
-            :class:`~hookscope.NonFiniteError` naming the module; in the backward, ``step()`` does,
-            naming the first gradient in backward order, with ``error.step``. A trip takes every
-            hook off before the error leaves, so a loop the monitor does not enclose (a
-            Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
-            ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
-            check a run that trips eagerly. ``tripwire=False`` raises neither: a NaN/Inf
-            gradient becomes a ``grad_nonfinite`` flag of the step, and the run goes on. So does
-            one under a known ``grad_scaler``: an overflow is the scaler's to handle (it skips
-            the step and lowers its scale).
-        every: log every N-th step (by the step numbers, from ``start``); other steps' hooks return
-            at once and cross to the host never. Only forwards under grad count (an evaluation's
-            forward between steps does not), and the backward tripwire checks logged steps.
-        sinks: paths (``.jsonl``, ``.csv``; closed with the monitor), a TensorBoard
-            ``SummaryWriter``, or objects with ``write(step, scalars)`` (left open: their
-            owner closes them, so one sink can serve several runs). Every sink gets every
-            step; sinks that raise are named after the others wrote, in one
-            :class:`~hookscope.SinkError`.
-        names: ``"std"`` logs canonical names (``blocks.3``) where the model has them.
-        histograms: also a histogram of each layer's output per logged step (64 buckets of a
-            sample of at most 32,768 values, counted on the device): ``step.histograms``, and
-            the sinks that draw them (TensorBoard, wandb).
-        trip_dir: where a trip keeps its evidence: the offending batch and a trace of the model
-            on it (every call's shapes and value ranges), named by step.
-        start: the number of the first step (a resumed run's), for the logs and ``error.step``.
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss (fp16): every gradient
-            statistic of a step is divided by its scale (``get_scale()``, read once per logged
-            step: call ``step()`` before ``scaler.update()``), so the record holds the
-            gradients of the loss itself. Under float16 autocast with none given, a warning
-            (once) says the gradients may carry a scale.
+        options: a :class:`~hookscope.MonitorOptions`, whose fields say what each option does;
+            or its fields as keywords (``precision="bf16"``, ``every=10``, ...).
 
     Example::
 
@@ -312,7 +278,7 @@ def monitor(
                 loss.backward()
                 mon.step()                    # after backward, before zero_grad
                 optimizer.step(); optimizer.zero_grad()
-        mon.steps[-1].flags                   # "layer blocks.3 loses 4.1% of its gradient to underflow ..."
+        mon.steps[-1].flags                   # grad_underflow blocks.3: loses 4.1% of its gradient ...
 
     ``step()`` is refused (:class:`~hookscope.SpecError`) after the monitor was removed, and
     when no watched layer ran a training forward and no gradient reached a parameter since the
