@@ -25,47 +25,6 @@ __all__ = ["MonitorOptions"]
 class MonitorOptions(Options):
     """What :func:`hookscope.monitor` watches, how often, and where it logs.
 
-    Args:
-        grads: gradient statistics per layer (``grad/norm``, ``grad/max_abs``), in one tensor
-            hook per watched tensor.
-        params: per-parameter gradient norms and ``|g| / |w|`` (``param_grad/norm``, ``param_grad/ratio``).
-        activations: activation statistics per layer (``act/mean_abs``, ``act/max_abs``, ``act/std``).
-        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"float8_e5m2"``: what that format
-            loses of each layer's output and of its gradient, per step (underflow, subnormal,
-            overflow fractions and the dynamic range in octaves), flagged above ``flag_above``.
-        tripwire: stop at the first NaN/Inf: in the forward, ``model(x)`` raises
-            :class:`~hookscope.NonFiniteError` naming the module; in the backward, ``step()`` does,
-            naming the first gradient in backward order, with ``error.step``. A trip takes every
-            hook off before the error leaves, so a loop the monitor does not enclose (a
-            Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
-            ``with`` block (or the callback's end) removes the hooks, and keeps no evidence:
-            check a run that trips eagerly. ``tripwire=False`` raises neither: a NaN/Inf
-            gradient becomes a ``grad_nonfinite`` flag of the step, and the run goes on. So does
-            one under a known ``grad_scaler``: an overflow is the scaler's to handle (it skips
-            the step and lowers its scale).
-        every: log every N-th step (by the step numbers, from ``start``); other steps' hooks return
-            at once and cross to the host never. Only forwards under grad count (an evaluation's
-            forward between steps does not), and the backward tripwire checks logged steps.
-        sinks: paths (``.jsonl``, ``.csv``; closed with the monitor), a TensorBoard
-            ``SummaryWriter``, or objects with ``write(step, scalars)`` (left open: their
-            owner closes them, so one sink can serve several runs). Every sink gets every
-            step; sinks that raise are named after the others wrote, in one
-            :class:`~hookscope.SinkError`.
-        names: ``"std"`` logs canonical names (``blocks.3``) where the model has them, ``"modules"``
-            module names.
-        flag_above: the fraction of a layer's values a format may lose before the step is flagged.
-        histograms: also a histogram of each layer's output per logged step (64 buckets of a
-            sample of at most 32,768 values, counted on the device): ``step.histograms``, and
-            the sinks that draw them (TensorBoard, wandb).
-        trip_dir: where a trip keeps its evidence: the offending batch and a trace of the model
-            on it (every call's shapes and value ranges), named by step.
-        start: the number of the first step (a resumed run's), for the logs and ``error.step``.
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss (fp16): every gradient
-            statistic of a step is divided by its scale (``get_scale()``, read once per logged
-            step: call ``step()`` before ``scaler.update()``), so the record holds the
-            gradients of the loss itself. Under float16 autocast with none given, a warning
-            (once) says the gradients may carry a scale.
-
     >>> MonitorOptions(every=10, precision="bf16").changes()
     {'precision': 'bf16', 'every': 10}
     >>> MonitorOptions.from_dict(MonitorOptions(every=10).to_dict()) == MonitorOptions(every=10)
@@ -75,18 +34,66 @@ class MonitorOptions(Options):
     feature = "monitor"
 
     grads: bool = True
+    """Gradient statistics per layer (``grad/norm``, ``grad/max_abs``), in one tensor hook per watched
+    tensor.
+    """
     params: bool = True
+    """Per-parameter gradient norms and ``|g| / |w|`` (``param_grad/norm``, ``param_grad/ratio``).
+    """
     activations: bool = True
+    """Activation statistics per layer (``act/mean_abs``, ``act/max_abs``, ``act/std``).
+    """
     precision: str | torch.dtype | None = None
+    """``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"float8_e5m2"``: what that format loses of each
+    layer's output and of its gradient, per step (underflow, subnormal, overflow fractions and the
+    dynamic range in octaves), flagged above ``flag_above``.
+    """
     tripwire: bool = True
+    """Stop at the first NaN/Inf: in the forward, ``model(x)`` raises :class:`~hookscope.NonFiniteError`
+    naming the module; in the backward, ``step()`` does, naming the first gradient in backward order,
+    with ``error.step``. A trip takes every hook off before the error leaves, so a loop the monitor does
+    not enclose (a Trainer's) keeps none. Under ``torch.compile`` a forward trip is not seen until the
+    ``with`` block (or the callback's end) removes the hooks, and keeps no evidence: check a run that
+    trips eagerly. ``tripwire=False`` raises neither: a NaN/Inf gradient becomes a ``grad_nonfinite``
+    flag of the step, and the run goes on. So does one under a known ``grad_scaler``: an overflow is the
+    scaler's to handle (it skips the step and lowers its scale).
+    """
     every: int = 1
+    """Log every N-th step (by the step numbers, from ``start``); other steps' hooks return at once and
+    cross to the host never. Only forwards under grad count (an evaluation's forward between steps does
+    not), and the backward tripwire checks logged steps.
+    """
     sinks: tuple[Any, ...] = ()
+    """Paths (``.jsonl``, ``.csv``; closed with the monitor), a TensorBoard ``SummaryWriter``, or
+    objects with ``write(step, scalars)`` (left open: their owner closes them, so one sink can serve
+    several runs). Every sink gets every step; sinks that raise are named after the others wrote, in one
+    :class:`~hookscope.SinkError`.
+    """
     names: str = "std"  # type: ignore[assignment]  # hides Options.names(); the base reads option_names()
+    """``"std"`` logs canonical names (``blocks.3``) where the model has them, ``"modules"`` module
+    names.
+    """
     flag_above: float = 0.01
+    """The fraction of a layer's values a format may lose before the step is flagged.
+    """
     histograms: bool = False
+    """Also a histogram of each layer's output per logged step (64 buckets of a sample of at most 32,768
+    values, counted on the device): ``step.histograms``, and the sinks that draw them (TensorBoard,
+    wandb).
+    """
     trip_dir: str | os.PathLike[str] | None = None  # kept as a str
+    """Where a trip keeps its evidence: the offending batch and a trace of the model on it (every call's
+    shapes and value ranges), named by step.
+    """
     start: int = 0
+    """The number of the first step (a resumed run's), for the logs and ``error.step``.
+    """
     grad_scaler: Any = None
+    """The ``torch.amp.GradScaler`` that scales the loss (fp16): every gradient statistic of a step is
+    divided by its scale (``get_scale()``, read once per logged step: call ``step()`` before
+    ``scaler.update()``), so the record holds the gradients of the loss itself. Under float16 autocast
+    with none given, a warning (once) says the gradients may carry a scale.
+    """
 
     def __post_init__(self) -> None:
         every = self.every
