@@ -89,6 +89,7 @@ from transformers import GPT2Config, GPT2Model, ResNetConfig, ResNetModel  # noq
 
 import common  # noqa: E402
 import hookscope as hs  # noqa: E402
+from hookscope.tensors import parse_dtype  # noqa: E402
 
 ROUNDS, WARMUP = 5, 2
 QUICK_ROUNDS, QUICK_WARMUP = 2, 1
@@ -743,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtype = hs.parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     run = Run(args, device)
     run.info = environment(device)
     info = run.info

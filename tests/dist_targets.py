@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hookscope as hs
+from hookscope.tensors import tensor_stats
 
 
 def _blocks() -> nn.Sequential:
@@ -109,7 +110,7 @@ def fsdp2(rank: int, world: int) -> dict[str, Any]:
     assert grad is not None
     full_grad, full_weight = grad.full_tensor(), weight.detach().full_tensor()
     record = next(r for r in step.records if r.what == "param" and r.path == "1.0.weight")
-    stats = hs.tensor_stats(weight)  # a DTensor: its whole value, gathered
+    stats = tensor_stats(weight)  # a DTensor: its whole value, gathered
     return {
         "classes": sorted({type(m).__name__ for m in model.modules()}),
         "sharded": type(weight).__name__,

@@ -1,4 +1,4 @@
-"""``hs.save_tensors`` / ``hs.load_tensors`` / ``hs.tensor_file_format``: bit-exact round trips,
+"""``save_tensors`` / ``load_tensors`` / ``tensor_file_format``: bit-exact round trips,
 metadata, atomic writes, files from other tools, refusals."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 
 import hookscope as hs
-from hookscope import load_tensors, save_tensors, tensor_file_format
 from hookscope._capture.files import SUPPORTED_SUFFIXES
 from hookscope.errors import FileFormatError, SpecError
+from hookscope.io import load_tensors, save_tensors, tensor_file_format
 
 DTYPES = [
     torch.bool,

@@ -11,6 +11,7 @@ import torch
 import hookscope as hs
 from hookscope.cli.parse.data_specs import RandomRows
 from hookscope.cli.parse.specs import load_model, make_input
+from hookscope.io import load_tensors
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.transformers
@@ -54,7 +55,7 @@ def test_capture_of_a_decoder_layer(capsys: pytest.CaptureFixture[str], tmp_path
         capsys, "capture", T5, "-l", "decoder.final_layer_norm,encoder.final_layer_norm", "-o", str(out)
     )
     assert code == 0, err
-    tensors, _ = hs.load_tensors(out)
+    tensors, _ = load_tensors(out)
     shapes = {key.split("#")[0]: tuple(value.shape) for key, value in tensors.items()}
     assert shapes == {"decoder.final_layer_norm": (1, 4, 16), "encoder.final_layer_norm": (1, 16, 16)}
 

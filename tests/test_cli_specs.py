@@ -15,6 +15,7 @@ import hookscope as hs
 from hookscope.cli.parse.specs import load_model, make_input, parse_shape
 from hookscope.demo.models import SmallCNN
 from hookscope.errors import SpecError, UnsupportedModelError
+from hookscope.tensors import parse_dtype
 from tests.test_cli import run_cli
 
 GPT2 = "hf-config:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=64&n_positions=32&bos_token_id=0&eos_token_id=0"
@@ -205,13 +206,13 @@ def test_parse_shape_refuses(text: str) -> None:
     ],
 )
 def test_parse_dtype(text: str, dtype: torch.dtype) -> None:
-    assert hs.parse_dtype(text) == dtype
+    assert parse_dtype(text) == dtype
 
 
 @pytest.mark.parametrize("text", ["int8", "fp8", ""])
 def test_parse_dtype_refuses(text: str) -> None:
     with pytest.raises(SpecError, match="expected one of float32, fp32"):
-        hs.parse_dtype(text)
+        parse_dtype(text)
 
 
 # --- make_input ----------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from torch import nn
 import hookscope as hs
 from hookscope import errors
 from hookscope.cli.app import EXIT_CODES, exit_code
+from hookscope.io import load_tensors, save_tensors, tensor_file_format
+from hookscope.tensors import parse_dtype
 from tests.models import LinearInplaceReLU, SharedTwice, SmallCNN
 from tests.test_cli import run_cli
 
@@ -295,10 +297,10 @@ BAD_INPUT: dict[str, Callable[[Path], object]] = {
         SmallCNN.example(),
         inputs_b=[SmallCNN.example()],  # type: ignore[arg-type]
     ),
-    "a tensor file of no format": lambda _: hs.tensor_file_format("acts.csv"),
-    "saving a number as a tensor": lambda path: hs.save_tensors(path / "a.npz", {"x": 3}),  # type: ignore[dict-item]
-    "loading a file of no format": lambda path: hs.load_tensors(path / "a.h5"),
-    "an integer dtype": lambda _: hs.parse_dtype("int8"),
+    "a tensor file of no format": lambda _: tensor_file_format("acts.csv"),
+    "saving a number as a tensor": lambda path: save_tensors(path / "a.npz", {"x": 3}),  # type: ignore[dict-item]
+    "loading a file of no format": lambda path: load_tensors(path / "a.h5"),
+    "an integer dtype": lambda _: parse_dtype("int8"),
     "a model class, not a model": lambda _: hs.ensure_module(SmallCNN),
     "a report that is no HTML file": lambda path: hs.report(SmallCNN(), SmallCNN.example(), out=path / "r.txt"),
     "a store that is not there": lambda path: hs.open_store(path / "none.zarr"),

@@ -10,6 +10,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._core.attach import attached as attached_hooks
+from hookscope.tensors import flatten_tensors
 from tests.conftest import raw_hook_count
 from tests.models import (
     HalfRefuses,
@@ -360,7 +361,7 @@ class TestRealModels:
         names = names_of(model)
 
         def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            shapes[names[module]] = [tuple(t.shape) for _, t in hs.flatten_tensors(output)]
+            shapes[names[module]] = [tuple(t.shape) for _, t in flatten_tensors(output)]
 
         with hs.hooks(model, {"h.*.mlp": record, "h.*.attn": record}):
             assert torch.equal(model(ids).last_hidden_state, plain)

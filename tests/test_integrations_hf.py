@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.sinks import JsonLinesSink
 
 pytestmark = [pytest.mark.transformers, pytest.mark.slow]
 
@@ -116,7 +117,7 @@ def test_a_nan_at_step_7_stops_training_at_step_7_naming_the_layer(tmp_path: Pat
 
 
 def test_a_second_train_call_logs_again_to_the_same_sink_object(tmp_path: Path) -> None:
-    sink = hs.JsonLinesSink(tmp_path / "metrics.jsonl")
+    sink = JsonLinesSink(tmp_path / "metrics.jsonl")
     callback = HookscopeCallback(every=5, sinks=[sink])
     trainer = transformers.Trainer(
         model=model(), args=arguments(tmp_path, steps=5), train_dataset=Tokens(), callbacks=[callback]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.sinks import MLflowSink, WandbSink
 
 pytestmark = [pytest.mark.slow]
 
@@ -41,7 +42,7 @@ def test_wandb_offline_run_files_hold_the_metrics(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    sink = hs.WandbSink(project="hookscope-test", dir=str(tmp_path))
+    sink = WandbSink(project="hookscope-test", dir=str(tmp_path))
     run_dir = Path(sink.run.dir)  # .../offline-run-*/files
     mon = train(tiny(), 3, [sink])
     sink.close()  # the sink's owner closes it: the run it started finishes
@@ -116,7 +117,7 @@ def test_mlflow_sqlite_store_holds_every_step_and_names_it_would_merge_apart(
         m.register_forward_hook(lambda m, a, out: outputs.append(out) or out.retain_grad()) for m in model.children()
     ]
     try:
-        sink = hs.MLflowSink(run_name="hookscope-test")
+        sink = MLflowSink(run_name="hookscope-test")
         run_id = sink.run.info.run_id
         mon = train(model, 3, [sink])
         sink.close()

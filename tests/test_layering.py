@@ -43,7 +43,16 @@ FEATURES = {
 #: Public modules a feature may use as any user would (their package roots, not their internals).
 PUBLIC_FEATURE_MODULES = {"hookscope.edits", "hookscope.plots"}
 #: Public modules besides the package root, which the CLI may import.
-PUBLIC_MODULES = {"hookscope.errors", "hookscope.edits", "hookscope.plots", "hookscope.methods", "hookscope.redaction"}
+PUBLIC_MODULES = {
+    "hookscope.errors",
+    "hookscope.edits",
+    "hookscope.plots",
+    "hookscope.methods",
+    "hookscope.redaction",
+    "hookscope.io",
+    "hookscope.sinks",
+    "hookscope.tensors",
+}
 
 
 def module_name(path: Path) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.sinks import MLflowSink, TensorBoardSink
 
 
 def tiny() -> nn.Module:
@@ -93,7 +94,7 @@ def test_tensorboard_sink_without_tensorboard_names_the_install(
     with pytest.raises(
         hs.MissingDependencyError, match=r"TensorBoardSink needs tensorboard: pip install 'hookscope\[tensorboard\]'"
     ):
-        hs.TensorBoardSink(tmp_path / "runs")
+        TensorBoardSink(tmp_path / "runs")
 
 
 # -- MLflow: the SQLite store MLflow recommends for local use ------------------------------------------
@@ -116,14 +117,14 @@ def test_mlflow_sink_on_sqlite_without_its_database_packages_names_the_install(
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny alone: no database packages
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with pytest.raises(hs.MissingDependencyError, match=r"sqlalchemy: pip install 'hookscope\[mlflow\]'"):
-        hs.MLflowSink()
+        MLflowSink()
     assert mlflow.active_run() is None
 
 
 def test_mlflow_file_store_refusal_names_the_sqlite_store(tmp_path: Path, mlflow: Any) -> None:
     mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
     with pytest.raises(hs.SpecError, match=r"mlflow.set_tracking_uri\('sqlite:///mlflow.db'\)"):
-        hs.MLflowSink()
+        MLflowSink()
 
 
 class NoHistograms:
@@ -163,7 +164,7 @@ def test_a_sink_error_quoting_a_tracking_uri_keeps_no_credentials(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     secret = "Sup3rSecretValue9"
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    sink = hs.MLflowSink()
+    sink = MLflowSink()
     mlflow.set_tracking_uri(f"http://user:{secret}@127.0.0.1:1")  # the server, reached with basic auth, is gone
     model = tiny()
     try:

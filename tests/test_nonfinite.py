@@ -12,6 +12,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope.errors import NonFiniteError
+from hookscope.tensors import flatten_tensors
 from tests.models import RaisesMidForward, track
 
 
@@ -319,7 +320,7 @@ def reference_first_bad(model: nn.Module, x: torch.Tensor, skip: str) -> tuple[s
     and whether its inputs were finite."""
 
     def finite(value: Any) -> bool:
-        return all(bool(torch.isfinite(t).all()) for _, t in hs.flatten_tensors(value) if t.is_floating_point())
+        return all(bool(torch.isfinite(t).all()) for _, t in flatten_tensors(value) if t.is_floating_point())
 
     returned: list[tuple[str, bool, bool]] = []
     handles = [

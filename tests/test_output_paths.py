@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.io import check_output_path, save_tensors
 from tests.models import SmallCNN
 from tests.test_cli import run_cli
 
@@ -97,7 +98,7 @@ def test_saving_below_a_file_is_an_output_path_error(below_a_file: Path, suffix:
 def test_saving_into_proc_is_an_output_path_error(suffix: str) -> None:
     target = Path(f"/proc/acts{suffix}")
     with pytest.raises(hs.OutputPathError) as info:
-        hs.save_tensors(target, {"x": torch.ones(2)})
+        save_tensors(target, {"x": torch.ones(2)})
     assert_names_path_not_partial(info.value, target)
     assert not target.exists()
 
@@ -106,7 +107,7 @@ def test_saving_into_proc_is_an_output_path_error(suffix: str) -> None:
 def test_saving_into_a_read_only_folder_is_an_output_path_error(read_only: Path, suffix: str) -> None:
     target = read_only / "sub" / f"acts{suffix}"
     with pytest.raises(hs.OutputPathError) as info:
-        hs.save_tensors(target, {"x": torch.ones(2)})
+        save_tensors(target, {"x": torch.ones(2)})
     assert info.value.errno in (errno.EROFS, errno.EACCES)
     assert_names_path_not_partial(info.value, target)
     assert list(read_only.iterdir()) == []
@@ -114,10 +115,10 @@ def test_saving_into_a_read_only_folder_is_an_output_path_error(read_only: Path,
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_a_full_disk_is_an_output_write_error_and_leaves_nothing(tiny_disk: Path, suffix: str) -> None:
-    old = hs.save_tensors(tiny_disk / f"acts{suffix}", {"old": torch.arange(4)})
+    old = save_tensors(tiny_disk / f"acts{suffix}", {"old": torch.arange(4)})
     before = old.read_bytes()
     with pytest.raises(hs.OutputWriteError) as info:
-        hs.save_tensors(old, BIG)
+        save_tensors(old, BIG)
     assert info.value.errno == errno.ENOSPC
     assert "No space left on device" in str(info.value)
     assert_names_path_not_partial(info.value, old)
@@ -130,7 +131,7 @@ def test_output_errors_pickle_with_their_fields(below_a_file: Path) -> None:
     import pickle
 
     with pytest.raises(hs.OutputPathError) as info:
-        hs.check_output_path(below_a_file / "x.npz")
+        check_output_path(below_a_file / "x.npz")
     back = pickle.loads(pickle.dumps(info.value))
     assert (type(back), str(back), back.path, back.errno) == (
         hs.OutputPathError,
@@ -141,7 +142,7 @@ def test_output_errors_pickle_with_their_fields(below_a_file: Path) -> None:
 
 
 def test_check_output_path_accepts_missing_folders_and_leaves_nothing(tmp_path: Path) -> None:
-    assert hs.check_output_path(tmp_path / "a" / "b" / "c.npz") == tmp_path / "a" / "b" / "c.npz"
+    assert check_output_path(tmp_path / "a" / "b" / "c.npz") == tmp_path / "a" / "b" / "c.npz"
     assert list(tmp_path.iterdir()) == []  # neither the folders nor the probe
 
 
@@ -236,7 +237,7 @@ def test_a_temporary_file_of_a_killed_writer_is_removed_by_the_next_save(tmp_pat
     assert len(left) == 1
     assert left[0].startswith(".acts.npz.")
     assert left[0].endswith(".partial")
-    hs.save_tensors(target, {"x": torch.ones(2)})
+    save_tensors(target, {"x": torch.ones(2)})
     assert [p.name for p in tmp_path.iterdir()] == ["acts.npz"]
 
 
@@ -246,7 +247,7 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path: Path) -> None:
         try:
             theirs = tmp_path / f".acts.npz.{other.pid}-0a1b2c3d.partial"
             theirs.write_bytes(b"in progress")
-            hs.save_tensors(target, {"x": torch.ones(2)})
+            save_tensors(target, {"x": torch.ones(2)})
             assert theirs.exists()
         finally:
             other.kill()
@@ -261,7 +262,7 @@ def test_saved_files_and_their_folder_are_synced(tmp_path: Path, monkeypatch: py
         real_fsync(handle)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    hs.save_tensors(tmp_path / "a.safetensors", {"x": torch.ones(2)})
+    save_tensors(tmp_path / "a.safetensors", {"x": torch.ones(2)})
     assert any(
         name.endswith(".partial") and "/.a.safetensors." in name for name in synced
     )  # the data, before the rename

@@ -14,6 +14,7 @@ import torch
 
 import hookscope as hs
 from hookscope import errors
+from hookscope.tensors import tensor_stats
 
 
 def test_all_is_sorted_and_complete() -> None:
@@ -56,7 +57,7 @@ def test_every_export_names_hookscope_as_its_module() -> None:
 def test_exports_still_pickle_and_keep_their_source() -> None:
     site = hs.Site("h.0.mlp", 1, "output", "[0]")
     assert pickle.loads(pickle.dumps(site)) == site
-    stats = hs.tensor_stats(torch.arange(4.0))
+    stats = tensor_stats(torch.arange(4.0))
     assert pickle.loads(pickle.dumps(stats)) == stats
     assert inspect.getsourcefile(hs.capture) is not None
     assert inspect.getsourcefile(hs.capture).endswith("recorder.py")  # type: ignore[union-attr]
@@ -112,9 +113,12 @@ PUBLIC_MODULES = [
     "hookscope.integrations",
     "hookscope.integrations.hf",
     "hookscope.integrations.lightning",
+    "hookscope.io",
     "hookscope.methods",
     "hookscope.plots",
     "hookscope.redaction",
+    "hookscope.sinks",
+    "hookscope.tensors",
 ]
 
 

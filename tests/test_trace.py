@@ -16,6 +16,7 @@ from torch import nn
 import hookscope as hs
 from hookscope._trace.timing import PeakMemory
 from hookscope.errors import SiteNotFoundError, SpecError
+from hookscope.tensors import flatten_tensors
 from tests.models import (
     KeywordOnly,
     LinearInplaceReLU,
@@ -52,7 +53,7 @@ def observe(
 
     def leave(module: nn.Module, _args: Any, output: Any) -> None:
         name = modules[id(module)][0]
-        leaves = hs.flatten_tensors(output)
+        leaves = flatten_tensors(output)
         call = open_calls[name].pop()
         if leaves:
             kept[(name, call)] = leaves[0][1].detach().clone()
@@ -314,7 +315,7 @@ def generation_passes(model: nn.Module, run: Callable[[], Any]) -> list[list[tup
 
     def leave(module: nn.Module, _args: Any, output: Any) -> None:
         entry = started.pop()  # calls nest: the innermost open one returns first
-        leaves = hs.flatten_tensors(output)
+        leaves = flatten_tensors(output)
         entry[2] = tuple(leaves[0][1].shape) if leaves else (-1,)
 
     with_plain_hooks(list(model.modules()), enter, leave, run)

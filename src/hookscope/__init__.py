@@ -12,48 +12,40 @@ libraries (rich, matplotlib, zarr, jinja2, transformers, typer) are imported onl
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import TYPE_CHECKING
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from hookscope import edits, methods, plots
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
-from hookscope._capture.files import load_tensors, save_tensors, tensor_file_format
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
 from hookscope._core.samples import default_input_shape, sample_input
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._core.std import StdMap, StdSite, std_map
-from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
 from hookscope._extract import ExtractConfig, extract
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._monitor import (
-    CsvSink,
     GradFlag,
     GradMonitor,
     GradRecord,
     GradStep,
     GradSummary,
-    JsonLinesSink,
-    MLflowSink,
     Monitor,
     MonitorFlag,
     MonitorOptions,
     MonitorStep,
-    TensorBoardSink,
-    WandbSink,
     monitor,
     watch_grads,
 )
 from hookscope._report import report
-from hookscope._shared.dtypes import dtype_name, parse_dtype
-from hookscope._shared.files import check_output_path
 from hookscope._shared.histogram import Histogram
-from hookscope._shared.names import public_dir, public_submodule
+from hookscope._shared.names import DEFINED_IN, own_exports, public_dir, public_submodule
 from hookscope._shared.precision import Precision
-from hookscope._shared.stats import RunningStats, Stats, tensor_stats
+from hookscope._shared.stats import RunningStats, Stats
 from hookscope._store import SiteStats, Store, StoreArray, StoreLoader, open_store
 from hookscope._trace import (
     NonFiniteRow,
@@ -105,7 +97,6 @@ __all__ = [
     "CaptureOptions",
     "CastOverflowWarning",
     "ConcurrentPassError",
-    "CsvSink",
     "DataError",
     "Diff",
     "DiffRow",
@@ -125,10 +116,8 @@ __all__ = [
     "HookGroup",
     "HookSpec",
     "HookscopeError",
-    "JsonLinesSink",
     "Layer",
     "LayerTable",
-    "MLflowSink",
     "MissingDependencyError",
     "Monitor",
     "MonitorFlag",
@@ -163,36 +152,28 @@ __all__ = [
     "StoreReadError",
     "StoreRepairWarning",
     "StoreWriteError",
-    "TensorBoardSink",
     "TensorInfo",
     "Trace",
     "TraceOptions",
     "TraceRow",
     "Tracer",
     "UnsupportedModelError",
-    "WandbSink",
     "__version__",
     "attached",
     "capture",
-    "check_output_path",
     "default_input_shape",
     "detect_nonfinite",
     "diff",
-    "dtype_name",
     "edit",
     "edits",
     "ensure_module",
     "extract",
-    "flatten_tensors",
     "hooks",
     "layers",
     "load",
-    "load_tensors",
-    "map_tensors",
     "methods",
     "monitor",
     "open_store",
-    "parse_dtype",
     "plots",
     "remove_all",
     "report",
@@ -200,41 +181,39 @@ __all__ = [
     "run_with_edits",
     "run_with_trace",
     "sample_input",
-    "save_tensors",
     "select",
     "std_map",
-    "tensor_file_format",
-    "tensor_stats",
     "trace",
     "tracing",
     "watch_grads",
 ]
 
 
-#: Where each export rewritten below is defined, for tools that must find its source module
-#: (the test suite's doctest collection reads it; ``inspect.getsourcefile`` still works).
-_defined_in: dict[object, str] = {}
+#: Where each export is defined (``own_exports`` renames them ``hookscope.X``), for tools that must
+#: find its source module: the test suite's doctest collection reads it.
+_defined_in = DEFINED_IN
 
+own_exports(__name__)
 
-def _own_exports() -> None:
-    """Name ``hookscope`` as the home of every exported class and function.
-
-    Reprs, tracebacks, pickles and documentation then show ``hookscope.Capture``, the name a
-    user writes, not the private module it happens to be defined in (``hookscope._capture...``).
-    """
-    for name in __all__:
-        exported = globals()[name]
-        home = getattr(exported, "__module__", None)
-        if (
-            (isinstance(exported, type) or callable(exported))
-            and isinstance(home, str)
-            and home.startswith("hookscope.")
-        ):
-            _defined_in[exported] = home
-            exported.__module__ = __name__
-
-
-_own_exports()
+#: Names that moved to a public submodule, and where: ``hs.save_tensors`` still works, with a
+#: ``FutureWarning`` (once per name) naming the new home.
+_MOVED = {
+    "check_output_path": "hookscope.io",
+    "load_tensors": "hookscope.io",
+    "save_tensors": "hookscope.io",
+    "tensor_file_format": "hookscope.io",
+    "CsvSink": "hookscope.sinks",
+    "JsonLinesSink": "hookscope.sinks",
+    "MLflowSink": "hookscope.sinks",
+    "TensorBoardSink": "hookscope.sinks",
+    "WandbSink": "hookscope.sinks",
+    "dtype_name": "hookscope.tensors",
+    "flatten_tensors": "hookscope.tensors",
+    "map_tensors": "hookscope.tensors",
+    "parse_dtype": "hookscope.tensors",
+    "tensor_stats": "hookscope.tensors",
+}
+_warned: set[str] = set()
 
 
 def __dir__() -> list[str]:
@@ -245,6 +224,17 @@ def __dir__() -> list[str]:
 
 if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept any hs.<name>
 
-    def __getattr__(name: str) -> ModuleType:
-        """A public submodule not imported yet (``hs.integrations``, ``hs.demo``), imported now."""
-        return public_submodule(__name__, name)
+    def __getattr__(name: str) -> Any:
+        """A public submodule not imported yet (``hs.integrations``, ``hs.demo``), imported now;
+        or a name that moved to one (``hs.save_tensors``: ``hookscope.io.save_tensors``)."""
+        home = _MOVED.get(name)
+        if home is None:
+            return public_submodule(__name__, name)
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"hs.{name} is now {home}.{name}; import it from there (hs.{name} will be removed)",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return getattr(importlib.import_module(home), name)

@@ -316,7 +316,7 @@ def as_sink(given: Any) -> Sink:
             return CsvSink(given)
         raise SpecError(
             f"sink {os.fspath(given)!r}: a file sink ends in .jsonl or .csv; for TensorBoard pass a SummaryWriter "
-            "or hs.TensorBoardSink(log_dir)"
+            "or hookscope.sinks.TensorBoardSink(log_dir)"
         )
     if callable(getattr(given, "add_scalar", None)):
         return TensorBoardSink(given)

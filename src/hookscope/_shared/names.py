@@ -15,7 +15,32 @@ import sys
 from functools import cache
 from types import ModuleType
 
-__all__ = ["public_dir", "public_submodule"]
+__all__ = ["DEFINED_IN", "own_exports", "public_dir", "public_submodule"]
+
+#: Where each export that :func:`own_exports` renamed is defined, for tools that must find its
+#: source module (the test suite's doctest collection reads it; ``inspect.getsourcefile`` still works).
+DEFINED_IN: dict[object, str] = {}
+
+
+def own_exports(name: str) -> None:
+    """Name the public module ``name`` as the home of every class and function its ``__all__`` lists.
+
+    Reprs, tracebacks, pickles and documentation then show ``hookscope.Capture`` or
+    ``hookscope.io.save_tensors``, the name a user writes, not the private module it happens to
+    be defined in (``hookscope._capture...``).
+    """
+    module = sys.modules[name]
+    for attribute in module.__all__:
+        exported = getattr(module, attribute)
+        home = getattr(exported, "__module__", None)
+        if (
+            (isinstance(exported, type) or callable(exported))
+            and isinstance(home, str)
+            and home.startswith("hookscope.")
+            and home != name
+        ):
+            DEFINED_IN[exported] = home
+            exported.__module__ = name
 
 
 def public_dir(name: str) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import hookscope as hs
 from hookscope.cli.parse.options import seed_option
 from hookscope.errors import HookscopeError, OutputWriteError, SpecError
+from hookscope.io import check_output_path
 
 __all__ = [
     "FIGURE_OUTPUTS",
@@ -129,7 +130,7 @@ def check_out(out: Path, suffixes: Sequence[str]) -> None:
     """Refuse an output of another kind, or one that cannot be written, before the model runs."""
     if out.suffix.lower() not in suffixes:
         raise SpecError(f"--out {out}: expected a file name ending in {', '.join(suffixes)}")
-    hs.check_output_path(out, what="--out")
+    check_output_path(out, what="--out")
 
 
 def seeded(model: str, dtype: str | None, seed: int) -> Any:

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-import hookscope as hs
 from hookscope.cli.parse.specs import load_attribute
 from hookscope.errors import SpecError
+from hookscope.tensors import flatten_tensors
 
 __all__ = ["LOSS_FORMS", "loss_from_spec"]
 
@@ -40,7 +40,7 @@ def loss_from_spec(spec: str) -> Callable[[Any], torch.Tensor]:
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
-    for _, tensor in hs.flatten_tensors(output):
+    for _, tensor in flatten_tensors(output):
         if tensor.is_floating_point():
             return tensor
     raise SpecError("the model's output holds no floating-point tensor to take a loss of; pass --loss module:function")

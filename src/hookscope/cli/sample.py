@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-import hookscope as hs
 from hookscope.cli.parse.specs import load_model, make_input
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.tensors import dtype_name, parse_dtype
 
 __all__ = ["SampleRun", "build_model", "prepare"]
 
@@ -33,7 +33,7 @@ class SampleRun:
     def describe_input(self) -> str:
         """``"input: (1, 3, 32, 32) float32"`` or ``"input: input_ids (1, 16) int64"``."""
         labelled = [("", x) for x in self.args] + [(f"{name} ", x) for name, x in self.kwargs.items()]
-        parts = [f"{label}{tuple(x.shape)} {hs.dtype_name(x.dtype)}" for label, x in labelled]
+        parts = [f"{label}{tuple(x.shape)} {dtype_name(x.dtype)}" for label, x in labelled]
         return "input: " + ", ".join(parts)
 
     def run(self, call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], T]) -> T:
@@ -52,7 +52,7 @@ class SampleRun:
 def build_model(model_spec: str, dtype: str | None) -> nn.Module:
     """Build the model ``model_spec`` names, cast to ``dtype`` if given."""
     model = load_model(model_spec)
-    return model.to(hs.parse_dtype(dtype)) if dtype is not None else model
+    return model.to(parse_dtype(dtype)) if dtype is not None else model
 
 
 def prepare(model_spec: str, input_shape: str | None, dtype: str | None, seed: int = 0) -> SampleRun:

@@ -18,13 +18,14 @@ import hookscope as hs
 from hookscope.cli.parse.specs import make_input
 from hookscope.cli.sample import SampleRun
 from hookscope.errors import SpecError
+from hookscope.tensors import flatten_tensors
 
 __all__ = ["synthetic_loss", "train_steps"]
 
 
 def synthetic_loss(output: object, generator: torch.Generator) -> torch.Tensor:
     """The loss described in the module doc, for a model's ``output``."""
-    floating = [t for _, t in hs.flatten_tensors(output) if t.is_floating_point() and t.requires_grad]
+    floating = [t for _, t in flatten_tensors(output) if t.is_floating_point() and t.requires_grad]
     if not floating:
         raise SpecError("the model's output holds no floating-point tensor that requires grad: nothing to train")
     prediction = floating[0]

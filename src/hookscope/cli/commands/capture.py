@@ -11,6 +11,7 @@ import hookscope as hs
 from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.values import calls_value, counted, selector_list
+from hookscope.io import check_output_path, tensor_file_format
 
 __all__ = ["capture_command"]
 
@@ -47,8 +48,8 @@ def capture_command(
     """Run MODEL once on a sample input and save the chosen layers' values to a file."""
     from hookscope.cli.sample import prepare
 
-    hs.tensor_file_format(out)  # a mistyped extension fails before the model runs, not after
-    hs.check_output_path(out, what="-o")  # so does a path that cannot be written
+    tensor_file_format(out)  # a mistyped extension fails before the model runs, not after
+    check_output_path(out, what="-o")  # so does a path that cannot be written
     selectors = selector_list(layers)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())

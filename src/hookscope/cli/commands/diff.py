@@ -10,6 +10,8 @@ import typer
 import hookscope as hs
 from hookscope.cli.parse.options import InputShape, seed_option, split_selectors
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.io import check_output_path
+from hookscope.tensors import dtype_name, parse_dtype
 
 __all__ = ["diff_command"]
 
@@ -61,7 +63,7 @@ def diff_command(
     if csv is not None:
         if not csv.parent.exists():
             raise SpecError(f"--csv {csv}: folder {csv.parent} does not exist; create it or pick another path")
-        hs.check_output_path(csv, what="--csv")  # below a file or read-only: before the models run
+        check_output_path(csv, what="--csv")  # below a file or read-only: before the models run
     if mapping and by_order:
         raise SpecError("--map and --by-order pair sites in two different ways; pass one")
     pairing: Literal["name", "order"] = "order" if by_order else "name"
@@ -73,9 +75,9 @@ def diff_command(
     args, kwargs = make_input(net_a, input_shape, seed=seed)
     inputs_b = None
     if dtype is not None:  # b and its floating inputs cast: the same seeded values, in b's dtype
-        net_b = net_b.to(hs.parse_dtype(dtype))
+        net_b = net_b.to(parse_dtype(dtype))
         inputs_b = make_input(net_a, input_shape, dtype=dtype, seed=seed)
-    typer.echo("input: " + ", ".join(f"{tuple(t.shape)} {hs.dtype_name(t.dtype)}" for t in [*args, *kwargs.values()]))
+    typer.echo("input: " + ", ".join(f"{tuple(t.shape)} {dtype_name(t.dtype)}" for t in [*args, *kwargs.values()]))
     try:
         result = hs.diff(net_a, net_b, *args, match=match, rtol=rtol, atol=atol, model_kwargs=kwargs, inputs_b=inputs_b)
     except (HookscopeError, OSError):

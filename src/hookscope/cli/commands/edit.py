@@ -10,6 +10,7 @@ import hookscope as hs
 from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.errors import SpecError
+from hookscope.tensors import flatten_tensors
 
 __all__ = ["edit_command"]
 
@@ -54,8 +55,8 @@ def edit_command(
         with hs.edit(net, parsed, options=options) as editor:
             typer.echo(f"edits on {', '.join(editor.sites)}")
             edited = sample.run(lambda m, args, kwargs: m(*args, **kwargs))
-    before = [(p, t) for p, t in hs.flatten_tensors(plain) if t.is_floating_point()]
-    after = [t for _, t in hs.flatten_tensors(edited) if t.is_floating_point()]
+    before = [(p, t) for p, t in flatten_tensors(plain) if t.is_floating_point()]
+    after = [t for _, t in flatten_tensors(edited) if t.is_floating_point()]
     if not before or len(before) != len(after):
         raise SpecError("the model's output holds no floating-point tensor to compare")
     path, first = before[0]

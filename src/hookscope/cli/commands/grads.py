@@ -10,6 +10,7 @@ import typer
 import hookscope as hs
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.errors import SpecError
+from hookscope.io import check_output_path
 
 __all__ = ["grads_command"]
 
@@ -34,7 +35,7 @@ def grads_command(
     if png is not None and png.suffix.lower() != ".png":
         raise SpecError(f"--png {png}: expected a file name ending in .png")
     if png is not None:
-        hs.check_output_path(png, what="--png")
+        check_output_path(png, what="--png")
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     with hs.watch_grads(sample.model) as monitor:

@@ -12,6 +12,7 @@ from hookscope.cli.common import SAMPLE_FIX
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.values import selector_list
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.io import check_output_path
 
 __all__ = ["report_command"]
 
@@ -47,7 +48,7 @@ def report_command(
     from hookscope.cli.sample import prepare
 
     loss_fn = loss_from_spec(loss) if loss is not None else None
-    hs.check_output_path(out, what="-o")  # before the model is loaded
+    check_output_path(out, what="-o")  # before the model is loaded
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     options: dict[str, Any] = {"max_sites": max_sites, "feature_maps": feature_maps, "title": title}

@@ -12,6 +12,7 @@ from hookscope.cli.common import EXIT_BAD_INPUT, SAMPLE_FIX
 from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.values import selector_list
+from hookscope.io import check_output_path
 
 __all__ = ["trace_command"]
 
@@ -73,7 +74,7 @@ def trace_command(
 
     for option, path in (("--csv", csv), ("--json", json)):
         if path is not None:
-            hs.check_output_path(path, what=option)  # before the model runs, not after
+            check_output_path(path, what=option)  # before the model runs, not after
     op_selectors = [str(selector) for selector in selector_list(ops or [])]
     chosen: bool | list[str] = True
     if stats is not None:

@@ -24,6 +24,7 @@ import hookscope as hs
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.specs import make_input
 from hookscope.cli.training import synthetic_loss
+from hookscope.io import check_output_path
 
 __all__ = ["health_report", "train_check_command"]
 
@@ -49,7 +50,7 @@ def train_check_command(
     from hookscope.cli.sample import prepare
 
     if out is not None:
-        hs.check_output_path(out, what="--out")
+        check_output_path(out, what="--out")
     trip_dir = (out.parent if out is not None else Path(".")) / "hookscope-trips"
     options = hs.MonitorOptions(precision=precision, sinks=(out,) if out else (), trip_dir=trip_dir)  # checked first
     sample = prepare(model, input_shape, dtype, seed)

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-import hookscope as hs
 from hookscope.cli.parse.specs import COUNT_MAX, load_attribute, make_input, parse_shape
 from hookscope.errors import HookscopeError, SpecError
+from hookscope.io import load_tensors
 
 __all__ = ["DATA_FORMS", "RandomRows", "load_data"]
 
@@ -154,7 +154,7 @@ def _read(path: Path, suffix: str) -> Any:
     """One memory-mapped array (``.npy``), or the named tensors of a file the capture's reader reads."""
     if suffix == ".npy":
         return np.load(path, mmap_mode="r")
-    tensors, _ = hs.load_tensors(path)  # .npz, .pt and .safetensors, with their errors and dtypes
+    tensors, _ = load_tensors(path)  # .npz, .pt and .safetensors, with their errors and dtypes
     return tensors
 
 

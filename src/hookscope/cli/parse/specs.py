@@ -39,6 +39,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope.errors import MissingDependencyError, SpecError
+from hookscope.tensors import parse_dtype
 
 __all__ = ["COUNT_MAX", "DEMO_MODELS", "HF_HEADS", "load_attribute", "load_model", "make_input", "parse_shape"]
 
@@ -140,7 +141,7 @@ def make_input(
             f"no default input for {type(model).__name__}: it declares no example_input_shape; "
             "pass --input-shape, e.g. 1x3x224x224"
         )
-    return hs.sample_input(model, size, seed=seed, dtype=None if dtype is None else hs.parse_dtype(dtype))
+    return hs.sample_input(model, size, seed=seed, dtype=None if dtype is None else parse_dtype(dtype))
 
 
 def _example_shape(model: nn.Module) -> tuple[int, ...] | None:
