@@ -1,9 +1,11 @@
-"""Suite-wide guards: nothing is downloaded, and no test leaves a hook behind."""
+"""Suite-wide guards (nothing is downloaded, no test leaves a hook behind) and the golden files."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from torch import nn
@@ -38,3 +40,34 @@ def no_hook_left_behind() -> Iterator[None]:
     BUILT.clear()
     assert not leaked, f"hook groups left attached: {leaked}"
     assert not dirty, f"hooks left on zoo models: {dirty}"
+
+
+#: Set to 1 to write the golden files from what the code prints now (then review the diff and commit).
+UPDATE_GOLDEN = "HOOKSCOPE_UPDATE_GOLDEN"
+
+
+@dataclass
+class Golden:
+    """The golden files in ``folder`` (``tests/golden``), compared with what the code prints now."""
+
+    folder: Path
+
+    def check(self, name: str, text: str) -> None:
+        """Compare with ``folder/name``; ``HOOKSCOPE_UPDATE_GOLDEN=1`` writes the file instead.
+
+        A missing file fails the test: written silently, it would pass whatever the code printed.
+        """
+        path = self.folder / name
+        hint = f"{UPDATE_GOLDEN}=1 pytest {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}"
+        if os.environ.get(UPDATE_GOLDEN) == "1":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+        if not path.is_file():
+            pytest.fail(f"golden file {path} is missing; write it with `{hint}`, review it and commit it")
+        assert text + "\n" == path.read_text(), f"{path} differs; if the change is intended: `{hint}`"
+
+
+@pytest.fixture
+def golden() -> Golden:
+    """The suite's golden files: ``golden.check("layers_small_cnn.txt", str(table))``."""
+    return Golden(Path(__file__).parent / "golden")

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,46 +7,28 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from tests.conftest import UPDATE_GOLDEN, Golden
 from tests.models import KeywordOnly, Looped, Nested, SharedTwice, SmallCNN, gpt2_input, tiny_gpt2, track
-
-GOLDEN = Path(__file__).parent / "golden"
-#: Set to 1 to write the golden files from what the code prints now (then review the diff and commit).
-UPDATE_GOLDEN = "HOOKSCOPE_UPDATE_GOLDEN"
-
-
-def check_golden(name: str, text: str) -> None:
-    """Compare with tests/golden/NAME; ``HOOKSCOPE_UPDATE_GOLDEN=1`` writes the file instead.
-
-    A missing file fails the test: written silently, it would pass whatever the code printed.
-    """
-    path = GOLDEN / name
-    hint = f"{UPDATE_GOLDEN}=1 pytest {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}"
-    if os.environ.get(UPDATE_GOLDEN) == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-    if not path.is_file():
-        pytest.fail(f"golden file {path} is missing; write it with `{hint}`, review it and commit it")
-    assert text + "\n" == path.read_text(), f"{path} differs; if the change is intended: `{hint}`"
 
 
 def test_a_missing_golden_fails_and_says_how_to_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys.modules[__name__], "GOLDEN", tmp_path)
+    golden = Golden(tmp_path)
     monkeypatch.delenv(UPDATE_GOLDEN, raising=False)
     with pytest.raises(pytest.fail.Exception, match=f"is missing; write it with `{UPDATE_GOLDEN}=1 pytest tests/"):
-        check_golden("new.txt", "a table")
+        golden.check("new.txt", "a table")
     assert not (tmp_path / "new.txt").exists()
     monkeypatch.setenv(UPDATE_GOLDEN, "1")
-    check_golden("new.txt", "a table")
+    golden.check("new.txt", "a table")
     assert (tmp_path / "new.txt").read_text() == "a table\n"
 
 
-def test_small_cnn_table_golden() -> None:
+def test_small_cnn_table_golden(golden: Golden) -> None:
     table = hs.layers(SmallCNN(), SmallCNN.example())
-    check_golden("layers_small_cnn.txt", str(table))
+    golden.check("layers_small_cnn.txt", str(table))
 
 
-def test_nested_table_without_input_golden() -> None:
-    check_golden("layers_nested.txt", str(hs.layers(Nested())))
+def test_nested_table_without_input_golden(golden: Golden) -> None:
+    golden.check("layers_nested.txt", str(hs.layers(Nested())))
 
 
 def test_rows_are_named_modules_in_order_with_own_params() -> None:

@@ -21,7 +21,7 @@ import hookscope as hs
 import hookscope._capture.keeper as keeper
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.ops import OpWatcher, list_ops
-from tests.conftest import raw_hook_count
+from tests.conftest import Golden, raw_hook_count
 from tests.models import Tracked, attention_gpt2, attention_tokens, track
 
 WAIT = 30.0
@@ -700,12 +700,10 @@ def test_list_ops_lists_every_module_s_own_ops_in_order() -> None:
     ]
 
 
-def test_layers_lists_op_sites_in_a_second_table() -> None:
-    from tests.test_layers import check_golden
-
+def test_layers_lists_op_sites_in_a_second_table(golden: Golden) -> None:
     model = Net()
     table = hs.layers(model, image(), ops=True)
-    check_golden("layers_ops_net.txt", str(table))
+    golden.check("layers_ops_net.txt", str(table))
     assert table.ops is not None
     assert [str(op) for op in table.ops] == [str(op) for op in list_ops(model, image())]
     assert "head.fc#1:op[linear#0]" in str(table), "a module called twice shows its call"

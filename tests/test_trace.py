@@ -17,6 +17,7 @@ import hookscope as hs
 from hookscope._trace.timing import PeakMemory
 from hookscope.errors import SiteNotFoundError, SpecError
 from hookscope.tensors import flatten_tensors
+from tests.conftest import Golden
 from tests.models import (
     KeywordOnly,
     LinearInplaceReLU,
@@ -529,21 +530,17 @@ def small_cnn_trace() -> hs.Trace:
     return hs.trace(model, torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
 
 
-def test_small_cnn_layout_golden() -> None:
-    from tests.test_layers import check_golden
-
+def test_small_cnn_layout_golden(golden: Golden) -> None:
     trace = small_cnn_trace()
-    check_golden(
+    golden.check(
         "trace_small_cnn.txt", trace.table(columns=["order", "module", "class", "inputs", "outputs", "dtype", "params"])
     )
 
 
-def test_small_cnn_full_table_golden_normalised() -> None:
-    from tests.test_layers import check_golden
-
+def test_small_cnn_full_table_golden_normalised(golden: Golden) -> None:
     trace = small_cnn_trace()
     text = str(trace)
-    check_golden("trace_small_cnn_stats.txt", normalised(text))
+    golden.check("trace_small_cnn_stats.txt", normalised(text))
     lines = text.splitlines()
     body = lines[2 : 2 + len(trace)]
     assert len(body) == len(trace) == 5  # invariant: one line per module call
