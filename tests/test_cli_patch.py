@@ -46,7 +46,7 @@ def test_a_regex_with_a_comma_in_sites_is_one_selector(capsys: pytest.CaptureFix
     assert code == 0, err
     expected = hs.methods.patch_sweep(
         gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4),
-        sites=["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+        layers=["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
     )  # fmt: skip
     rows = table_rows(out, 3)
     assert [(site, int(position)) for site, position, _ in rows] == [labels for labels, _ in expected.top(12)]
@@ -61,7 +61,7 @@ def test_num_heads_splits_a_merged_value(capsys: pytest.CaptureFixture[str], gpt
     assert code == 0, err
     assert out.startswith("patch_sweep (denoise) of logit_diff(3, 4): 2 x 2 x 4 cells")  # 2 heads, 4 positions
     expected = hs.methods.patch_sweep(
-        gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4), sites=merged, heads=True, num_heads=2
+        gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4), layers=merged, heads=True, num_heads=2
     )
     rows = table_rows(out, 4)
     assert [(site, int(head), int(position)) for site, head, position, _ in rows] == [c for c, _ in expected.top(16)]
