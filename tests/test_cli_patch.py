@@ -98,7 +98,7 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
     argv = ["--clean", CLEAN, "--corrupted", CORRUPTED, "-m", "logit_diff:3,4"]
     code, _, err = run_cli(capsys, "patch", T5, *argv)
     assert code == 2
-    assert "pass --stack decoder. (or another of them), or --sites" in err
+    assert "pass --stack decoder. (or another of them), or --layers" in err
     assert "stack=" not in err
     decoded = ["--stack", "decoder", "--decoder-prompt", "0,3;0,4", "-k", "4"]  # decoder: no dot
     code, out, err = run_cli(capsys, "patch", T5, *argv, *decoded)
@@ -120,7 +120,7 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
         capsys, "patch", T5, *argv, "--stack", "decoder.", "--sites", "std:decoder.blocks.0.resid_pre"
     )
     assert code == 2
-    assert "--stack decoder. picks the default sites, and --sites names its own: drop --stack" in err
+    assert "--stack decoder. picks the default sites, and --layers names its own: drop --stack" in err
 
 
 @pytest.mark.slow

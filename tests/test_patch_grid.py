@@ -367,7 +367,7 @@ def test_an_encoder_decoder_without_a_stack_is_told_which_to_pass() -> None:
         hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, stack="dec.")
     with pytest.raises(hs.SpecError, match="stack='decoder'"):
         hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, stack="decoder")
-    with pytest.raises(hs.SpecError, match="picks the default sites, and sites= names its own"):
+    with pytest.raises(hs.SpecError, match="picks the default sites, and layers= names its own"):
         hs.methods.patch_sweep(
             model, clean, corrupted, metric=METRIC, stack="decoder.", layers="std:decoder.blocks.0.resid_pre"
         )
@@ -413,7 +413,7 @@ def test_a_model_in_training_mode_is_refused_before_anything_moves(
     clean, corrupted = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     before, rng = statistics(model), torch.get_rng_state()
     with pytest.raises(hs.SpecError, match=r"training mode, e\.g\. .*call model\.eval\(\) first"):
-        method(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), sites="lin")
+        method(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), layers="lin")
     assert torch.equal(torch.get_rng_state(), rng)  # no dropout drawn
     for name, value in statistics(model).items():
         assert torch.equal(value, before[name]), name  # running statistics untouched
@@ -463,7 +463,7 @@ def test_default_sites_on_a_model_without_blocks_name_sites() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     clean, corrupted = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     with pytest.raises(
-        hs.StdMapError, match=r"default sites .* are canonical names of transformer blocks.*pass sites="
+        hs.StdMapError, match=r"default sites .* are canonical names of transformer blocks.*pass layers="
     ):
         hs.methods.patch_sweep(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1))
     given = hs.methods.patch_sweep(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), layers=["0", "1"])

@@ -120,7 +120,7 @@ def plan_study(
         )
     if sites is not None and stack:
         raise SpecError(
-            f"stack={stack!r} picks the default sites, and sites= names its own: drop stack=, or name the stack in "
+            f"stack={stack!r} picks the default sites, and layers= names its own: drop stack=, or name the stack in "
             f"the sites (e.g. 'std:{stack}blocks.*.resid_pre')"
         )
     chosen = sites if sites is not None else default_sites(model, heads is not False, stack, clean_in, method)

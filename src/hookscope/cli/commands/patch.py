@@ -59,6 +59,7 @@ def patch_command(
     sites: Annotated[
         list[str] | None,
         typer.Option(
+            "--layers",
             "--sites",
             "-l",
             help="Values to patch: canonical names or selectors, repeat or comma-separate; a comma inside (), [] "
