@@ -104,7 +104,7 @@ class Methods:
     def extract(self, model: nn.Module, ids: torch.Tensor) -> common.Timed:
         out = self.fresh("store.zarr")
         return common.timed_call(
-            lambda: hs.extract(model, ids, self.sites, out, reduce="mean:1", batch_size=BATCH, progress=False)
+            lambda: hs.extract(model, ids, out, layers=self.sites, reduce="mean:1", batch_size=BATCH, progress=False)
         )
 
     def naive(self, model: nn.Module, ids: torch.Tensor) -> common.Timed:
@@ -177,7 +177,9 @@ def integrity(methods: Methods, model: nn.Module, ids: torch.Tensor, forward_s: 
     fingerprinted = time.perf_counter() - started
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     started = time.perf_counter()
-    hs.extract(model, ids, methods.sites, out, reduce="mean:1", batch_size=BATCH, progress=False)  # checks, writes none
+    hs.extract(
+        model, ids, out, layers=methods.sites, reduce="mean:1", batch_size=BATCH, progress=False
+    )  # checks, writes none
     rerun = time.perf_counter() - started
     return [
         f"integrity, timed alone: checksums of every chunk's values and input rows {checksums * 1e3:.1f} ms "
@@ -219,7 +221,12 @@ def rss_child(rows: int, quick: bool) -> None:
     reset_peak()
     with tempfile.TemporaryDirectory(prefix="bench-extract-rss-") as scratch, torch.no_grad():
         hs.extract(
-            model, ids, QUICK_SITES if quick else SITES, Path(scratch) / "s.zarr", reduce="mean:1", progress=False
+            model,
+            ids,
+            Path(scratch) / "s.zarr",
+            layers=QUICK_SITES if quick else SITES,
+            reduce="mean:1",
+            progress=False,
         )
     print(peak_kib())
 

@@ -285,8 +285,8 @@ class Extraction:
         return hs.extract(
             model,
             data,
-            SITES,
             out,
+            layers=SITES,
             reduce=REDUCE,
             batch_size=BATCH,
             chunk_rows=CHUNK_ROWS,

@@ -410,7 +410,9 @@ def extract_methods(work: Workload, rows: torch.Tensor, scratch: Path) -> dict[s
         return out
 
     def extract(out: Path) -> hs.Store:
-        return hs.extract(work.model, rows, work.sites, out, reduce=work.reduce, batch_size=work.batch, progress=False)
+        return hs.extract(
+            work.model, rows, out, layers=work.sites, reduce=work.reduce, batch_size=work.batch, progress=False
+        )
 
     return {FORWARD: Method(forward), EXTRACT: Method(extract, fresh)}
 

@@ -156,7 +156,7 @@ def extract_stats(rank: int, world: int, out: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5))
     rows = torch.randn(70, 6, generator=torch.Generator().manual_seed(5))
-    store = hs.extract(model, rows, "0", out, batch_size=5, chunk_rows=10, progress=False)
+    store = hs.extract(model, rows, out, layers="0", batch_size=5, chunk_rows=10, progress=False)
     return {"stats": store.meta["stats"], "row_index": store.row_index[:].tolist()}
 
 

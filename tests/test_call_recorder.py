@@ -318,7 +318,7 @@ def test_a_replica_a_feature_cannot_keep_apart_is_refused_with_the_way_out(featu
     scopes: dict[str, Callable[[], Any]] = {
         "trace": lambda: hs.tracing(model),
         # the monitor's own recorder: its tripwire (hs.detect_nonfinite) would refuse first
-        "monitor": lambda: hs.monitor(model, ["0", "1", "2"], names="modules", params=False, tripwire=False),
+        "monitor": lambda: hs.monitor(model, layers=["0", "1", "2"], names="modules", params=False, tripwire=False),
         "watch_grads": lambda: hs.watch_grads(model, params=False),
     }
     with scopes[feature]() as scope:

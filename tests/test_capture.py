@@ -696,8 +696,8 @@ class TestLeafSelectors:
         store = hs.extract(
             model,
             {"input_ids": ids, "decoder_input_ids": ids},
-            ["encoder.block.0:output[0]", "encoder.block.1:output[0]", "encoder.final_layer_norm"],
             tmp_path / "t5.zarr",
+            layers=["encoder.block.0:output[0]", "encoder.block.1:output[0]", "encoder.final_layer_norm"],
             batch_size=2,
             progress=False,
         )

@@ -174,7 +174,7 @@ class TestPasses:
             elif inner == "diff":
                 hs.diff(model, model, x)
             elif inner == "extract":
-                hs.extract(model, x, "fc", tmp_path / "store", batch_size=64, progress=False)
+                hs.extract(model, x, tmp_path / "store", layers="fc", batch_size=64, progress=False)
             elif inner == "edit":
                 with hs.edit(model, {"act": hs.edits.scale(1.0)}), hs.capture(model, "act"):
                     model(x)

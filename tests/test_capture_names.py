@@ -86,7 +86,7 @@ def test_canonical_blocks_and_one_block_s_names_keep_resid_pre() -> None:
 def test_extract_keeps_a_module_and_its_input_leaf(tmp_path: Path) -> None:
     model, ids = tiny_gpt2(), gpt2_input()
     want_in, want_out = raw_io(model, "h.0", ids)
-    store = hs.extract(model, ids, ["h.0", "h.0:input[0]"], tmp_path / "store")
+    store = hs.extract(model, ids, tmp_path / "store", layers=["h.0", "h.0:input[0]"])
     assert torch.equal(torch.as_tensor(store["h.0#0:input[0]"][:]), want_in)
     assert torch.equal(torch.as_tensor(store["h.0#0:output"][:]), want_out)
 
@@ -99,7 +99,7 @@ def test_a_reduction_that_does_not_fit_is_named_as_written(tmp_path: Path) -> No
     with pytest.raises(hs.SpecError, match=r"reduce='mean:3' failed on '0#0:output', a \(2, 4\)"):
         hs.run_with_capture(model, torch.ones(2, 3), layers="0", reduce="mean:3")
     with pytest.raises(hs.SpecError, match=r"reduce='mean:3' failed") as raised:
-        hs.extract(model, torch.ones(2, 3), "0", tmp_path / "store", reduce="mean:3")
+        hs.extract(model, torch.ones(2, 3), tmp_path / "store", layers="0", reduce="mean:3")
     assert "function" not in str(raised.value)
     assert "0x" not in str(raised.value)
 

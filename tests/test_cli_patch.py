@@ -46,7 +46,7 @@ def test_a_regex_with_a_comma_in_sites_is_one_selector(capsys: pytest.CaptureFix
     assert code == 0, err
     expected = hs.methods.patch_sweep(
         gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4),
-        sites=["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+        layers=["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
     )  # fmt: skip
     rows = table_rows(out, 3)
     assert [(site, int(position)) for site, position, _ in rows] == [labels for labels, _ in expected.top(12)]
@@ -61,7 +61,7 @@ def test_num_heads_splits_a_merged_value(capsys: pytest.CaptureFixture[str], gpt
     assert code == 0, err
     assert out.startswith("patch_sweep (denoise) of logit_diff(3, 4): 2 x 2 x 4 cells")  # 2 heads, 4 positions
     expected = hs.methods.patch_sweep(
-        gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4), sites=merged, heads=True, num_heads=2
+        gpt2, CLEAN_IDS, CORRUPTED_IDS, metric=hs.methods.logit_diff(3, 4), layers=merged, heads=True, num_heads=2
     )
     rows = table_rows(out, 4)
     assert [(site, int(head), int(position)) for site, head, position, _ in rows] == [c for c, _ in expected.top(16)]
@@ -98,7 +98,7 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
     argv = ["--clean", CLEAN, "--corrupted", CORRUPTED, "-m", "logit_diff:3,4"]
     code, _, err = run_cli(capsys, "patch", T5, *argv)
     assert code == 2
-    assert "pass --stack decoder. (or another of them), or --sites" in err
+    assert "pass --stack decoder. (or another of them), or --layers" in err
     assert "stack=" not in err
     decoded = ["--stack", "decoder", "--decoder-prompt", "0,3;0,4", "-k", "4"]  # decoder: no dot
     code, out, err = run_cli(capsys, "patch", T5, *argv, *decoded)
@@ -120,7 +120,7 @@ def test_patch_reads_an_encoder_decoders_stack_and_names_its_own_flags(capsys: p
         capsys, "patch", T5, *argv, "--stack", "decoder.", "--sites", "std:decoder.blocks.0.resid_pre"
     )
     assert code == 2
-    assert "--stack decoder. picks the default sites, and --sites names its own: drop --stack" in err
+    assert "--stack decoder. picks the default sites, and --layers names its own: drop --stack" in err
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_gradients_of_checkpointed_blocks_are_recorded_once_per_call(reentrant: 
     model, plain = track(Checkpointed(reentrant)), track(Checkpointed(None))
     x = torch.randn(4, 6, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
     for net in (model, plain):
-        with hs.watch_grads(net, nn.Linear) as monitor:
+        with hs.watch_grads(net, layers=nn.Linear) as monitor:
             net(x).backward()
             monitor.step()
         net.monitor = monitor  # type: ignore[assignment]
@@ -120,7 +120,7 @@ def test_transformers_gradient_checkpointing() -> None:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with hs.capture(model, r"re:h\.\d+$") as cap, hs.watch_grads(model, r"re:h\.\d+$") as monitor:
+    with hs.capture(model, r"re:h\.\d+$") as cap, hs.watch_grads(model, layers=r"re:h\.\d+$") as monitor:
         model(input_ids=ids).last_hidden_state.sum().backward()
         monitor.step()
     assert list(cap.cache) == ["h.0#0:output", "h.1#0:output"]

@@ -499,7 +499,7 @@ def test_a_sweep_on_a_compiled_model_compiles_nothing_and_equals_the_eager_sweep
     corrupted = clean.clone()
     corrupted[0, 3] = (clean[0, 3] + 1) % 100
     metric = hs.methods.logit_diff(5, 6)
-    eager = hs.methods.patch_sweep(first, clean, corrupted, metric=metric, sites="std:blocks.*.resid_pre")
+    eager = hs.methods.patch_sweep(first, clean, corrupted, metric=metric, layers="std:blocks.*.resid_pre")
     counts: dict[str, int] = {}
     compiled_first = torch.compile(first, backend=counting(counts, "first"))
     compiled_second = torch.compile(second, backend=counting(counts, "second"))
@@ -508,7 +508,7 @@ def test_a_sweep_on_a_compiled_model_compiles_nothing_and_equals_the_eager_sweep
     warm = dict(counts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", hs.StaleCompiledCodeWarning)
-        swept = hs.methods.patch_sweep(compiled_first, clean, corrupted, metric=metric, sites="std:blocks.*.resid_pre")
+        swept = hs.methods.patch_sweep(compiled_first, clean, corrupted, metric=metric, layers="std:blocks.*.resid_pre")
     compiled_second(clean)
     compiled_first(clean)
     assert counts == warm

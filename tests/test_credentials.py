@@ -87,7 +87,7 @@ def test_one_rule_for_a_url_in_messages_records_reprs_and_the_command_line(
     recorded = f"python run.py -o '{shown}' --storage-option profile=dev --hf-token '***'"
     assert f"command={recorded!r}" in repr(hs.ExtractConfig(command=command))
     model = nn.Sequential(nn.Linear(4, 3)).eval()
-    store = hs.extract(model, torch.randn(8, 4), "0", tmp_path / "f.zarr", command=command, progress=False)
+    store = hs.extract(model, torch.randn(8, 4), tmp_path / "f.zarr", layers="0", command=command, progress=False)
     assert store.meta["command"] == recorded
 
     code, out, err = run_cli(capsys, *cnn_extract(url))  # the store's repr (the library), its done line (the CLI)

@@ -109,7 +109,7 @@ class TestSiteNotFoundError:
     def test_a_store_key_offers_the_arrays_it_may_mean(self, tmp_path: Path) -> None:
         model = SmallCNN().eval()
         rows = torch.randn(6, 3, 32, 32)
-        store = hs.extract(model, rows, ["conv1", "fc"], tmp_path / "f.zarr", batch_size=3, progress=False)
+        store = hs.extract(model, rows, tmp_path / "f.zarr", layers=["conv1", "fc"], batch_size=3, progress=False)
         with pytest.raises(hs.SiteNotFoundError) as info:
             store["fcc"]
         assert info.value.key == "fcc"
@@ -197,7 +197,7 @@ def _expected(model: nn.Module, rows: range) -> np.ndarray:
 def test_a_batch_shorter_than_asked_is_a_data_error_and_earlier_chunks_stay(tmp_path: Path) -> None:
     model, out = _linear(), tmp_path / "f.zarr"
     with pytest.raises(hs.DataError, match=r"the batch of rows 4..7 has 3 rows, not 4") as info:
-        hs.extract(model, _Rows(short_at=4), "0", out, batch_size=4, chunk_rows=4, progress=False)
+        hs.extract(model, _Rows(short_at=4), out, layers="0", batch_size=4, chunk_rows=4, progress=False)
     assert info.value.rows == range(4, 8)
     assert isinstance(info.value, ValueError)
     assert not isinstance(info.value, hs.SpecError)
@@ -211,7 +211,7 @@ def test_a_stream_that_ends_before_its_count_is_a_data_error(tmp_path: Path) -> 
     dataset = torch.utils.data.TensorDataset(torch.stack([_row(i) for i in range(12)]))
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=_Shrinking())  # type: ignore[arg-type]
     with pytest.raises(hs.DataError, match=r"the data yielded 8 rows; expected 12") as info:
-        hs.extract(model, loader, "0", out, chunk_rows=4, progress=False)
+        hs.extract(model, loader, out, layers="0", chunk_rows=4, progress=False)
     assert info.value.rows == range(8, 12)
     store = hs.open_store(out, partial=True)
     assert store.done_chunks() == {0, 1}
@@ -480,7 +480,7 @@ class TestForwardRaisesNote:
         from tests.models import RaisesMidForward
 
         with pytest.raises(RuntimeError, match="boom") as raised:
-            hs.extract(RaisesMidForward(), torch.randn(4, 4), "first", tmp_path / "s.zarr", progress=False)
+            hs.extract(RaisesMidForward(), torch.randn(4, 4), tmp_path / "s.zarr", layers="first", progress=False)
         assert "the error went through boom (Boom)" in self.note_of(raised.value)
 
     def test_a_gpt2_block_that_raises_is_named_with_its_dotted_name(self) -> None:

@@ -22,7 +22,7 @@ from tests.models import LinearInplaceReLU, MixedOutputs, SharedTwice, SmallCNN,
 
 
 def run(model: nn.Module, data: Any, layers: Any, out: Path | Any, **options: Any) -> hs.Store:
-    return hs.extract(model, data, layers, out, progress=False, **options)
+    return hs.extract(model, data, out, layers=layers, progress=False, **options)
 
 
 def store_files(path: Path) -> dict[str, bytes]:
@@ -322,7 +322,7 @@ def test_rows_a_partial_store_never_wrote_read_as_nan_not_zeros(tmp_path: Path) 
         raise RuntimeError("the stream broke")  # rows 8..11 are never written
 
     with pytest.raises(RuntimeError, match="stream broke"):
-        hs.extract(model, batches(), "", tmp_path / "f.zarr", progress=False, chunk_rows=4)
+        hs.extract(model, batches(), tmp_path / "f.zarr", layers="", progress=False, chunk_rows=4)
     partial = hs.open_store(tmp_path / "f.zarr", partial=True)
     assert partial.done_chunks() == {0, 1}
     floats, counts = (partial[name] for name in partial.sites)
@@ -339,7 +339,7 @@ def test_rows_a_partial_store_never_wrote_read_as_nan_not_zeros(tmp_path: Path) 
 def test_rows_of_an_unfinished_chunk_read_as_nan_or_are_refused(tmp_path: Path) -> None:
     model = _CountsAndFeatures()
     data = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
-    hs.extract(model, data, "", tmp_path / "f.zarr", progress=False, chunk_rows=4, batch_size=4)
+    hs.extract(model, data, tmp_path / "f.zarr", layers="", progress=False, chunk_rows=4, batch_size=4)
     group = zarr.open_group(str(tmp_path / "f.zarr"), mode="r+")
     group["_hookscope/done"][1] = 0  # chunk 1 (rows 4..7) not recorded as done, as after a killed run
     key = next(name for name in group.attrs if "hookscope" in name)
@@ -362,7 +362,7 @@ def test_rows_of_an_unfinished_chunk_read_as_nan_or_are_refused(tmp_path: Path) 
 
 def test_a_store_of_one_site_reads_well(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 256))
-    store = hs.extract(model, torch.randn(1000, 4), "0", tmp_path / "f.zarr", progress=False)
+    store = hs.extract(model, torch.randn(1000, 4), tmp_path / "f.zarr", layers="0", progress=False)
     text = repr(store)
     assert "1,000 rows, 1 site, complete" in text  # not "1 sites"
     assert "1000 KiB" in text  # 1000 x 256 float32 rows, not "1e+03 KiB"
@@ -689,7 +689,7 @@ def test_progress_asked_for_off_a_terminal_writes_plain_lines(
     monkeypatch.setenv("HOOKSCOPE_PROGRESS_INTERVAL", "0")  # a line after every batch
     model = track(nn.Sequential(nn.Linear(4, 3)))
     rows = torch.randn(10, 4)
-    store = hs.extract(model, rows, "0", tmp_path / "f.zarr", batch_size=4, progress=True)
+    store = hs.extract(model, rows, tmp_path / "f.zarr", layers="0", batch_size=4, progress=True)
     err = capsys.readouterr().err
     assert "\x1b" not in err  # no colours, no cursor movement: a log file stays readable
     lines = err.splitlines()
@@ -710,12 +710,12 @@ def test_progress_lines_are_spaced_and_silent_unless_asked_for(
 ) -> None:
     monkeypatch.delenv("HOOKSCOPE_PROGRESS_INTERVAL", raising=False)
     model = track(nn.Sequential(nn.Linear(4, 3)))
-    hs.extract(model, torch.randn(10, 4), "0", tmp_path / "f.zarr", batch_size=2, progress=True)
+    hs.extract(model, torch.randn(10, 4), tmp_path / "f.zarr", layers="0", batch_size=2, progress=True)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1  # 10 s between lines: a run this short has only its last one
     assert lines[0].startswith("extract → f.zarr: 10/10 rows (100%)")
-    hs.extract(model, torch.randn(10, 4), "0", tmp_path / "g.zarr", batch_size=2)  # progress=None: no terminal
+    hs.extract(model, torch.randn(10, 4), tmp_path / "g.zarr", layers="0", batch_size=2)  # progress=None: no terminal
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("HOOKSCOPE_PROGRESS_INTERVAL", "soon")
     with pytest.raises(hs.SpecError, match=r"HOOKSCOPE_PROGRESS_INTERVAL='soon' is not a number of seconds"):
-        hs.extract(model, torch.randn(10, 4), "0", tmp_path / "h.zarr", batch_size=2, progress=True)
+        hs.extract(model, torch.randn(10, 4), tmp_path / "h.zarr", layers="0", batch_size=2, progress=True)

@@ -106,7 +106,7 @@ def test_a_stores_recorded_configuration_reads_as_the_options_that_resume_it(tmp
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
     rows = torch.randn(24, 4, generator=torch.Generator().manual_seed(9))
-    store = hs.extract(model, rows, "0", out, options=config, progress=False, command="old run")
+    store = hs.extract(model, rows, out, layers="0", options=config, progress=False, command="old run")
     assert store.complete
     assert store.written_rows == 16  # chunk 0 was the golden store's
 
@@ -122,10 +122,10 @@ def test_calls_recorded_as_given_still_resume(tmp_path: Path) -> None:
     model = SharedTwice()
     rows = torch.randn(8, 4)
     out = tmp_path / "f.zarr"
-    store = hs.extract(model, rows, "shared", out, calls=[1, 0], batch_size=4, progress=False)
+    store = hs.extract(model, rows, out, layers="shared", calls=[1, 0], batch_size=4, progress=False)
     assert store.meta["config"]["calls"] == [0, 1]
     group = zarr.open_group(out, mode="r+")
     meta = dict(group.attrs["hookscope"])
     group.attrs["hookscope"] = {**meta, "config": {**meta["config"], "calls": [1, 0]}}  # as it was written then
-    again = hs.extract(model, rows, "shared", out, calls=[1, 0], batch_size=4, progress=False)
+    again = hs.extract(model, rows, out, layers="shared", calls=[1, 0], batch_size=4, progress=False)
     assert again.written_rows == 0

@@ -43,7 +43,7 @@ def test_a_padded_mean_agrees_between_capture_and_extract(tmp_path: Path) -> Non
     with hs.capture(model, *layers, reduce="mean:1") as scoped, torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     data = {"input_ids": ids, "attention_mask": mask}
-    store = hs.extract(model, data, layers, tmp_path / "f.zarr", reduce="mean:1", batch_size=4, progress=False)
+    store = hs.extract(model, data, tmp_path / "f.zarr", layers=layers, reduce="mean:1", batch_size=4, progress=False)
 
     for name, want in expected.items():
         assert np.allclose(one_shot[name].double().numpy(), want, atol=1e-5), name
@@ -62,7 +62,7 @@ def test_the_last_real_token_and_no_mask_agree_too(tmp_path: Path) -> None:
     last = final[torch.arange(4), LENGTHS - 1].double().numpy()
     _, cache = hs.run_with_capture(model, input_ids=ids, attention_mask=mask, layers="ln_f", reduce="last:1")
     data = {"input_ids": ids, "attention_mask": mask}
-    store = hs.extract(model, data, "ln_f", tmp_path / "f.zarr", reduce="last", batch_size=4, progress=False)
+    store = hs.extract(model, data, tmp_path / "f.zarr", layers="ln_f", reduce="last", batch_size=4, progress=False)
     assert np.allclose(cache["ln_f"].double().numpy(), last, atol=1e-6)
     assert np.array_equal(store["ln_f"][:], cache["ln_f"].numpy())
 
@@ -71,7 +71,7 @@ def test_the_last_real_token_and_no_mask_agree_too(tmp_path: Path) -> None:
         model, input_ids=ids, attention_mask=mask, layers="ln_f", reduce="mean:1", token_mask=None
     )
     unmasked = hs.extract(
-        model, data, "ln_f", tmp_path / "g.zarr", reduce="mean:1", batch_size=4, progress=False, mask=None
+        model, data, tmp_path / "g.zarr", layers="ln_f", reduce="mean:1", batch_size=4, progress=False, mask=None
     )
     assert np.allclose(plain["ln_f"].double().numpy(), with_pads, atol=1e-5)
     assert np.array_equal(unmasked["ln_f"][:], plain["ln_f"].numpy())

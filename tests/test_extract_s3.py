@@ -34,7 +34,7 @@ TIMEOUT = 240
 
 
 def run(model: nn.Module, data: Any, out: Any, layers: Any = "0", **options: Any) -> hs.Store:
-    return hs.extract(model, data, layers, out, progress=False, batch_size=BATCH, chunk_rows=BATCH, **options)
+    return hs.extract(model, data, out, layers=layers, progress=False, batch_size=BATCH, chunk_rows=BATCH, **options)
 
 
 def model_and_rows() -> tuple[nn.Module, torch.Tensor]:

@@ -68,7 +68,7 @@ def test_dataclass_outputs_get_gradients() -> None:
     torch.manual_seed(0)
     model = UsesDataclass()
     x = torch.randn(3, 4)
-    with hs.watch_grads(model, "split") as monitor:
+    with hs.watch_grads(model, layers="split") as monitor:
         model(x).sum().backward()
         step = monitor.step()
     assert step is not None
@@ -85,7 +85,7 @@ def test_a_module_called_twice_gets_one_record_per_call() -> None:
     torch.manual_seed(0)
     model = SharedTwice()
     x = torch.randn(5, 4)
-    with hs.watch_grads(model, "shared", params=False) as monitor:
+    with hs.watch_grads(model, layers="shared", params=False) as monitor:
         model(x).pow(2).sum().backward()
         step = monitor.step()
     assert step is not None
@@ -133,7 +133,7 @@ def test_checkpointed_blocks_are_counted_once(reentrant: bool) -> None:
 def test_gpt2_block_gradients_equal_autograd() -> None:
     model = tiny_gpt2()  # eval mode: no dropout, so the reference forward is the same function
     ids = gpt2_input()
-    with hs.watch_grads(model, "h.*", "ln_f", params=False) as monitor:
+    with hs.watch_grads(model, layers=["h.*", "ln_f"], params=False) as monitor:
         model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
         step = monitor.step()
     assert step is not None
@@ -213,7 +213,7 @@ def train(model: nn.Module, monitor: hs.GradMonitor, steps: int, x: torch.Tensor
 
 def test_a_deep_sigmoid_mlp_with_small_weights_is_flagged_vanishing() -> None:
     model = deep_sigmoid_mlp(std=0.01)
-    with hs.watch_grads(model, nn.Linear) as monitor:
+    with hs.watch_grads(model, layers=nn.Linear) as monitor:
         train(model, monitor, 3)
     vanishing = monitor.summary().layers("vanishing")
     assert "0#0" in vanishing  # the first layers get almost nothing back
@@ -313,7 +313,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(SpecError, match="watch nothing"):
         hs.watch_grads(model, params=False, activations=False)
     with pytest.raises(hs.SelectionError, match="matched 0 of 2 modules"):
-        hs.watch_grads(model, "1")
+        hs.watch_grads(model, layers="1")
     with hs.watch_grads(model) as monitor:
         pass
     with pytest.raises(SpecError, match="vanishing"):
@@ -322,7 +322,7 @@ def test_bad_arguments() -> None:
 
 def test_the_same_mlp_initialised_for_the_sigmoid_is_not_flagged() -> None:
     model = deep_sigmoid_mlp(std=8 / math.sqrt(16))  # four times LeCun's: the sigmoid's slope is 1/4
-    with hs.watch_grads(model, nn.Linear) as monitor:
+    with hs.watch_grads(model, layers=nn.Linear) as monitor:
         train(model, monitor, 3)
     assert monitor.summary().layers("vanishing") == []
 
@@ -388,7 +388,7 @@ def test_micro_batches_of_one_step_merge_per_site() -> None:
     torch.manual_seed(0)
     model = track(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
     first, second = torch.randn(3, 4), torch.randn(5, 4)
-    with hs.watch_grads(model, "0", params=False) as monitor:
+    with hs.watch_grads(model, layers="0", params=False) as monitor:
         for batch in (first, second):
             model(batch).sum().backward()
         step = monitor.step()
@@ -423,7 +423,7 @@ def test_a_layer_checkpointed_in_a_loop_keeps_each_call(reentrant: bool) -> None
     torch.manual_seed(0)
     model = Looped(reentrant)
     x = torch.randn(2, 4, requires_grad=True)
-    with hs.watch_grads(model, "layer", params=False) as monitor:
+    with hs.watch_grads(model, layers="layer", params=False) as monitor:
         model(x).sum().backward()
         step = monitor.step()
     assert step is not None
@@ -477,7 +477,7 @@ def test_keyword_inputs_get_grad_input_records() -> None:
             return out
 
     model = track(Outer())
-    with hs.watch_grads(model, "inner", params=False) as monitor:
+    with hs.watch_grads(model, layers="inner", params=False) as monitor:
         model(torch.randn(2, 4, requires_grad=True)).sum().backward()
         step = monitor.step()
     assert step is not None
@@ -630,7 +630,7 @@ def test_a_no_grad_call_inside_a_training_forward_is_not_a_checkpoint() -> None:
     torch.manual_seed(0)
     model = Teacher()
     x = torch.randn(2, 4, requires_grad=True)
-    with hs.watch_grads(model, "enc", params=False) as monitor:
+    with hs.watch_grads(model, layers="enc", params=False) as monitor:
         model(x).backward()
         step = monitor.step()
     assert step is not None
@@ -662,7 +662,7 @@ def test_a_parameter_passed_in_to_every_micro_batch_is_counted_once_per_step() -
     torch.manual_seed(0)
     model = Queries()
     batches = [torch.randn(3, 4), torch.randn(3, 4)]
-    with hs.watch_grads(model, "mix", params=False) as monitor:
+    with hs.watch_grads(model, layers="mix", params=False) as monitor:
         for batch in batches:
             model(batch).sum().backward()
         step = monitor.step()

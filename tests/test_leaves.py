@@ -221,7 +221,7 @@ def test_trace_grads_capture_diff_and_edits_agree_on_the_relative_path_of_a_leaf
     assert ("h.0.attn", "output", "[0]") in traced
     assert ("h.0", "output", "") in traced
 
-    with hs.watch_grads(model, layers, params=False) as monitor:
+    with hs.watch_grads(model, layers=layers, params=False) as monitor:
         model(input_ids=gpt2_input()).last_hidden_state.pow(2).sum().backward()
         step = monitor.step()
     assert step is not None

@@ -59,7 +59,7 @@ def test_a_materialised_model_runs_as_a_plain_one() -> None:
 # -- every entry point that runs a forward refuses a meta model (issue 36, item 9) -----------------
 
 RUNS: dict[str, Callable[[nn.Module, torch.Tensor, Path], Any]] = {
-    "monitor": lambda model, x, tmp: hs.monitor(model, "0"),
+    "monitor": lambda model, x, tmp: hs.monitor(model, layers="0"),
     "extract": lambda model, x, tmp: hs.extract(model, [x], layers="0", out=tmp / "store.zarr"),
     "diff": lambda model, x, tmp: hs.diff(model, meta_model(), x),
     "diff, b on meta": lambda model, x, tmp: hs.diff(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), model, x),

@@ -434,12 +434,12 @@ def test_attribution_flags_a_cell_whose_estimate_has_the_wrong_sign() -> None:
     clean = torch.tensor([[[0.0], [2.0]]])  # the metric reads the last position: (2 - 1)^2 = 1
     corrupted = torch.tensor([[[0.0], [0.5]]])  # (0.5 - 1)^2 = 0.25
     metric = hs.methods.logit_diff(0, 1)
-    atp = hs.methods.attribution_patch(Bowl().eval(), clean, corrupted, metric=metric, sites="proj", verify=2)
+    atp = hs.methods.attribution_patch(Bowl().eval(), clean, corrupted, metric=metric, layers="proj", verify=2)
     # the slope at 0.5 is 2 * (0.5 - 1) = -1, the change 1.5: estimate -1.5 / 0.75 = -2; the patch restores all: 1
     assert atp.at("proj", 1) == pytest.approx(-2.0)
     assert atp.verified[("proj", 1)] == pytest.approx(1.0)
     assert [flag.cell for flag in atp.flags] == [("proj", 1)]
-    sweep = hs.methods.patch_sweep(Bowl().eval(), clean, corrupted, metric=metric, sites="proj")
+    sweep = hs.methods.patch_sweep(Bowl().eval(), clean, corrupted, metric=metric, layers="proj")
     assert [flag.cell for flag in atp.compare(sweep)] == [("proj", 1)]
 
 
@@ -629,7 +629,7 @@ def test_a_module_called_twice_is_patched_at_each_call_on_its_own() -> None:
     model = Twice().eval()
     clean, corrupted = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     metric = hs.methods.logit_diff(0, 1)
-    batched = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, sites="shared")
+    batched = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, layers="shared")
     assert batched.coords["site"] == ["shared#0:output", "shared#1:output"]
     kept: list[torch.Tensor] = []
     handle = model.shared.register_forward_hook(lambda m, args, out: kept.append(out.detach().clone()))

@@ -25,7 +25,7 @@ def test_one_tensor_hook_per_output_with_every_measure_on() -> None:
     hooks: dict[str, int] = {}
     grads: dict[str, torch.Tensor] = {}
     with hs.monitor(
-        model, ["0", "2"], names="modules", precision="bf16", histograms=True, params=False, tripwire=False
+        model, layers=["0", "2"], names="modules", precision="bf16", histograms=True, params=False, tripwire=False
     ) as mon:
         handles = []
         for name in ("0", "2"):
@@ -50,7 +50,7 @@ def test_activation_measures_without_gradient_statistics_still_hook_once() -> No
     torch.manual_seed(0)
     model = track(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
     hooked: list[int] = []
-    with hs.monitor(model, ["0"], names="modules", grads=False, params=False, precision="fp16") as mon:
+    with hs.monitor(model, layers=["0"], names="modules", grads=False, params=False, precision="fp16") as mon:
         handle = model[0].register_forward_hook(lambda m, a, out: hooked.append(len(out._backward_hooks or {})))
         model(torch.randn(2, 4)).sum().backward()
         handle.remove()
@@ -67,7 +67,7 @@ def test_another_threads_forward_passes_by_the_monitor_unrecorded() -> None:
     model = track(nn.Sequential(nn.Linear(3, 3), handshake, nn.Linear(3, 3)))
     x = torch.ones(2, 3)
     got: list[torch.Tensor] = []
-    with hs.monitor(model, ["0", "1", "2"], names="modules", params=False) as mon:
+    with hs.monitor(model, layers=["0", "1", "2"], names="modules", params=False) as mon:
         other, raised = handshake.intruder(lambda: got.append(handshake(torch.zeros(2, 3)).detach()))
         out = model(x)
         other.join(timeout=30)
@@ -111,8 +111,8 @@ def test_monitor_takes_its_options_whole_or_as_keywords() -> None:
     x = torch.randn(3, 4)
     results = []
     for make in (
-        lambda: hs.monitor(model, ["0"], names="modules", every=1, params=False),
-        lambda: hs.monitor(model, ["0"], options=hs.MonitorOptions(names="modules", params=False)),
+        lambda: hs.monitor(model, layers=["0"], names="modules", every=1, params=False),
+        lambda: hs.monitor(model, layers=["0"], options=hs.MonitorOptions(names="modules", params=False)),
     ):
         with make() as mon:
             model(x).sum().backward()
@@ -167,7 +167,7 @@ def test_watch_grads_and_monitor_log_under_one_tag_scheme() -> None:
         grads.step()
         grads.to_tensorboard(writer)
     model.zero_grad()
-    with hs.monitor(model, ["0", "2"], names="modules", sinks=[sink]) as mon:
+    with hs.monitor(model, layers=["0", "2"], names="modules", sinks=[sink]) as mon:
         model(x).sum().backward()
         mon.step()
     model.zero_grad()

@@ -142,7 +142,7 @@ def test_extract_accepts_exactly_what_a_capture_accepts(tmp_path: Path) -> None:
         with pytest.raises(SpecError) as by_capture:
             hs.capture(model, "fc", **bad)
         with pytest.raises(SpecError) as by_extract:
-            hs.extract(model, data, "fc", tmp_path / "never.zarr", progress=False, **bad)
+            hs.extract(model, data, tmp_path / "never.zarr", layers="fc", progress=False, **bad)
         assert str(by_extract.value) == str(by_capture.value)
     assert not (tmp_path / "never.zarr").exists()
 
@@ -151,7 +151,7 @@ def test_the_store_records_what_the_config_says_it_records(tmp_path: Path) -> No
     pytest.importorskip("zarr")
     model = SmallCNN()
     config = hs.ExtractConfig(dtype="fp16", calls="first", batch_size=2, progress=False, compression_level=None)
-    store = hs.extract(model, torch.randn(4, 3, 32, 32), ["fc"], tmp_path / "f.zarr", options=config)
+    store = hs.extract(model, torch.randn(4, 3, 32, 32), tmp_path / "f.zarr", layers=["fc"], options=config)
     stored = store.meta["config"]
     # Spelled as stores made before the options object spelled them, so those still resume.
     expected = {"keep": "output", "calls": "first", "dtype": "float16", "mask": "attention_mask"}

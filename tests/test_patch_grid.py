@@ -154,17 +154,17 @@ def test_heads_and_positions_come_from_the_site_not_the_option() -> None:
     every_head = reference_grid(model, clean, corrupted, [None], CHECKED, from_clean)[:, 0]
 
     projection = hs.methods.patch_sweep(
-        model, clean, corrupted, metric=METRIC, sites="transformer.h.*.attn.c_proj:input[0]", heads=True,
+        model, clean, corrupted, metric=METRIC, layers="transformer.h.*.attn.c_proj:input[0]", heads=True,
         num_heads=HEADS,
     )  # fmt: skip
     assert projection.dims == ("site", "head", "position")
     assert projection.values.shape == (2, HEADS, SEQ)  # not 10 "heads" of 32 / 10 columns
     torch.testing.assert_close(projection.values[..., CHECKED], by_head, rtol=1e-4, atol=1e-5)
 
-    z_by_head = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.z", heads=True)
+    z_by_head = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.z", heads=True)
     torch.testing.assert_close(z_by_head.values[..., CHECKED], by_head, rtol=1e-4, atol=1e-5)
 
-    z = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.z")
+    z = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.z")
     assert z.dims == ("site", "position")
     assert z.coords["position"] == list(range(SEQ))  # not the 4 heads
     torch.testing.assert_close(z.values[:, CHECKED], every_head, rtol=1e-4, atol=1e-5)
@@ -188,12 +188,12 @@ def test_a_pattern_is_swept_by_query_position_and_head() -> None:
 
         return write
 
-    effects = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.pattern")
+    effects = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.pattern")
     assert effects.values.shape == (2, SEQ)
     expected = reference_grid(model, clean, corrupted, [None], CHECKED, clean_row)[:, 0]
     torch.testing.assert_close(effects.values[:, CHECKED], expected, rtol=1e-4, atol=1e-5)
     by_head = hs.methods.patch_sweep(
-        model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.pattern", heads=[0, 2], positions=[3, 8]
+        model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.pattern", heads=[0, 2], positions=[3, 8]
     )
     expected_heads = reference_grid(model, clean, corrupted, [0, 2], [3, 8], clean_row)
     torch.testing.assert_close(by_head.values, expected_heads, rtol=1e-4, atol=1e-5)
@@ -226,12 +226,12 @@ def test_attribution_reads_heads_and_positions_from_the_site() -> None:
     every_head = torch.stack([p.sum(-1).sum(0) for p in products]) / span
 
     atp = hs.methods.attribution_patch(
-        model, clean, corrupted, metric=METRIC, sites="transformer.h.*.attn.c_proj:input[0]", heads=True,
+        model, clean, corrupted, metric=METRIC, layers="transformer.h.*.attn.c_proj:input[0]", heads=True,
         num_heads=HEADS,
     )  # fmt: skip
     assert atp.values.shape == (2, HEADS, SEQ)
     torch.testing.assert_close(atp.values, by_head, rtol=1e-4, atol=1e-6)
-    z = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.z")
+    z = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.z")
     assert z.values.shape == (2, SEQ)
     torch.testing.assert_close(z.values, every_head, rtol=1e-4, atol=1e-6)
     z_heads = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, heads=True)
@@ -244,16 +244,16 @@ def test_a_merged_value_by_head_needs_num_heads_and_one_head_count() -> None:
     clean, corrupted = prompts()
     merged = "transformer.h.*.attn.c_proj:input[0]"
     with pytest.raises(hs.SpecError, match=r"give num_heads= \(this model's config says num_attention_heads=4\)"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=merged, heads=True)
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=merged, heads=True)
     with pytest.raises(hs.SpecError, match="only heads= uses"):
-        hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, sites=merged, num_heads=4)
+        hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, layers=merged, num_heads=4)
     with pytest.raises(hs.SpecError, match="num_heads=0"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=merged, heads=True, num_heads=0)
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=merged, heads=True, num_heads=0)
     with pytest.raises(hs.SpecError, match="hidden a multiple of num_heads"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=merged, heads=True, num_heads=5)
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=merged, heads=True, num_heads=5)
     mixed = ["std:blocks.0.attn.z", "transformer.h.1.attn.c_proj:input[0]"]
     with pytest.raises(hs.SpecError, match="has 2 heads and an earlier site 4"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=mixed, heads=True, num_heads=2)
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=mixed, heads=True, num_heads=2)
 
 
 # -- item: stack= for an encoder-decoder ------------------------------------------------------------------
@@ -367,9 +367,9 @@ def test_an_encoder_decoder_without_a_stack_is_told_which_to_pass() -> None:
         hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, stack="dec.")
     with pytest.raises(hs.SpecError, match="stack='decoder'"):
         hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, stack="decoder")
-    with pytest.raises(hs.SpecError, match="picks the default sites, and sites= names its own"):
+    with pytest.raises(hs.SpecError, match="picks the default sites, and layers= names its own"):
         hs.methods.patch_sweep(
-            model, clean, corrupted, metric=METRIC, stack="decoder.", sites="std:decoder.blocks.0.resid_pre"
+            model, clean, corrupted, metric=METRIC, stack="decoder.", layers="std:decoder.blocks.0.resid_pre"
         )
 
 
@@ -413,7 +413,7 @@ def test_a_model_in_training_mode_is_refused_before_anything_moves(
     clean, corrupted = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     before, rng = statistics(model), torch.get_rng_state()
     with pytest.raises(hs.SpecError, match=r"training mode, e\.g\. .*call model\.eval\(\) first"):
-        method(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), sites="lin")
+        method(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), layers="lin")
     assert torch.equal(torch.get_rng_state(), rng)  # no dropout drawn
     for name, value in statistics(model).items():
         assert torch.equal(value, before[name]), name  # running statistics untouched
@@ -429,8 +429,8 @@ def test_batch_norm_in_eval_mode_is_swept_and_its_statistics_stay() -> None:
     clean, corrupted = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     metric = hs.methods.logit_diff(0, 1)
     before = statistics(model)
-    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, sites="lin")
-    atp = hs.methods.attribution_patch(model, clean, corrupted, metric=metric, sites="lin")
+    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, layers="lin")
+    atp = hs.methods.attribution_patch(model, clean, corrupted, metric=metric, layers="lin")
     for name, value in statistics(model).items():
         assert torch.equal(value, before[name]), name
     assert sweep.values.isfinite().all()
@@ -463,8 +463,8 @@ def test_default_sites_on_a_model_without_blocks_name_sites() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     clean, corrupted = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     with pytest.raises(
-        hs.StdMapError, match=r"default sites .* are canonical names of transformer blocks.*pass sites="
+        hs.StdMapError, match=r"default sites .* are canonical names of transformer blocks.*pass layers="
     ):
         hs.methods.patch_sweep(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1))
-    given = hs.methods.patch_sweep(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), sites=["0", "1"])
+    given = hs.methods.patch_sweep(model, clean, corrupted, metric=hs.methods.logit_diff(0, 1), layers=["0", "1"])
     assert given.coords["site"] == ["0", "1"]

@@ -106,11 +106,11 @@ def test_attribution_and_sweep_of_masked_scores_are_finite_and_right() -> None:
         ]
     ) / (high - low)
     sites = "transformer.h.*.attn:attn.scores"
-    atp = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, sites=sites)
+    atp = hs.methods.attribution_patch(model, clean, corrupted, metric=METRIC, layers=sites)
     assert atp.values.shape == (2, SEQ)
     torch.testing.assert_close(atp.values, expected, rtol=1e-4, atol=1e-6)
 
-    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=sites)
+    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=sites)
     for layer in range(2):
         for position in CHECKED:
 
@@ -153,21 +153,21 @@ def test_an_eager_softmax_op_site_is_swept_by_query_position_and_head() -> None:
         return write
 
     softmax = "transformer.h.*.attn:op[softmax#0]"  # the site hookscope's own errors name for eager attention
-    rows = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=softmax)
+    rows = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=softmax)
     assert rows.dims == ("site", "position")
     assert rows.coords["position"] == list(range(SEQ))  # not the 4 heads
     expected = reference_grid(model, clean, corrupted, [None], CHECKED, clean_row)[:, 0]
     torch.testing.assert_close(rows.values[:, CHECKED], expected, rtol=1e-4, atol=1e-5)
     by_head = hs.methods.patch_sweep(
-        model, clean, corrupted, metric=METRIC, sites=softmax, heads=[1, 3], positions=[3, 8]
+        model, clean, corrupted, metric=METRIC, layers=softmax, heads=[1, 3], positions=[3, 8]
     )
     torch.testing.assert_close(
         by_head.values, reference_grid(model, clean, corrupted, [1, 3], [3, 8], clean_row), rtol=1e-4, atol=1e-5
     )
     with pytest.raises(hs.SpecError, match=r"num_heads=2, and every site holds its heads apart .*: 4 heads"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites=softmax, heads=True, num_heads=2)
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers=softmax, heads=True, num_heads=2)
     with pytest.raises(hs.SpecError, match=r"\(2, 4, 10, 10\): a value of 4 or more dims .* not guessed"):
-        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="transformer.h.*.attn:op[matmul#0]")
+        hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers="transformer.h.*.attn:op[matmul#0]")
 
 
 @pytest.mark.slow
@@ -177,9 +177,9 @@ def test_a_query_sweep_is_the_query_columns_patched_by_raw_hooks() -> None:
     _, qkv = projection_inputs(model, clean)
     with torch.no_grad():
         high, low = score(model(clean)), score(model(corrupted))
-    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.q")
+    sweep = hs.methods.patch_sweep(model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.q")
     by_head = hs.methods.patch_sweep(
-        model, clean, corrupted, metric=METRIC, sites="std:blocks.*.attn.q", heads=[0, 2], positions=[3, 9]
+        model, clean, corrupted, metric=METRIC, layers="std:blocks.*.attn.q", heads=[0, 2], positions=[3, 9]
     )
     for layer, source in enumerate(qkv):
         for head in [None, 0, 2]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import pickle
 import warnings
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,3 +61,81 @@ def test_moved_objects_pickle_under_their_new_names(tmp_path: pytest.TempPathFac
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'save_tensor'"):
         hs.save_tensor  # noqa: B018
+
+
+# -- one selection keyword: layers= -------------------------------------------------------------
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).eval()
+
+
+def test_extract_takes_out_positionally_and_layers_by_keyword(tmp_path: Any) -> None:
+    model, rows = small_model(), torch.randn(6, 4)
+    new = hs.extract(model, rows, tmp_path / "new.zarr", layers="0", progress=False)
+    with pytest.warns(FutureWarning, match=r"hs\.extract: give the layers as layers="):
+        old = hs.extract(model, rows, "0", tmp_path / "old.zarr", progress=False)
+    with pytest.warns(FutureWarning, match=r"hs\.extract"):
+        mixed = hs.extract(model, rows, "0", out=tmp_path / "mixed.zarr", progress=False)
+    reference = model[0](rows).detach().numpy()
+    for store in (new, old, mixed):
+        np.testing.assert_array_equal(store["0"][:], reference)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {}, "needs layers= and out"),
+        (("f.zarr",), {}, "needs layers="),
+        (("0", "f.zarr"), {"out": "g.zarr"}, "out twice"),
+        (("f.zarr",), {"layers": "0", "out": "g.zarr"}, "out twice"),
+        (("0", "f.zarr"), {"layers": "0"}, "positionally and as layers="),
+        (("0", "f.zarr", "x"), {}, "5 positional arguments"),
+    ],
+)
+def test_extract_refuses_layers_and_out_given_twice_or_not_at_all(
+    tmp_path: Any, args: tuple[Any, ...], kwargs: dict[str, Any], message: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(hs.SpecError, match=message):
+            hs.extract(small_model(), torch.randn(2, 4), *args, progress=False, **kwargs)
+
+
+def train_step(model: torch.nn.Module, watcher: Any) -> None:
+    model.train()
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    watcher.step()
+
+
+def test_monitor_and_watch_grads_take_layers_by_keyword_and_warn_on_positional() -> None:
+    model = small_model()
+    with pytest.warns(FutureWarning, match=r"hs\.monitor: give the layers as layers="), hs.monitor(model, "0") as old:
+        train_step(model, old)
+    model.zero_grad()
+    with hs.monitor(model, layers="0") as new:
+        train_step(model, new)
+    assert old.steps[-1].scalars.keys() == new.steps[-1].scalars.keys()
+    assert any("/0" in key for key in new.steps[-1].scalars)
+    with pytest.raises(hs.SpecError, match="positionally and as layers="):
+        hs.monitor(model, "0", layers="0")
+    with pytest.warns(FutureWarning, match=r"hs\.watch_grads"), hs.watch_grads(model, "0", "1") as grads:
+        train_step(model, grads)
+    assert {record.module for record in grads.records[-1].records if record.what != "param"} == {"0", "1"}
+
+
+def test_patch_sweep_and_attribution_patch_take_layers_and_warn_on_sites() -> None:
+    model = small_model()
+    clean, corrupted = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+
+    def metric(out: torch.Tensor) -> torch.Tensor:
+        return out[:, -1, 0]
+
+    new = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, layers=["0"])
+    with pytest.warns(FutureWarning, match="sites= is now layers="):
+        old = hs.methods.patch_sweep(model, clean, corrupted, metric=metric, sites=["0"])
+    assert torch.equal(new.values, old.values)
+    with pytest.warns(FutureWarning, match="sites= is now layers="):
+        atp = hs.methods.attribution_patch(model, clean, corrupted, metric=metric, sites=["0"])
+    assert atp.values.shape == new.values.shape

@@ -264,7 +264,7 @@ def test_trace_and_gradients_take_module_valued_names_and_refuse_the_rest() -> N
     with pytest.raises(hs.SelectionError, match="not a module's output"):
         hs.trace(model, x, layers="std:blocks.0.resid_pre")
     model.train()
-    with hs.watch_grads(model, "std:blocks.*.mlp") as monitor:
+    with hs.watch_grads(model, layers="std:blocks.*.mlp") as monitor:
         model(x).logits.sum().backward()
         monitor.step()
     assert list(monitor.history.columns) == ["transformer.h.0.mlp#0", "transformer.h.1.mlp#0"]

@@ -30,7 +30,7 @@ ROWS, BATCH = 12, 4  # three chunks of four rows
 
 
 def run(model: nn.Module, data: Any, out: Any, layers: Any = "0", **options: Any) -> hs.Store:
-    return hs.extract(model, data, layers, out, progress=False, batch_size=BATCH, chunk_rows=BATCH, **options)
+    return hs.extract(model, data, out, layers=layers, progress=False, batch_size=BATCH, chunk_rows=BATCH, **options)
 
 
 def store_files(path: Path) -> dict[str, bytes]:
@@ -109,7 +109,7 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
         model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
         for options in ({}, {"overwrite": True}):
             with pytest.raises(hs.StoreBusyError, match=rf"being written by another process: pid {first.pid} on ") as e:
-                hs.extract(model, torch.randn(64, 4), "1", out, batch_size=4, progress=False, **options)
+                hs.extract(model, torch.randn(64, 4), out, layers="1", batch_size=4, progress=False, **options)
             assert e.value.holder["pid"] == first.pid
         assert first.wait(timeout=120) == 0
     store = hs.open_store(out)
@@ -307,12 +307,12 @@ def test_resume_refuses_a_changed_stream(tmp_path: Path) -> None:
             yield rows[start : start + BATCH]
 
     with pytest.raises(RuntimeError, match="stop"):
-        hs.extract(model, batches(x, stop_at=8), "0", out, progress=False, chunk_rows=BATCH)
+        hs.extract(model, batches(x, stop_at=8), out, layers="0", progress=False, chunk_rows=BATCH)
     changed = x.clone()
     changed[6] -= 1
     with pytest.raises(hs.DataError, match=r"rows 4..7 of the data are not the rows the store was made from"):
-        hs.extract(model, batches(changed), "0", out, progress=False, chunk_rows=BATCH)
-    store = hs.extract(model, batches(x), "0", out, progress=False, chunk_rows=BATCH)
+        hs.extract(model, batches(changed), out, layers="0", progress=False, chunk_rows=BATCH)
+    store = hs.extract(model, batches(x), out, layers="0", progress=False, chunk_rows=BATCH)
     assert np.array_equal(store["0"][:], reference(model, x))
 
 
@@ -696,9 +696,9 @@ def test_a_stream_into_a_model_that_writes_its_inputs_resumes(tmp_path: Path) ->
                 raise RuntimeError("stop")
             yield x[start : start + BATCH].clone()  # fresh rows each pass, as a loader gives
 
-    whole = hs.extract(model, batches(), "fc", tmp_path / "whole.zarr", progress=False, chunk_rows=BATCH)
+    whole = hs.extract(model, batches(), tmp_path / "whole.zarr", layers="fc", progress=False, chunk_rows=BATCH)
     out = tmp_path / "f.zarr"
     with pytest.raises(RuntimeError, match="stop"):
-        hs.extract(model, batches(stop_at=8), "fc", out, progress=False, chunk_rows=BATCH)
-    resumed = hs.extract(model, batches(), "fc", out, progress=False, chunk_rows=BATCH)
+        hs.extract(model, batches(stop_at=8), out, layers="fc", progress=False, chunk_rows=BATCH)
+    resumed = hs.extract(model, batches(), out, layers="fc", progress=False, chunk_rows=BATCH)
     assert np.array_equal(resumed["fc"][:], whole["fc"][:])

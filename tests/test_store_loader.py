@@ -23,7 +23,9 @@ def make_store(path: Path, rows: int = ROWS, chunk_rows: int = 4, **options: Any
     """Two sites of ``rows`` rows (chunks of ``chunk_rows``, the last one shorter)."""
     model = track(nn.Sequential(nn.Linear(4, 3), nn.Tanh()))
     data = torch.randn(rows, 4, generator=torch.Generator().manual_seed(0))
-    return hs.extract(model, data, ["0", "1"], path, batch_size=2, chunk_rows=chunk_rows, progress=False, **options)
+    return hs.extract(
+        model, data, path, layers=["0", "1"], batch_size=2, chunk_rows=chunk_rows, progress=False, **options
+    )
 
 
 @pytest.fixture
@@ -87,7 +89,7 @@ def test_token_rows_are_the_real_tokens_each_once(tmp_path: Path) -> None:
     ids = torch.randint(1, 64, (12, 10), generator=torch.Generator().manual_seed(0)) * mask
     data = {"input_ids": ids, "attention_mask": mask}
     store = hs.extract(
-        model, data, ["h.0", "h.1"], tmp_path / "f.zarr", batch_size=2, chunk_rows=4, reduce={"h.1": "mean:1"},
+        model, data, tmp_path / "f.zarr", layers=["h.0", "h.1"], batch_size=2, chunk_rows=4, reduce={"h.1": "mean:1"},
         progress=False,
     )  # fmt: skip
     assert store.attention_mask is not None
@@ -189,7 +191,7 @@ def test_a_partial_store_is_read_over_its_done_chunks(tmp_path: Path) -> None:
         raise RuntimeError("the stream broke")
 
     with pytest.raises(RuntimeError, match="stream broke"):
-        hs.extract(model, batches(), "", tmp_path / "f.zarr", progress=False, chunk_rows=4)
+        hs.extract(model, batches(), tmp_path / "f.zarr", layers="", progress=False, chunk_rows=4)
     partial = hs.open_store(tmp_path / "f.zarr", partial=True)
     loaded = list(partial.loader(partial.sites[0], 3, with_rows=True))
     assert sorted(rows_of(loaded)) == list(range(8))

@@ -21,7 +21,7 @@ VOCAB, SEQ, ROWS = 64, 10, 22
 
 
 def run(model: nn.Module, data: Any, layers: Any, out: Path | str, **options: Any) -> hs.Store:
-    return hs.extract(model, data, layers, out, progress=False, **options)
+    return hs.extract(model, data, out, layers=layers, progress=False, **options)
 
 
 def padded_tokens(rows: int = ROWS, seq: int = SEQ, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -457,7 +457,7 @@ def test_a_mask_kept_for_a_site_of_the_same_width_says_how_to_go_without() -> No
         for width in (4, 6)
     ]
     with pytest.raises(hs.DataError, match=r"the mask is kept because a site's dimension 1 .* mask=None keeps no mask"):
-        hs.extract(Queries(), batches, "out", zarr_memory(), progress=False, tokens=False)
+        hs.extract(Queries(), batches, zarr_memory(), layers="out", progress=False, tokens=False)
 
 
 def zarr_memory() -> Any:

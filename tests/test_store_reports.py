@@ -20,7 +20,7 @@ VOCAB, SEQ = 40, 7
 
 
 def run(model: nn.Module, data: Any, layers: Any, out: Any, **options: Any) -> hs.Store:
-    return hs.extract(model, data, layers, out, progress=False, **options)
+    return hs.extract(model, data, out, layers=layers, progress=False, **options)
 
 
 class Encoder(nn.Module):
@@ -113,11 +113,11 @@ def test_the_progress_line_names_a_url_store_by_its_url(
 ) -> None:
     monkeypatch.setenv("HOOKSCOPE_PROGRESS_INTERVAL", "0")
     model = track(nn.Sequential(nn.Linear(4, 3)))
-    hs.extract(model, torch.randn(8, 4), "0", "memory://reports/feats.zarr", batch_size=4, progress=True)
+    hs.extract(model, torch.randn(8, 4), "memory://reports/feats.zarr", layers="0", batch_size=4, progress=True)
     lines = capsys.readouterr().err.splitlines()
     assert lines
     assert all(line.startswith("extract → memory://reports/feats.zarr: ") for line in lines), lines
-    hs.extract(model, torch.randn(8, 4), "0", tmp_path / "local.zarr", batch_size=4, progress=True)
+    hs.extract(model, torch.randn(8, 4), tmp_path / "local.zarr", layers="0", batch_size=4, progress=True)
     assert capsys.readouterr().err.splitlines()[0].startswith("extract → local.zarr: ")  # a folder by its name
 
 

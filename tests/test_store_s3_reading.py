@@ -84,7 +84,7 @@ def test_the_readme_training_loop_reads_the_store_in_forked_dataloader_workers(
     model, ids = token_model(), token_rows()
     out = f"s3://{bucket}/acts.zarr" if where == "s3" else tmp_path / "acts.zarr"
     options = {"storage_options": s3.storage_options} if where == "s3" else {}
-    hs.extract(model, ids, "1", out, batch_size=4, chunk_rows=4, progress=False, **options)
+    hs.extract(model, ids, out, layers="1", batch_size=4, chunk_rows=4, progress=False, **options)
     store = hs.open_store(out, **options)
     values = hooked_values(model, ids, 4)
     assert np.array_equal(store["1"][:], values)  # read once in the parent: its connections are open
@@ -162,7 +162,7 @@ def test_a_store_that_cannot_be_reached_is_a_read_error_never_a_damaged_store(
     options = {**s3.storage_options, "endpoint_url": relay.endpoint, "config_kwargs": {"retries": {"max_attempts": 1}}}
     url = f"s3://{bucket}/f.zarr"
     model, ids = token_model(), token_rows()
-    hs.extract(model, ids, "1", url, storage_options=options, batch_size=4, chunk_rows=4, progress=False)
+    hs.extract(model, ids, url, layers="1", storage_options=options, batch_size=4, chunk_rows=4, progress=False)
     store = hs.open_store(url, storage_options=options)
     array = store["1"]
     loader = store.loader("1", 8, read_ahead=0)
@@ -201,7 +201,15 @@ def test_credentials_never_reach_a_message_a_repr_a_progress_line_or_the_store(
     url = f"s3://{bucket}/f.zarr"
     command = f"python train.py --out s3://AKIAHOOK:{SECRET}@{bucket}/f.zarr --storage-option secret={SECRET}"
     store = hs.extract(
-        model, ids, "1", url, storage_options=with_token, batch_size=4, chunk_rows=4, progress=True, command=command
+        model,
+        ids,
+        url,
+        layers="1",
+        storage_options=with_token,
+        batch_size=4,
+        chunk_rows=4,
+        progress=True,
+        command=command,
     )
     err = capsys.readouterr().err
     progress = [line for line in err.splitlines() if line.startswith("extract →")]
@@ -228,7 +236,7 @@ def test_credentials_never_reach_a_message_a_repr_a_progress_line_or_the_store(
 
     for bad in (f"s3://AKIAHOOK:{SECRET}@{bucket}/g.zarr", f"s3://AKIAHOOK:Sup3r/{SECRET}@{bucket}/g.zarr"):
         with pytest.raises(hs.StoreError, match=r"credentials written into the URL.*storage_options") as refused:
-            hs.extract(model, ids, "1", bad, storage_options=given, progress=False)
+            hs.extract(model, ids, bad, layers="1", storage_options=given, progress=False)
         assert SECRET not in str(refused.value)
         assert "AKIAHOOK" not in str(refused.value)
     for wrong in ([f"secret={SECRET}"], f"secret={SECRET}"):

@@ -271,7 +271,9 @@ def test_extract_stores_the_owners_rows_only(tmp_path: Path) -> None:
                 expected[name].append(output)
     store = Other(model).beside(
         gate,
-        lambda: hs.extract(model, data, ["1", "4"], tmp_path / "f.zarr", progress=False, batch_size=4, chunk_rows=4),
+        lambda: hs.extract(
+            model, data, tmp_path / "f.zarr", layers=["1", "4"], progress=False, batch_size=4, chunk_rows=4
+        ),
     )
     for name, parts in expected.items():
         stored = store[name][:]

@@ -51,7 +51,7 @@ from hookscope._extract.resume import (
 )
 from hookscope._extract.writer import ChunkWriter, WriterThread, remote_flushers
 from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.options import with_options
+from hookscope._shared.options import positional_layers, with_options
 from hookscope._store import (
     Layout,
     Manifest,
@@ -80,13 +80,36 @@ __all__ = ["extract"]
 T = TypeVar("T")
 
 
+def _layers_and_out(where: tuple[Any, ...], layers: Any, out: Any) -> tuple[Any, Any]:
+    """``(layers, out)`` of :func:`extract`: ``out`` positionally or as ``out=``, ``layers=`` by keyword;
+    the older ``extract(model, data, layers, out)`` with a ``FutureWarning``."""
+    if len(where) > 2:
+        raise SpecError(
+            f"hs.extract takes model, data and out positionally, and layers=...; got {2 + len(where)} positional "
+            "arguments"
+        )
+    if len(where) == 2 or (len(where) == 1 and layers is None and out is not None):
+        old_layers, old_out = where if len(where) == 2 else (where[0], out)
+        if len(where) == 2 and out is not None:
+            raise SpecError("hs.extract got out twice, positionally and as out=; give it once")
+        return positional_layers((old_layers,), layers, where="hs.extract"), old_out
+    if where:
+        if out is not None:
+            raise SpecError("hs.extract got out twice, positionally and as out=; give it once")
+        out = where[0]
+    if layers is None or out is None:
+        missing = " and ".join(name for name, value in (("layers=", layers), ("out", out)) if value is None)
+        raise SpecError(f"hs.extract needs {missing}: hs.extract(model, data, 'feats.zarr', layers=['h.5'])")
+    return layers, out
+
+
 @with_options(ExtractConfig)
 def extract(
     model: nn.Module,
     data: Any,
-    layers: Selector | Sequence[Selector],
-    out: str | Path | Any,
-    *,
+    *where: Any,
+    layers: Selector | Sequence[Selector] | None = None,
+    out: str | Path | Any = None,
     options: ExtractConfig | None = None,
     **opts: Any,
 ) -> Store:
@@ -131,9 +154,10 @@ def extract(
 
     Example::
 
-        store = hs.extract(model, loader, layers=["h.5", "ln_f"], out="feats.zarr", reduce="mean:1")
+        store = hs.extract(model, loader, "feats.zarr", layers=["h.5", "ln_f"], reduce="mean:1")
         store["h.5"][:10]                       # numpy rows 0..9
     """
+    layers, out = _layers_and_out(where, layers, out)
     ensure_loaded(model)  # a meta model: one line, not torch's error
     ensure_module(model)
     config = ExtractConfig.build(options, opts)

@@ -26,6 +26,7 @@ from hookscope._methods.grid import Cell, Heads, Positions
 from hookscope._methods.metrics import MetricFn
 from hookscope._methods.result import Disagreement, Effects, disagree
 from hookscope._methods.sweep import Direction, Plan, plan_study, run_cells
+from hookscope._shared.options import renamed
 from hookscope.errors import SpecError
 
 __all__ = ["attribution_patch"]
@@ -37,7 +38,7 @@ def attribution_patch(
     corrupted: Any,
     *,
     metric: MetricFn,
-    sites: str | Sequence[str] | None = None,
+    layers: str | Sequence[str] | None = None,
     positions: Positions = "each",
     heads: Heads = False,
     num_heads: int | None = None,
@@ -46,6 +47,7 @@ def attribution_patch(
     verify: int = 0,
     min_effect: float = 0.05,
     model_kwargs: dict[str, Any] | None = None,
+    sites: str | Sequence[str] | None = None,
 ) -> Effects:
     """Estimate :func:`patch_sweep`'s grid from one forward and backward: ``grad · (clean - corrupted)``.
 
@@ -61,6 +63,7 @@ def attribution_patch(
         atp.correlation(hs.methods.patch_sweep(gpt2, clean_ids, corrupted_ids, metric=metric))
         atp.flags                                 # cells the estimate gets wrong
     """
+    sites = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.methods.attribution_patch")
     ensure_loaded(model)  # a meta model: one line, not torch's error
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise SpecError(f"verify={verify!r}: expected how many of the largest cells to patch exactly (0: none)")

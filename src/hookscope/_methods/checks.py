@@ -56,7 +56,7 @@ def default_sites(model: nn.Module, by_head: bool, stack: str, clean: Inputs, me
     stacks = [match["stack"] for name in std if (match := _STACK.match(name))]
     if stack not in stacks:
         if not stacks:
-            raise SpecError(f"{method}: this {std.family} model's canonical map has no blocks; pass sites=")
+            raise SpecError(f"{method}: this {std.family} model's canonical map has no blocks; pass layers=")
         model_is = (
             f"stack={stack!r} names no stack of this {std.family} model"
             if stack
@@ -65,7 +65,7 @@ def default_sites(model: nn.Module, by_head: bool, stack: str, clean: Inputs, me
         named = " and ".join(repr(s) for s in stacks)
         raise SpecError(
             f"{method}: {model_is}, whose blocks are in {named}; pass stack={stacks[-1]!r} (or another of them), "
-            "or sites="
+            "or layers="
         )
     return pattern
 
@@ -82,10 +82,10 @@ def _map(model: nn.Module, clean: Inputs, method: str, pattern: str) -> StdMap:
         except StdMapError as error:
             failed = error
     children = [name for name, _ in model.named_children()][:2]
-    example = f", e.g. sites={children}" if children else ""
+    example = f", e.g. layers={children}" if children else ""
     raise StdMapError(
         f"{method}'s default sites ({pattern}) are canonical names of transformer blocks, and this "
-        f"{type(model).__name__} has none ({failed.check or failed}): pass sites= with the modules or values to "
+        f"{type(model).__name__} has none ({failed.check or failed}): pass layers= with the modules or values to "
         f"patch (names, globs or selectors{example})",
         family=failed.family,
         check=failed.check,

@@ -157,7 +157,7 @@ def patch_sites(model: nn.Module, selectors: str | Sequence[str], cache: Cache) 
             per_head = f"{escape_name(site.module or '')}:{label}" in per_head_reads
         found.append(PatchSite(shown[site], site, f"{site.module or '(root)'}:{label}", per_head))
     if not found:
-        raise SpecError(f"sites={selectors!r} selected nothing that ran in the clean run")
+        raise SpecError(f"layers={selectors!r} selected nothing that ran in the clean run")
     return found
 
 

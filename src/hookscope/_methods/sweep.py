@@ -28,6 +28,7 @@ from hookscope._methods.grid import Cell, Heads, Positions, SiteLayout, check_nu
 from hookscope._methods.metrics import MetricFn, check_metric, metric_name, metric_rows
 from hookscope._methods.result import Effects
 from hookscope._methods.runs import Inputs, PatchSite, patch_sites
+from hookscope._shared.options import renamed
 from hookscope.errors import SpecError
 
 __all__ = ["Direction", "Plan", "patch_sweep", "plan_study"]
@@ -119,7 +120,7 @@ def plan_study(
         )
     if sites is not None and stack:
         raise SpecError(
-            f"stack={stack!r} picks the default sites, and sites= names its own: drop stack=, or name the stack in "
+            f"stack={stack!r} picks the default sites, and layers= names its own: drop stack=, or name the stack in "
             f"the sites (e.g. 'std:{stack}blocks.*.resid_pre')"
         )
     chosen = sites if sites is not None else default_sites(model, heads is not False, stack, clean_in, method)
@@ -339,7 +340,7 @@ def patch_sweep(
     corrupted: Any,
     *,
     metric: MetricFn,
-    sites: str | Sequence[str] | None = None,
+    layers: str | Sequence[str] | None = None,
     positions: Positions = "each",
     heads: Heads = False,
     num_heads: int | None = None,
@@ -347,6 +348,7 @@ def patch_sweep(
     direction: Direction = "denoise",
     batch_rows: int | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    sites: str | Sequence[str] | None = None,
 ) -> Effects:
     """Activation patching over every site × position (× head): the effect of each cell alone.
 
@@ -362,7 +364,7 @@ def patch_sweep(
         metric: one value per row (``hs.methods.logit_diff(correct, wrong)``, ``logprob``,
             ``kl_to``, ``loss``, or a function of the output); a function that returns a scalar
             is scored one patch per forward.
-        sites: selectors of the values to patch (default every block's ``std:blocks.*.resid_pre``;
+        layers: selectors of the values to patch (default every block's ``std:blocks.*.resid_pre``;
             with ``heads``, ``std:blocks.*.attn.z``). Where a value holds its positions follows
             from the site: an attention sub-site (``attn.z``, ``attn.pattern``, ``attn.q``, ...)
             is ``(batch, heads, seq, ...)``, any other value ``(batch, seq, ...)``.
@@ -374,6 +376,7 @@ def patch_sweep(
             attention's output projection), for ``heads=`` there; refused where missing.
         stack: an encoder-decoder's stack for the default sites: ``"decoder."`` or ``"encoder."``.
         batch_rows: rows per forward (default 64): ``batch_rows // rows`` patches run together.
+        sites: the old name of ``layers=``, with a ``FutureWarning``.
 
     Returns:
         :class:`~hookscope.methods.Effects`, dims ``("site", "position")`` or
@@ -386,6 +389,7 @@ def patch_sweep(
         effects.at("blocks.3.resid_pre", 5), effects.top(5)
         effects.plot().savefig("sweep.png")
     """
+    sites = renamed(layers, sites, new_name="layers", old_name="sites", where="hs.methods.patch_sweep")
     ensure_loaded(model)  # a meta model: one line, not torch's error
     plan = plan_study(
         model, clean, corrupted, metric=metric, sites=sites, positions=positions, heads=heads, num_heads=num_heads,

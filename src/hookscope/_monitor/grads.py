@@ -20,6 +20,7 @@ from hookscope._monitor.recorder import Read, TrainingRecorder
 from hookscope._monitor.records import MonitorStep
 from hookscope._monitor.summary import GradSummary, summarise
 from hookscope._monitor.tags import step_scalars
+from hookscope._shared.options import positional_layers
 from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["GradMonitor", "watch_grads"]
@@ -189,7 +190,8 @@ def watch_grads(
 ) -> GradMonitor:
     """Watch gradients of ``model`` (or of the modules the selectors pick) across training steps.
 
-    The modules are chosen by selectors, positionally or as ``layers=``; by default every one.
+    The modules are chosen by ``layers=`` (selectors); by default every one. Selectors given
+    positionally still work, with a ``FutureWarning``.
 
     Per module call, statistics of the gradient with respect to each output (``grad_output``)
     and input (``grad_input``): norm, mean |g|, max |g|, NaN/Inf counts; per parameter, its
@@ -207,5 +209,5 @@ def watch_grads(
         print(monitor.summary())
         monitor.history              # steps x layers, pandas
     """
-    chosen = given_selectors(selectors, layers, feature="watch_grads")
+    chosen = given_selectors((), positional_layers(selectors, layers, where="hs.watch_grads"), feature="watch_grads")
     return GradMonitor(model, chosen, params=params, activations=activations, every=every, dead_window=dead_window)

@@ -35,7 +35,7 @@ from hookscope._monitor.recorder import TrainingRecorder
 from hookscope._monitor.records import MonitorStep
 from hookscope._monitor.scale import LossScale, unscaled
 from hookscope._monitor.sinks import Failures, as_sink, close_all, sink_error, write_all
-from hookscope._shared.options import with_options
+from hookscope._shared.options import positional_layers, with_options
 from hookscope._shared.stats import RAW_FIELDS, RawStats, Stats, finalize
 from hookscope._shared.transfer import fetch
 from hookscope._trace import NonFiniteDetector, detect_nonfinite
@@ -256,8 +256,8 @@ def _table(rows: list[Any]) -> np.ndarray:
 @with_options(MonitorOptions)
 def monitor(
     model: nn.Module,
+    *positional: Selector | Sequence[Selector],
     layers: Selector | Sequence[Selector] | None = None,
-    *,
     options: MonitorOptions | None = None,
     **opts: Any,
 ) -> Monitor:
@@ -284,5 +284,8 @@ def monitor(
     when no watched layer ran a training forward and no gradient reached a parameter since the
     last ``step()``: a second call after one backward would log the same gradients again.
     """
+    if len(positional) > 1:
+        raise SpecError(f"hs.monitor takes the model and layers=..., not {1 + len(positional)} positional arguments")
+    layers = positional_layers(positional, layers, where="hs.monitor")
     ensure_loaded(model)  # a meta model: one line, not torch's error
     return Monitor(model, layers, MonitorOptions.build(options, opts))

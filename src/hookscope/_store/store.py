@@ -60,7 +60,7 @@ class Store:
     >>> import hookscope as hs
     >>> ids = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
     >>> model = nn.Sequential(nn.Embedding(10, 3), nn.Linear(3, 2))
-    >>> store = hs.extract(model, ids, "1", tempfile.mkdtemp() + "/f.zarr", progress=False, indices=[1, 0])
+    >>> store = hs.extract(model, ids, tempfile.mkdtemp() + "/f.zarr", layers="1", progress=False, indices=[1, 0])
     >>> store.row_index[:].tolist(), store.tokens[:].tolist(), store.stats["1"].count
     ([1, 0], [[5, 9, 2, 6], [3, 1, 4, 1]], 8)
     """

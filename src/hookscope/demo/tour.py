@@ -242,7 +242,7 @@ def _gradient_flow(label: str, std: float, write: Write) -> None:
     model = _sigmoid_mlp(std)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
-    with watch_grads(model, nn.Linear, params=False) as monitor:
+    with watch_grads(model, layers=nn.Linear, params=False) as monitor:
         for _ in range(3):
             model(torch.randn(8, 16, generator=generator)).pow(2).mean().backward()
             monitor.step()
@@ -354,11 +354,11 @@ def _extract_data_set(model: nn.Module, out: Path, write: Write) -> None:
         data = _FailsOnce(512, fail_at=300)
         options: dict[str, Any] = {"reduce": {"conv1": "mean:2,3"}, "batch_size": 64, "chunk_rows": 128}
         try:
-            extract(model, data, ["conv1", "fc"], out, overwrite=True, progress=False, **options)
+            extract(model, data, out, layers=["conv1", "fc"], overwrite=True, progress=False, **options)
         except RuntimeError as error:
             done = len(open_store(out, partial=True).done_chunks())
             write(f"   the first run stopped: {error}; {done} of 4 chunks had landed")
-        store = extract(model, data, ["conv1", "fc"], out, progress=False, **options)
+        store = extract(model, data, out, layers=["conv1", "fc"], progress=False, **options)
     except ImportError as error:  # zarr 3 needs Python 3.11
         write(f"   (skipped: {error})")
         return

@@ -54,7 +54,7 @@ class MonitorCallback:
             start=step,
             grad_scaler=self.options.grad_scaler if self._own_scaler else scaler,
         )
-        self.monitor = hs.monitor(model, self.layers, options=run)
+        self.monitor = hs.monitor(model, layers=self.layers, options=run)
 
     def _remove(self, during: BaseException | None = None) -> None:
         """Let go of the monitor; with ``during`` (the error training raised), a sink that fails

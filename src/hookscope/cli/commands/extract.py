@@ -175,7 +175,7 @@ def extract_command(
                 "earlier run"
             )
         with refused_first_batch(net, data):
-            store = hs.extract(net, dataset, selector_list(layers), out, options=options)
+            store = hs.extract(net, dataset, out, layers=selector_list(layers), options=options)
         elapsed = time.perf_counter() - started
         if rank == 0:
             typer.echo(repr(store))

@@ -59,6 +59,7 @@ def patch_command(
     sites: Annotated[
         list[str] | None,
         typer.Option(
+            "--layers",
             "--sites",
             "-l",
             help="Values to patch: canonical names or selectors, repeat or comma-separate; a comma inside (), [] "
@@ -155,14 +156,14 @@ def patch_command(
     if atp:
         effects = refused(
             lambda: hs.methods.attribution_patch(
-                net, clean_in, corrupted_in, metric=scorer, sites=chosen, positions=where, heads=heads,
+                net, clean_in, corrupted_in, metric=scorer, layers=chosen, positions=where, heads=heads,
                 num_heads=num_heads, stack=stack or "", direction=direction, verify=verify,
             ), PATCH_FLAGS,
         )  # fmt: skip
     else:
         effects = refused(
             lambda: hs.methods.patch_sweep(
-                net, clean_in, corrupted_in, metric=scorer, sites=chosen, positions=where, heads=heads,
+                net, clean_in, corrupted_in, metric=scorer, layers=chosen, positions=where, heads=heads,
                 num_heads=num_heads, stack=stack or "", direction=direction, batch_rows=batch_rows,
             ), PATCH_FLAGS,
         )  # fmt: skip

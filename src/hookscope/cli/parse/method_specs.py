@@ -154,7 +154,8 @@ def _example(count: int) -> str:
 #: The library's argument names as ``hookscope patch`` and ``hookscope lens`` spell them.
 PATCH_FLAGS = {
     "stack": "--stack",
-    "sites": "--sites",
+    "layers": "--layers",
+    "sites": "--layers",
     "num_heads": "--num-heads",
     "heads": "--heads",
     "positions": "--positions",
@@ -172,8 +173,8 @@ def flag_words(message: str, flags: dict[str, str]) -> str:
     ``pass stack='decoder.'`` reads ``pass --stack decoder.``, ``give num_heads=`` reads ``give
     --num-heads``, so the command line never sends its user to an argument it does not have.
 
-    >>> flag_words("pass stack='decoder.', or sites=; give num_heads= (config: num_attention_heads=2)", PATCH_FLAGS)
-    'pass --stack decoder., or --sites; give --num-heads (config: num_attention_heads=2)'
+    >>> flag_words("pass stack='decoder.', or layers=; give num_heads= (config: num_attention_heads=2)", PATCH_FLAGS)
+    'pass --stack decoder., or --layers; give --num-heads (config: num_attention_heads=2)'
     >>> flag_words("add heads=True or drop num_heads=", PATCH_FLAGS)
     'add --heads or drop --num-heads'
     """
