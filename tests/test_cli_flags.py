@@ -19,6 +19,7 @@ from hookscope.cli.parse.flags import plain
 DERIVED = {
     "capture": (hs.CaptureOptions, {"keep", "calls", "reduce", "stop", "max_bytes"}),
     "edit": (hs.EditOptions, {"on"}),
+    "extract": (hs.CaptureOptions, {"keep", "calls"}),
     "trace": (hs.TraceOptions, {"timing"}),
 }
 
@@ -51,6 +52,7 @@ def test_a_flag_named_after_an_option_is_that_option_s_field(name: str) -> None:
 #: Flags that share an option's name but not its form: a model's cast, a comma list of words.
 OWN_FORM = {
     "capture": {"dtype"},  # --dtype casts the model and its input, as on every command
+    "extract": {"dtype", "reduce", "device"},  # the storage dtype; reductions per layer; where inputs go
     "trace": {"stats", "ops"},  # 'min,max' or 'none'; repeatable selectors
 }
 

@@ -9,11 +9,15 @@ import typer
 
 import hookscope as hs
 from hookscope.cli.common import on_interrupt
+from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import MAX_WORKERS, ModelSpec, seed_option
 from hookscope.cli.parse.specs import COUNT_MAX
 from hookscope.cli.parse.values import calls_value, int_option, selector_list, tokens_choice
 
 __all__ = ["extract_command"]
+
+#: The capture options of every stored site (--keep, --calls), whose flags are their fields' own.
+CAPTURE = hs.CaptureOptions
 
 
 def extract_command(
@@ -98,8 +102,8 @@ def extract_command(
         int | None,
         typer.Option("--chunk-rows", min=1, max=COUNT_MAX, help="Rows per chunk, a multiple of the batch size."),
     ] = None,
-    keep: Annotated[str, typer.Option("--keep", help="output, input or both.")] = "output",
-    calls: Annotated[str, typer.Option("--calls", help="all, first, last, or a call index.")] = "all",
+    keep: Annotated[str, option_flag(CAPTURE, "keep")] = option_default(CAPTURE, "keep"),
+    calls: Annotated[str, option_flag(CAPTURE, "calls")] = option_default(CAPTURE, "calls"),
     mask: Annotated[
         str, typer.Option("--mask", help="Batch key of the padding mask for token reductions; 'none' to ignore it.")
     ] = "auto",
