@@ -23,8 +23,8 @@ install-dev: $(VENV)/.installed-dev
 $(VENV)/.torch: FORCE | $(BIN)/python
 	@echo "$(TORCH)" | cmp -s - $@ || echo "$(TORCH)" > $@
 
-# setup.py builds the fused statistics kernel (src/hookscope/_shared/fused_stats.c) in place.
-KERNEL := setup.py src/hookscope/_shared/fused_stats.c
+# setup.py builds the fused statistics kernel (src/hookscope/_shared/stats/fused_stats.c) in place.
+KERNEL := setup.py src/hookscope/_shared/stats/fused_stats.c
 
 $(VENV)/.installed: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
@@ -70,5 +70,5 @@ bench: install-dev
 	$(BIN)/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
+	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
 		.coverage .coverage.*

@@ -1,12 +1,12 @@
 """Builds hookscope's one compiled piece, the fused statistics kernel, where a C compiler is.
 
-Everything else is declared in pyproject.toml. The kernel (``src/hookscope/_shared/fused_stats.c``)
+Everything else is declared in pyproject.toml. The kernel (``src/hookscope/_shared/stats/fused_stats.c``)
 is plain C loaded with ctypes: it includes no Python or torch header and calls no Python C API, so
-it is built as a plain shared library, ``hookscope/_shared/_fused_stats.so`` (no interpreter tag in
+it is built as a plain shared library, ``hookscope/_shared/stats/_fused_stats.so`` (no interpreter tag in
 its name), and the wheel is tagged ``py3-none-<platform>``: one wheel serves every Python 3 of that
 platform. Optional: where it cannot be built (no compiler, ``CC=false``, Windows) the install goes
 on without it and statistics are computed by torch reductions instead; ``hookscope info`` and
-``hookscope._shared.fused.available()`` say which path runs.
+``hookscope._shared.stats.kernel.available()`` say which path runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
-KERNEL = "hookscope._shared._fused_stats"
+KERNEL = "hookscope._shared.stats._fused_stats"
 
 
 class PlainLibrary(build_ext):
@@ -50,7 +50,7 @@ setup(
     ext_modules=[
         Extension(
             KERNEL,
-            sources=["src/hookscope/_shared/fused_stats.c"],
+            sources=["src/hookscope/_shared/stats/fused_stats.c"],
             extra_compile_args=["-O3", "-Wno-psabi"],
             libraries=["dl"] if sys.platform.startswith("linux") else [],  # dlsym, in libc only from glibc 2.34
             optional=True,

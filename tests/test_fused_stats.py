@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookscope._shared import fused
+from hookscope._shared.stats import kernel as fused
 from hookscope._shared.stats import raw_stats, read_stats
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the fused statistics kernel is not built here")
@@ -175,7 +175,7 @@ def test_a_forked_child_measures_without_the_parents_threads(team: int) -> None:
 
 def test_the_kernel_can_be_turned_off_by_environment() -> None:
     code = (
-        "import torch; from hookscope._shared import fused; from hookscope._shared.stats import tensor_stats; "
+        "import torch; from hookscope._shared.stats import kernel as fused, tensor_stats; "
         "print(fused.available(), fused.measure(torch.ones(4)), tensor_stats(torch.arange(4.0)).mean)"
     )
     env = dict(os.environ, HOOKSCOPE_FUSED_STATS="0")

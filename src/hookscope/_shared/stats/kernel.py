@@ -1,4 +1,4 @@
-"""The fused statistics kernel (``fused_stats.c``): every CPU statistic in one read of a tensor.
+"""The fused statistics kernel's binding (``fused_stats.c``): every CPU statistic in one read of a tensor.
 
 Why a compiled kernel: torch computes min and max, sums, sums of squares, ``|x|`` and zero
 counts as five or six reductions, each a pass over the values and a parallel region of torch's
@@ -15,8 +15,8 @@ ctypes lets go of the GIL while it runs. It uses no Python C API, so it is a pla
 read from the library itself (:data:`ABI_VERSION` must match; :data:`BLOCK_VALUES`,
 :data:`SEGMENT_VALUES`, :data:`TEAM_MIN_VALUES`). Where it was not built (no compiler), was built
 from another version of the source, or for a dtype it does not read (float16, integers, bool),
-:mod:`hookscope._shared.stats` uses torch reductions, and the results agree (the tests run both);
-:func:`statistics_path` says which runs.
+:mod:`hookscope._shared.stats.torch_path` computes the same statistics with torch reductions,
+and the results agree (the tests run both); :func:`statistics_path` says which runs.
 
 >>> import torch
 >>> part = measure(torch.tensor([1.0, 0.0, -2.0, 3.0])) if available() else None
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._shared.stats.fields import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW, SCALE_BELOW_F64
 
 __all__ = [
     "ABI_VERSION",
@@ -55,16 +56,6 @@ __all__ = [
 #: The kernel interface this module speaks (``hookscope_abi_version`` in ``fused_stats.c``).
 ABI_VERSION = 2
 
-# Shared with the torch path (``stats``), which scales and sums again at the same points.
-#: Squares of float64 values past this overflow: they are summed scaled down by a power of two.
-SCALE_ABOVE = 2.0**500
-#: Squares of float32 values below this underflow (vanishing gradients): summed scaled up.
-SCALE_BELOW = 2.0**-50
-#: The same for float64 (squares of values near 1e-200 are 0): scaled up below this.
-SCALE_BELOW_F64 = 2.0**-400
-#: A sum of squares this many times the sum of squared deviations has lost the spread's digits:
-#: the values are summed again around their mean.
-CANCELLATION_RATIO = 16.0
 _ENTRY_POINTS = {
     torch.float32: "hookscope_stats_f32",
     torch.bfloat16: "hookscope_stats_bf16",
