@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast coverage lint bench browser install install-dev clean FORCE
+.PHONY: demo test test-fast coverage lint bench browser wheel-check install install-dev clean FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,12 @@ lint: install-dev
 browser:
 	bash .ci/install-browser
 
-test: lint browser
+# The wheel as users get it: `python -m build`, a py3-none-<platform> wheel holding the kernel, installed
+# and run in fresh venvs with a C compiler and without one (CC=false); a few minutes (two torch installs).
+wheel-check: install-dev
+	bash .ci/wheel-check $(BIN)/python "$(TORCH)"
+
+test: lint browser wheel-check
 	$(BIN)/python -m pytest
 
 # The edit-test loop: everything but the tests marked slow (compile, distributed, browser, and

@@ -81,20 +81,20 @@ class FusedPart:
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """The built library, or None and why not (not built, ``HOOKSCOPE_FUSED_STATS=0``, stale)."""
     if os.environ.get("HOOKSCOPE_FUSED_STATS", "1") == "0":
-        return None, "turned off by HOOKSCOPE_FUSED_STATS=0"
+        return None, "turned off: HOOKSCOPE_FUSED_STATS=0"
     path = Path(__file__).parent / _LIBRARY
     if not path.exists():
-        return None, "not built (no C compiler when hookscope was installed)"
+        return None, "not built: no C compiler when hookscope was installed"
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:  # built for another platform, or damaged: torch reductions it is
-        return None, f"cannot be loaded ({error})"
+        return None, f"not loadable: {error}"
     try:
         version = ctypes.c_int32.in_dll(library, "hookscope_abi_version").value
     except ValueError:
         version = 0
     if version != ABI_VERSION:  # a stale build: rebuild with `pip install -e .` (or any make target)
-        return None, f"built from another version of its source (interface {version}, expected {ABI_VERSION})"
+        return None, f"stale: built with interface {version}, expected {ABI_VERSION}; reinstall hookscope"
     return library, ""
 
 
@@ -146,8 +146,8 @@ def statistics_path() -> str:
     if _use:
         return f"fused C kernel ({_LIBRARY}, interface {ABI_VERSION}, blocks of {BLOCK_VALUES} values)"
     if available():
-        return "torch reductions (the fused C kernel is built but turned off by use_fused(False))"
-    return f"torch reductions (the fused C kernel is {_missing})"
+        return "torch reductions (fused C kernel turned off: use_fused(False))"
+    return f"torch reductions (fused C kernel {_missing})"
 
 
 def available() -> bool:
