@@ -155,17 +155,22 @@ INLINE void widen(vd *into, vf lanes) {
     }
 }
 
-INLINE vf load_f32(const float *x) {
-    vf v;
+/* LANES values' bits, as they are (float32) or widened into the top half (bfloat16 bits). */
+INLINE vu load_u32(const uint32_t *x) {
+    vu v;
     memcpy(&v, x, sizeof v);
     return v;
 }
 
-INLINE vf load_bf16(const uint16_t *x) {
+INLINE vu load_bf16_bits(const uint16_t *x) {
     vh h;
     memcpy(&h, x, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
+    return __builtin_convertvector(h, vu);
 }
+
+INLINE vf load_f32(const float *x) { return (vf)load_u32((const uint32_t *)x); }
+
+INLINE vf load_bf16(const uint16_t *x) { return (vf)(load_bf16_bits(x) << 16); }
 
 CLONES static void block_f32(totals *t, const float *x, size_t count, float shift) {
 #define LOAD_F32(i) load_f32(x + (i))
@@ -238,18 +243,6 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
     for (size_t i = whole; i < count; i++) found |= (SCALAR(i) & (EXPONENT)) == (EXPONENT);   \
     t->nonfinite = found;
 
-INLINE vu32 load_u32(const uint32_t *x) {
-    vu32 v;
-    memcpy(&v, x, sizeof v);
-    return v;
-}
-
-INLINE vu32 load_bf16_bits(const uint16_t *x) {
-    vh h;
-    memcpy(&h, x, sizeof h);
-    return (vu32)__builtin_convertvector(h, vu);
-}
-
 INLINE vu64 load_u64(const uint64_t *x) {
     vu64 v;
     memcpy(&v, x, sizeof v);
@@ -259,7 +252,7 @@ INLINE vu64 load_u64(const uint64_t *x) {
 CLONES static void finite_f32(totals *t, const void *p, size_t count, double unused) {
     (void)unused;
     const uint32_t *x = (const uint32_t *)p;
-#define LOAD_U32(i) load_u32(x + (i))
+#define LOAD_U32(i) (vu32)load_u32(x + (i))
 #define BITS(i) x[i]
     FINITE_CHECK(vu32, 16, 0x7f800000u, LOAD_U32, BITS)
 }
@@ -267,7 +260,7 @@ CLONES static void finite_f32(totals *t, const void *p, size_t count, double unu
 CLONES static void finite_bf16(totals *t, const void *p, size_t count, double unused) {
     (void)unused;
     const uint16_t *x = (const uint16_t *)p;
-#define LOAD_BF16_BITS(i) load_bf16_bits(x + (i))
+#define LOAD_BF16_BITS(i) (vu32)load_bf16_bits(x + (i))
     FINITE_CHECK(vu32, 16, 0x7f80u, LOAD_BF16_BITS, BITS)
 }
 
