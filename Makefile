@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast coverage lint bench browser install install-dev clean FORCE
+.PHONY: demo test test-fast coverage lint bench browser wheel-check install install-dev clean FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,8 @@ install-dev: $(VENV)/.installed-dev
 $(VENV)/.torch: FORCE | $(BIN)/python
 	@echo "$(TORCH)" | cmp -s - $@ || echo "$(TORCH)" > $@
 
-# setup.py builds the fused statistics kernel (src/hookscope/_shared/fused_stats.c) in place.
-KERNEL := setup.py src/hookscope/_shared/fused_stats.c
+# setup.py builds the fused statistics kernel (src/hookscope/_shared/stats/fused_stats.c) in place.
+KERNEL := setup.py src/hookscope/_shared/stats/fused_stats.c
 
 $(VENV)/.installed: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
 	$(PIP) "$(TORCH)"
@@ -48,7 +48,12 @@ lint: install-dev
 browser:
 	bash .ci/install-browser
 
-test: lint browser
+# The wheel as users get it: `python -m build`, a py3-none-<platform> wheel holding the kernel, installed
+# and run in fresh venvs with a C compiler and without one (CC=false); a few minutes (two torch installs).
+wheel-check: install-dev
+	bash .ci/wheel-check $(BIN)/python "$(TORCH)"
+
+test: lint browser wheel-check
 	$(BIN)/python -m pytest
 
 # The edit-test loop: everything but the tests marked slow (compile, distributed, browser, and
@@ -70,5 +75,5 @@ bench: install-dev
 	$(BIN)/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
+	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
 		.coverage .coverage.*

@@ -23,7 +23,7 @@ Memory: with glibc's default settings, the 1.2 GiB that a ResNet-50 capture keep
 operating system when the values are dropped and faulted in again by the next forward: measured, 229-244k
 minor page faults per captured forward (hand hooks 224k) against 41-61k for a plain one, and 1.25x in a
 quiet run. A capture pass that ends holding 64 MiB or more now has glibc keep that freed memory resident
-(``hookscope._shared.allocator``: ``mallopt`` of the mmap and trim thresholds, once per process, at most
+(``hookscope._shared.malloc``: ``mallopt`` of the mmap and trim thresholds, once per process, at most
 2 GiB; ``HOOKSCOPE_MALLOC=default`` opts out), and once warm no method takes a page fault (0 for plain,
 hand hooks and hookscope alike). The setting is made by the check run before the warm-up, so every timed
 round, plain included, runs with it, as a user's process would after its first capture. 10 rounds on a

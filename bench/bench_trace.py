@@ -42,12 +42,20 @@ ratios, not the ratio of medians.
 Before timing, the script runs the naive hooks and ``hs.trace`` once and asserts that they saw the same
 module calls and agree on the statistics of every floating-point output: min, max and NaN/Inf counts exactly,
 the other fields to 1e-4 relative. On the CPU ``hs.trace`` reads each tensor once with its fused kernel, whose
-float32 sums run over 512 values before they go to float64; the check prints the largest deviation it saw:
+float32 sums run over blocks of ``kernel.BLOCK_VALUES`` values (read from the library) before they go to
+float64; the statistics path that ran is printed with the notes; the check prints the largest deviation it saw:
 2.7e-7 on ResNet-50 and 1.0e-7 on GPT-2 when last measured (1.8e-6 and 3.1e-6 with the torch path).
 
-Last measured (three runs of 15 rounds; the machine's speed drifts between runs): trace 1.10-1.34x on
-ResNet-50, 1.06-1.37x on GPT-2 (1.50x and 1.30x with ``HOOKSCOPE_FUSED_STATS=0``), 1.12-1.24x on ResNet-50
-beside a busy process (1.64x), ``detect_nonfinite`` 1.11-1.19x and 1.03-1.09x.
+Measured when the kernel landed (three runs of 15 rounds): trace 1.10-1.34x on ResNet-50, 1.06-1.37x on GPT-2
+(1.50x and 1.30x with ``HOOKSCOPE_FUSED_STATS=0``), 1.12-1.24x beside a busy process (1.64x), ``detect_nonfinite``
+1.11-1.19x and 1.03-1.09x. Those runs read long tensors with torch's OpenMP team, whose parallel region ends at a
+barrier that waits for a team thread another process holds off its core. Since then the calling thread reads
+every tensor under ``kernel.TEAM_MIN_VALUES`` values alone. Same sitting, old and new builds in alternating
+processes (ResNet-50, 2 warm-ups, 4-5 rounds each, a machine loaded 3-9 by other jobs): seconds inside the kernel
+per traced forward 0.08-1.08 (median 0.83, 0.76) with the team, 0.24-0.53 (median 0.50, 0.28) alone; trace over
+plain 1.25, 1.40, 2.12, 1.40, 1.43x before, 1.11, 3.00, 1.14, 1.33, 1.11x after; ``detect_nonfinite`` 1.57, 1.24,
+1.24, 1.48, 1.33x before, 0.96, 1.16, 1.11, 1.19, 1.05x after. On a quiet machine the team is faster (0.08 s
+against about 0.2 s per forward): the cost of figures that hold on a shared one.
 
 Run: ``.venv/bin/python bench/bench_trace.py``; ``--model resnet50|gpt2|all``, ``--rounds N`` (default 15:
 single rounds vary by 10% and more), ``--no-busy``; ``--quick`` for a smoke run.
@@ -78,6 +86,7 @@ from torch import nn
 
 import common
 import hookscope as hs
+import hookscope.info
 
 # trace with statistics over plain, per model; detect_nonfinite over plain; trace under a busy process
 TARGETS = {"resnet50": 1.15, "gpt2": 1.08}
@@ -87,7 +96,7 @@ BUSY_MODEL = "resnet50"
 DEFAULT_ROUNDS = 15
 MIN_ROUNDS = 5
 QUICK_ROUNDS = 2
-WARMUP = 1
+WARMUP = 2  # the first traced forwards fault in fresh pages and fill caches: one warm-up read 2.0x, two 1.4x
 MODELS = ("resnet50", "gpt2")
 INSTALL_HINT = "pip install torchinfo"
 # The naive hook's statistics, in the order they are computed and compared.
@@ -285,7 +294,7 @@ WORKLOADS: dict[str, Callable[[bool], common.Workload]] = {
 
 def bench(work: common.Workload, rounds: int) -> Table:
     """Check, then time every method on one workload."""
-    notes = check_trace(work)
+    notes = [f"statistics: {hookscope.info.statistics_path()}", *check_trace(work)]
     runs, skipped = methods()
     times = common.measure(runs, work.model, work.inputs, rounds, WARMUP)
     return Table(work.key, work.title, times, notes + skipped)

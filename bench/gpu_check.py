@@ -699,7 +699,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     else:
         info["device_name"] = "cpu"
     try:
-        from hookscope._shared import fused
+        from hookscope._shared.stats import kernel as fused
 
         info["fused_cpu_kernel"] = bool(fused.available())
     except ImportError:

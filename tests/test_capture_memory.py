@@ -18,7 +18,7 @@ import pytest
 from torch import nn
 
 import hookscope as hs
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 from tests.models import track
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ import gc, json, resource, sys
 import torch
 from torch import nn
 import hookscope as hs
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Tanh() for _ in range(16)])
@@ -55,7 +55,7 @@ def _run(script: str, **env: str) -> dict[str, Any]:
     cleared); return the JSON object it printed last."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != allocator.ENV}
     clean.pop("GLIBC_TUNABLES", None)
-    clean |= {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)} | env
+    clean |= {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])} | env
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
@@ -145,7 +145,7 @@ def test_a_small_capture_leaves_the_allocator_alone() -> None:
 import json, torch
 from torch import nn
 import hookscope as hs
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
 for _ in range(3):
     _, cache = hs.run_with_capture(model, torch.randn(256, 64), layers=["0", "1"])
@@ -172,7 +172,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2Model, ResNetConfig, ResNetModel
 import hookscope as hs
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 
 torch.manual_seed(0)
 leaf = lambda name, module: next(module.children(), None) is None

@@ -153,7 +153,7 @@ def test_random_rows_depend_only_on_their_index() -> None:
 
 
 def test_resident_watch_trims_only_on_drift() -> None:
-    from hookscope._shared.memory import ResidentWatch, resident_bytes
+    from hookscope._shared.malloc import ResidentWatch, resident_bytes
 
     if resident_bytes() is None or not _has_malloc_trim():
         pytest.skip("needs /proc and glibc's malloc_trim")
@@ -166,7 +166,7 @@ def test_resident_watch_trims_only_on_drift() -> None:
 
 
 def _has_malloc_trim() -> bool:
-    from hookscope._shared.memory import release_free_memory
+    from hookscope._shared.malloc import release_free_memory
 
     return release_free_memory()
 

@@ -1,7 +1,9 @@
-"""The fused statistics kernel: one read per tensor, against numpy float64, with and without helper threads."""
+"""The fused statistics kernel: one read per tensor, against numpy float64, alone and with torch's OpenMP team."""
 
 from __future__ import annotations
 
+import ctypes
+import math
 import multiprocessing
 import os
 import subprocess
@@ -13,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from hookscope._shared import fused
+from hookscope._shared.stats import kernel as fused
 from hookscope._shared.stats import raw_stats, read_stats
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="the fused statistics kernel is not built here")
 
-SUB = 256  # values per float32 partial sum in the kernel
-SEGMENT = 262144  # values per segment (the unit the helper threads share)
+SUB = fused.BLOCK_VALUES  # values per float32 partial sum in the kernel (read from the library)
+SEGMENT = fused.SEGMENT_VALUES  # values per segment (the unit torch's OpenMP team shares)
 
 
 def reference(values: torch.Tensor) -> tuple[float, float, float, float, float, float]:
@@ -98,37 +100,52 @@ def test_unread_dtypes_are_left_to_torch() -> None:
         assert fused.measure(values) is None
 
 
-def reading_with(team: int, helpers: int) -> None:
-    """Set how the kernel shares a long tensor: torch's OpenMP team of ``team`` threads, or ``helpers``
-    helper threads of its own (the next ``fused.measure`` after ``fused._helpers = -1`` resets it)."""
+def reading_with(team: int) -> None:
+    """Set how the kernel reads a long tensor: torch's OpenMP team of ``team`` threads for any tensor
+    of more than one segment, or (0) the calling thread alone; kept until ``fused._threads = -1``."""
     assert fused._use_team is not None
-    assert fused._set_helpers is not None
-    fused._use_team(team)
-    fused._set_helpers(helpers)
-    fused._helpers = torch.get_num_threads()  # keep this choice until reset
+    fused._use_team(team, SEGMENT + 1)
+    fused._threads = torch.get_num_threads()  # keep this choice until reset
 
 
 @pytest.fixture
 def restore_reading() -> Iterator[None]:
     yield
-    fused._helpers = -1  # the next measure sets the library up for torch's threads again
+    fused._threads = -1  # the next measure sets the library up for torch's threads again
+
+
+def test_the_layout_constants_come_from_the_library() -> None:
+    assert ctypes.c_int32.in_dll(fused._library, "hookscope_abi_version").value == fused.ABI_VERSION == 2
+    assert SUB % 16 == 0
+    assert SEGMENT % SUB == 0
+    assert fused.TEAM_MIN_VALUES >= SEGMENT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_no_values_are_refused_in_c(dtype: torch.dtype) -> None:
+    out = (ctypes.c_double * 8)()
+    values = torch.ones(4, dtype=dtype)
+    for kernels in (fused._KERNELS, fused._FINITE):
+        for count in (0, -1):
+            assert kernels[dtype](values.data_ptr(), count, 0.0, ctypes.addressof(out)) == -1
+            assert (out[0], out[1], out[2], out[5], out[7]) == (math.inf, -math.inf, 0.0, 0.0, 0.0)
 
 
 @pytest.mark.usefixtures("restore_reading")
-def test_alone_with_helpers_and_with_torchs_team_give_the_same_bits() -> None:
+def test_alone_and_with_torchs_team_give_the_same_bits() -> None:
     values = torch.randn(5 * SEGMENT + 123, generator=torch.Generator().manual_seed(3))
     results = []
-    for team, helpers in ((0, 0), (0, 1), (0, 3), (2, 0), (0, 0)):
-        reading_with(team, helpers)
+    for team in (0, 2, 0, 2):
+        reading_with(team)
         results.append(fused.measure(values))
     assert results[0] is not None
     assert all(result == results[0] for result in results)
 
 
 @pytest.mark.usefixtures("restore_reading")
-@pytest.mark.parametrize(("team", "helpers"), [(0, 2), (2, 0)])
-def test_python_threads_reading_at_once(team: int, helpers: int) -> None:
-    reading_with(team, helpers)
+@pytest.mark.parametrize("team", [0, 2])
+def test_python_threads_reading_at_once(team: int) -> None:
+    reading_with(team)
     tensors = [torch.randn(3 * SEGMENT + i, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     expected = [fused.measure(t) for t in tensors]
     with ThreadPoolExecutor(4) as pool:
@@ -141,11 +158,11 @@ def _child_measures(values: torch.Tensor, queue: multiprocessing.Queue[object]) 
 
 
 @pytest.mark.usefixtures("restore_reading")
-@pytest.mark.parametrize(("team", "helpers"), [(0, 1), (2, 0)])
-def test_a_forked_child_measures_without_the_parents_threads(team: int, helpers: int) -> None:
+@pytest.mark.parametrize("team", [0, 2])
+def test_a_forked_child_measures_without_the_parents_threads(team: int) -> None:
     values = torch.randn(4 * SEGMENT, generator=torch.Generator().manual_seed(4))
-    reading_with(team, helpers)
-    expected = fused.measure(values)  # the helper thread, or torch's team, is running now
+    reading_with(team)
+    expected = fused.measure(values)  # torch's team is running now
     context = multiprocessing.get_context("fork")
     queue: multiprocessing.Queue[object] = context.Queue()
     child = context.Process(target=_child_measures, args=(values, queue))
@@ -158,7 +175,7 @@ def test_a_forked_child_measures_without_the_parents_threads(team: int, helpers:
 
 def test_the_kernel_can_be_turned_off_by_environment() -> None:
     code = (
-        "import torch; from hookscope._shared import fused; from hookscope._shared.stats import tensor_stats; "
+        "import torch; from hookscope._shared.stats import kernel as fused, tensor_stats; "
         "print(fused.available(), fused.measure(torch.ones(4)), tensor_stats(torch.arange(4.0)).mean)"
     )
     env = dict(os.environ, HOOKSCOPE_FUSED_STATS="0")
@@ -181,7 +198,7 @@ def test_use_fused_switches_paths_that_agree() -> None:
     wide = values.double()
     exact = {"mean": wide.mean().item(), "std": wide.std().item(), "abs_mean": wide.abs().mean().item()}
     for field, value in exact.items():
-        # float32 lanes widened every 256 values: closer to float64 than torch's float32 sums
+        # float32 lanes widened every BLOCK_VALUES values: closer to float64 than torch's float32 sums
         assert getattr(with_kernel, field) == pytest.approx(value, rel=1e-8, abs=1e-8)
         assert getattr(with_torch, field) == pytest.approx(value, rel=1e-5, abs=1e-8)
 
@@ -205,7 +222,7 @@ def test_a_tensor_subclass_is_left_to_torch() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("count", [255, 256, 300_000])
+@pytest.mark.parametrize("count", [255, 256, SUB - 1, SUB, 300_000])
 def test_tiny_values_keep_their_spread(count: int, dtype: torch.dtype) -> None:
     # vanishing gradients: squares of values below ~1e-19 underflow float32
     values = (torch.randn(count, generator=torch.Generator().manual_seed(count)) * 1e-25).to(dtype)
@@ -219,14 +236,13 @@ def test_tiny_values_keep_their_spread(count: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.usefixtures("restore_reading")
-@pytest.mark.parametrize(("team", "helpers"), [(2, 0), (0, 1)])
-def test_flushed_subnormals_read_the_same_by_every_thread(team: int, helpers: int) -> None:
+def test_flushed_subnormals_read_the_same_by_every_thread() -> None:
     values = torch.full((8 * SEGMENT,), 1e-40)  # subnormal
-    reading_with(0, 0)
+    reading_with(0)
     try:
         torch.set_flush_denormal(True)
         alone = fused.measure(values)
-        reading_with(team, helpers)
+        reading_with(2)
         shared = [fused.measure(values) for _ in range(5)]
     finally:
         torch.set_flush_denormal(False)

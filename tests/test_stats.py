@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hookscope._shared import fused
 from hookscope._shared.stats import (
     RawStats,
     RunningStats,
@@ -22,6 +21,7 @@ from hookscope._shared.stats import (
     read_stats,
     tensor_stats,
 )
+from hookscope._shared.stats import kernel as fused
 from hookscope.errors import SpecError
 
 # The CPU's fused one-pass kernel, the CPU's chunked torch reductions with shortcuts (where the kernel
@@ -326,7 +326,9 @@ def test_a_merge_with_an_inf_has_a_nan_std_as_torch_does() -> None:
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's own
 def test_the_compiled_device_path_agrees_with_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
     # the accelerator path as one compiled kernel per tensor (Triton on CUDA), run here on the CPU
-    import hookscope._shared.stats as stats_module
+    import hookscope._shared.stats.compiled as stats_module
+    from hookscope._shared.stats.fields import _ALL
+    from hookscope._shared.stats.torch_path import _unconditional_of
 
     monkeypatch.setattr(stats_module, "COMPILED_DEVICES", {"cpu"})
     generator = torch.Generator().manual_seed(7)
@@ -340,13 +342,7 @@ def test_the_compiled_device_path_agrees_with_op_by_op(monkeypatch: pytest.Monke
     for values in cases:
         compiled = read_stats([raw_stats(values, branching=False)])[0]
         assert stats_module._compile_failed is None
-        op_by_op = read_stats(
-            [
-                stats_module.RawStats(
-                    values.numel(), stats_module._unconditional_of(values.reshape(-1), stats_module._ALL)
-                )
-            ]
-        )[0]
+        op_by_op = read_stats([RawStats(values.numel(), _unconditional_of(values.reshape(-1), _ALL))])[0]
         for field in ("count", "min", "max", "zero_frac", "nan", "posinf", "neginf"):
             assert getattr(compiled, field) == getattr(op_by_op, field) or math.isnan(getattr(op_by_op, field))
         for field in ("mean", "std", "abs_mean"):

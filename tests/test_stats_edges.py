@@ -15,9 +15,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import hookscope as hs
-from hookscope._shared import fused
 from hookscope._shared.histogram import BLOCK, SAMPLE, raw_histogram, read_histograms
 from hookscope._shared.stats import RunningStats, Stats, raw_stats, read_stats, unexpanded
+from hookscope._shared.stats import kernel as fused
 
 STRATEGIES = ["fused", "chunked", "device"]
 

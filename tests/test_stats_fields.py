@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope._shared import fused
+from hookscope._shared.stats import kernel as fused
 from hookscope._shared.stats import raw_stats, read_stats
 from hookscope.errors import SpecError
 from tests.models import tiny_gpt2

@@ -29,7 +29,7 @@ from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes,
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
 from hookscope._core.std import StdMap
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
 from hookscope._shared.reduce import Reduction, reduce_value
 from hookscope._shared.units import format_bytes
@@ -143,7 +143,7 @@ class Keeper:
 
     def _host_bytes(self) -> int:
         """The bytes of the values this keeper holds on the host: only host memory comes from the C
-        allocator that :mod:`hookscope._shared.allocator` tunes (a GPU model's values do not)."""
+        allocator that :mod:`hookscope._shared.malloc` tunes (a GPU model's values do not)."""
         return sum(tensor_bytes(value) for _, value in self.cache._items() if value.device.type == "cpu")
 
     def _count_overflows(self) -> None:

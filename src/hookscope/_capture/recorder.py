@@ -15,7 +15,7 @@ that was changed after capture.
 Memory: a pass that ends holding 64 MiB or more of host memory asks glibc, once per process,
 to keep that much freed memory resident instead of trimming it (``HOOKSCOPE_MALLOC=default``
 opts out); the next capture then reuses those pages instead of faulting fresh ones in. Why
-this and not an arena of reused buffers, with the numbers: :mod:`hookscope._shared.allocator`.
+this and not an arena of reused buffers, with the numbers: :mod:`hookscope._shared.malloc`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from hookscope._core.select import (
 from hookscope._core.sites import CallTracker, Site
 from hookscope._core.std import canonical_source, expand_std, stream_modules
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
-from hookscope._shared import allocator
+from hookscope._shared import malloc as allocator
 from hookscope._shared.dtypes import overflow_message
 from hookscope._shared.options import with_options
 from hookscope._version import __version__
@@ -610,7 +610,7 @@ def capture(
     Memory: once a pass ends holding 64 MiB or more on the host, glibc is asked (once per
     process) to keep freed memory resident up to twice that, at most 2 GiB, so the next
     forward reuses the pages instead of faulting them in again; ``HOOKSCOPE_MALLOC=default``
-    in the environment leaves the allocator alone (see :mod:`hookscope._shared.allocator`).
+    in the environment leaves the allocator alone (see :mod:`hookscope._shared.malloc`).
 
     Op sites: a selector ``"h.0.attn:op[softmax#0]"`` keeps what a torch op called by the
     module's own code returns (``"h.*.attn:op[softmax]"``: every index, ``"layer1.0:op[add*]"``:

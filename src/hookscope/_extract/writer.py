@@ -24,7 +24,7 @@ import torch
 
 from hookscope._shared.bits import bits_to_tensor, tensor_to_numpy
 from hookscope._shared.credentials import scrub
-from hookscope._shared.memory import ResidentWatch
+from hookscope._shared.malloc import ResidentWatch
 from hookscope._shared.units import format_bytes
 from hookscope._store import MASK, Layout, Manifest, chunk_part, combine, crc32c, stats_widths, vectors_of
 from hookscope.errors import StoreWriteError
@@ -294,7 +294,7 @@ class WriterThread:
                 self.writer.put(work.start, [tensor_to_numpy(value) for value in work.values], work.input_parts)
                 if work.release is not None:
                     work.release()
-                self.memory.check()  # trims free memory if resident memory drifted up (see hookscope._shared.memory)
+                self.memory.check()  # trims free memory if resident memory drifted up (see hookscope._shared.malloc)
             except BaseException as error:
                 self.error = error
         try:

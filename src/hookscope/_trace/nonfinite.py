@@ -30,11 +30,10 @@ from torch import nn
 from hookscope._core.names import leaf_label, module_label, named_modules
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tree import call_leaves, flatten_tensors
-from hookscope._shared import fused
 from hookscope._shared.blame import blame, fine_input
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.identity import SeenTensors
-from hookscope._shared.stats import Stats, accumulator, flat_values, is_measurable, tensor_stats, unexpanded
+from hookscope._shared.stats import Stats, accumulator, flat_values, is_measurable, kernel, tensor_stats, unexpanded
 from hookscope.errors import NonFiniteError
 
 __all__ = ["NonFiniteDetector", "detect_nonfinite"]
@@ -70,7 +69,7 @@ def signature(tensor: torch.Tensor) -> Signature:
         values = values.to(torch.float32)  # float8 and other types without a sum kernel
     if values.device.type != "cpu":  # sum in float64: finite values cannot overflow it
         return values.sum(dtype=accumulator(values.device))
-    if fused.all_finite(values):  # the exponent bits alone, in one light pass (the fused kernel)
+    if kernel.all_finite(values):  # the exponent bits alone, in one light pass (the fused kernel)
         return 0.0
     total = float(values.sum(dtype=torch.float32) if values.dtype in (torch.float16, torch.bfloat16) else values.sum())
     if math.isfinite(total):

@@ -25,6 +25,7 @@ from hookscope.cli.commands.diff import diff_command
 from hookscope.cli.commands.edit import edit_command
 from hookscope.cli.commands.extract import extract_command
 from hookscope.cli.commands.grads import grads_command
+from hookscope.cli.commands.info import info_command
 from hookscope.cli.commands.layers import layers_command
 from hookscope.cli.commands.lens import lens_command
 from hookscope.cli.commands.patch import patch_command
@@ -121,6 +122,7 @@ def _root(
 #: the studies, data sets.
 COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("demo", demo),
+    ("info", info_command),
     ("layers", layers_command),
     ("capture", capture_command),
     ("trace", trace_command),

@@ -1,17 +1,22 @@
-"""The fused statistics kernel (``fused_stats.c``): every CPU statistic in one read of a tensor.
+"""The fused statistics kernel's binding (``fused_stats.c``): every CPU statistic in one read of a tensor.
 
 Why a compiled kernel: torch computes min and max, sums, sums of squares, ``|x|`` and zero
 counts as five or six reductions, each a pass over the values and a parallel region of torch's
 thread pool. Over the ~200 activations of a ResNet-50 that is about a thousand regions per
 forward; on a machine where another process holds a core, each one waits for a descheduled
-thread. The kernel reads each value once, in the calling thread (no region at all), with SIMD
-lanes (AVX2 where the CPU has it).
+thread. The kernel reads each value once, in the calling thread (no region at all; torch's
+OpenMP team joins in only for tensors of :data:`TEAM_MIN_VALUES` and more), with SIMD lanes
+(AVX-512 or AVX2 where the CPU has them).
 
 Why C through ctypes, not numba or a torch extension: it builds with the package in about a
 second wherever a C compiler is (``setup.py``, optional), needs no headers and no JIT warm-up, and
-ctypes lets go of the GIL while it runs. Where it was not built (no compiler), or for a dtype it
-does not read (float16, integers, bool), :mod:`hookscope._shared.stats` uses torch reductions, and
-the results agree (the tests run both).
+ctypes lets go of the GIL while it runs. It uses no Python C API, so it is a plain shared library
+(``_fused_stats.so``) that serves every Python. Its interface version and layout constants are
+read from the library itself (:data:`ABI_VERSION` must match; :data:`BLOCK_VALUES`,
+:data:`SEGMENT_VALUES`, :data:`TEAM_MIN_VALUES`). Where it was not built (no compiler), was built
+from another version of the source, or for a dtype it does not read (float16, integers, bool),
+:mod:`hookscope._shared.stats.torch_path` computes the same statistics with torch reductions,
+and the results agree (the tests run both); :func:`statistics_path` says which runs.
 
 >>> import torch
 >>> part = measure(torch.tensor([1.0, 0.0, -2.0, 3.0])) if available() else None
@@ -22,9 +27,9 @@ the results agree (the tests run both).
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,25 +37,33 @@ from typing import Any
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._shared.stats.fields import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW, SCALE_BELOW_F64
 
-__all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fused"]
+__all__ = [
+    "ABI_VERSION",
+    "BLOCK_VALUES",
+    "SEGMENT_VALUES",
+    "TEAM_MIN_VALUES",
+    "FusedPart",
+    "all_finite",
+    "available",
+    "enabled",
+    "measure",
+    "statistics_path",
+    "use_fused",
+]
 
-# Shared with the torch path (``stats``), which scales and sums again at the same points.
-#: Squares of float64 values past this overflow: they are summed scaled down by a power of two.
-SCALE_ABOVE = 2.0**500
-#: Squares of float32 values below this underflow (vanishing gradients): summed scaled up.
-SCALE_BELOW = 2.0**-50
-#: The same for float64 (squares of values near 1e-200 are 0): scaled up below this.
-SCALE_BELOW_F64 = 2.0**-400
-#: A sum of squares this many times the sum of squared deviations has lost the spread's digits:
-#: the values are summed again around their mean.
-CANCELLATION_RATIO = 16.0
+#: The kernel interface this module speaks (``hookscope_abi_version`` in ``fused_stats.c``).
+ABI_VERSION = 2
+
 _ENTRY_POINTS = {
     torch.float32: "hookscope_stats_f32",
     torch.bfloat16: "hookscope_stats_bf16",
     torch.float64: "hookscope_stats_f64",
 }
-_Kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)
+_Kernel = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)
+_UseTeam = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+_LIBRARY = "_fused_stats" + (".dylib" if sys.platform == "darwin" else ".dll" if sys.platform == "win32" else ".so")
 
 
 @dataclass(frozen=True)
@@ -65,55 +78,76 @@ class FusedPart:
     abs_mean: float
 
 
-def _load() -> ctypes.CDLL | None:
-    """The built library, or None (not built, or ``HOOKSCOPE_FUSED_STATS=0``)."""
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The built library, or None and why not (not built, ``HOOKSCOPE_FUSED_STATS=0``, stale)."""
     if os.environ.get("HOOKSCOPE_FUSED_STATS", "1") == "0":
-        return None
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_fused_stats{suffix}"
-        if path.exists():
-            try:
-                return ctypes.CDLL(str(path))
-            except OSError:  # built for another platform, or damaged: torch reductions it is
-                return None
-    return None
-
-
-def _entry_points(
-    library: ctypes.CDLL | None,
-) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any, Any]:
-    """The library's functions: statistics and finiteness by dtype, the helper and team settings.
-    All empty where it is missing, or built from another version of the source (a symbol missing)."""
-    if library is None:
-        return {}, {}, None, None
-    int_call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+        return None, "turned off: HOOKSCOPE_FUSED_STATS=0"
+    path = Path(__file__).parent / _LIBRARY
+    if not path.exists():
+        return None, "not built: no C compiler when hookscope was installed"
     try:
-        stats = {dtype: _Kernel((name, library)) for dtype, name in _ENTRY_POINTS.items()}
-        finite = {
-            dtype: _Kernel((name.replace("_stats_", "_finite_"), library)) for dtype, name in _ENTRY_POINTS.items()
-        }
-        return stats, finite, int_call(("hookscope_set_helpers", library)), int_call(("hookscope_use_team", library))
-    except AttributeError:  # a stale build: rebuild with `pip install -e .` (or any make target)
-        return {}, {}, None, None
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # built for another platform, or damaged: torch reductions it is
+        return None, f"not loadable: {error}"
+    try:
+        version = ctypes.c_int32.in_dll(library, "hookscope_abi_version").value
+    except ValueError:
+        version = 0
+    if version != ABI_VERSION:  # a stale build: rebuild with `pip install -e .` (or any make target)
+        return None, f"stale: built with interface {version}, expected {ABI_VERSION}; reinstall hookscope"
+    return library, ""
 
 
-_KERNELS, _FINITE, _set_helpers, _use_team = _entry_points(_load())
+def _constant(library: ctypes.CDLL | None, name: str) -> int:
+    """One of the library's layout constants (``hookscope_<name>``); 0 without the library."""
+    return int(ctypes.c_int64.in_dll(library, f"hookscope_{name}").value) if library is not None else 0
+
+
+def _entry_points(library: ctypes.CDLL | None) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any]:
+    """The library's functions: statistics and finiteness by dtype, and the team setting (all empty without it)."""
+    if library is None:
+        return {}, {}, None
+    stats = {dtype: _Kernel((name, library)) for dtype, name in _ENTRY_POINTS.items()}
+    finite = {dtype: _Kernel((name.replace("_stats_", "_finite_"), library)) for dtype, name in _ENTRY_POINTS.items()}
+    return stats, finite, _UseTeam(("hookscope_use_team", library))
+
+
+_library, _missing = _load()
+#: Values per float32 partial sum: the lanes' sums go to float64 after each block.
+BLOCK_VALUES = _constant(_library, "block_values")
+#: Values per segment, the unit torch's OpenMP team shares (read last first).
+SEGMENT_VALUES = _constant(_library, "segment_values")
+#: Tensors with fewer values are read by the calling thread alone (see ``fused_stats.c``: a
+#: parallel region waits for every thread of the team, also one another process holds off its core).
+TEAM_MIN_VALUES = _constant(_library, "team_min_values")
+_OUT_FIELDS = _constant(_library, "out_fields")
+_KERNELS, _FINITE, _use_team = _entry_points(_library)
 _use = bool(_KERNELS)
-_helpers = -1  # the thread count the library was set up for; -1: not yet
+_threads = -1  # the thread count the library was set up for; -1: not yet
 
 
 def _match_torch_threads() -> None:
-    """As many threads reading as torch computes with: torch's own OpenMP team where torch runs
-    on one (its threads are awake right after the op that made the tensor), else helper
-    threads of the kernel's for all but the calling one."""
-    global _helpers
+    """Let torch's OpenMP team, of as many threads as torch computes with, read the longest
+    tensors, where torch runs on GNU OpenMP; else every tensor is read by the calling thread."""
+    global _threads
     threads = torch.get_num_threads()
-    if threads == _helpers or _set_helpers is None or _use_team is None:
+    if threads == _threads or _use_team is None:
         return
-    team = bool(torch.backends.openmp.is_available()) and bool(_use_team(threads))  # type: ignore[no-untyped-call]
-    _set_helpers(0 if team else threads - 1)
-    _helpers = threads
+    _use_team(threads if torch.backends.openmp.is_available() else 0, 0)  # type: ignore[no-untyped-call]
+    _threads = threads
+
+
+def statistics_path() -> str:
+    """Which path computes CPU statistics in this process, in one line (``hookscope info`` prints it).
+
+    >>> statistics_path().startswith(("fused C kernel", "torch reductions"))
+    True
+    """
+    if _use:
+        return f"fused C kernel ({_LIBRARY}, interface {ABI_VERSION}, blocks of {BLOCK_VALUES} values)"
+    if available():
+        return "torch reductions (fused C kernel turned off: use_fused(False))"
+    return f"torch reductions (fused C kernel {_missing})"
 
 
 def available() -> bool:
@@ -182,8 +216,9 @@ def all_finite(values: torch.Tensor) -> bool | None:
     if readable is None:
         return None
     kernel, flat = readable
-    out = (ctypes.c_double * 8)()
-    kernel(flat.data_ptr(), flat.numel(), 0.0, ctypes.addressof(out))
+    out = (ctypes.c_double * _OUT_FIELDS)()
+    if kernel(flat.data_ptr(), flat.numel(), 0.0, ctypes.addressof(out)) != 0:
+        return None
     return out[7] == 0.0
 
 
@@ -211,8 +246,9 @@ def _plain(values: torch.Tensor) -> bool:
 def _read(kernel: Any, flat: torch.Tensor) -> FusedPart | None:
     """One pass of ``kernel`` over a flat, contiguous tensor (again around the mean when needed)."""
     n = flat.numel()
-    out = (ctypes.c_double * 8)()  # what the kernel writes; [7] is the finiteness check's
-    kernel(flat.data_ptr(), n, math.nan, ctypes.addressof(out))
+    out = (ctypes.c_double * _OUT_FIELDS)()  # what the kernel writes; [7] is the finiteness check's
+    if kernel(flat.data_ptr(), n, math.nan, ctypes.addressof(out)) != 0:
+        return None
     low, high, centred, squares, magnitude, zeros, shift, _ = out
     if not all(map(math.isfinite, (low, high, centred, squares, magnitude))):
         return None

@@ -3,7 +3,8 @@
  * hookscope measures every activation of a model inside its forward hooks. Done with torch
  * reductions that is five or six passes over each tensor (aminmax, sum, dot, |x|, its sum, zero
  * counts), each a parallel region of torch's thread pool; on a shared machine every region pays
- * a barrier. This file reads each value once, in the calling thread, and returns
+ * a barrier. This file reads each value once, in the calling thread (torch's OpenMP team joins in
+ * for very long tensors only: see "segments" below), and returns
  *
  *     out[0] min    out[1] max    out[2] sum(x - shift)    out[3] sum((x - shift)^2)
  *     out[4] sum|x| out[5] number of zeros   out[6] the shift used
@@ -15,18 +16,18 @@
  * squares small next to the spread when the mean dwarfs it (values around 300 in float16), and the
  * caller need not read one out first.
  *
- * Sums are kept in float32 lanes (float64 for double input) over blocks of BLOCK values and
- * added to float64 totals after each block, so a long tensor loses no digits to one long float32
- * sum. NaN and Inf are not counted here: they make a sum or an extreme non-finite, and the caller
+ * Sums are kept in float32 lanes (float64 for double input) over blocks of SUB values (exported as
+ * hookscope_block_values) and added to float64 totals after each block, so a long tensor loses no
+ * digits to one long float32 sum. NaN and Inf are not counted here: they make a sum or an extreme non-finite, and the caller
  * then counts them exactly the slow way (they are rare, and a trace stops at the first one).
  *
  * The blocks are read last first: the end of a tensor its producer just wrote is the part still
- * in the cache. Plain C with GCC/Clang vector extensions, loaded with ctypes: no Python or torch
- * headers, so it builds in a second wherever a C compiler is, and the package works without it.
+ * in the cache. Plain C with GCC/Clang vector extensions, built as a plain shared library (no
+ * Python or torch headers, no Python C API: one build serves every Python) and loaded with
+ * ctypes; it builds in a second wherever a C compiler is, and the package works without it.
  */
 #define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -37,9 +38,22 @@
 #include <xmmintrin.h> /* _mm_getcsr, _mm_setcsr */
 #endif
 
+/* The interface's version: bumped whenever an entry point, the ``out`` layout or a constant below
+ * changes meaning. hookscope/_shared/fused.py refuses a library whose version is not its own. */
+#define ABI_VERSION 2
 #define LANES 16 /* one AVX-512 register of float32, two AVX2 ones, four SSE ones */
 #define SUB 512  /* values per float32 partial sum: a multiple of LANES */
 #define SEGMENT 262144 /* values read forward at a time (1 MiB of float32), segments last first */
+#define OUT_FIELDS 8   /* doubles each entry point writes to ``out`` */
+#define TEAM_MIN_VALUES 16777216 /* tensors shorter than this are read by the caller alone (see below) */
+
+/* The same numbers for the Python side, tests and docs to read (ctypes ``in_dll``), so that none
+ * of them keeps a copy that can drift. */
+const int32_t hookscope_abi_version = ABI_VERSION;
+const int64_t hookscope_block_values = SUB;
+const int64_t hookscope_segment_values = SEGMENT;
+const int64_t hookscope_out_fields = OUT_FIELDS;
+const int64_t hookscope_team_min_values = TEAM_MIN_VALUES;
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -141,17 +155,22 @@ INLINE void widen(vd *into, vf lanes) {
     }
 }
 
-INLINE vf load_f32(const float *x) {
-    vf v;
+/* LANES values' bits, as they are (float32) or widened into the top half (bfloat16 bits). */
+INLINE vu load_u32(const uint32_t *x) {
+    vu v;
     memcpy(&v, x, sizeof v);
     return v;
 }
 
-INLINE vf load_bf16(const uint16_t *x) {
+INLINE vu load_bf16_bits(const uint16_t *x) {
     vh h;
     memcpy(&h, x, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
+    return __builtin_convertvector(h, vu);
 }
+
+INLINE vf load_f32(const float *x) { return (vf)load_u32((const uint32_t *)x); }
+
+INLINE vf load_bf16(const uint16_t *x) { return (vf)(load_bf16_bits(x) << 16); }
 
 CLONES static void block_f32(totals *t, const float *x, size_t count, float shift) {
 #define LOAD_F32(i) load_f32(x + (i))
@@ -224,18 +243,6 @@ typedef uint64_t vu64 __attribute__((vector_size(64)));
     for (size_t i = whole; i < count; i++) found |= (SCALAR(i) & (EXPONENT)) == (EXPONENT);   \
     t->nonfinite = found;
 
-INLINE vu32 load_u32(const uint32_t *x) {
-    vu32 v;
-    memcpy(&v, x, sizeof v);
-    return v;
-}
-
-INLINE vu32 load_bf16_bits(const uint16_t *x) {
-    vh h;
-    memcpy(&h, x, sizeof h);
-    return (vu32)__builtin_convertvector(h, vu);
-}
-
 INLINE vu64 load_u64(const uint64_t *x) {
     vu64 v;
     memcpy(&v, x, sizeof v);
@@ -245,7 +252,7 @@ INLINE vu64 load_u64(const uint64_t *x) {
 CLONES static void finite_f32(totals *t, const void *p, size_t count, double unused) {
     (void)unused;
     const uint32_t *x = (const uint32_t *)p;
-#define LOAD_U32(i) load_u32(x + (i))
+#define LOAD_U32(i) (vu32)load_u32(x + (i))
 #define BITS(i) x[i]
     FINITE_CHECK(vu32, 16, 0x7f800000u, LOAD_U32, BITS)
 }
@@ -253,7 +260,7 @@ CLONES static void finite_f32(totals *t, const void *p, size_t count, double unu
 CLONES static void finite_bf16(totals *t, const void *p, size_t count, double unused) {
     (void)unused;
     const uint16_t *x = (const uint16_t *)p;
-#define LOAD_BF16_BITS(i) load_bf16_bits(x + (i))
+#define LOAD_BF16_BITS(i) (vu32)load_bf16_bits(x + (i))
     FINITE_CHECK(vu32, 16, 0x7f80u, LOAD_BF16_BITS, BITS)
 }
 
@@ -264,15 +271,21 @@ CLONES static void finite_f64(totals *t, const void *p, size_t count, double unu
     FINITE_CHECK(vu64, 8, 0x7ff0000000000000u, LOAD_U64, BITS)
 }
 
-/* -- segments and helper threads ---------------------------------------------------------------
+/* -- segments and torch's OpenMP team ------------------------------------------------------------
  *
  * A tensor is cut into segments of SEGMENT values, each summed into its own totals and merged in a
- * fixed order, so the result is the same bits whichever thread read which segment. Tensors of one
- * segment are read by the caller alone. Longer ones are shared with up to MAX_HELPERS helper threads
- * (hookscope_set_helpers; none by default), which claim segments one at a time from a shared
- * counter: a helper that is slow to wake, or descheduled because another process wants its core,
- * takes fewer segments, and the caller waits at most for the segment a helper is in the middle of,
- * never for one it has not started. That is one parallel region per tensor, and a forgiving one.
+ * fixed order, so the result is the same bits whichever thread read which segment. The calling
+ * thread reads them alone, unless the tensor holds at least ``team_min`` values (TEAM_MIN_VALUES by
+ * default) and torch runs on GNU OpenMP: then torch's own team shares them, claiming segments one
+ * at a time from a shared counter.
+ *
+ * Why alone below that size: a parallel region ends at a barrier that waits for every thread of
+ * the team to arrive, also one that claimed nothing. When another process holds a core, the
+ * team's thread there is descheduled and the caller waits for the scheduler to run it again: a
+ * time slice, milliseconds, per region. A traced ResNet-50 reads ~170 tensors of 0.1-25 MB per
+ * forward; shared with the team they spent 1.1-3.9 s per forward in the kernel beside other
+ * processes, read alone 0.2-0.9 s (and ~0.2 s against ~0.1 s on a quiet machine). A tensor of
+ * 64 MiB and more takes long enough to read that the second thread's half pays for the wait.
  */
 typedef void (*segment_fn)(totals *, const void *, size_t, double);
 
@@ -293,12 +306,11 @@ typedef struct {
     double shift;
     totals *parts;
     atomic_size_t next;     /* the next segment to claim */
-    int inside;             /* under lock: helpers holding this job */
     unsigned int csr;       /* the caller's floating-point control state (flush to zero), for every reader */
 } job;
 
 /* The calling thread's flush-to-zero and denormals-are-zero bits (torch.set_flush_denormal), so
- * that a helper or team thread reads subnormal values as the caller would: same bits either way. */
+ * that a team thread reads subnormal values as the caller would: same bits either way. */
 #if defined(__x86_64__) || defined(__i386__)
 static unsigned int control_state(void) { return _mm_getcsr(); }
 static void set_control_state(unsigned int csr) { _mm_setcsr(csr); }
@@ -322,100 +334,25 @@ static void run_segments(job *work) {
     if (own != work->csr) set_control_state(own);
 }
 
-#define MAX_HELPERS 15
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t posted = PTHREAD_COND_INITIALIZER; /* a job, or a stop, for the helpers */
-static pthread_cond_t left = PTHREAD_COND_INITIALIZER;   /* a helper let go of the job */
-static job *current;            /* under lock */
-static unsigned long round_no;  /* under lock: bumped per job, so a helper joins each job once */
-static int wanted_helpers, running_helpers, stopping;
-
-static void *helper(void *unused) {
-    (void)unused;
-    unsigned long seen = 0;
-    pthread_mutex_lock(&lock);
-    for (;;) {
-        while (!stopping && (current == NULL || round_no == seen)) pthread_cond_wait(&posted, &lock);
-        if (stopping) break;
-        seen = round_no;
-        job *work = current;
-        work->inside++;
-        pthread_mutex_unlock(&lock);
-        run_segments(work);
-        pthread_mutex_lock(&lock);
-        work->inside--;
-        pthread_cond_broadcast(&left);
-    }
-    running_helpers--;
-    pthread_cond_broadcast(&left);
-    pthread_mutex_unlock(&lock);
-    return NULL;
-}
-
-/* A forked child has the parent's memory but none of its threads: start from nothing. */
-static void forget_helpers(void) {
-    pthread_mutex_init(&lock, NULL);
-    pthread_cond_init(&posted, NULL);
-    pthread_cond_init(&left, NULL);
-    current = NULL;
-    running_helpers = stopping = 0;
-}
-
-static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
-static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_helpers); }
-
-/* Helper threads to read long tensors with (0: the caller alone); started on first use. Returns
- * how many there will be. */
-int hookscope_set_helpers(int count) {
-    pthread_once(&fork_handler_once, install_fork_handler);
-    if (count < 0) count = 0;
-    if (count > MAX_HELPERS) count = MAX_HELPERS;
-    pthread_mutex_lock(&lock);
-    if (count < running_helpers) { /* stop them all, and start the wanted number on next use */
-        stopping = 1;
-        pthread_cond_broadcast(&posted);
-        while (running_helpers > 0) pthread_cond_wait(&left, &lock);
-        stopping = 0;
-    }
-    wanted_helpers = count;
-    pthread_mutex_unlock(&lock);
-    return count;
-}
-
-static void start_helpers(void) { /* under lock */
-    while (running_helpers < wanted_helpers) {
-        pthread_t thread;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&thread, &attr, helper, NULL);
-        pthread_attr_destroy(&attr);
-        if (failed) {
-            wanted_helpers = running_helpers; /* no more threads to be had: go on with these */
-            return;
-        }
-        running_helpers++;
-    }
-}
-
-/* torch's own OpenMP team, where torch runs on GNU OpenMP (its libgomp is loaded globally): the
- * team's threads are the ones spinning after the op that made the tensor, so they take segments at
- * once, where a helper thread of ours would first have to win a core from them. */
+/* torch's own OpenMP team, where torch runs on GNU OpenMP (its libgomp is loaded globally, so
+ * dlsym finds GOMP_parallel). */
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_fn gomp_parallel; /* found once, before team_threads first says there is a team */
+static _Atomic(gomp_parallel_fn) gomp_parallel;
 static _Atomic int team_threads;       /* 0: no team */
+static _Atomic int64_t team_min = TEAM_MIN_VALUES;
 static _Atomic pid_t team_pid;         /* a forked child has no team of its parent's: it reads alone */
 
 static void team_body(void *work) { run_segments((job *)work); }
 
-/* Read long tensors with torch's OpenMP team of ``threads`` (0: not); returns 1 when there is one. */
-int hookscope_use_team(int threads) {
-    pthread_mutex_lock(&lock);
-    if (gomp_parallel == NULL) gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
-    int team = gomp_parallel != NULL && threads > 1 ? threads : 0;
-    team_pid = getpid();
-    team_threads = team;
-    pthread_mutex_unlock(&lock);
+/* Read tensors of at least ``min_values`` values (<= 0: TEAM_MIN_VALUES) with torch's OpenMP team
+ * of ``threads`` (< 2: never); returns 1 when there is such a team. */
+int hookscope_use_team(int threads, int64_t min_values) {
+    gomp_parallel_fn found = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    atomic_store(&gomp_parallel, found);
+    int team = found != NULL && threads > 1 ? threads : 0;
+    atomic_store(&team_min, min_values > 0 ? min_values : TEAM_MIN_VALUES);
+    atomic_store(&team_pid, getpid());
+    atomic_store(&team_threads, team);
     return team > 0;
 }
 
@@ -423,35 +360,18 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
     size_t segments = (count + SEGMENT - 1) / SEGMENT;
     totals few[64];
     totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
-    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, 0, control_state()};
-    int shared = 0, team;
+    job work = {fn, (const char *)values, item, count, segments, shift, parts ? parts : few, 0, control_state()};
+    int team = atomic_load(&team_threads);
     if (parts == NULL) { /* out of memory for the list: read it in one go, alone */
         work.segments = 1;
         start(&few[0]);
         fn(&few[0], values, count, shift);
-        work.next = 1;
-    } else if (segments > 1 && (team = team_threads) > 0 && getpid() == team_pid) {
-        gomp_parallel(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
-    } else if (segments > 1 && wanted_helpers > 0) {
-        pthread_mutex_lock(&lock);
-        start_helpers();
-        if (running_helpers > 0) {
-            current = &work;
-            round_no++;
-            shared = 1;
-            pthread_cond_broadcast(&posted);
-        }
-        pthread_mutex_unlock(&lock);
+    } else if (segments > 1 && team > 0 && (int64_t)count >= atomic_load(&team_min) && getpid() == team_pid) {
+        atomic_load(&gomp_parallel)(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
+    } else {
+        run_segments(&work);
     }
-    run_segments(&work);
-    if (shared) {
-        pthread_mutex_lock(&lock);
-        current = NULL; /* no helper takes it up from now on */
-        while (work.inside > 0) pthread_cond_wait(&left, &lock);
-        pthread_mutex_unlock(&lock);
-    }
-    /* Every segment is written now: the team's end is a barrier, and a helper leaves a job (under the
-     * lock) only after the segments it claimed. */
+    /* Every segment is written now: the team's end is a barrier. */
     totals t;
     start(&t);
     for (size_t k = 0; k < work.segments; k++) {
@@ -468,6 +388,14 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
     finish(&t, shift, out);
 }
 
+/* No values: what an empty tensor has (no extremes, zero sums), and -1 for the caller. */
+static int nothing(double shift, double *out) {
+    totals t;
+    start(&t);
+    finish(&t, shift, out);
+    return -1;
+}
+
 static float bf16_value(const void *values) {
     uint32_t bits = (uint32_t)(*(const uint16_t *)values) << 16;
     float value;
@@ -475,35 +403,47 @@ static float bf16_value(const void *values) {
     return value;
 }
 
-/* The entry points: ``values`` holds ``count`` > 0 contiguous values; ``out`` eight doubles. A NaN
- * ``wanted`` shift asks for the first value. */
-void hookscope_stats_f32(const void *values, int64_t count, double wanted, double *out) {
+/* The entry points: ``values`` holds ``count`` contiguous values; ``out`` OUT_FIELDS doubles. A NaN
+ * ``wanted`` shift asks for the first value. Return 0, or -1 for ``count <= 0`` (nothing is read). */
+int hookscope_stats_f32(const void *values, int64_t count, double wanted, double *out) {
+    if (count <= 0) return nothing(wanted, out);
     float shift = wanted == wanted ? (float)wanted : *(const float *)values;
     measure(segment_f32, values, sizeof(float), (size_t)count, shift, out);
+    return 0;
 }
 
-void hookscope_stats_bf16(const void *values, int64_t count, double wanted, double *out) {
+int hookscope_stats_bf16(const void *values, int64_t count, double wanted, double *out) {
+    if (count <= 0) return nothing(wanted, out);
     float shift = wanted == wanted ? (float)wanted : bf16_value(values);
     measure(segment_bf16, values, sizeof(uint16_t), (size_t)count, shift, out);
+    return 0;
 }
 
-void hookscope_stats_f64(const void *values, int64_t count, double wanted, double *out) {
+int hookscope_stats_f64(const void *values, int64_t count, double wanted, double *out) {
+    if (count <= 0) return nothing(wanted, out);
     double shift = wanted == wanted ? wanted : *(const double *)values;
     measure(segment_f64, values, sizeof(double), (size_t)count, shift, out);
+    return 0;
 }
 
-/* Whether any of ``count`` > 0 contiguous values is NaN or infinite: out[7] is 1 or 0 (out eight doubles). */
-void hookscope_finite_f32(const void *values, int64_t count, double unused, double *out) {
+/* Whether any of ``count`` contiguous values is NaN or infinite: out[7] is 1 or 0. */
+int hookscope_finite_f32(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
+    if (count <= 0) return nothing(0.0, out);
     measure(finite_f32, values, sizeof(float), (size_t)count, 0.0, out);
+    return 0;
 }
 
-void hookscope_finite_bf16(const void *values, int64_t count, double unused, double *out) {
+int hookscope_finite_bf16(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
+    if (count <= 0) return nothing(0.0, out);
     measure(finite_bf16, values, sizeof(uint16_t), (size_t)count, 0.0, out);
+    return 0;
 }
 
-void hookscope_finite_f64(const void *values, int64_t count, double unused, double *out) {
+int hookscope_finite_f64(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
+    if (count <= 0) return nothing(0.0, out);
     measure(finite_f64, values, sizeof(double), (size_t)count, 0.0, out);
+    return 0;
 }
