@@ -1,8 +1,10 @@
 """The layering contract of docs/architecture.md, read from the source: dependencies point down only.
 
 - ``_core`` imports only ``errors`` (and ``_version``) besides itself;
-- ``_shared`` imports only ``_core`` and ``errors``;
-- a feature (``_capture``, ``_trace``, ...) imports ``_shared``, ``_core``, ``errors``, its own
+- ``_arch`` (model families: canonical names, sample inputs, attention) imports only ``_core`` and
+  ``errors``;
+- ``_shared`` imports only ``_arch``, ``_core`` and ``errors``;
+- a feature (``_capture``, ``_trace``, ...) imports ``_shared``, ``_arch``, ``_core``, ``errors``, its own
   modules, and other features' public faces only: a package's ``__init__`` (``hookscope._capture``,
   never ``hookscope._capture.cache``) and the public feature modules ``hookscope.edits`` and
   ``hookscope.plots``;
@@ -89,16 +91,18 @@ def violation(importer: str, target: str) -> str | None:
         return None
     if layer == "_core":
         return "_core imports only errors"
+    if layer == "_arch":
+        return None if wanted == "_core" else "_arch imports only _core and errors"
     if layer == "_shared":
-        return None if wanted == "_core" else "_shared imports only _core and errors"
+        return None if wanted in {"_arch", "_core"} else "_shared imports only _arch, _core and errors"
     if layer in FEATURES:
-        if wanted in {"_core", "_shared"}:
+        if wanted in {"_arch", "_core", "_shared"}:
             return None
         if wanted in FEATURES and target == f"hookscope.{wanted}":
             return None  # another feature's public face
         if target in PUBLIC_FEATURE_MODULES:
             return None
-        return "a feature imports _shared, _core, errors, and other features' package roots only"
+        return "a feature imports _shared, _arch, _core, errors, and other features' package roots only"
     return None  # the public layer (hookscope, edits, plots, demo) may use anything below it
 
 
@@ -122,6 +126,9 @@ def test_dependencies_point_down_only() -> None:
     ("importer", "target"),
     [
         ("hookscope._core.sites", "hookscope._shared.stats"),
+        ("hookscope._core.ops", "hookscope._arch.attention"),
+        ("hookscope._arch.std.registry", "hookscope._shared.stats"),
+        ("hookscope._arch.samples", "hookscope._capture"),
         ("hookscope._shared.stats", "hookscope._trace"),
         ("hookscope._diff.api", "hookscope._capture.cache"),
         ("hookscope._report.api", "hookscope.plots.depth"),
@@ -138,6 +145,9 @@ def test_the_contract_refuses_upward_and_private_imports(importer: str, target: 
     [
         ("hookscope._core.sites", "hookscope.errors"),
         ("hookscope._shared.stats", "hookscope._core.compat.compiled"),
+        ("hookscope._arch.std.observe", "hookscope._core.attach"),
+        ("hookscope._shared.call_recorder", "hookscope._arch.std"),
+        ("hookscope._capture.recorder", "hookscope._arch.plan"),
         ("hookscope._extract.pipeline", "hookscope._capture"),
         ("hookscope._report.api", "hookscope.plots"),
         ("hookscope.cli.app", "hookscope"),

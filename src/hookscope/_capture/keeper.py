@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from hookscope._arch.std import StdMap
 from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
-from hookscope._core.std import StdMap
 from hookscope._shared import allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
 from hookscope._shared.reduce import Reduction

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.op_selectors import OpSelectors
+from hookscope._arch.std import canonical_source, expand_std, stream_modules
 from hookscope._capture.attn_sites import read_attention
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
@@ -40,7 +42,6 @@ from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
-from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._core.select import (
     Selector,
@@ -50,8 +51,8 @@ from hookscope._core.select import (
     given_selectors,
     select_leaves,
 )
-from hookscope._core.sites import CallTracker, Site
-from hookscope._core.std import canonical_source, expand_std, stream_modules
+from hookscope._core.sites import Site
+from hookscope._core.tracker import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._shared import allocator
 from hookscope._shared.dtypes import overflow_message

@@ -7,7 +7,7 @@ leaving the block, also when the forward raised.
 
 An op selector (``"h.0.attn:op[softmax#0]"``, :mod:`~hookscope._core.op_sites`) edits what that
 torch call inside the module returns, through the op watcher shared with capture
-(:class:`~hookscope._core.op_selectors.OpSelectors`); an attention sub-site
+(:class:`~hookscope._arch.op_selectors.OpSelectors`); an attention sub-site
 (``"h.0.attn:attn.pattern"``) edits a value of a ``scaled_dot_product_attention`` call, and the
 call's output is computed again from it (:mod:`~hookscope._edit.attention`). Either way the rest
 of the forward runs on the edited value. An op selector whose module ran without that op is an
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.op_selectors import OpSelectors
+from hookscope._arch.std import expand_std
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf, split_leaf_selector
-from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import SDPA, OpPattern, op_pattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
-from hookscope._core.sites import CallTracker
-from hookscope._core.std import expand_std
+from hookscope._core.tracker import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._edit.attention import edited_attention
 from hookscope._edit.context import EditContext, EditSide

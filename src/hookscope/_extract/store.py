@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import is_std_selector, std_pattern
+from hookscope._core.std_names import is_std_selector, std_pattern
 from hookscope._extract.layout import SiteLayout
 from hookscope._extract.provenance import INDEX, MASK, TOKENS
 from hookscope._extract.running_stats import SiteStats

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope._arch.std import select_std
 from hookscope._core.attach import remove_through
 from hookscope._core.names import call_label, named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module, given_selectors
-from hookscope._core.sites import in_backward
-from hookscope._core.std import select_std
+from hookscope._core.tracker import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._grads.records import GradRecord, GradStep, GradWhat
 from hookscope._grads.replay import Replay, checkpoint_context

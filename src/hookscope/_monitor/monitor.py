@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope._arch.std import known_std_map, select_std
 from hookscope._core.attach import Scoped, WrapSpec, remove_through
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module
-from hookscope._core.std import known_std_map, select_std
 from hookscope._grads import GradMonitor, GradStep, watch_grads
 from hookscope._monitor.evidence import note as _note
 from hookscope._monitor.evidence import save_evidence

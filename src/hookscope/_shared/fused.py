@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.private import is_zero_tensor
 
 __all__ = ["FusedPart", "all_finite", "available", "enabled", "measure", "use_fused"]
 
@@ -203,7 +204,7 @@ def _plain(values: torch.Tensor) -> bool:
     return (
         type(values) in (torch.Tensor, torch.nn.Parameter)
         and not values.is_neg()
-        and not values._is_zerotensor()
+        and not is_zero_tensor(values)
         and values.data_ptr() != 0
     )
 

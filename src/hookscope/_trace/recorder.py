@@ -8,7 +8,7 @@ queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with
 device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
 child's, a module's input an earlier module's output) is not measured twice.
 
-With ``ops=``, an :class:`~hookscope._core.op_selectors.OpSelectors` watches the op sites'
+With ``ops=``, an :class:`~hookscope._arch.op_selectors.OpSelectors` watches the op sites'
 modules and each selected op call becomes a row as it returns, under the row of its module's
 call (the innermost open one: a module's own code runs while none of its children does),
 measured the same way; an attention sub-site's row measures the value computed from the kernel
@@ -28,17 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.op_selectors import OpSelectors
+from hookscope._arch.std import select_std
 from hookscope._capture import attention_values
 from hookscope._core.attach import remove_through
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, named_modules
-from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
-from hookscope._core.std import select_std
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
