@@ -32,20 +32,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._arch.op_selectors import OpSelectors
-from hookscope._arch.std import canonical_source, expand_std, stream_modules
+from hookscope._arch.plan import plan_sites
+from hookscope._arch.std import canonical_source, stream_modules
 from hookscope._capture.attn_sites import read_attention
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
-from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
+from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, leaf_label, raw_and_named_modules
-from hookscope._core.op_sites import OpPattern, op_pattern
+from hookscope._core.op_sites import OpPattern
+from hookscope._core.plan import attach_plan
 from hookscope._core.select import (
     Selector,
-    compile_selector,
     describe_selector,
     ensure_module,
     given_selectors,
@@ -104,16 +104,11 @@ class Capture(Scoped):
         self._stop = options.stop
         self._tracker = CallTracker(listener=self, feature="capture")
         self._model = model
-        expanded, std_names = expand_std(model, selectors, "read")  # "std:blocks.*.attn" -> site selectors
-        patterns, selectors_of_modules = _split_op_selectors(expanded)
-        if patterns and options.stop:
-            raise SpecError(
-                f"stop=True cannot be used with op selectors ({str(patterns[0])!r}) yet: the forward would stop "
-                "before the ops ran; use stop=False"
-            )
-        self._ops = OpSelectors(model, patterns) if patterns else None
+        plan = plan_sites(model, selectors, "read", owner="capture", error=CaptureError, check=_stop_check(options))
+        std_names = plan.std
+        self._ops = plan.ops
         self._selected, self._leaves = (
-            select_leaves(model, selectors_of_modules, whole_sides=self._whats) if selectors_of_modules else ([], {})
+            select_leaves(model, plan.selectors, whole_sides=self._whats) if plan.selectors else ([], {})
         )
         #: Modules whose input is read before their other pre-hooks: resid_mid at the next norm's input.
         self._first_inputs = stream_modules(model, std_names)
@@ -128,37 +123,22 @@ class Capture(Scoped):
         }
         if aliases:  # names below a DDP or torch.compile wrapper, as spelled by named_modules()
             meta["aliases"] = aliases
-        self._keeper_options: dict[str, Any] = {
-            "detach": options.detach,
-            "reduce": options.reduction,
-            "reduce_spec": options.reduce,
-            "dtype": options.torch_dtype,
-            "device": options.torch_device,
-            "copy": options.copy,
-            "budget": options.budget,
-            "last_call_only": options.calls == "last",
-            "meta": meta,
-            "grads": options.grads,
-            "canonical": canonical_source(model),
-        }
-        self._keeper = Keeper(**self._keeper_options)
+        self._meta = meta  # with the canonical source, what every keeper of this capture shares
+        self._canonical = canonical_source(model)
+        self._keeper = Keeper(options, meta=meta, canonical=self._canonical)
         # Thread (the object, kept alive: a finished thread's ident is reused) -> (device, keeper).
         self._replica_keepers: dict[threading.Thread, tuple[str, Keeper]] = {}
         self._replica_lock = threading.Lock()
         self._pending: set[int] = set()
         self._stopped = False
-        counted = self._ops.modules if self._ops else []  # a watched module called on its own opens a pass
-        self._group = HookGroup(
-            model, self._specs(), owner="capture", tracker=self._tracker, count=counted, restore_mode=False
+        self._group, _ = attach_plan(
+            plan,
+            lambda counted: HookGroup(
+                model, self._specs(), owner="capture", tracker=self._tracker, count=counted, restore_mode=False
+            ),
+            lambda ops: ops.attach(model, self._keep_op, self._want, self._keep_attention),
+            self.remove,  # hs.remove_all(model) also lets go of the write guard
         )
-        remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the write guard
-        if self._ops is not None:
-            try:
-                watcher = self._ops.attach(model, self._keep_op, self._want, self._keep_attention)
-            except BaseException:
-                self._group.remove()
-                raise
-            remove_through(watcher._group, self.remove)
 
     # -- attaching --------------------------------------------------------------------------------
 
@@ -336,7 +316,7 @@ class Capture(Scoped):
                         "device (capture.replicas): give each replica its own device",
                         site=call_label(name, call),
                     )
-                keeper = Keeper(**{**self._keeper_options, "copy": True})
+                keeper = Keeper(self.options, meta=self._meta, canonical=self._canonical, copy=True)
                 keeper.start()
                 kept = self._replica_keepers[thread] = (device, keeper)
         kept[1].keep_leaves(name, call, what, leaves, value)
@@ -492,25 +472,17 @@ def _writes_in_place(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     )
 
 
-def _split_op_selectors(selectors: Sequence[Any]) -> tuple[list[OpPattern], list[Selector]]:
-    """The op selectors (``"h.0.attn:op[softmax#0]"``, parsed: a malformed one is a ``SpecError``
-    now) and the module selectors, lists opened up."""
-    patterns: list[OpPattern] = []
-    others: list[Selector] = []
-    for selector in selectors:
-        if isinstance(selector, (list, tuple)):
-            if not selector:
-                compile_selector(selector)  # an empty list selects nothing: the selector rules' SpecError
-            inner_patterns, inner_others = _split_op_selectors(selector)
-            patterns.extend(inner_patterns)
-            others.extend(inner_others)
-            continue
-        pattern = op_pattern(selector)
-        if pattern is None:
-            others.append(selector)
-        else:
-            patterns.append(pattern)
-    return patterns, others
+def _stop_check(options: CaptureOptions) -> Callable[[list[OpPattern]], None]:
+    """Refuse op selectors with ``stop=True``: the forward would stop before the ops ran."""
+
+    def check(patterns: list[OpPattern]) -> None:
+        if patterns and options.stop:
+            raise SpecError(
+                f"stop=True cannot be used with op selectors ({str(patterns[0])!r}) yet: the forward would stop "
+                "before the ops ran; use stop=False"
+            )
+
+    return check
 
 
 def _leaf_filter(
