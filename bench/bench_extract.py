@@ -57,8 +57,8 @@ from transformers import GPT2Config, GPT2Model
 
 import common
 import hookscope as hs
-from hookscope._extract.checksums import crc32c
 from hookscope._extract.config import fingerprint
+from hookscope._store.checksums import crc32c
 
 TARGET = 0.9
 N_LAYER, QUICK_N_LAYER = 6, 2

@@ -152,7 +152,7 @@ class TestCaptureCommand:
 
     def test_values_match_the_model(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         import hookscope as hs
-        from hookscope.cli.specs import load_model, make_input
+        from hookscope.cli.parse.specs import load_model, make_input
 
         out = tmp_path / "f.npz"
         code, _, err = run_cli(capsys, "capture", "demo:cnn", "-l", "conv1,fc", "--keep", "both", "-o", str(out))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookscope.cli.edit_specs import parse_edit
+from hookscope.cli.parse.edit_specs import parse_edit
 from hookscope.errors import SpecError
 from tests.test_cli import run_cli
 

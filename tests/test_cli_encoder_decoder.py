@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope.cli.data_specs import RandomRows
-from hookscope.cli.specs import load_model, make_input
+from hookscope.cli.parse.data_specs import RandomRows
+from hookscope.cli.parse.specs import load_model, make_input
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.transformers

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.method_specs import parse_ids, parse_metric, parse_positions
-from hookscope.cli.specs import load_model
+from hookscope.cli.parse.method_specs import parse_ids, parse_metric, parse_positions
+from hookscope.cli.parse.specs import load_model
 from hookscope.errors import SpecError
 from tests.test_cli import run_cli
 

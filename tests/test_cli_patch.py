@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.specs import load_model
+from hookscope.cli.parse.specs import load_model
 from tests.test_cli import run_cli
 from tests.test_cli_methods import CLEAN, CLEAN_IDS, CORRUPTED, CORRUPTED_IDS, MODEL, gpt2, table_rows
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.transformers]
 
 
 def test_split_selectors_keeps_a_comma_inside_brackets() -> None:
-    from hookscope.cli.method_specs import split_selectors
+    from hookscope.cli.parse.method_specs import split_selectors
 
     assert split_selectors([r"re:h\.[0-9]{1,2}\.attn, std:blocks.0.resid_pre", "mlp"]) == [
         r"re:h\.[0-9]{1,2}\.attn",

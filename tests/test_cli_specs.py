@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.specs import load_model, make_input, parse_shape
+from hookscope.cli.parse.specs import load_model, make_input, parse_shape
 from hookscope.demo.models import SmallCNN
 from hookscope.errors import SpecError, UnsupportedModelError
 from tests.test_cli import run_cli

@@ -11,10 +11,11 @@ from torch import nn
 from hookscope._core.sites import Site
 from hookscope._extract.config import differences, fingerprint, model_identity
 from hookscope._extract.data import TensorRows, make_source, split_batch
-from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
-from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
+from hookscope._extract.reduce import describe_reduction, extraction_reduction
 from hookscope._shared.bits import numpy_dtype
-from hookscope.cli.data_specs import RandomRows
+from hookscope._shared.reduce import reduce_value
+from hookscope._store.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope.cli.parse.data_specs import RandomRows
 from hookscope.errors import DataError, SpecError
 
 
@@ -28,11 +29,9 @@ def padded() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("name", ["mean", "sum", "norm", "max", "min"])
 def test_masked_reductions_equal_reducing_the_real_tokens(name: str, padded: tuple[torch.Tensor, torch.Tensor]) -> None:
     values, mask = padded
-    token_mask = TokenMask()
-    token_mask.value = mask
-    reduce = extraction_reduction(f"{name}:1", token_mask)
+    reduce = extraction_reduction(f"{name}:1")
     assert reduce is not None
-    got = reduce(values)
+    got = reduce_value(reduce, values, mask)
     for row in range(3):
         real = values[row, : int(mask[row].sum())]
         expected = {
@@ -48,27 +47,25 @@ def test_masked_reductions_equal_reducing_the_real_tokens(name: str, padded: tup
 @pytest.mark.parametrize(("spec", "positions"), [("cls", [0, 0, 0]), ("last", [4, 1, 0]), ("first:1", [0, 0, 0])])
 def test_masked_positions(spec: str, positions: list[int], padded: tuple[torch.Tensor, torch.Tensor]) -> None:
     values, mask = padded
-    token_mask = TokenMask()
-    token_mask.value = mask
-    reduce = extraction_reduction(spec, token_mask)
+    reduce = extraction_reduction(spec)
     assert reduce is not None
-    assert torch.equal(reduce(values), values[torch.arange(3), torch.tensor(positions)])
+    assert torch.equal(reduce_value(reduce, values, mask), values[torch.arange(3), torch.tensor(positions)])
     left = mask.flip(1)  # left padding: the first real token is not position 0
-    token_mask.value = left
-    first = extraction_reduction("cls", token_mask)
+    first = extraction_reduction("cls")
     assert first is not None
-    assert torch.equal(first(values), values[torch.arange(3), torch.tensor([0, 3, 4])])
+    assert torch.equal(reduce_value(first, values, left), values[torch.arange(3), torch.tensor([0, 3, 4])])
 
 
 def test_a_value_that_is_not_the_masks_sequence_is_reduced_plainly() -> None:
-    token_mask = TokenMask()
-    token_mask.value = torch.tensor([[True, False]])
-    reduce = extraction_reduction("mean:1", token_mask)
+    mask = torch.tensor([[True, False]])
+    reduce = extraction_reduction("mean:1")
     assert reduce is not None
     conv = torch.randn(1, 3, 4, 4)
-    assert torch.equal(reduce(conv), conv.mean(1))
+    assert torch.equal(reduce_value(reduce, conv, mask), conv.mean(1))
     half = torch.randn(1, 2, 3).half()
-    assert reduce(half).dtype == torch.float32  # accumulated in float32 like the capture's reductions
+    assert (
+        reduce_value(reduce, half, mask).dtype == torch.float32
+    )  # accumulated in float32 like the capture's reductions
     assert describe_reduction("cls") == "first:1"
     assert describe_reduction(None) is None
 

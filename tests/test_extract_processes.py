@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.data_specs import RandomRows
+from hookscope.cli.parse.data_specs import RandomRows
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 8192))

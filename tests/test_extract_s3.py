@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope._extract.holder import RECORD_KEY, STALE_AFTER_S, StoreHold
-from hookscope._extract.zarr_io import target_of
+from hookscope._store.writer_record import RECORD_KEY, STALE_AFTER_S, StoreHold
+from hookscope._store.zarr_io import target_of
 from tests.models import tiny_gpt2
 from tests.s3_server import S3Server, close_s3_clients, s3, s3_objects  # noqa: F401  (s3: the fixture)
 from tests.test_store_integrity import store_files

@@ -4,10 +4,12 @@
 - ``_arch`` (model families: canonical names, sample inputs, attention) imports only ``_core`` and
   ``errors``;
 - ``_shared`` imports only ``_arch``, ``_core`` and ``errors``;
+- ``_store`` (the on-disk format and its readers, which never touch a model) imports only
+  ``_shared``, ``_arch``, ``_core`` and ``errors``;
 - a feature (``_capture``, ``_trace``, ...) imports ``_shared``, ``_arch``, ``_core``, ``errors``, its own
   modules, and other features' public faces only: a package's ``__init__`` (``hookscope._capture``,
   never ``hookscope._capture.cache``) and the public feature modules ``hookscope.edits`` and
-  ``hookscope.plots``;
+  ``hookscope.plots``; and the store's package root (``hookscope._store``, never ``hookscope._store.array``);
 - the CLI imports only the public API: ``hookscope`` itself, its public modules (``errors``,
   ``edits``, ``plots``, ``methods``, ``redaction``), the demo models and ``hookscope.cli.*``; not
   even ``hookscope._version``.
@@ -26,6 +28,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hookscope"
 
 FOUNDATION = {"hookscope.errors", "hookscope._version"}
+#: The layer between the features and ``_shared``: the store's format and its readers.
+STORE = "_store"
 FEATURES = {
     "_capture",
     "_trace",
@@ -95,14 +99,17 @@ def violation(importer: str, target: str) -> str | None:
         return None if wanted == "_core" else "_arch imports only _core and errors"
     if layer == "_shared":
         return None if wanted in {"_arch", "_core"} else "_shared imports only _arch, _core and errors"
+    if layer == STORE:
+        allowed = wanted in {"_arch", "_core", "_shared"}
+        return None if allowed else "_store imports only _shared, _arch, _core and errors"
     if layer in FEATURES:
-        if wanted in {"_arch", "_core", "_shared"}:
+        if wanted in {"_arch", "_core", "_shared"} or target == f"hookscope.{STORE}":
             return None
         if wanted in FEATURES and target == f"hookscope.{wanted}":
             return None  # another feature's public face
         if target in PUBLIC_FEATURE_MODULES:
             return None
-        return "a feature imports _shared, _arch, _core, errors, and other features' package roots only"
+        return "a feature imports _shared, _arch, _core, errors, the _store root and other features' roots only"
     return None  # the public layer (hookscope, edits, plots, demo) may use anything below it
 
 
@@ -134,6 +141,10 @@ def test_dependencies_point_down_only() -> None:
         ("hookscope._report.api", "hookscope.plots.depth"),
         ("hookscope.cli.app", "hookscope._capture"),
         ("hookscope.cli.app", "hookscope._version"),
+        ("hookscope._store.store", "hookscope._extract"),
+        ("hookscope._store.array", "hookscope._capture"),
+        ("hookscope._extract.api", "hookscope._store.array"),
+        ("hookscope._shared.reduce", "hookscope._store"),
     ],
 )
 def test_the_contract_refuses_upward_and_private_imports(importer: str, target: str) -> None:
@@ -151,8 +162,11 @@ def test_the_contract_refuses_upward_and_private_imports(importer: str, target: 
         ("hookscope._extract.pipeline", "hookscope._capture"),
         ("hookscope._report.api", "hookscope.plots"),
         ("hookscope.cli.app", "hookscope"),
-        ("hookscope.cli.specs", "hookscope.demo.models"),
+        ("hookscope.cli.parse.specs", "hookscope.demo.models"),
         ("hookscope.plots.grads", "hookscope._grads"),
+        ("hookscope._extract.api", "hookscope._store"),
+        ("hookscope._store.array", "hookscope._shared.bits"),
+        ("hookscope._store.layout", "hookscope._core.sites"),
     ],
 )
 def test_the_contract_allows_what_the_layers_allow(importer: str, target: str) -> None:
@@ -245,3 +259,24 @@ def test_no_module_imports_itself_round_a_loop() -> None:
 def test_import_cycles_are_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+#: The store's writing side (making a store, its manifest, checksums, statistics parts, the writer
+#: record) and its readers (``open_store``, arrays, the loader, the export).
+STORE_WRITERS = ("zarr_io", "manifest", "checksums", "running_stats", "writer_record", "object_record", "layout")
+STORE_READERS = ("store", "array", "loader", "export", "attributes", "statistics", "window", "loader_options")
+
+
+def test_the_store_writer_imports_none_of_its_readers() -> None:
+    """Writing a store needs none of the code that reads one back, directly or through another module."""
+    graph = {module_name(path): {target for _, target in imports_of(path)} for path in PACKAGE.rglob("*.py")}
+    readers = {f"hookscope._store.{name}" for name in STORE_READERS}
+    for writer in STORE_WRITERS:
+        seen: set[str] = set()
+        todo = [f"hookscope._store.{writer}"]
+        while todo:
+            module = todo.pop()
+            for target in graph.get(module, set()) - seen:
+                seen.add(target)
+                todo.append(target)
+        assert not seen & readers, f"hookscope._store.{writer} imports the reader(s) {sorted(seen & readers)}"

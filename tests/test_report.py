@@ -315,7 +315,7 @@ class TestReportCommand:
         page = out.read_text()
         assert "ShapesCNN" in page
         assert "feature maps of conv3#0" in page
-        from hookscope.cli.specs import load_model, make_input
+        from hookscope.cli.parse.specs import load_model, make_input
         from hookscope.demo.shapes import make_shapes
 
         (images,), _ = make_input(load_model("demo:shapes"), "4x3x32x32", seed=5)

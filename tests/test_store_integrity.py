@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import hookscope as hs
-from hookscope._extract.holder import RECORD_KEY, STALE_AFTER_S
+from hookscope._store.writer_record import RECORD_KEY, STALE_AFTER_S
 from tests.models import tiny_gpt2
 
 ROWS, BATCH = 12, 4  # three chunks of four rows
@@ -202,8 +202,8 @@ def test_the_record_goes_when_a_run_fails_and_a_refused_run_leaves_no_folder(tmp
 
 
 def test_the_heartbeat_is_renewed_while_the_writer_runs(tmp_path: Path) -> None:
-    from hookscope._extract.holder import StoreHold
-    from hookscope._extract.zarr_io import target_of
+    from hookscope._store.writer_record import StoreHold
+    from hookscope._store.zarr_io import target_of
 
     out = tmp_path / "f.zarr"
     with StoreHold(target_of(out), heartbeat_s=0.05) as hold:
@@ -530,8 +530,8 @@ def test_an_all_zero_chunk_has_its_file_and_reads_back(tmp_path: Path) -> None:
 
 def test_a_stale_record_is_moved_aside_only_if_it_is_still_the_one_judged(tmp_path: Path) -> None:
     """Two newcomers judge one stale record: the slower one must not move the faster one's new record."""
-    from hookscope._extract.holder import StoreHold
-    from hookscope._extract.zarr_io import target_of
+    from hookscope._store.writer_record import StoreHold
+    from hookscope._store.zarr_io import target_of
 
     out = tmp_path / "f.zarr"
     write_record(out, host="gone-host", heartbeat=time.time() - STALE_AFTER_S - 5)
@@ -655,7 +655,7 @@ def test_rows_iterate_and_an_index_past_the_end_is_also_an_index_error(tmp_path:
 
 
 def test_the_memory_check_counts_whole_rows_only_when_whole_rows_are_read() -> None:
-    from hookscope._extract.store import _whole_rows
+    from hookscope._store.array import _whole_rows
 
     assert _whole_rows(slice(0, 10))
     assert _whole_rows((slice(0, 10), slice(None), Ellipsis))

@@ -26,7 +26,7 @@ from hookscope._core.sites import Site
 from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
-from hookscope._extract import ExtractConfig, SiteStats, Store, StoreArray, StoreLoader, extract, open_store
+from hookscope._extract import ExtractConfig, extract
 from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
@@ -48,6 +48,7 @@ from hookscope._shared.histogram import Histogram
 from hookscope._shared.names import public_dir, public_submodule
 from hookscope._shared.precision import Precision
 from hookscope._shared.stats import RunningStats, Stats, tensor_stats
+from hookscope._store import SiteStats, Store, StoreArray, StoreLoader, open_store
 from hookscope._trace import (
     NonFiniteRow,
     TensorInfo,

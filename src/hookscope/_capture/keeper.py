@@ -32,6 +32,7 @@ from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
 from hookscope._shared import allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
+from hookscope._shared.reduce import reduce_value
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, SpecError
 
@@ -98,6 +99,8 @@ class Keeper:
         self._deferred: list[tuple[str, int, str, list[tuple[str, torch.Tensor, torch.Tensor | None]], str]] = []
         self._overflows: list[tuple[Site, torch.Tensor]] = []  # a cast's count of values turned +-inf
         self._handover: set[int] = set()  # ids of graph tensors kept as they are: the model gets copies
+        #: The current model call's mask of real tokens (``token_mask``), for reductions over dim 1.
+        self.token_mask: torch.Tensor | None = None
 
     # -- a pass -----------------------------------------------------------------------------------
 
@@ -290,7 +293,7 @@ class Keeper:
         cast's overflow count is read then too."""
         value = tensor.detach() if self._detach else tensor
         if self._reduce is not None:
-            value = self._reduce(value)
+            value = reduce_value(self._reduce, value, self.token_mask)
         overflowed = None
         if self._dtype is not None and value.is_floating_point():
             value, overflowed = cast_checked(value, self._dtype)
@@ -301,7 +304,7 @@ class Keeper:
     def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:
         assert self._reduce is not None
         try:
-            return self._reduce(value)
+            return reduce_value(self._reduce, value, self.token_mask)
         except (RuntimeError, IndexError, TypeError, ValueError) as error:
             raise SpecError(
                 f"reduce={self._reduce_spec!r} failed on {str(site)!r}, a {tuple(value.shape)} "

@@ -30,35 +30,6 @@ Passes = Literal["latest", "all"]
 class CaptureOptions(Options):
     """What a capture keeps of each selected module, and how.
 
-    - ``keep``: ``"output"`` (default), ``"input"`` (keyword inputs included, paths ``[0]``,
-      ``['scale']``) or ``"both"``;
-    - ``detach``: ``True`` keeps values off the graph; ``False`` keeps the tensor the model
-      made, in its graph (``torch.autograd.grad(loss, cache["fc"])`` works at every size), and
-      the model goes on with a copy of it, so a later in-place write cannot change the kept one;
-    - ``device``: where kept values go (``"cpu"``: from CUDA through pinned memory, one sync
-      per forward); default: where they were made;
-    - ``dtype``: cast floating values (``torch.float16``, ``"bf16"``);
-    - ``overflow``: what a cast that turns finite values into +-inf does (float16 stops at
-      65504): ``"warn"`` (default, a :class:`~hookscope.CastOverflowWarning` per pass naming
-      the sites and counts), ``"error"`` (a ``CaptureError`` at the pass's end) or ``"ignore"``;
-    - ``reduce``: reduce on the device first (``"mean:1"``, ``"last:1"``, or a function);
-    - ``calls``: which calls of a reused module: ``"all"``, ``"first"``, ``"last"``, an index
-      or a list of indices;
-    - ``stop``: end the forward once every selected module has been captured;
-    - ``max_bytes``: a budget (``1 << 30`` or ``"1GiB"``); outgrowing it is an error naming
-      the largest sites;
-    - ``copy``: ``"auto"`` copies a kept value only before an in-place op would change it,
-      ``True`` copies every value at once, ``False`` never copies and refuses to read a value
-      changed after capture by an in-place op (its version counter tells; a write through
-      ``.data``, ``untyped_storage()``, numpy or DLPack does not, and goes unseen: use
-      ``"auto"`` for models that write that way);
-    - ``passes``: ``"latest"`` (each forward replaces the cache) or ``"all"`` (every pass's
-      cache is kept, ``capture.passes``);
-    - ``grads``: also keep, per call, the gradient of whatever is differentiated later (a
-      ``loss.backward()``, or ``run_with_capture(..., backward=metric)``) with respect to each
-      kept value, as ``cache.grad[site]``, at every size; a value changed in place after it was
-      kept still gets the gradient of the value as kept. Not with ``reduce``.
-
     >>> opts = CaptureOptions(keep="both", dtype="bf16", calls="first")
     >>> opts.sides, opts.torch_dtype
     (('input', 'output'), torch.bfloat16)
@@ -71,17 +42,61 @@ class CaptureOptions(Options):
     feature = "capture"
 
     keep: Keep = "output"
+    """``"output"`` (default), ``"input"`` (keyword inputs included, paths ``[0]``, ``['scale']``) or
+    ``"both"``.
+    """
     detach: bool = True
+    """``True`` keeps values off the graph; ``False`` keeps the tensor the model made, in its graph
+    (``torch.autograd.grad(loss, cache["fc"])`` works at every size), and the model goes on with a
+    copy of it, so a later in-place write cannot change the kept one.
+    """
     device: str | torch.device | None = None
+    """Where kept values go (``"cpu"``: from CUDA through pinned memory, one sync per forward);
+    default: where they were made.
+    """
     dtype: torch.dtype | str | None = None
+    """Cast floating values (``torch.float16``, ``"bf16"``)."""
     reduce: str | Reduction | None = None
+    """Reduce on the device first: a reduction and its dimensions (``"mean:1"``, ``"last:1"``,
+    ``"sum:2,3"``) or, from Python, a function.
+    """
     calls: Calls = "all"
+    """Which calls of a reused module: ``"all"``, ``"first"``, ``"last"``, an index or a list of
+    indices.
+    """
     stop: bool = False
+    """End the forward once every selected module has been captured."""
     max_bytes: int | str | None = None
+    """A budget in bytes (``1073741824``, ``"1GiB"``, ``"512MiB"``); outgrowing it is an error naming the
+    largest sites.
+    """
     copy: CopyMode = "auto"
+    """``"auto"`` copies a kept value only before an in-place op would change it, ``True`` copies every
+    value at once, ``False`` never copies and refuses to read a value changed after capture by an
+    in-place op (its version counter tells; a write through ``.data``, ``untyped_storage()``, numpy
+    or DLPack does not, and goes unseen: use ``"auto"`` for models that write that way).
+    """
     passes: Passes = "latest"
+    """``"latest"`` (each forward replaces the cache) or ``"all"`` (every pass's cache is kept,
+    ``capture.passes``).
+    """
     overflow: Overflow = "warn"
+    """What a cast that turns finite values into +-inf does (float16 stops at 65504): ``"warn"``
+    (default, a :class:`~hookscope.CastOverflowWarning` per pass naming the sites and counts),
+    ``"error"`` (a ``CaptureError`` at the pass's end) or ``"ignore"``.
+    """
     grads: bool = False
+    """Also keep, per call, the gradient of whatever is differentiated later (a ``loss.backward()``, or
+    ``run_with_capture(..., backward=metric)``) with respect to each kept value, as
+    ``cache.grad[site]``, at every size; a value changed in place after it was kept still gets the
+    gradient of the value as kept. Not with ``reduce``.
+    """
+    token_mask: str | None = "auto"
+    """Which keyword input of the model's call marks its real tokens, for the named reductions over
+    dimension 1 (``"mean:1"``, ``"last:1"``, ...), which then leave padding out as ``hs.extract``
+    does: ``"auto"`` (default) reads ``attention_mask`` when the call has a 2-D one; a name reads
+    that keyword, which every call must have; None never masks.
+    """
 
     def __post_init__(self) -> None:
         for flag in ("detach", "stop", "grads"):
@@ -100,6 +115,11 @@ class CaptureOptions(Options):
             raise SpecError(
                 f"grads=True cannot keep gradients of reduced values (reduce={self.reduce!r}): the model never "
                 "used the reduced value; capture without reduce, and reduce the values and gradients afterwards"
+            )
+        if not (self.token_mask is None or (isinstance(self.token_mask, str) and self.token_mask)):
+            raise SpecError(
+                f"token_mask={self.token_mask!r} is not 'auto' (default), None, or the name of the model's keyword "
+                "input that marks real tokens"
             )
         overflow_choice(self.overflow)
         parse_reduction(self.reduce)  # refused now, not in the first hook
@@ -139,6 +159,11 @@ class CaptureOptions(Options):
     def budget(self) -> int | None:
         """``max_bytes`` in bytes, or None for no budget."""
         return self.max_bytes if isinstance(self.max_bytes, int) else None
+
+    @property
+    def mask_key(self) -> str | None:
+        """The keyword input that holds the mask of real tokens, or None for no masking."""
+        return "attention_mask" if self.token_mask == "auto" else self.token_mask
 
     @property
     def reduction(self) -> Reduction | None:

@@ -39,6 +39,7 @@ from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.leaves import copier, leaf_filter, writes_in_place
 from hookscope._capture.options import CaptureOptions
+from hookscope._capture.token_mask import token_mask_specs
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.names import call_label, raw_and_named_modules
 from hookscope._core.op_sites import OpPattern
@@ -167,7 +168,7 @@ class Capture(Scoped):
                 )
             if "output" in whats:
                 specs.append(HookSpec(name, module, "forward", self._output_hook(name), with_kwargs=True, fitted=True))
-        return specs
+        return specs + token_mask_specs(self._model, self._keeper, self.options)
 
     def _input_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
         current, want, keep, last_what = (

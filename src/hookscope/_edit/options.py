@@ -21,11 +21,6 @@ __all__ = ["EditOptions"]
 class EditOptions(Options):
     """Where an edit acts.
 
-    - ``on``: ``"output"`` (default) edits what the module returns, ``"input"`` what it takes
-      (a forward pre-hook);
-    - ``calls``: which calls of a module called several times: ``"all"``, ``"first"``, an index
-      or a list of indices (``"last"`` is known only when the forward ends, too late to edit).
-
     >>> EditOptions(calls=[0, 2]).wants(2), EditOptions(calls="first").wants(1)
     (True, False)
     >>> EditOptions(on="grad")
@@ -37,7 +32,13 @@ class EditOptions(Options):
     feature = "edit"
 
     on: EditSide = "output"
+    """``"output"`` (default) edits what the module returns, ``"input"`` what it takes (a forward
+    pre-hook).
+    """
     calls: Calls = "all"
+    """Which calls of a module called several times: ``"all"``, ``"first"``, an index or a list of
+    indices (``"last"`` is known only when the forward ends, too late to edit).
+    """
 
     def __post_init__(self) -> None:
         if self.on not in ("output", "input"):

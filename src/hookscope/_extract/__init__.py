@@ -1,16 +1,13 @@
-"""Extract: the features of a whole data set, streamed to a chunked zarr store, resumable, sharded.
+"""Extract: run a model over a whole data set and stream the features to a chunked zarr store.
 
 ``api`` holds ``extract()`` and its steps, ``options`` its ``ExtractConfig``, ``data`` turns
 data sets, loaders and iterables into numbered batches, ``pipeline`` runs the captures and
-hands values on, ``writer`` fills chunks on a thread of its own, ``layout`` and ``config``
-describe a store, ``zarr_io`` makes it and keeps its manifest, ``ranks`` lets processes agree,
-``store`` reads it back (``open_store``).
+hands values on, ``writer`` fills chunks on a thread of its own, ``resume`` and ``config`` say
+what a store was made with, ``inputs`` checks a resumed run's data, ``ranks`` lets processes
+agree. The store itself, its format and its readers (``open_store``), are ``hookscope._store``'s.
 """
 
 from hookscope._extract.api import extract
-from hookscope._extract.loader import StoreLoader
 from hookscope._extract.options import ExtractConfig
-from hookscope._extract.running_stats import SiteStats
-from hookscope._extract.store import Store, StoreArray, open_store
 
-__all__ = ["ExtractConfig", "SiteStats", "Store", "StoreArray", "StoreLoader", "extract", "open_store"]
+__all__ = ["ExtractConfig", "extract"]

@@ -17,16 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import platform
-import shlex
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -38,55 +33,51 @@ from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
-from hookscope._extract.config import data_identity, differences, model_identity
+from hookscope._extract.config import data_identity, model_identity
 from hookscope._extract.data import Batch, IndexedSource, Source, make_source
-from hookscope._extract.holder import StoreHold
-from hookscope._extract.layout import Layout, SiteLayout, array_names, choose_chunk_rows
+from hookscope._extract.inputs import InputCheck
 from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import ProbeValues, SiteCaptures, check_batch_first, forward, run_batches
 from hookscope._extract.progress import ExtractProgress
 from hookscope._extract.provenance import Provenance, TokensOption
 from hookscope._extract.ranks import Ranks, resolve_ranks
-from hookscope._extract.reduce import TokenMask
-from hookscope._extract.store import Store, open_store
-from hookscope._extract.store_meta import merged_stats, stored_layout
-from hookscope._extract.verify import InputCheck, check_input_rows, damaged_chunks, describe
-from hookscope._extract.writer import ChunkWriter, WriterThread
-from hookscope._extract.zarr_io import (
-    FORMAT,
+from hookscope._extract.resume import (
+    check_stored,
+    existing_meta,
+    reopen_if_repaired,
+    reusable_chunk_rows,
+    same_config,
+    store_meta,
+)
+from hookscope._extract.writer import ChunkWriter, WriterThread, remote_flushers
+from hookscope._shared.dtypes import dtype_name
+from hookscope._shared.options import with_options
+from hookscope._store import (
+    Layout,
     Manifest,
+    SiteLayout,
+    Store,
+    StoreHold,
     Target,
-    check_only_ours,
+    array_names,
+    choose_chunk_rows,
     clear,
     create_store,
+    merged_stats,
     open_group,
+    open_store,
     read_meta,
     remove_partial_files,
+    stored_layout,
     target_of,
     write_meta,
     zarr_module,
 )
-from hookscope._shared.credentials import redacted_command
-from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.options import with_options
-from hookscope._version import __version__
-from hookscope.errors import DataError, SpecError, StoreError, StoreRepairWarning, StoreWriteError
+from hookscope.errors import DataError, SpecError, StoreWriteError
 
 __all__ = ["extract"]
 
 T = TypeVar("T")
-
-#: Chunks written at once to object storage: enough to hide a round trip of tens of milliseconds
-#: behind the forward, each holding one chunk buffer (every array's rows of the chunk) until it
-#: lands, and together at most REMOTE_BUFFER_BYTES.
-REMOTE_FLUSHERS = 8
-REMOTE_BUFFER_BYTES = 512 * 2**20
-
-
-def _flushers(layout: Layout) -> int:
-    """Chunks written at once to a remote store: up to 8, fewer where a chunk of every array is large."""
-    chunk_bytes = layout.chunk_rows * sum(array.row_bytes for array in layout.arrays)
-    return max(1, min(REMOTE_FLUSHERS, REMOTE_BUFFER_BYTES // max(chunk_bytes, 1)))
 
 
 @with_options(ExtractConfig)
@@ -166,7 +157,7 @@ def extract(
         )
     run_on = config.torch_device or model_device(model)
     selectors: list[Selector] = expanded
-    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture_options, mask=TokenMask())
+    captures = SiteCaptures(model, selectors, reduce=config.reduce, options=config.capture)
     job = _Job(
         model=model,
         source=source,
@@ -232,7 +223,7 @@ class _Job:
         # a live writer is named first; what out holds is refused before the record goes into it,
         # and read again once the store is held
         self.step("reading the store", hold.refuse_if_held)
-        found = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        found = self.step("reading the store", lambda: existing_meta(self.target, resume=resume, overwrite=overwrite))
         complete = found is not None and found.get("state") == "complete"
         self.step("taking the store", lambda: hold.take(read_only_ok=complete), main_only=True)
         try:
@@ -250,7 +241,9 @@ class _Job:
         overwrite: bool,
         command: str | None,
     ) -> Store:
-        existing = self.step("reading the store", lambda: self._existing(resume=resume, overwrite=overwrite))
+        existing = self.step(
+            "reading the store", lambda: existing_meta(self.target, resume=resume, overwrite=overwrite)
+        )
         probe = self.step("reading the first batch", self.source.probe)
         config = self.step("describing the data", lambda: self._described(config, probe, chunk_rows))
         checked = False
@@ -258,23 +251,29 @@ class _Job:
             complete = existing
             stored = complete["config"].get("chunk_rows")
             wanted = {"config": {**config, "chunk_rows": chunk_rows or stored}, "sites": complete.get("sites", [])}
-            self.step("comparing configurations", lambda: _same_config(self.target, complete, wanted))
-            self.step("checking the stored chunks", lambda: self._check_stored(complete, repair=not hold.read_only))
-            self.step("reopening the store", lambda: self._reopen_if_repaired(complete), main_only=True)
+            self.step("comparing configurations", lambda: same_config(self.target, complete, wanted))
+            self.step(
+                "checking the stored chunks",
+                lambda: check_stored(self.target, self.source, self.ranks, complete, repair=not hold.read_only),
+            )
+            self.step("reopening the store", lambda: reopen_if_repaired(self.target, complete), main_only=True)
             existing = self.step("reading the store", lambda: read_meta(self.target))
             if existing is None or existing.get("state") == "complete":
                 return self._opened(written=0)  # checked, nothing to write
             checked = True
-        reusable = _reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
+        reusable = reusable_chunk_rows(existing, self.source.batch_size) if chunk_rows is None else chunk_rows
         # the probe's values are handed to the first batch of this rank's work, then dropped
         stored = stored_layout(existing).extras if existing is not None else None  # a resumed store's, as they are
         first, layout, provenance = self.step("on the first batch", lambda: self._layout(probe, reusable, stored))
-        meta = _meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
+        meta = store_meta({**config, "chunk_rows": layout.chunk_rows}, layout, command)
         if existing is not None:
-            self.step("comparing configurations", lambda: _same_config(self.target, existing, meta))
+            self.step("comparing configurations", lambda: same_config(self.target, existing, meta))
         self.step("making the store", lambda: self._make(existing, layout, meta), main_only=True)
         if existing is not None and not checked:
-            self.step("checking the stored chunks", lambda: self._check_stored(existing, repair=True))
+            self.step(
+                "checking the stored chunks",
+                lambda: check_stored(self.target, self.source, self.ranks, existing, repair=True),
+            )
         group, manifest, done = self.step("reading the manifest", self._manifest)  # all read before any writes
         kept_chunks = set(done)  # ``done`` grows as chunks land
         confirm = hold.confirm if self.ranks.is_main else None
@@ -287,47 +286,6 @@ class _Job:
         # every rank read the same manifest before any wrote: what was not done then is what this run wrote
         kept = sum(max(0, min(rows, (c + 1) * layout.chunk_rows) - c * layout.chunk_rows) for c in kept_chunks)
         return self._opened(written=rows - kept)
-
-    def _check_stored(self, meta: dict[str, Any], *, repair: bool) -> None:
-        """Check this rank's share of the done chunks against their checksums (see ``verify``).
-
-        Damaged chunks are marked not done, with a :class:`~hookscope.errors.StoreRepairWarning`,
-        so that this run writes them again (rank 0 then reopens a complete store); where the
-        store cannot be written (``repair=False``: a complete store on a read-only mount) they
-        are a ``StoreError``. Input rows that differ from those recorded raise
-        :class:`~hookscope.errors.DataError`.
-        """
-        group, manifest, done = self._manifest()
-        stored = stored_layout(meta)
-        mine = sorted(done)[self.ranks.rank :: self.ranks.world_size]
-        damage = damaged_chunks(group, stored.arrays, manifest, mine, stored.chunk_rows, secrets=self.target.secrets)
-        broken = sorted({found.chunk for found in damage})
-        if isinstance(self.source, IndexedSource):
-            intact = [chunk for chunk in mine if chunk not in broken]
-            check_input_rows(stored, manifest, self.source.batches([stored.span(chunk) for chunk in intact]))
-        if not broken:
-            return
-        if not repair:
-            raise StoreError(
-                f"{self.target.label}: {len(broken)} stored chunk(s) are damaged: {describe(damage)}; the store cannot "
-                "be written here (read-only), so they cannot be written again: run where it is writable",
-                array=damage[0].array,
-                chunk=damage[0].chunk,
-            )
-        manifest.unmark(broken)
-        warnings.warn(
-            f"{self.target.label}: {len(broken)} stored chunk(s) are damaged and are written again: {describe(damage)}",
-            StoreRepairWarning,
-            stacklevel=2,
-        )
-
-    def _reopen_if_repaired(self, meta: dict[str, Any]) -> None:
-        """A complete store some of whose chunks the check unmarked becomes a store being written
-        (rank 0 alone writes attributes)."""
-        group, _, done = self._manifest()
-        chunks = meta.get("chunks")
-        if isinstance(chunks, int) and len(done) < chunks:
-            write_meta(group, {**meta, "state": "writing"})
 
     def _described(self, config: dict[str, Any], probe: Batch, chunk_rows: int | None) -> dict[str, Any]:
         """The configuration with what the data says of itself; ``chunk_rows`` checked before any comparison."""
@@ -346,40 +304,6 @@ class _Job:
         return store
 
     # -- steps ------------------------------------------------------------------------------------
-
-    def _existing(self, *, resume: bool, overwrite: bool) -> dict[str, Any] | None:
-        """The stored hookscope attributes to resume, or None for a new store (after checks)."""
-        meta = read_meta(self.target)
-        if meta is None:
-            return None
-        if overwrite:
-            check_only_ours(self.target, meta)  # refused before anything runs, and before anything is deleted
-        if meta == {}:
-            if overwrite:
-                return None
-            raise StoreError(
-                f"out {self.target.label!r} is a zarr store that hookscope did not make; choose another path, or "
-                "overwrite=True (--overwrite) to replace it"
-            )
-        if overwrite or meta.get("state") == "creating":  # 'creating': cut short before any data
-            return None
-        if not resume:
-            raise StoreError(
-                f"out {self.target.label!r} already holds a feature store ({meta.get('state')}); resume=True continues "
-                "it, overwrite=True (--overwrite) replaces it, or choose another path"
-            )
-        if meta.get("format") != FORMAT and meta.get("state") == "complete":
-            raise StoreError(
-                f"out {self.target.label!r} is a complete store of format {meta.get('format')!r}, made by an older "
-                f"hookscope: read it with hs.open_store(path); this hookscope (format {FORMAT}) can neither check nor "
-                "continue it: overwrite=True (--overwrite) makes it anew"
-            )
-        if meta.get("format") != FORMAT:  # a format-1 store has no checksums to resume against
-            raise StoreError(
-                f"out {self.target.label!r} is a store of format {meta.get('format')!r}; this hookscope writes format "
-                f"{FORMAT}: overwrite=True replaces it"
-            )
-        return meta
 
     def _layout(
         self, probe: Batch, chunk_rows: int | None, stored: tuple[SiteLayout, ...] | None = None
@@ -478,7 +402,7 @@ class _Job:
             owned=owned,
             label=self.target.label,
             confirm=confirm,
-            flushers=_flushers(layout) if self.target.remote else 1,
+            flushers=remote_flushers(layout) if self.target.remote else 1,
             secrets=self.target.secrets,
         )
         # a local store by its folder's name; one at a URL by the URL (without credentials)
@@ -546,60 +470,6 @@ class _Job:
             )
         stats = {name: found.to_json() for name, found in merged_stats(manifest, layout, chunks).items()}
         write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks, "stats": stats})
-
-
-def _reusable_chunk_rows(existing: dict[str, Any] | None, batch_size: int) -> int | None:
-    """The stored chunking, to resume with, when it still fits the batch (else the default, and a difference)."""
-    stored = existing["config"].get("chunk_rows") if existing else None
-    return stored if isinstance(stored, int) and stored % batch_size == 0 else None
-
-
-def _meta(config: dict[str, Any], layout: Layout, command: str | None) -> dict[str, Any]:
-    import zarr
-
-    return {
-        "format": FORMAT,
-        "state": "writing",
-        "rows": layout.rows,
-        "chunks": layout.chunks,
-        "config": config,
-        "sites": [site.to_json() for site in layout.sites],
-        "provenance": [array.to_json() for array in layout.extras],
-        "versions": {
-            "hookscope": __version__,
-            "torch": torch.__version__,
-            "zarr": zarr.__version__,
-            "numpy": np.__version__,
-            "python": platform.python_version(),
-        },
-        "command": redacted_command(command if command is not None else shlex.join(sys.argv)),
-    }
-
-
-def _same_config(target: Target, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
-    """Raise ``StoreError`` naming every difference between the stored and the wanted configuration."""
-
-    def comparable(meta: dict[str, Any]) -> dict[str, Any]:
-        sites = {site["name"]: _site_text(site) for site in meta.get("sites", [])}
-        # a store made before provenance kept no tokens: resumed with the default, it keeps none still
-        return {"tokens": "auto", **meta.get("config", {}), "sites": sites}
-
-    found = differences(comparable(stored), comparable(wanted))
-    if found:
-        raise StoreError(
-            f"out {target.label!r} was made with another configuration, so its rows cannot be continued: "
-            + "; ".join(found)
-            + "; run with the stored configuration to resume, overwrite=True (--overwrite) to start again, "
-            "or choose another path"
-        )
-
-
-def _site_text(site: dict[str, Any]) -> str:
-    """``"h.0#0:output (N, 768) float32 reduce=mean:1"``: one stored site, as a difference shows it."""
-    shape = "".join(f", {n}" for n in site.get("shape", []))
-    reduce = f" reduce={site['reduce']}" if site.get("reduce") else ""
-    sparse = f" sparse={site['sparse']}" if site.get("sparse") else ""  # before the long reduce text
-    return f"{site.get('site')} (N{shape}) {site.get('dtype')}{sparse}{reduce}"
 
 
 def _layer_text(selector: object) -> str:

@@ -11,13 +11,14 @@ read, so one changed weight among millions changes it; CRC32C runs at over 10 GB
 costs about a tenth of a forward of the same bytes (GPU weights are copied to the host first).
 
 The data is identified by a hash of its first row here, and by a checksum of each chunk's
-input rows in the manifest (:mod:`hookscope._extract.checksums`), which a resumed run checks.
+input rows in the manifest (:mod:`hookscope._extract.inputs`), which a resumed run checks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -27,11 +28,13 @@ from torch import nn
 from hookscope._core.compat.offload import named_real_tensors
 from hookscope._core.params import count
 from hookscope._core.tree import flatten_tensors
-from hookscope._extract.checksums import crc32c
 from hookscope._extract.data import Batch, Source
 from hookscope._shared.bits import tensor_to_numpy
+from hookscope._shared.reduce import parse_reduction
+from hookscope._store import crc32c
+from hookscope.errors import SpecError
 
-__all__ = ["data_identity", "differences", "fingerprint", "model_identity"]
+__all__ = ["data_identity", "differences", "fingerprint", "model_identity", "store_options"]
 
 
 def model_identity(model: nn.Module, spec: str | None) -> dict[str, Any]:
@@ -98,6 +101,38 @@ def _content_checksum(tensor: torch.Tensor) -> str:
     except (RuntimeError, TypeError):  # a layout or dtype without a flat numpy view (nested, complex32, ...)
         return "unread"
     return f"{crc32c(values):08x}"
+
+
+#: The options a store records under their own names (``ExtractConfig.recorded`` and the run's own).
+_RECORDED_OPTIONS = ("keep", "calls", "dtype", "eval_mode", "compression_level", "tokens", "batch_size", "chunk_rows")
+
+
+def store_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`~hookscope.ExtractConfig` keywords a store's recorded configuration holds
+    (``store.meta["config"]``): what a run that resumes it is given, besides the model, the layers
+    and the data. A reduction recorded for a function (its name and a hash) cannot be made again.
+
+    >>> store_options({"model": {"spec": "gpt2"}, "keep": "output", "mask": "attention_mask",
+    ...                "reduce": {"h.0": "mean:1", "h.1": None}, "rows": 8})
+    {'keep': 'output', 'mask': 'auto', 'reduce': {'h.0': 'mean:1'}, 'model_spec': 'gpt2'}
+    """
+    found = {key: config[key] for key in _RECORDED_OPTIONS if key in config}
+    if "mask" in config:  # recorded as the key read: "auto" reads attention_mask
+        found["mask"] = "auto" if config["mask"] == "attention_mask" else config["mask"]
+    reduce = {layer: spec for layer, spec in (config.get("reduce") or {}).items() if spec is not None}
+    for layer, spec in reduce.items():
+        try:
+            parse_reduction(spec)
+        except SpecError:
+            raise SpecError(
+                f"the store reduced {layer!r} with {spec!r}, a function that a record cannot hold; give reduce= again"
+            ) from None
+    if reduce:
+        found["reduce"] = reduce
+    model = config.get("model")
+    if isinstance(model, Mapping) and isinstance(model.get("spec"), str):
+        found["model_spec"] = model["spec"]
+    return found
 
 
 def differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:

@@ -1,7 +1,7 @@
 """The forward side of an extraction: captures per reduction, batches in, values out.
 
 Each reduction is one :func:`hookscope.capture` over the modules it applies to (a capture
-applies one reduction), all sharing the :class:`TokenMask` of the current batch. After each
+applies one reduction), each reading the batch's mask of real tokens off the model's call. After each
 forward the values of every site are checked against the layout and handed to the writer
 thread; from a GPU through reused pinned buffers with non-blocking copies and an event that
 the writer waits on, so the main thread never waits for the device and goes on to the next
@@ -24,14 +24,14 @@ from hookscope._core.names import escape_name, leaf_label, named_modules, split_
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
-from hookscope._extract.checksums import input_parts, regions
 from hookscope._extract.data import Batch
-from hookscope._extract.layout import Layout
+from hookscope._extract.inputs import input_parts
 from hookscope._extract.provenance import Provenance
-from hookscope._extract.reduce import TokenMask, describe_reduction, extraction_reduction
+from hookscope._extract.reduce import describe_reduction, extraction_reduction
 from hookscope._extract.writer import Work, WriterThread
 from hookscope._shared.dtypes import overflow_message
-from hookscope._shared.reduce import Reduction
+from hookscope._shared.reduce import Reduction, mask_of
+from hookscope._store import Layout, regions
 from hookscope.errors import CastOverflowWarning, DataError, SpecError
 
 __all__ = ["HostCopier", "ProbeValues", "SiteCaptures", "check_batch_first", "forward", "run_batches"]
@@ -50,10 +50,8 @@ class SiteCaptures:
         *,
         reduce: ReduceOption,
         options: CaptureOptions,
-        mask: TokenMask,
     ) -> None:
         self.model = model
-        self.mask = mask
         # SelectionError with the closest names, before anything runs
         chosen, leaves = select_leaves(model, layers, whole_sides=options.sides)
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
@@ -63,12 +61,12 @@ class SiteCaptures:
         self.specs = {name: spec for spec, members in groups for name, _ in members}
         if len(groups) == 1:  # one capture: it reads the selectors as given, leaf selectors included
             self._groups: list[tuple[Reduction | None, list[Selector]]] = [
-                (extraction_reduction(groups[0][0], mask), list(layers))
+                (extraction_reduction(groups[0][0]), list(layers))
             ]
         else:  # a capture per reduction: each module named on its own (a leaf of one, by its exact name)
             self._groups = [
                 (
-                    extraction_reduction(spec, mask),
+                    extraction_reduction(spec),
                     [s for name, module in members for s in _named(name, module, leaves)],
                 )
                 for spec, members in groups
@@ -131,7 +129,7 @@ def _groups(
     assigned: dict[str, str | Reduction | None] = {}
     chosen_names = {name for name, _ in chosen}
     for key, spec in reduce.items():
-        extraction_reduction(spec, TokenMask())  # every value is checked, also one no layer ends up using
+        extraction_reduction(spec)  # every value is checked, also one no layer ends up using
         split = split_leaf_selector(key)  # "h.0:output[0]" reduces the module it names
         hits = [name for name, _ in select(model, key if split is None else split[0])]
         if not set(hits) & chosen_names:
@@ -282,30 +280,26 @@ def forward(
     mask_key: str | None,
     mask_required: bool,
 ) -> dict[Site, torch.Tensor]:
-    """One forward of ``batch`` on ``device`` under ``no_grad``; the values of every captured site."""
+    """One forward of ``batch`` on ``device`` under ``no_grad``; the values of every captured site.
+
+    The captures read the batch's mask of real tokens off the model's call themselves (their
+    ``token_mask``); a mask named by key is checked here first, so its absence names the rows."""
     args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (batch.args, batch.kwargs))
-    captures.mask.value = _mask(kwargs, mask_key, mask_required, batch)
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        captures.mask.value = None
+    _check_mask(kwargs, mask_key, mask_required, batch)
+    with torch.no_grad():
+        model(*args, **kwargs)
     return captures.collect()
 
 
-def _mask(kwargs: dict[str, Any], key: str | None, required: bool, batch: Batch) -> torch.Tensor | None:
-    if key is None:
-        return None
-    found = kwargs.get(key)
-    if isinstance(found, torch.Tensor) and found.dim() == 2:
-        return found.bool()
+def _check_mask(kwargs: dict[str, Any], key: str | None, required: bool, batch: Batch) -> None:
+    if key is None or mask_of(kwargs, key) is not None:
+        return
     if required:
         present = ", ".join(repr(k) for k in kwargs) or "none"
         raise SpecError(
             f"mask={key!r}: the batch of rows {batch.start}..{batch.stop - 1} has no 2-D tensor {key!r} "
             f"(keyword inputs: {present}); name the key that holds the padding mask, or mask=None"
         )
-    return None
 
 
 def _checked(values: dict[Site, torch.Tensor], sites: Mapping[Site, Any], batch: Batch) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""What each row of a store is: its index in the data, and for token models its tokens and mask.
+"""What each row of a store is, read off the batches: its index in the data, and for token models its
+tokens and mask (the arrays' names: ``hookscope._store.provenance``).
 
 A latent found in a store is only useful once it can be traced back to the text that made it.
 So beside the sites' arrays, in the group ``_rows``, a store keeps per row:
@@ -25,15 +26,11 @@ from typing import Any, Literal
 import torch
 
 from hookscope._extract.data import Batch
-from hookscope._extract.layout import SiteLayout
-from hookscope._extract.zarr_io import ROWS_GROUP
+from hookscope._store import INDEX, MASK, TOKENS, SiteLayout, provenance_array
 from hookscope.errors import DataError, SpecError
 
-__all__ = ["INDEX", "MASK", "ROWS_GROUP", "TOKENS", "Provenance", "TokensOption"]
+__all__ = ["Provenance", "TokensOption"]
 
-INDEX = f"{ROWS_GROUP}/index"
-TOKENS = f"{ROWS_GROUP}/tokens"
-MASK = f"{ROWS_GROUP}/attention_mask"
 TokensOption = bool | Literal["auto"]
 _PAD_TOKEN = -1
 
@@ -71,7 +68,7 @@ class Provenance:
         """
         if tokens not in (True, False, "auto"):
             raise SpecError(f"tokens={tokens!r} is not True, False or 'auto' (store the token ids when there are some)")
-        arrays = [_array(INDEX, "int64", ())]
+        arrays = [provenance_array(INDEX, "int64", ())]
         key = _tokens_key(probe) if tokens is not False else None
         if tokens is True and key is None:
             raise SpecError(
@@ -83,12 +80,12 @@ class Provenance:
         if tokens == "auto" and ids is not None and int(ids.shape[1]) not in lengths:
             key, ids = None, None  # values reduced over the tokens: a width that varies by batch is fine there
         if ids is not None:
-            arrays.append(_array(TOKENS, "int64", (int(ids.shape[1]),)))
+            arrays.append(provenance_array(TOKENS, "int64", (int(ids.shape[1]),)))
         mask = _get(probe, mask_key)
         width = int(mask.shape[1]) if mask is not None and _is_2d(mask, probe.rows) else None
         # the mask of a site stored per position (to leave its padding out), or the mask of the ids kept
         if width is not None and (width in lengths or (ids is not None and width == ids.shape[1])):
-            arrays.append(_array(MASK, "bool", (width,)))
+            arrays.append(provenance_array(MASK, "bool", (width,)))
         else:
             mask_key = None
         return cls(tuple(arrays), key, mask_key, source_index, tokens)
@@ -136,10 +133,6 @@ class Provenance:
             assert value is not None
             found.append(_fit(value.detach().cpu(), array, batch, key, self.tokens))
         return found
-
-
-def _array(name: str, dtype: str, shape: tuple[int, ...]) -> SiteLayout:
-    return SiteLayout(name=name, site=name, layer="", shape=shape, dtype=dtype, reduce=None)
 
 
 def _tokens_key(batch: Batch) -> str | int | None:

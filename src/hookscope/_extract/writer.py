@@ -22,25 +22,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._extract.checksums import combine, crc32c
-from hookscope._extract.layout import Layout
-from hookscope._extract.provenance import MASK
-from hookscope._extract.running_stats import chunk_part, vectors_of
-from hookscope._extract.zarr_io import Manifest, stats_widths
 from hookscope._shared.bits import bits_to_tensor, tensor_to_numpy
 from hookscope._shared.credentials import scrub
 from hookscope._shared.memory import ResidentWatch
 from hookscope._shared.units import format_bytes
+from hookscope._store import MASK, Layout, Manifest, chunk_part, combine, crc32c, stats_widths, vectors_of
 from hookscope.errors import StoreWriteError
 
-__all__ = ["ChunkWriter", "Work", "WriterThread"]
+__all__ = ["ChunkWriter", "Work", "WriterThread", "remote_flushers"]
+
+#: Chunks written at once to object storage: enough to hide a round trip of tens of milliseconds
+#: behind the forward, each holding one chunk buffer (every array's rows of the chunk) until it
+#: lands, and together at most REMOTE_BUFFER_BYTES.
+REMOTE_FLUSHERS = 8
+REMOTE_BUFFER_BYTES = 512 * 2**20
+
+
+def remote_flushers(layout: Layout) -> int:
+    """Chunks written at once to a remote store: up to 8, fewer where a chunk of every array is large."""
+    chunk_bytes = layout.chunk_rows * sum(array.row_bytes for array in layout.arrays)
+    return max(1, min(REMOTE_FLUSHERS, REMOTE_BUFFER_BYTES // max(chunk_bytes, 1)))
 
 
 @dataclass
 class _Chunk:
     arrays: list[np.ndarray]
     filled: int = 0
-    input_parts: list[int] = field(default_factory=list)  # see hookscope._extract.checksums
+    input_parts: list[int] = field(default_factory=list)  # see hookscope._store.checksums
 
 
 @dataclass
@@ -85,7 +93,7 @@ class ChunkWriter:
 
     def put(self, start: int, values: Sequence[np.ndarray], input_parts: Sequence[tuple[int, int, int]] = ()) -> None:
         """Rows ``start .. start + len(values[0])`` of every site, in layout order, and the checksum
-        parts of their input rows (``(chunk, part, rows)``, see :mod:`hookscope._extract.checksums`)."""
+        parts of their input rows (``(chunk, part, rows)``, see :mod:`hookscope._extract.inputs`)."""
         stop = start + len(values[0])
         parts = {chunk: part for chunk, part, _ in input_parts}
         for chunk in self.layout.chunks_of(start, stop):

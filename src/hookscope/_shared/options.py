@@ -30,11 +30,15 @@ hookscope.errors.SpecError: demo has no option 'sise'; did you mean 'size'? Its 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -55,6 +59,17 @@ class Options:
     feature: ClassVar[str] = "options"
     #: Bumped when a field changes meaning, so a stored dict of another version is refused.
     VERSION: ClassVar[int] = 1
+    #: Keywords the constructor takes besides the fields: parts of another options object a
+    #: field holds (``ExtractConfig`` takes ``keep=`` into its ``capture``). Accepted by
+    #: :meth:`build` and shown in signatures, with the dataclass's default for them.
+    PART_KEYWORDS: ClassVar[tuple[str, ...]] = ()
+    #: The file the class was defined in, whose field docstrings :meth:`field_docs` reads.
+    _source_file: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        module = sys.modules.get(cls.__module__)
+        cls._source_file = getattr(module, "__file__", None)  # where field_docs reads the fields' docstrings
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -80,7 +95,7 @@ class Options:
 
         A tensor given to an option's name was meant for the model: refused with the way to pass it.
         """
-        names = set(cls.names())
+        names = {*cls.names(), *cls.PART_KEYWORDS}
         chosen = {key: value for key, value in kwargs.items() if key in names}
         for key, value in chosen.items():
             if isinstance(value, torch.Tensor):
@@ -92,7 +107,7 @@ class Options:
 
     @classmethod
     def _refuse_unknown(cls, given: Mapping[str, Any]) -> None:
-        names = cls.names()
+        names = (*cls.names(), *cls.PART_KEYWORDS)
         for key in given:
             if key not in names:
                 close = difflib.get_close_matches(key, names, n=1)
@@ -123,10 +138,51 @@ class Options:
                 )
         return cls(**values)
 
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Each option's documentation: the docstring written under its field, as written (reST).
+
+        The one place an option is described: the reference docs read it as an attribute
+        docstring, and the command line's flags take their help from it.
+
+        >>> from hookscope import EditOptions
+        >>> EditOptions.field_docs()["on"].split(",")[0]
+        '``"output"`` (default) edits what the module returns'
+        """
+        return dict(_field_docs(cls))
+
     def changes(self) -> dict[str, Any]:
         """The options that differ from their defaults (for a repr or a command line)."""
         defaults = type(self)()
         return {name: getattr(self, name) for name in self.names() if getattr(self, name) != getattr(defaults, name)}
+
+
+def _field_docs(cls: type) -> list[tuple[str, str]]:
+    """``(field, docstring)`` of every field of ``cls`` and its bases with a string literal under it.
+
+    Read from the file each class was defined in (kept when it was defined: the package rewrites
+    its public classes' ``__module__``, which ``inspect.getsource`` would follow to the wrong file).
+    """
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        source = klass.__dict__.get("_source_file")
+        if source is None:
+            continue
+        tree = ast.parse(Path(source).read_text(encoding="utf-8"))
+        body = next(
+            (node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == klass.__name__),
+            [],
+        )
+        for field, after in itertools.pairwise(body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                found[field.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return [(name, found[name]) for name in cls.names() if name in found]  # type: ignore[attr-defined]
 
 
 def _jsonable(value: Any) -> Any:
@@ -164,6 +220,11 @@ def with_options(options: type[Options], *, keep: tuple[str, ...] = ()) -> Calla
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type)
             for field in dataclasses.fields(options)  # type: ignore[arg-type]
             if field.init
+        ]
+        declared = options.__dataclass_fields__  # type: ignore[attr-defined]
+        fields += [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=declared[name].default)
+            for name in options.PART_KEYWORDS
         ]
         func.__signature__ = signature.replace(parameters=[*before, *fields, *after])  # type: ignore[attr-defined]
         return func

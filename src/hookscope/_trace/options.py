@@ -30,28 +30,6 @@ OpsChoice = bool | str | tuple[str, ...] | list[str]
 class TraceOptions(Options):
     """What a trace records of every traced call.
 
-    - ``stats``: min, max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts of
-      every output tensor, computed on the device and read once per pass; ``False``: shapes only;
-      or a list of the statistics to keep, among ``"min"``, ``"max"``, ``"mean"``, ``"std"``,
-      ``"abs_mean"``, ``"zeros"`` and ``"nonfinite"`` (NaN/Inf counts are always kept; the others
-      read NaN and, where they would cost a pass of their own, are not computed);
-    - ``input_stats``: also measure inputs no traced module returned (the model's input,
-      results of functional ops); ``False`` skips them and ``first_nonfinite`` takes them as finite;
-    - ``timing``: per-call time (CUDA events on GPU; on the CPU hookscope's own measuring is
-      taken out);
-    - ``memory``: the rise of peak CUDA memory per call (this resets PyTorch's peak counter,
-      ``torch.cuda.max_memory_allocated``, as it goes);
-    - ``histograms``: ``True`` (64 bins) or a bin count: a histogram of every measured
-      tensor's finite values, counted on the device from a sample of at most 32,768 values;
-    - ``passes``: ``"latest"`` (each forward replaces the trace) or ``"all"`` (every pass's
-      trace is kept, ``tracer.passes``: a ``generate()`` loop's prefill, then one per token);
-    - ``ops``: op sites to add rows for, one per op call, nested under their module's call: an op
-      selector (``"h.*.attn:op[softmax]"``), an attention sub-site (``"h.*.attn:attn.pattern"``),
-      a list of them, or ``True`` for every op that every traced module's own code calls (a
-      row per ``view``, ``split``, ``add``...: many rows, one statistic each). The selectors'
-      modules are traced too; a selector whose module ran but whose op never did is an error
-      at the end of the pass.
-
     >>> TraceOptions(histograms=True).bins
     64
     >>> sorted(TraceOptions(stats=["min", "max"]).stat_fields)
@@ -65,12 +43,37 @@ class TraceOptions(Options):
     feature = "trace"
 
     stats: StatsChoice = True
+    """Min, max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts of every output tensor,
+    computed on the device and read once per pass; ``False``: shapes only; or a list of the
+    statistics to keep, among ``"min"``, ``"max"``, ``"mean"``, ``"std"``, ``"abs_mean"``,
+    ``"zeros"`` and ``"nonfinite"`` (NaN/Inf counts are always kept; the others read NaN and, where
+    they would cost a pass of their own, are not computed).
+    """
     input_stats: bool = True
+    """Also measure inputs no traced module returned (the model's input, results of functional ops);
+    ``False`` skips them and ``first_nonfinite`` takes them as finite.
+    """
     timing: bool = False
+    """Per-call time (CUDA events on GPU; on the CPU hookscope's own measuring is taken out)."""
     memory: bool = False
+    """The rise of peak CUDA memory per call (this resets PyTorch's peak counter,
+    ``torch.cuda.max_memory_allocated``, as it goes).
+    """
     histograms: bool | int = False
+    """``True`` (64 bins) or a bin count: a histogram of every measured tensor's finite values, counted
+    on the device from a sample of at most 32,768 values.
+    """
     passes: Passes = "latest"
+    """``"latest"`` (each forward replaces the trace) or ``"all"`` (every pass's trace is kept,
+    ``tracer.passes``: a ``generate()`` loop's prefill, then one per token).
+    """
     ops: OpsChoice = False
+    """Op sites to add rows for, one per op call, nested under their module's call: an op selector
+    (``"h.*.attn:op[softmax]"``), an attention sub-site (``"h.*.attn:attn.pattern"``), a list of
+    them, or ``True`` for every op that every traced module's own code calls (a row per ``view``,
+    ``split``, ``add``...: many rows, one statistic each). The selectors' modules are traced too; a
+    selector whose module ran but whose op never did is an error at the end of the pass.
+    """
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stats", _stat_choice(self.stats))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import hookscope as hs
-from hookscope.cli.specs import load_attribute
+from hookscope.cli.parse.specs import load_attribute
 from hookscope.errors import SpecError
 
 __all__ = ["LOSS_FORMS", "loss_from_spec"]

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.specs import load_model, make_input
+from hookscope.cli.parse.specs import load_model, make_input
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["SampleRun", "build_model", "prepare"]

@@ -15,8 +15,8 @@ import torch
 from torch.nn import functional
 
 import hookscope as hs
+from hookscope.cli.parse.specs import make_input
 from hookscope.cli.sample import SampleRun
-from hookscope.cli.specs import make_input
 from hookscope.errors import SpecError
 
 __all__ = ["synthetic_loss", "train_steps"]

@@ -348,7 +348,8 @@ class _FailsOnce(torch.utils.data.Dataset[torch.Tensor]):
 
 def _extract_data_set(model: nn.Module, out: Path, write: Write) -> None:
     try:
-        from hookscope._extract import extract, open_store
+        from hookscope._extract import extract
+        from hookscope._store import open_store
 
         data = _FailsOnce(512, fail_at=300)
         options: dict[str, Any] = {"reduce": {"conv1": "mean:2,3"}, "batch_size": 64, "chunk_rows": 128}

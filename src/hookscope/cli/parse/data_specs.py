@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope.cli.specs import COUNT_MAX, load_attribute, make_input, parse_shape
+from hookscope.cli.parse.specs import COUNT_MAX, load_attribute, make_input, parse_shape
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["DATA_FORMS", "RandomRows", "load_data"]

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from hookscope.cli.specs import HF_HEADS
+from hookscope.cli.parse.specs import HF_HEADS
 
 __all__ = ["MAX_WORKERS", "SEED_MAX", "Dtype", "InputShape", "ModelSpec", "seed_option", "split_selectors"]
 

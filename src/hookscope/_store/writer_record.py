@@ -39,9 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hookscope._extract.object_record import ObjectRecord
-from hookscope._extract.zarr_io import MANIFEST_GROUP, WRITER_RECORD, Target
 from hookscope._shared.credentials import redacted_command
+from hookscope._store.manifest import MANIFEST_GROUP, WRITER_RECORD
+from hookscope._store.object_record import ObjectRecord
+from hookscope._store.zarr_io import Target
 from hookscope.errors import StoreBusyError, StoreError
 
 __all__ = ["HEARTBEAT_S", "RECORD_KEY", "STALE_AFTER_S", "StoreHold", "describe_holder", "is_stale"]

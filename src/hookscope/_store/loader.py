@@ -37,7 +37,6 @@ the loader is made; every other chunk is left out.
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,14 +47,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hookscope._extract.verify import present_chunks, unreadable_error
 from hookscope._shared.bits import bits_to_tensor
+from hookscope._store.array import StoreArray
+from hookscope._store.loader_options import count_option, device_option, dtype_option, flag_option, ranks_option
+from hookscope._store.verify import present_chunks, unreadable_error
+from hookscope._store.window import Read, Window, gather, join, runs
 from hookscope.errors import SiteNotFoundError, SpecError, StoreError
 
-# ``Store`` and ``StoreArray`` (hookscope._extract.store) are not imported: the store makes its
-# loaders (``Store.loader``), and the package allows no import loop, even one for type hints.
+# ``Store`` (hookscope._store.store) is not imported: the store makes its loaders
+# (``Store.loader``), and the package allows no import loop, even one for type hints.
 Store = Any
-StoreArray = Any
 
 __all__ = ["StoreLoader"]
 
@@ -85,15 +86,6 @@ class _Piece:
     chunk: int
     first: int
     stop: int
-
-
-@dataclass
-class _Read:
-    """A piece read: each array's values flattened to units, where its units lie, and their ids."""
-
-    values: dict[str, np.ndarray]  # as stored (bfloat16 and float8 as their bits), viewed as torch at the end
-    where: np.ndarray  # int64 positions into ``values`` of the piece's units, in stream order
-    ids: np.ndarray  # int64 global id of each unit: its row, or row * seq + position
 
 
 class StoreLoader(torch.utils.data.IterableDataset[Batch]):
@@ -145,19 +137,19 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
                 f"{', '.join(_OPTIONS)}"
             )
         self.store = store
-        self.batch_size = _count("batch_size", batch_size, least=1)
-        self.shuffle = _flag("shuffle", options.get("shuffle", True))
-        self.seed = _count("seed", options.get("seed", 0), least=0)
-        self.epoch = _count("epoch", options.get("epoch", 0), least=0)
-        self.tokens = _flag("tokens", options.get("tokens", False))
-        self.skip_padding = _flag("skip_padding", options.get("skip_padding", True))
-        self.buffer_chunks = _count("buffer_chunks", options.get("buffer_chunks", 8), least=1)
-        self.read_ahead = _count("read_ahead", options.get("read_ahead", 4), least=0)
-        self.drop_last = _flag("drop_last", options.get("drop_last", False))
-        self.with_rows = _flag("with_rows", options.get("with_rows", False))
-        self.dtype = _dtype(options.get("dtype"))
-        self.device = _device(options.get("device"))
-        self.rank, self.world_size = _ranks(options.get("rank"), options.get("world_size"))
+        self.batch_size = count_option("batch_size", batch_size, least=1)
+        self.shuffle = flag_option("shuffle", options.get("shuffle", True))
+        self.seed = count_option("seed", options.get("seed", 0), least=0)
+        self.epoch = count_option("epoch", options.get("epoch", 0), least=0)
+        self.tokens = flag_option("tokens", options.get("tokens", False))
+        self.skip_padding = flag_option("skip_padding", options.get("skip_padding", True))
+        self.buffer_chunks = count_option("buffer_chunks", options.get("buffer_chunks", 8), least=1)
+        self.read_ahead = count_option("read_ahead", options.get("read_ahead", 4), least=0)
+        self.drop_last = flag_option("drop_last", options.get("drop_last", False))
+        self.with_rows = flag_option("with_rows", options.get("with_rows", False))
+        self.dtype = dtype_option(options.get("dtype"))
+        self.device = device_option(options.get("device"))
+        self.rank, self.world_size = ranks_option(options.get("rank"), options.get("world_size"))
         self.single = isinstance(sites, str)
         self._arrays = self._resolve(store, [sites] if isinstance(sites, str) else sites)
         self.sites = [array.name for array in self._arrays]
@@ -170,7 +162,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         self._check_files()
         self.held_peak = 0  # the most chunks held at once by the last iteration in this process
         self.start_step = 0
-        self.set_epoch(self.epoch, _count("start_step", options.get("start_step", 0), least=0))
+        self.set_epoch(self.epoch, count_option("start_step", options.get("start_step", 0), least=0))
 
     # -- arguments --------------------------------------------------------------------------------
 
@@ -233,7 +225,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
             return np.asarray(rows * self._seq, dtype=np.int64)
         counts = np.zeros(len(self._chunks), dtype=np.int64)
         chunks = self._chunks.tolist()
-        for run in _runs(chunks, _MASK_BLOCK):  # consecutive chunks in one read: zarr fetches them at once
+        for run in runs(chunks, _MASK_BLOCK):  # consecutive chunks in one read: zarr fetches them at once
             start = chunks[run.start] * self._chunk_rows
             kept = self._read_run(self._mask, chunks[run.start : run.stop])
             per_row = np.count_nonzero(kept.reshape(len(kept), -1), axis=1)
@@ -272,10 +264,10 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         not change (so ``set_epoch(e)`` at the start of a resumed epoch ``e`` keeps the resume) and
         is 0 for another epoch.
         """
-        epoch = _count("epoch", epoch, least=0)
+        epoch = count_option("epoch", epoch, least=0)
         if start_step is None:
             start_step = self.start_step if epoch == self.epoch else 0
-        start_step = _count("start_step", start_step, least=0)
+        start_step = count_option("start_step", start_step, least=0)
         total = self._rank_batches()
         if start_step > total:
             raise SpecError(
@@ -365,7 +357,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         pending: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
         waiting = 0
         held = 0
-        queue: deque[Future[_Read] | _Read] = deque()
+        queue: deque[Future[Read] | Read] = deque()
         todo = iter([piece for _, _, window in plan for piece in window])
         pool = ThreadPoolExecutor(self.read_ahead, thread_name_prefix="hookscope-loader") if self.read_ahead else None
 
@@ -395,35 +387,33 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
                     ids_parts.append(read.ids)
                     joined += len(read.values[self.sites[0]])
                     reads.append(read)
-                values = _Window(reads)
+                values = Window(reads)
                 del reads
                 where, ids = self._shuffled(np.concatenate(wheres), np.concatenate(ids_parts), number)
                 low, high = max(run_first, offset) - offset, min(run_stop, offset + len(where)) - offset
                 at = low
                 if waiting:
                     take = min(self.batch_size - waiting, high - at)
-                    pending.append(_gather(values, where[at : at + take], ids[at : at + take]))
+                    pending.append(gather(values, where[at : at + take], ids[at : at + take]))
                     waiting, at = waiting + take, at + take
                     if waiting == self.batch_size:
-                        yield self._finish(_join(pending))
+                        yield self._finish(join(pending))
                         pending, waiting = [], 0
                 while high - at >= self.batch_size:
-                    yield self._finish(
-                        _gather(values, where[at : at + self.batch_size], ids[at : at + self.batch_size])
-                    )
+                    yield self._finish(gather(values, where[at : at + self.batch_size], ids[at : at + self.batch_size]))
                     at += self.batch_size
                 if at < high:
-                    pending.append(_gather(values, where[at:high], ids[at:high]))
+                    pending.append(gather(values, where[at:high], ids[at:high]))
                     waiting += high - at
                 held -= len(window)
                 del values
             if waiting:
-                yield self._finish(_join(pending))
+                yield self._finish(join(pending))
         finally:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-    def _read_piece(self, piece: _Piece) -> _Read:
+    def _read_piece(self, piece: _Piece) -> Read:
         """One piece's values (every site, only the rows its units lie in) as tensors of units."""
         chunk = int(self._chunks[piece.chunk])
         start = chunk * self._chunk_rows
@@ -439,7 +429,7 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
         for array in self._arrays:
             raw = self._read_zarr(array, start + low, start + high)
             values[array.name] = raw.reshape(-1, *raw.shape[2:]) if self.tokens else raw
-        return _Read(values, flat - low * self._seq, flat + start * self._seq)
+        return Read(values, flat - low * self._seq, flat + start * self._seq)
 
     def _read_run(self, array: StoreArray, chunks: list[int]) -> np.ndarray:
         """Consecutive ``chunks`` of ``array`` in one read; a failure names the chunk that broke it."""
@@ -498,113 +488,3 @@ class StoreLoader(torch.utils.data.IterableDataset[Batch]):
 
 #: Chunks of the mask read at once when counting tokens (a block in memory at a time).
 _MASK_BLOCK = 256
-
-
-def _runs(chunks: list[int], longest: int) -> Iterator[range]:
-    """Index ranges of ``chunks`` (sorted) whose chunks follow one another, at most ``longest`` long.
-
-    >>> [list(run) for run in _runs([0, 1, 2, 5, 6, 9], 2)]
-    [[0, 1], [2], [3, 4], [5]]
-    """
-    start = 0
-    for index in range(1, len(chunks) + 1):
-        if index == len(chunks) or chunks[index] != chunks[index - 1] + 1 or index - start == longest:
-            yield range(start, index)
-            start = index
-
-
-class _Window:
-    """The pieces of one window, gathered from in place: joining them first would copy every value
-    once more (padding too), which costs more than reading them."""
-
-    def __init__(self, reads: list[_Read]) -> None:
-        self.reads = reads
-        self.starts = np.cumsum([0] + [len(next(iter(read.values.values()))) for read in reads])
-
-    def gather(self, where: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The values at ``where`` (positions in the joined pieces), grouped by piece, and the order
-        they come in (indices into ``where``).
-
-        Each piece's items are taken by one ``np.take`` straight into the batch: one copy of
-        the batch, none of the window. Within a batch the items come grouped by piece rather than
-        in the window's shuffled order: which items make a batch is what the shuffle decides, and
-        putting them back in that order would copy the batch once more.
-        """
-        piece = np.searchsorted(self.starts, where, side="right") - 1
-        grouped_order = np.argsort(piece, kind="stable")
-        counts = np.bincount(piece, minlength=len(self.reads))
-        local = where[grouped_order] - self.starts[piece[grouped_order]]
-        found = {}
-        for name, first in self.reads[0].values.items():
-            # numpy, not torch: a torch op wakes its thread pool, whose spinning threads then take
-            # the cores zarr decompresses the next chunks on
-            grouped = np.empty((len(where), *first.shape[1:]), dtype=first.dtype)
-            at = 0
-            for number, count in enumerate(counts.tolist()):
-                if count:
-                    np.take(
-                        self.reads[number].values[name], local[at : at + count], axis=0, out=grouped[at : at + count]
-                    )
-                    at += count
-            found[name] = grouped
-        return found, grouped_order
-
-
-def _gather(values: _Window, where: np.ndarray, ids: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    found, order = values.gather(where)
-    return found, ids[order]
-
-
-def _join(parts: list[tuple[dict[str, np.ndarray], np.ndarray]]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    if len(parts) == 1:
-        return parts[0]
-    names = parts[0][0]
-    joined = {name: np.concatenate([part[0][name] for part in parts]) for name in names}
-    return joined, np.concatenate([part[1] for part in parts])
-
-
-def _count(name: str, value: Any, *, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise SpecError(f"{name} must be an int >= {least}, got {value!r}")
-    return int(value)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise SpecError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _dtype(value: Any) -> torch.dtype | None:
-    """A floating dtype from a ``torch.dtype`` or its name (``"bfloat16"``); None keeps the stored one."""
-    if value is None:
-        return None
-    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else value
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
-        raise SpecError(f"dtype must be a floating torch dtype (torch.float16, 'bfloat16'), got {value!r}")
-    return found
-
-
-def _device(value: Any) -> torch.device | None:
-    if value is None:
-        return None
-    try:
-        return torch.device(value)
-    except (RuntimeError, TypeError) as error:
-        raise SpecError(f"device {value!r} is not a device ('cpu', 'cuda:0', torch.device): {error}") from None
-
-
-def _ranks(rank: Any, world_size: Any) -> tuple[int, int]:
-    """This process's rank and the number of ranks: given, else torch.distributed's, else the environment's."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        default = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        default = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    rank = _count("rank", default[0] if rank is None else rank, least=0)
-    world_size = _count("world_size", default[1] if world_size is None else world_size, least=1)
-    if rank >= world_size:
-        raise SpecError(
-            f"rank {rank} is not below world_size {world_size}; ranks are 0..{world_size - 1}: pass both rank= and "
-            "world_size= or neither"
-        )
-    return rank, world_size

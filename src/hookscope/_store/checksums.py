@@ -13,7 +13,8 @@ The input checksum of a chunk is the CRC32C of the CRC32Cs of its parts, one par
 that reaches into it: the rows of each of the batch's tensors that fall in the chunk (a
 tensor that is not batch-first, whole), each preceded by its path, dtype and row shape.
 Batches are cut the same way in every run of one configuration (the batch size is part of
-it), so the parts, and the checksum, are the same.
+it), so the parts, and the checksum, are the same. The parts are taken off the batches by the
+extraction (``hookscope._extract.inputs``); this module keeps the arithmetic.
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
 
-from hookscope._core.tree import flatten_tensors
-from hookscope._extract.data import Batch
-from hookscope._extract.layout import Layout
-from hookscope._shared.bits import tensor_to_numpy
 from hookscope._shared.optional import require
+from hookscope._store.layout import Layout
 
-__all__ = ["InputDigests", "combine", "crc32c", "input_parts"]
+__all__ = ["InputDigests", "combine", "crc32c", "regions", "text_crc"]
 
 
 def crc32c(values: np.ndarray, seed: int = 0) -> int:
@@ -43,7 +40,8 @@ def crc32c(values: np.ndarray, seed: int = 0) -> int:
     return int(_crc32c_module().extend(seed, flat)) if flat.size else seed
 
 
-def _text_crc(text: str, seed: int) -> int:
+def text_crc(text: str, seed: int) -> int:
+    """The CRC32C of ``text``'s UTF-8 bytes, continuing from ``seed``."""
     return int(_crc32c_module().extend(seed, text.encode("utf-8", "surrogatepass")))
 
 
@@ -55,35 +53,6 @@ def _crc32c_module() -> Any:
 def combine(parts: Iterable[int]) -> int:
     """One checksum from the checksums of a chunk's parts, in order."""
     return crc32c(np.asarray(list(parts), dtype=np.uint32))
-
-
-def input_parts(batch: Batch, chunks: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """``(chunk, part checksum, rows)`` for each ``(chunk, low, high)`` region of ``batch``'s rows."""
-    tensors = [(path, tensor.detach()) for path, tensor in flatten_tensors((batch.args, batch.kwargs), root="batch")]
-    found = []
-    for chunk, low, high in chunks:
-        seed = 0
-        for path, tensor in tensors:
-            rows = tensor[low - batch.start : high - batch.start] if _batch_first(tensor, batch.rows) else tensor
-            seed = _text_crc(f"{path}:{rows.dtype}:{tuple(rows.shape[1:])};", seed)
-            seed = crc32c(_host_bytes(rows), seed)
-        found.append((chunk, seed, high - low))
-    return found
-
-
-def _batch_first(tensor: torch.Tensor, rows: int) -> bool:
-    return tensor.dim() > 0 and tensor.shape[0] == rows and not tensor.is_sparse
-
-
-def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.is_sparse:
-        tensor = tensor.to_dense()
-    if tensor.is_meta or tensor.is_nested:
-        return np.zeros(0, dtype=np.uint8)
-    try:
-        return tensor_to_numpy(tensor.cpu().contiguous())
-    except (RuntimeError, TypeError):  # a dtype without a numpy view (complex32, ...): its text
-        return np.frombuffer(repr(tensor.tolist()).encode(), dtype=np.uint8)
 
 
 def regions(layout: Layout, start: int, stop: int) -> list[tuple[int, int, int]]:

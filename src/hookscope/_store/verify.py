@@ -6,7 +6,8 @@ Two questions, asked before a resumed run writes anything and by ``open_store(ve
   checks the CRC32C of the compressed bytes as it reads) and its values' CRC32C compared with the
   manifest's; a chunk file that is gone counts as damaged too, since zarr would read it as zeros;
 - is the data the same? The input rows of each done chunk are read again (the model does not
-  run) and their checksum compared with the one recorded when the chunk was written.
+  run) and their checksum compared with the one recorded when the chunk was written (the
+  extraction asks that one: ``hookscope._extract.inputs``).
 
 Damaged chunks are written again by a resumed run; input rows that differ are refused.
 
@@ -25,20 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from hookscope._extract.checksums import InputDigests, crc32c, input_parts, regions
-from hookscope._extract.data import Batch
-from hookscope._extract.layout import Layout, SiteLayout
-from hookscope._extract.zarr_io import Manifest, zarr_module
 from hookscope._shared.credentials import scrub
-from hookscope.errors import DataError, HookscopeError, StoreError, StoreReadError
+from hookscope._store.checksums import crc32c
+from hookscope._store.layout import SiteLayout
+from hookscope._store.manifest import Manifest
+from hookscope._store.zarr_io import zarr_module
+from hookscope.errors import HookscopeError, StoreError, StoreReadError
 
 __all__ = [
     "Damage",
-    "InputCheck",
-    "check_input_rows",
     "damaged_chunks",
     "damaged_error",
-    "data_changed",
     "describe",
     "missing_chunk",
     "present_chunks",
@@ -231,39 +229,3 @@ def _check_one(
     if digest is not None and crc32c(values) != digest:
         return "its values differ from those written (checksum)"
     return None
-
-
-def data_changed(layout: Layout, chunk: int) -> DataError:
-    first, last = layout.span(chunk)
-    return DataError(
-        f"rows {first}..{last - 1} of the data are not the rows the store was made from (their checksum differs "
-        f"from the one recorded with chunk {chunk}): the data changed since the store was begun; pass the same data "
-        "to resume, or overwrite=True (--overwrite) to start again",
-        rows=range(first, last),
-    )
-
-
-def check_input_rows(layout: Layout, manifest: Manifest, batches: Iterable[Batch]) -> None:
-    """Read ``batches`` (the rows of done chunks) and raise ``DataError`` at the first chunk whose
-    input rows differ from those recorded."""
-    check = InputCheck(layout, manifest)
-    for batch in batches:
-        check.see(batch)
-
-
-class InputCheck:
-    """Compares each done chunk's input rows with the checksum recorded for it, batch by batch:
-    the batches of done chunks read again (indexed data), or those a resumed stream skips."""
-
-    def __init__(self, layout: Layout, manifest: Manifest) -> None:
-        self.layout = layout
-        self.manifest = manifest
-        self._digests = InputDigests(layout)
-
-    def see(self, batch: Batch) -> None:
-        """Take ``batch``; ``DataError`` once a chunk it completes differs from the one recorded."""
-        whole = self._digests.add(input_parts(batch, regions(self.layout, batch.start, batch.stop)))
-        for chunk, digest in whole.items():
-            recorded, _ = self.manifest.digests_of(chunk)
-            if recorded is not None and recorded != digest:
-                raise data_changed(self.layout, chunk)

@@ -1,4 +1,4 @@
-"""The zarr side of a store: where it lives, what is there already, making it, its manifest.
+"""The zarr side of a store: where it lives, what is there already, making it (its manifest: ``manifest``).
 
 zarr is imported here (``import hookscope`` stays light), and by ``fsspec_store`` for a store
 at a URL. A store is one zarr v3 group: the hookscope attributes, one array per site, and a
@@ -24,22 +24,22 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
-from hookscope._extract.layout import Layout
-from hookscope._extract.running_stats import part_width
 from hookscope._shared.credentials import scrub, scrub_url, secrets_of, userinfo
 from hookscope._shared.optional import require
+from hookscope._store.layout import Layout
+from hookscope._store.manifest import MANIFEST_GROUP, WRITER_RECORD, Manifest, stats_widths
+from hookscope._store.provenance import ROWS_GROUP
 from hookscope.errors import MissingDependencyError, StoreError
 
 __all__ = [
     "FORMAT",
-    "MANIFEST_GROUP",
-    "Manifest",
+    "META_KEY",
+    "READABLE_FORMATS",
     "Target",
     "check_only_ours",
     "clear",
     "create_store",
+    "open_group",
     "read_meta",
     "remove_partial_files",
     "target_of",
@@ -50,10 +50,6 @@ __all__ = [
 FORMAT = 2  # 2: checksums per chunk, a CRC32C per chunk file, a writer record (provenance and stats when present)
 READABLE_FORMATS = (1, 2)
 META_KEY = "hookscope"
-MANIFEST_GROUP = "_hookscope"
-WRITER_RECORD = "writer.json"  # in MANIFEST_GROUP: who writes the store now (see hookscope._extract.holder)
-STATS_GROUP = "stats"  # in MANIFEST_GROUP: each site's statistics per chunk (see hookscope._extract.running_stats)
-ROWS_GROUP = "_rows"  # the rows' provenance arrays (see hookscope._extract.provenance)
 
 
 def zarr_module() -> ModuleType:
@@ -157,9 +153,9 @@ def _check_s3_url(url: str) -> None:
 
 def _fsspec_store(url: str, storage_options: dict[str, Any] | None) -> Any:
     """A zarr ``FsspecStore`` for ``url`` whose file system is each process's own (see
-    ``hookscope._extract.fsspec_store``); a missing file-system package is named with its install line."""
+    ``hookscope._store.fsspec_store``); a missing file-system package is named with its install line."""
     require("fsspec", purpose=f"a store at {scrub_url(url)}", hint=" and the file system's package (s3fs, gcsfs)")
-    from hookscope._extract.fsspec_store import ProcessFsspecStore
+    from hookscope._store.fsspec_store import ProcessFsspecStore
 
     protocol = url.split("://", 1)[0]
     # no cached listings: other processes (torchrun ranks, a second writer) change the store under us
@@ -357,113 +353,3 @@ def open_group(target: Target, *, writable: bool) -> Any:
 def write_meta(group: Any, meta: dict[str, Any]) -> None:
     """Replace the hookscope attributes (one atomic write of the group's ``zarr.json`` on a local disk)."""
     group.attrs.update({META_KEY: meta})
-
-
-def stats_widths(layout: Layout) -> dict[str, int]:
-    """The sites whose running statistics a store keeps (floating values), and the width of a chunk's part."""
-    return {
-        site.name: part_width(site.shape)
-        for site in layout.sites
-        if site.torch_dtype.is_floating_point and site.sparse is None
-    }
-
-
-class Manifest:
-    """Which chunks have landed, their checksums, and their statistics.
-
-    ``done[c] == 1`` once every array's chunk ``c`` is written. ``digests[c]`` holds, for that
-    chunk, the CRC32C of the input rows that made it (column 0) and of each array's stored bytes
-    (columns 1..: the sites', then the provenance arrays'), written just before ``done[c]``; -1
-    where none was recorded (a store of format 1). ``stats/<array>[c]`` holds the chunk's part of
-    a site's running statistics (see ``running_stats``). One element file per chunk in each, so
-    each process writes only its own.
-    """
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.array = group.get(f"{MANIFEST_GROUP}/done")  # None in a store cut short while being made
-        self.digests = group.get(f"{MANIFEST_GROUP}/digests")  # None in a store of format 1
-        self._stats: dict[str, Any] = {}
-
-    @staticmethod
-    def create(group: Any, chunks: int, arrays: int, stats: dict[str, int] | None = None) -> None:
-        holder = group.require_group(MANIFEST_GROUP)  # its folder may exist already: it holds the writer record
-        holder.create_array("done", shape=(chunks,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
-        holder.create_array(
-            "digests",
-            shape=(chunks, arrays + 1),
-            chunks=(1, arrays + 1),
-            dtype="int64",
-            fill_value=-1,
-            compressors=None,
-        )
-        for name, width in (stats or {}).items():
-            holder.create_array(
-                f"{STATS_GROUP}/{name}",
-                shape=(chunks, width),
-                chunks=(1, width),
-                dtype="float64",
-                fill_value=float("nan"),
-                compressors=None,
-            )
-
-    def stats_array(self, name: str) -> Any:
-        """The per-chunk statistics of array ``name``; None where the store keeps none."""
-        if name not in self._stats:
-            self._stats[name] = self.group.get(f"{MANIFEST_GROUP}/{STATS_GROUP}/{name}")
-        return self._stats[name]
-
-    def done(self) -> set[int]:
-        """The chunks recorded as done; an element that cannot be read counts as not done."""
-        if self.array is None:
-            return set()
-        try:
-            flags = np.asarray(self.array[:])
-        except Exception:  # a torn element file: read one by one, and trust only what reads back as 1
-            return {c for c in range(self.array.shape[0]) if self._readable_flag(c)}
-        return {int(c) for c in np.flatnonzero(flags == 1)}
-
-    def _readable_flag(self, chunk: int) -> bool:
-        try:
-            return bool(self.array[chunk] == 1)
-        except Exception:
-            return False
-
-    def digests_of(self, chunk: int) -> tuple[int | None, list[int | None]]:
-        """``(inputs, [site, ...])`` recorded for ``chunk``; None for each one not recorded."""
-        if self.digests is None or chunk >= self.digests.shape[0]:
-            return None, []
-        try:
-            row = [int(v) for v in np.asarray(self.digests[chunk])]
-        except Exception:
-            return None, []
-        known = [v if v >= 0 else None for v in row]
-        return known[0], known[1:]
-
-    def mark(
-        self, chunk: int, digests: tuple[int, list[int]] | None = None, stats: dict[str, np.ndarray] | None = None
-    ) -> None:
-        """Record ``chunk`` as done, after its ``(inputs, [array, ...])`` checksums and its sites'
-        statistics; grows the manifest for a stream whose length is not known."""
-        assert self.array is not None, "the manifest is made with the store"
-        for name, part in (stats or {}).items():
-            found = self.stats_array(name)
-            if found is None:
-                continue
-            if chunk >= found.shape[0]:
-                found.resize((chunk + 1, found.shape[1]))
-            found[chunk] = part
-        if chunk >= self.array.shape[0]:
-            self.array.resize((chunk + 1,))
-        if digests is not None and self.digests is not None:
-            if chunk >= self.digests.shape[0]:
-                self.digests.resize((chunk + 1, self.digests.shape[1]))
-            inputs, values = digests
-            self.digests[chunk] = np.array([inputs, *values], dtype=np.int64)
-        self.array[chunk] = 1
-
-    def unmark(self, chunks: list[int]) -> None:
-        """Record ``chunks`` as not done (found damaged): the next run writes them again."""
-        assert self.array is not None, "the manifest is made with the store"
-        for chunk in chunks:
-            self.array[chunk] = 0

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import InputShape, seed_option, split_selectors
+from hookscope.cli.parse.options import InputShape, seed_option, split_selectors
 from hookscope.errors import HookscopeError, SpecError
 
 __all__ = ["diff_command"]
@@ -56,7 +56,7 @@ def diff_command(
     """
     import torch
 
-    from hookscope.cli.specs import load_model, make_input
+    from hookscope.cli.parse.specs import load_model, make_input
 
     if csv is not None:
         if not csv.parent.exists():

@@ -117,7 +117,7 @@ class Layout:
     rows: int | None  # None: a stream whose end tells the number
     batch_size: int
     chunk_rows: int
-    #: Arrays written beside the sites, row for row (see ``hookscope._extract.provenance``).
+    #: Arrays written beside the sites, row for row (see ``hookscope._store.provenance``).
     extras: tuple[SiteLayout, ...] = ()
 
     @property

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from hookscope._extract.zarr_io import Target, zarr_module
+from hookscope._store.zarr_io import Target, zarr_module
 from hookscope.errors import StoreError
 
 __all__ = ["ObjectRecord"]

@@ -1,55 +1,22 @@
-"""What a store's hookscope attributes say, checked against its arrays; its statistics merged.
+"""What a store's hookscope attributes say, checked against its arrays.
 
-Read by :func:`~hookscope._extract.store.open_store` before anything else, and by a resumed
+Read by :func:`~hookscope._store.store.open_store` before anything else, and by a resumed
 extraction: a store whose attributes contradict its arrays is refused before a read allocates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from hookscope._extract.layout import Layout, SiteLayout
-from hookscope._extract.running_stats import SiteStats, chunk_part, features, merge, summary
-from hookscope._extract.zarr_io import MANIFEST_GROUP, Manifest
 from hookscope._shared.credentials import scrub
+from hookscope._store.layout import Layout, SiteLayout
+from hookscope._store.manifest import MANIFEST_GROUP, Manifest
 from hookscope.errors import StoreError
 
-__all__ = ["checked_layout", "merged_stats", "stored_layout"]
-
-
-def merged_stats(manifest: Manifest, layout: Layout, chunks: int | Iterable[int]) -> dict[str, SiteStats]:
-    """Each site's statistics over ``chunks`` (a count: the first ones; or which), merged in chunk order.
-
-    A site some of whose chunks have no part recorded (written by a hookscope that kept none) has
-    no statistics rather than those of the chunks that have one.
-    """
-    wanted = sorted(range(chunks) if isinstance(chunks, int) else chunks)
-    found = {}
-    for site in layout.sites:
-        array = manifest.stats_array(site.name)
-        if array is None:
-            continue
-        merged: np.ndarray | None = chunk_part(np.zeros((0, features(site.shape))))
-        for start in range(0, len(wanted), _STATS_BLOCK):  # a block of chunks' parts in memory at a time
-            block = [c for c in wanted[start : start + _STATS_BLOCK] if c < array.shape[0]]
-            parts = np.asarray(array[block[0] : block[-1] + 1])[[c - block[0] for c in block]] if block else None
-            if len(block) < len(wanted[start : start + _STATS_BLOCK]) or (
-                parts is not None and not np.isfinite(parts[:, 0]).all()
-            ):
-                merged = None  # a chunk without its part (the fill value, NaN): no statistics for the site
-                break
-            if parts is not None and merged is not None:
-                merged = merge([merged, *parts])
-        if merged is not None:
-            found[site.name] = summary(merged)
-    return found
-
-
-#: Chunks whose statistics are merged at a time (a part is 4 + 4 * features floats).
-_STATS_BLOCK = 256
+__all__ = ["checked_layout", "stored_layout"]
 
 
 def stored_layout(meta: dict[str, Any], label: str = "") -> Layout:

@@ -21,8 +21,8 @@ import torch
 import typer
 
 import hookscope as hs
-from hookscope.cli.options import Dtype, InputShape, ModelSpec, seed_option
-from hookscope.cli.specs import make_input
+from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
+from hookscope.cli.parse.specs import make_input
 from hookscope.cli.training import synthetic_loss
 
 __all__ = ["health_report", "train_check_command"]

@@ -11,7 +11,7 @@ Token ids are written as comma-separated ints per row, rows separated by ``;``:
 ``@P`` after a metric reads position ``P`` instead (``logit_diff:3,4@2``; ``loss@-2``). Every
 text that cannot be read raises ``SpecError`` with what was given, what was expected and the fix.
 
-Selectors (``--sites``) are split at commas by :func:`~hookscope.cli.options.split_selectors`,
+Selectors (``--sites``) are split at commas by :func:`~hookscope.cli.parse.options.split_selectors`,
 the one splitter of every command's list options.
 """
 
@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 
 import hookscope as hs
-from hookscope.cli.options import split_selectors
-from hookscope.cli.specs import COUNT_MAX
+from hookscope.cli.parse.options import split_selectors
+from hookscope.cli.parse.specs import COUNT_MAX
 from hookscope.errors import SpecError
 
 __all__ = [
