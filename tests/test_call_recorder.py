@@ -307,13 +307,21 @@ def test_every_feature_lets_a_second_thread_pass_through(feature: str) -> None:
         assert "1#0" in {record.layer for record in step.of("grad_output")}
 
 
-def test_a_replica_a_feature_cannot_keep_apart_is_refused_with_the_way_out() -> None:
-    """A DataParallel replica (a shallow copy sharing the hook dicts) entering a trace from
-    another thread belongs to the pass yet cannot be told apart in it: refused, naming what works."""
+@pytest.mark.parametrize("feature", ["trace", "monitor", "watch_grads"])
+def test_a_replica_a_feature_cannot_keep_apart_is_refused_with_the_way_out(feature: str) -> None:
+    """A DataParallel replica (a shallow copy sharing the hook dicts) entering a trace (or the
+    training monitor's pass, in either of its forms) from another thread belongs to the pass yet
+    cannot be told apart in it: refused, naming what works."""
     handshake = Handshake()
     model = track(nn.Sequential(nn.Linear(3, 3), handshake, nn.Linear(3, 3)))
     replica = model[2]._replicate_for_data_parallel()
-    with hs.tracing(model) as tracer:
+    scopes: dict[str, Callable[[], Any]] = {
+        "trace": lambda: hs.tracing(model),
+        # the monitor's own recorder: its tripwire (hs.detect_nonfinite) would refuse first
+        "monitor": lambda: hs.monitor(model, ["0", "1", "2"], names="modules", params=False, tripwire=False),
+        "watch_grads": lambda: hs.watch_grads(model, params=False),
+    }
+    with scopes[feature]() as scope:
         other, raised = handshake.intruder(lambda: replica(torch.zeros(2, 3)))
         model(torch.ones(2, 3))
         other.join(timeout=30)
@@ -321,10 +329,11 @@ def test_a_replica_a_feature_cannot_keep_apart_is_refused_with_the_way_out() -> 
     error = raised[0]
     assert isinstance(error, hs.ConcurrentPassError)
     assert isinstance(error, RuntimeError)
-    assert (error.feature, error.module) == ("trace", "2")
-    assert "hs.trace records the forward pass of the thread that attached it" in str(error)
+    assert (error.feature, error.module) == (feature, "2")
+    assert f"hs.{feature} records the forward pass of the thread that attached it" in str(error)
     assert str(error).endswith(REPLICAS_HINT)
-    assert [row.name for row in tracer.trace.rows] == ["", "0", "1", "2"]  # the refused close took nothing
+    if feature == "trace":
+        assert [row.name for row in scope.trace.rows] == ["", "0", "1", "2"]  # the refused close took nothing
 
 
 class ReadsBack(CallRecorder[Watched, OpenCall[Watched]]):

@@ -377,9 +377,10 @@ def test_tensorboard_gets_each_step_once(tmp_path: Any) -> None:
     writer.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    ratios = events.Scalars("grads/param/0.weight/ratio")
+    # hs.monitor's tag scheme, <kind>/<metric>/<name> (before: grads/param/0.weight/ratio)
+    ratios = events.Scalars("param_grad/ratio/0.weight")
     assert [event.step for event in ratios] == [0, 2, 4]
-    norms = {event.step: event.value for event in events.Scalars("grads/grad_output/2#0/norm")}
+    norms = {event.step: event.value for event in events.Scalars("grad/norm/2#0")}
     assert norms[4] == pytest.approx({r.layer: r.norm for r in monitor.records[-1].of("grad_output")}["2#0"])
 
 

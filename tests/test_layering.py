@@ -33,7 +33,6 @@ STORE = "_store"
 FEATURES = {
     "_capture",
     "_trace",
-    "_grads",
     "_edit",
     "_extract",
     "_diff",
@@ -163,7 +162,7 @@ def test_the_contract_refuses_upward_and_private_imports(importer: str, target: 
         ("hookscope._report.api", "hookscope.plots"),
         ("hookscope.cli.app", "hookscope"),
         ("hookscope.cli.parse.specs", "hookscope.demo.models"),
-        ("hookscope.plots.grads", "hookscope._grads"),
+        ("hookscope.plots.grads", "hookscope._monitor"),
         ("hookscope._extract.api", "hookscope._store"),
         ("hookscope._store.array", "hookscope._shared.bits"),
         ("hookscope._store.layout", "hookscope._core.sites"),

@@ -299,7 +299,7 @@ def test_one_transfer_per_logged_step_and_none_on_the_others(monkeypatch: pytest
     monitor_module = importlib.import_module(
         "hookscope._monitor.monitor"
     )  # the package exports a function of that name
-    grads_module = importlib.import_module("hookscope._grads.monitor")
+    grads_module = importlib.import_module("hookscope._monitor.recorder")
 
     calls: list[int] = []
     fetch = monitor_module.fetch

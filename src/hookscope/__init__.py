@@ -27,19 +27,25 @@ from hookscope._core.tree import flatten_tensors, map_tensors
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
 from hookscope._extract import ExtractConfig, extract
-from hookscope._grads import GradFlag, GradMonitor, GradRecord, GradStep, GradSummary, watch_grads
 from hookscope._hooks import AttachedHooks, attached, hooks
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._monitor import (
     CsvSink,
+    GradFlag,
+    GradMonitor,
+    GradRecord,
+    GradStep,
+    GradSummary,
     JsonLinesSink,
     MLflowSink,
     Monitor,
     MonitorFlag,
+    MonitorOptions,
     MonitorStep,
     TensorBoardSink,
     WandbSink,
     monitor,
+    watch_grads,
 )
 from hookscope._report import report
 from hookscope._shared.dtypes import dtype_name, parse_dtype
@@ -126,6 +132,7 @@ __all__ = [
     "MissingDependencyError",
     "Monitor",
     "MonitorFlag",
+    "MonitorOptions",
     "MonitorStep",
     "NonFiniteDetector",
     "NonFiniteError",

@@ -1,21 +1,40 @@
-"""Monitor: a training loop's gradients, activations, precision health and first NaN/Inf, logged.
+"""The training monitor: gradients, activations, precision health and first NaN/Inf, logged.
 
-``monitor`` composes ``watch_grads`` and ``detect_nonfinite`` with its own layer hooks (``watch``);
-``sinks`` writes each logged step's scalars (JSON lines, CSV, TensorBoard, or any ``write``).
+One recorder (``recorder``: a :class:`~hookscope._shared.call_recorder.CallRecorder` taking the
+``measures``) serves ``hs.monitor`` (``monitor``: sinks, parameter norms, the tripwire) and its
+gradients preset ``hs.watch_grads`` (``grads``). ``records`` holds the one step and flag types,
+``summary`` flags a gradient history, ``tags`` is the one naming of every logged number,
+``sinks`` writes each logged step's scalars (JSON lines, CSV, TensorBoard, wandb, MLflow, or
+any ``write``), ``options`` is the one declaration of the monitor's options.
 """
 
-from hookscope._monitor.monitor import Monitor, MonitorFlag, MonitorStep, monitor
+from hookscope._monitor.grads import GradMonitor, watch_grads
+from hookscope._monitor.monitor import Monitor, monitor
+from hookscope._monitor.options import MonitorOptions
+from hookscope._monitor.records import GradRecord, MonitorFlag, MonitorStep
 from hookscope._monitor.sinks import CsvSink, JsonLinesSink, MLflowSink, Sink, TensorBoardSink, WandbSink
+from hookscope._monitor.summary import GradSummary
+
+#: ``watch_grads``' names for the one flag and step types (the same classes).
+GradFlag = MonitorFlag
+GradStep = MonitorStep
 
 __all__ = [
     "CsvSink",
+    "GradFlag",
+    "GradMonitor",
+    "GradRecord",
+    "GradStep",
+    "GradSummary",
     "JsonLinesSink",
     "MLflowSink",
     "Monitor",
     "MonitorFlag",
+    "MonitorOptions",
     "MonitorStep",
     "Sink",
     "TensorBoardSink",
     "WandbSink",
     "monitor",
+    "watch_grads",
 ]

@@ -18,7 +18,7 @@ from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves
-from hookscope._grads import GradMonitor, watch_grads
+from hookscope._monitor import GradMonitor, watch_grads
 from hookscope._report import sections
 from hookscope._report.images import Image, embed
 from hookscope._report.render import render, script_json

@@ -12,7 +12,7 @@ from torch import nn
 
 from hookscope._core.names import module_label
 from hookscope._core.params import count, own_count
-from hookscope._grads import GradStep
+from hookscope._monitor import GradStep
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.stats import Stats

@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped
+from hookscope._core.attach import HookGroup, HookSpec, Scoped, WrapSpec
 from hookscope._core.compat.compiled import EAGER, is_compiling
 from hookscope._core.tracker import CallTracker
 
@@ -133,6 +133,7 @@ class CallRecorder(Scoped, Generic[W, D]):
         modules: Sequence[tuple[str, nn.Module]],
         *,
         escape_compiled: bool = False,
+        wraps: Sequence[WrapSpec] = (),
     ) -> None:
         self._tracker = CallTracker(listener=self, feature=self.feature)
         #: The drafts of the calls open now, innermost last (cleared in place, never replaced).
@@ -146,7 +147,9 @@ class CallRecorder(Scoped, Generic[W, D]):
             opener, closer = self._opener(site, escape_compiled), self._closer(site, escape_compiled)
             specs.append(HookSpec(name, module, "forward_pre", opener, with_kwargs=True, fitted=True))
             specs.append(HookSpec(name, module, "forward", closer, with_kwargs=True, always_call=True, fitted=True))
-        self._group = HookGroup(model, specs, owner=self.feature, tracker=self._tracker, restore_mode=False)
+        self._group = HookGroup(
+            model, specs, owner=self.feature, tracker=self._tracker, restore_mode=False, wraps=wraps
+        )  # ``wraps``: a feature's own wrappers of a call, in the same group (removed with the hooks)
 
     # -- what subclasses implement ----------------------------------------------------------------
 

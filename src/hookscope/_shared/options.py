@@ -72,9 +72,15 @@ class Options:
         cls._source_file = getattr(module, "__file__", None)  # where field_docs reads the fields' docstrings
 
     @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The option names, in declaration order (what this base reads: a feature may have an
+        option called ``names``, as the monitor does, which hides :meth:`names`)."""
+        return tuple(field.name for field in dataclasses.fields(cls) if field.init)  # type: ignore[arg-type]
+
+    @classmethod
     def names(cls) -> tuple[str, ...]:
         """The option names, in declaration order."""
-        return tuple(field.name for field in dataclasses.fields(cls) if field.init)  # type: ignore[arg-type]
+        return cls.option_names()
 
     @classmethod
     def build(cls: type[OptionsT], options: OptionsT | None, given: Mapping[str, Any]) -> OptionsT:
@@ -95,7 +101,7 @@ class Options:
 
         A tensor given to an option's name was meant for the model: refused with the way to pass it.
         """
-        names = {*cls.names(), *cls.PART_KEYWORDS}
+        names = {*cls.option_names(), *cls.PART_KEYWORDS}
         chosen = {key: value for key, value in kwargs.items() if key in names}
         for key, value in chosen.items():
             if isinstance(value, torch.Tensor):
@@ -107,7 +113,7 @@ class Options:
 
     @classmethod
     def _refuse_unknown(cls, given: Mapping[str, Any]) -> None:
-        names = (*cls.names(), *cls.PART_KEYWORDS)
+        names = (*cls.option_names(), *cls.PART_KEYWORDS)
         for key in given:
             if key not in names:
                 close = difflib.get_close_matches(key, names, n=1)
@@ -116,7 +122,7 @@ class Options:
 
     def to_dict(self) -> dict[str, Any]:
         """Every option as JSON-ready values, with ``"version"``: what a file or store records."""
-        values = {name: _jsonable(getattr(self, name)) for name in self.names()}
+        values = {name: _jsonable(getattr(self, name)) for name in self.option_names()}
         return {"version": self.VERSION, **values}
 
     @classmethod
@@ -154,7 +160,9 @@ class Options:
     def changes(self) -> dict[str, Any]:
         """The options that differ from their defaults (for a repr or a command line)."""
         defaults = type(self)()
-        return {name: getattr(self, name) for name in self.names() if getattr(self, name) != getattr(defaults, name)}
+        return {
+            name: getattr(self, name) for name in self.option_names() if getattr(self, name) != getattr(defaults, name)
+        }
 
 
 def _field_docs(cls: type) -> list[tuple[str, str]]:
@@ -182,7 +190,7 @@ def _field_docs(cls: type) -> list[tuple[str, str]]:
                 and isinstance(after.value.value, str)
             ):
                 found[field.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return [(name, found[name]) for name in cls.names() if name in found]  # type: ignore[attr-defined]
+    return [(name, found[name]) for name in cls.option_names() if name in found]  # type: ignore[attr-defined]
 
 
 def _jsonable(value: Any) -> Any:

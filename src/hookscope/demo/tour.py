@@ -30,9 +30,9 @@ from hookscope._capture import load, run_with_capture
 from hookscope._core.attach import attached
 from hookscope._core.names import module_label
 from hookscope._edit import run_with_edits
-from hookscope._grads.monitor import watch_grads
 from hookscope._hooks import hooks
 from hookscope._layers import layers
+from hookscope._monitor.grads import watch_grads
 from hookscope._shared.files import atomic_path
 from hookscope._trace import trace
 from hookscope._trace.nonfinite import detect_nonfinite

@@ -1,84 +1,60 @@
-"""What both callbacks share: their options, the monitor they start with them, the steps it logged."""
+"""What both callbacks share: the monitor's options (one :class:`~hookscope.MonitorOptions`),
+the monitor they start with them, and the steps it logged."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 import hookscope as hs
 
-__all__ = ["MonitorCallback", "MonitorSettings"]
-
-
-class MonitorSettings:
-    """:func:`hookscope.monitor`'s options as a callback was given them; :meth:`start` attaches one."""
-
-    def __init__(
-        self,
-        layers: Any,
-        output_dir: str | os.PathLike[str] | None,
-        every: int,
-        precision: str | torch.dtype | None,
-        sinks: Sequence[Any],
-        options: dict[str, Any],
-    ) -> None:
-        self.layers = layers
-        self.output_dir = output_dir
-        self.every = every
-        self.precision = precision
-        self.sinks = list(sinks)
-        self.options = options
-
-    def start(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int, scaler: Any = None) -> hs.Monitor:
-        """A monitor on ``model``, its trips kept in ``output_dir`` (else ``default_dir``),
-        numbering its steps from ``step`` (a resumed run's), its gradients divided by the
-        scale of ``scaler`` (the Trainer's GradScaler, found by the callback) unless the
-        callback was given ``grad_scaler=`` itself."""
-        options = {"grad_scaler": scaler} | self.options
-        return hs.monitor(
-            model,
-            self.layers,
-            every=self.every,
-            precision=self.precision,
-            sinks=self.sinks,
-            trip_dir=Path(self.output_dir or default_dir),
-            start=step,
-            **options,
-        )
-
-    def __repr__(self) -> str:
-        return f"every={self.every}, precision={self.precision!r}, sinks={len(self.sinks)}"
+__all__ = ["MonitorCallback"]
 
 
 class MonitorCallback:
     """The part of a framework's ``HookscopeCallback`` that is the framework's own in nothing:
-    its settings, its monitor (attached afresh per training run) and the steps it logged."""
+    its options, its monitor (attached afresh per training run) and the steps it logged.
+
+    The options are :class:`~hookscope.MonitorOptions`' (keywords, or whole as ``options=``),
+    validated when the callback is made; ``output_dir`` is where a trip keeps its evidence
+    (default: the Trainer's), ``start`` is the Trainer's step, and ``grad_scaler`` the
+    Trainer's GradScaler unless given.
+    """
 
     def __init__(
         self,
         layers: Any = None,
         *,
         output_dir: str | os.PathLike[str] | None = None,
-        every: int = 1,
-        precision: str | torch.dtype | None = None,
-        sinks: Sequence[Any] = (),
-        **options: Any,
+        options: hs.MonitorOptions | None = None,
+        **opts: Any,
     ) -> None:
         super().__init__()
-        self.settings = MonitorSettings(layers, output_dir, every, precision, sinks, options)
+        self.layers = layers
+        self.output_dir = output_dir
+        self.options = hs.MonitorOptions.build(options, opts)
+        self._own_scaler = "grad_scaler" in opts or (options is not None and options.grad_scaler is not None)
         self.monitor: hs.Monitor | None = None
         self.steps: list[hs.MonitorStep] = []
 
     def _attach(self, model: nn.Module, default_dir: str | os.PathLike[str], step: int, scaler: Any = None) -> None:
-        """A monitor for this training run (``scaler``: the GradScaler its loss is scaled by, if
-        any); a previous run's (a second ``train()``) is removed."""
+        """A monitor for this training run, its trips kept in ``output_dir`` (else
+        ``default_dir``), numbering its steps from ``step`` (a resumed run's), its gradients
+        divided by the scale of ``scaler`` (the GradScaler its loss is scaled by, found by the
+        callback) unless the callback was given ``grad_scaler=`` itself; a previous run's
+        monitor (a second ``train()``) is removed."""
         self._remove()
-        self.monitor = self.settings.start(model, default_dir, step, scaler)
+        run = dataclasses.replace(
+            self.options,
+            trip_dir=Path(self.output_dir or self.options.trip_dir or default_dir),
+            start=step,
+            grad_scaler=self.options.grad_scaler if self._own_scaler else scaler,
+        )
+        self.monitor = hs.monitor(model, self.layers, options=run)
 
     def _remove(self, during: BaseException | None = None) -> None:
         """Let go of the monitor; with ``during`` (the error training raised), a sink that fails
@@ -87,4 +63,5 @@ class MonitorCallback:
             self.monitor.remove(during=during)
 
     def __repr__(self) -> str:
-        return f"HookscopeCallback({self.settings!r})"
+        shown = self.options
+        return f"HookscopeCallback(every={shown.every}, precision={shown.precision!r}, sinks={len(shown.sinks)})"

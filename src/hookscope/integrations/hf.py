@@ -44,9 +44,10 @@ def trainer_scaler(optimizer: Any) -> Any:
 class HookscopeCallback(MonitorCallback, _transformers.TrainerCallback):  # type: ignore[misc,name-defined]
     """Gradient and activation statistics, precision health and the NaN/Inf tripwire for ``Trainer``.
 
-    The options are :func:`hookscope.monitor`'s (``layers``, ``grads``, ``params``,
-    ``activations``, ``precision``, ``tripwire``, ``every``, ``sinks``, ``names``,
-    ``flag_above``); ``output_dir`` is where a trip keeps its evidence (default: the Trainer's
+    The options are :class:`hookscope.MonitorOptions`' (``grads``, ``params``, ``activations``,
+    ``precision``, ``tripwire``, ``every``, ``sinks``, ``names``, ``flag_above``, ...), as
+    keywords or whole (``options=``), checked when the callback is made; ``layers`` picks the
+    layers; ``output_dir`` is where a trip keeps its evidence (default: the Trainer's
     ``output_dir``). ``callback.steps`` holds every logged step, ``callback.flags`` every flag.
 
     Example::

@@ -29,7 +29,8 @@ _pl = require("lightning.pytorch", purpose="hookscope.integrations.lightning", e
 class HookscopeCallback(MonitorCallback, _pl.Callback):  # type: ignore[misc,name-defined]
     """Gradient and activation statistics, precision health and the NaN/Inf tripwire for Lightning.
 
-    The options are :func:`hookscope.monitor`'s; ``callback.steps`` holds every logged step.
+    The options are :class:`hookscope.MonitorOptions`' (keywords, or whole as ``options=``);
+    ``callback.steps`` holds every logged step.
     With ``log_to_lightning=True`` (default) each logged step's scalars also go to the Trainer's
     loggers (``logger.log_metrics``), so TensorBoard, wandb, MLflow or CSV loggers configured on
     the Trainer receive them.

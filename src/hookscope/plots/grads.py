@@ -6,12 +6,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hookscope._grads.records import GradStep
+from hookscope._monitor.records import MonitorStep as GradStep
 from hookscope.errors import SpecError
 from hookscope.plots.figure import depth_figure, label_layers, literal, new_figure
 
 if TYPE_CHECKING:
-    from hookscope._grads.monitor import GradMonitor
+    from hookscope._monitor.grads import GradMonitor
 
 __all__ = ["grad_flow", "grad_history"]
 
@@ -76,7 +76,7 @@ def grad_history(
     ``"h.0#0"``, ``"h.0:output[0]"``), or by parameter name with ``what="param"``
     (``"fc.weight"``); by default up to 8 spread evenly from first to last. A name that was not
     recorded raises :class:`~hookscope.SiteNotFoundError` naming the closest ones."""
-    from hookscope._grads.records import history_frame, named_columns
+    from hookscope._monitor.records import history_frame, named_columns
 
     frame = history_frame(_steps(source), metric, what)
     if frame.empty:

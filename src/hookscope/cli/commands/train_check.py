@@ -50,15 +50,16 @@ def train_check_command(
 
     if out is not None:
         hs.check_output_path(out, what="--out")
+    trip_dir = (out.parent if out is not None else Path(".")) / "hookscope-trips"
+    options = hs.MonitorOptions(precision=precision, sinks=(out,) if out else (), trip_dir=trip_dir)  # checked first
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     net = sample.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     language_model = "labels" in inspect.signature(net.forward).parameters
-    trip_dir = (out.parent if out is not None else Path(".")) / "hookscope-trips"
     losses: list[float] = []
-    with hs.monitor(net, precision=precision, sinks=[out] if out else (), trip_dir=trip_dir) as mon:
+    with hs.monitor(net, options=options) as mon:
         for index in range(steps):
             args, kwargs = (
                 (sample.args, sample.kwargs)

@@ -30,38 +30,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from hookscope._grads.records import GradRecord, GradStep
+from hookscope._monitor.records import FlagKind, GradRecord, MonitorFlag, MonitorStep
 from hookscope._shared.blame import blame
 from hookscope.errors import SpecError
 
-__all__ = ["FlagKind", "GradFlag", "GradSummary", "summarise"]
-
-FlagKind = Literal["vanishing", "exploding", "nonfinite", "dead"]
-
-
-@dataclass(frozen=True)
-class GradFlag:
-    """One finding: its kind, the layer (``module#call`` or a parameter), the steps, and why."""
-
-    kind: FlagKind
-    layer: str
-    steps: tuple[int, ...]
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.kind:<9} {self.layer}: {self.detail} (steps {_ranges(self.steps)})"
+__all__ = ["GradSummary", "summarise"]
 
 
 @dataclass(frozen=True)
 class GradSummary:
     """Every flag of a monitor's history; ``print()`` it, or filter with :meth:`of`."""
 
-    flags: tuple[GradFlag, ...]
+    flags: tuple[MonitorFlag, ...]
     steps: int
 
-    def of(self, kind: FlagKind) -> list[GradFlag]:
+    def of(self, kind: FlagKind) -> list[MonitorFlag]:
         """The flags of one kind."""
         return [flag for flag in self.flags if flag.kind == kind]
 
@@ -77,7 +61,7 @@ class GradSummary:
 
 
 def summarise(
-    steps: Sequence[GradStep],
+    steps: Sequence[MonitorStep],
     *,
     vanishing: float = 1e-4,
     exploding: float = 1e3,
@@ -124,7 +108,9 @@ def summarise(
         for (start, before), (at, now) in zip(points, points[window - 1 :], strict=False):
             if before > 0 and now / before >= growth and not _recovering(norms_at, start, at, layer, vanishing):
                 flag("exploding", layer, f"norm grew {growth:g}x or more within {window} steps", step=at)
-    flags = tuple(GradFlag(kind, layer, tuple(sorted(set(s))), detail) for (kind, layer), (s, detail) in found.items())
+    flags = tuple(
+        MonitorFlag(kind, layer, tuple(sorted(set(s))), detail) for (kind, layer), (s, detail) in found.items()
+    )
     return GradSummary(flags, len(steps))
 
 
@@ -137,7 +123,7 @@ def _recovering(norms_at: dict[int, dict[str, float]], start: int, at: int, laye
     return bool(others) and norms_at[at][layer] <= max(others)
 
 
-def _nonfinite_origin(step: GradStep) -> tuple[str, str] | None:
+def _nonfinite_origin(step: MonitorStep) -> tuple[str, str] | None:
     """``(layer, detail)`` of the step's first NaN/Inf gradient, or None when all are finite.
 
     The first call, in backward order, whose grad_input is non-finite while its grad_output is
@@ -164,20 +150,6 @@ def _nonfinite_origin(step: GradStep) -> tuple[str, str] | None:
 
 def _order(record: GradRecord) -> int:
     return record.order if record.order is not None else 1 << 30
-
-
-def _ranges(steps: Sequence[int]) -> str:
-    if not steps:
-        return "-"
-    parts, start, last = [], steps[0], steps[0]
-    for step in [*steps[1:], None]:
-        if step is not None and step == last + 1:
-            last = step
-            continue
-        parts.append(str(start) if start == last else f"{start}-{last}")
-        if step is not None:
-            start = last = step
-    return ", ".join(parts)
 
 
 def _listing(channels: Sequence[int], limit: int = 8) -> str:

@@ -1,4 +1,10 @@
-"""What a :class:`~hookscope._grads.monitor.GradMonitor` keeps of each step, and its tables."""
+"""What the training monitor keeps of each step (:class:`MonitorStep`, :class:`GradRecord`), what it
+flags (:class:`MonitorFlag`), and the pandas tables of a history.
+
+One step type and one flag type serve ``hs.monitor`` and its preset ``hs.watch_grads``: a
+step holds the gradient records, the dead units, and (for ``hs.monitor``) the scalars its
+sinks were given, its flags and histograms.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,28 @@ from typing import Any, Literal
 from hookscope._core.names import call_label, leaf_label
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site
+from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
 from hookscope._shared.stats import Stats
 from hookscope.errors import SiteNotFoundError, SpecError
 
-__all__ = ["METRICS", "GradRecord", "GradStep", "GradWhat", "history_frame", "named_columns"]
+__all__ = [
+    "METRICS",
+    "FlagKind",
+    "GradRecord",
+    "GradWhat",
+    "MonitorFlag",
+    "MonitorStep",
+    "history_frame",
+    "named_columns",
+]
 
 GradWhat = Literal["grad_output", "grad_input", "param"]
+#: What a flag says: a history's (:meth:`GradMonitor.summary`) or one step's (``hs.monitor``).
+FlagKind = Literal[
+    "vanishing", "exploding", "nonfinite", "dead",
+    "grad_underflow", "grad_overflow", "act_underflow", "act_overflow", "grad_nonfinite",
+]  # fmt: skip
 METRICS = ("norm", "mean_abs", "max_abs", "nan", "inf", "ratio")
 # The value of the call whose gradient a record holds: where its leaf is shown to sit.
 _SIDE = {"grad_output": "output", "grad_input": "input"}
@@ -115,19 +136,85 @@ def _numbers(stats: Stats) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class GradStep:
-    """The records of one recorded step, and the dead units known at its end."""
+class MonitorFlag:
+    """Something the gradients or activations showed that deserves a look: its kind, the layer
+    (``module#call``, a canonical name, or a parameter), the steps it was seen at, why, and
+    the value that crossed the line where there is one.
+
+    >>> str(MonitorFlag("grad_underflow", "blocks.3", (12,), "loses 4.1% of its gradient to underflow in bfloat16"))
+    'grad_underflow blocks.3: loses 4.1% of its gradient to underflow in bfloat16 (step 12)'
+    """
+
+    kind: FlagKind
+    layer: str
+    steps: tuple[int, ...]
+    detail: str
+    value: float = math.nan
+
+    @property
+    def step(self) -> int:
+        """The first step it was seen at (a step's own flag has that one)."""
+        return self.steps[0] if self.steps else -1
+
+    @property
+    def message(self) -> str:
+        """The flag in one line, as ``str()`` gives it."""
+        return str(self)
+
+    def __str__(self) -> str:
+        when = f"step {self.steps[0]}" if len(self.steps) == 1 else f"steps {ranges(self.steps)}"
+        return f"{self.kind:<9} {self.layer}: {self.detail} ({when})"
+
+
+@dataclass
+class MonitorStep:
+    """One recorded step: its gradient records, the dead units known at its end, and, for
+    ``hs.monitor``, every scalar its sinks were given by name, its flags and histograms.
+
+    Every gradient in it is as the step's backward left it: the activations' (``grad/``) and the
+    parameters' (``param_grad/``) alike, before any clipping or optimiser step, after DDP's
+    all-reduce, and divided by the loss scale where a GradScaler is known (``grad_scaler=``; the
+    callbacks find the Trainer's): the gradients of the loss itself, whose scale is logged as
+    ``grad/loss_scale``. The transformers Trainer's logged ``grad_norm`` is the norm of the same
+    gradients: ``sqrt(sum of param_grad/norm**2)``. The gradients' precision fractions are of the
+    gradients as the backward held them, scaled: what the format keeps of them.
+    """
 
     step: int
-    records: list[GradRecord]
+    records: list[GradRecord] = field(default_factory=list)
     dead: dict[str, list[int]] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+    flags: list[MonitorFlag] = field(default_factory=list)
+    histograms: dict[str, Histogram] = field(default_factory=dict)  # by logged layer name, on request
+    read_grads: bool = True  # whether gradients were read at this step (hs.monitor(grads=False): no)
 
     def of(self, what: GradWhat) -> list[GradRecord]:
         """The records of one kind (``grad_output``, ``grad_input``, ``param``)."""
         return [record for record in self.records if record.what == what]
 
+    @property
+    def grads(self) -> MonitorStep | None:
+        """The step itself where its gradients were read, else None (kept from when a monitor's
+        step held a separate gradient step)."""
+        return self if self.read_grads else None
 
-def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
+
+def ranges(steps: Sequence[int]) -> str:
+    """Step numbers as runs: ``0-2, 5``."""
+    if not steps:
+        return "-"
+    parts, start, last = [], steps[0], steps[0]
+    for step in [*steps[1:], None]:
+        if step is not None and step == last + 1:
+            last = step
+            continue
+        parts.append(str(start) if start == last else f"{start}-{last}")
+        if step is not None:
+            start = last = step
+    return ", ".join(parts)
+
+
+def history_frame(steps: Sequence[MonitorStep], metric: str, what: str) -> Any:
     """Steps x layers of one metric, as a pandas DataFrame (layers in the order first seen)."""
     if metric not in METRICS:
         raise SpecError(f"metric {metric!r} is not one of {', '.join(METRICS)}")
@@ -146,7 +233,7 @@ def history_frame(steps: Sequence[GradStep], metric: str, what: str) -> Any:
     return frame
 
 
-def named_columns(steps: Sequence[GradStep], keys: Sequence[str], what: str) -> list[str]:
+def named_columns(steps: Sequence[MonitorStep], keys: Sequence[str], what: str) -> list[str]:
     """The history columns (:attr:`GradRecord.column`) that ``keys`` name, in the order given.
 
     An activation's gradient is named as a capture's value is (``cache[key]``): ``"fc"`` (its
@@ -156,7 +243,7 @@ def named_columns(steps: Sequence[GradStep], keys: Sequence[str], what: str) -> 
 
     >>> from hookscope._shared.stats import tensor_stats
     >>> import torch
-    >>> step = GradStep(0, [GradRecord.of(0, "fc", "Linear", 0, "grad_output", "", tensor_stats(torch.ones(2)))])
+    >>> step = MonitorStep(0, [GradRecord.of(0, "fc", "Linear", 0, "grad_output", "", tensor_stats(torch.ones(2)))])
     >>> named_columns([step], ["fc", "fc#0:output"], "grad_output")
     ['fc#0', 'fc#0']
     """
