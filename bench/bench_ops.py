@@ -9,7 +9,7 @@ built twice from one set of weights: with ``attn_implementation="sdpa"`` (transf
   unused ``nn.Identity`` added to it): the op-site machinery with no op selected;
 - ``watch attn``: every block's attention module watched, the listener doing nothing: the mode's cost;
 - ``patterns``: every block's attention module watched, each ``scaled_dot_product_attention`` call's pattern
-  recomputed from its arguments (``hookscope._core.attention``) and kept: what an ``:attn.pattern`` capture of
+  recomputed from its arguments (``hookscope._arch.attention``) and kept: what an ``:attn.pattern`` capture of
   every layer costs;
 - ``capture patterns``: ``hs.capture(model, "h.*.attn:attn.pattern")``, the public way to the same values
   (the capture's keeper, call counting and checks included);
@@ -46,7 +46,7 @@ from transformers import GPT2Config, GPT2Model
 
 import common
 import hookscope as hs
-from hookscope._core.attention import sdpa_call
+from hookscope._arch.attention import sdpa_call
 from hookscope._core.ops import OpWatcher
 
 TARGET = 1.02

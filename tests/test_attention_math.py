@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from hookscope._core.attention import SdpaCall, attend, attention_pattern, attention_scores, sdpa_call
+from hookscope._arch.attention import SdpaCall, attend, attention_pattern, attention_scores, sdpa_call
 from hookscope._core.names import named_modules
 from hookscope._core.ops import OpWatcher
 from hookscope.errors import SpecError

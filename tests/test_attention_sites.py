@@ -177,7 +177,7 @@ def test_reduce_dtype_calls_and_max_bytes_apply_to_a_sub_site() -> None:
 
 
 def test_max_bytes_refuses_a_pattern_before_it_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hookscope._core.attention as attention
+    import hookscope._arch.attention as attention
 
     computed: list[int] = []
     real = attention.attention_scores

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
-from hookscope._core.sites import REPLICAS_HINT
+from hookscope._core.tracker import REPLICAS_HINT
 from hookscope._shared.blame import blame, findings, fine_input
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope.errors import NonFiniteError

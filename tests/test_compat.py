@@ -5,18 +5,23 @@ Each setting either works correctly or is refused with the fix in the message (d
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import os
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
 from hookscope._core.attach import attached
+from hookscope._core.compat import private
 from hookscope._core.select import select_names
 from tests.models import Handshake, track
 
@@ -444,3 +449,155 @@ def test_a_bare_models_trace_never_reads_a_wrappers_spelling() -> None:
     assert trace["module"].name == "module"
     with pytest.raises(hs.errors.SiteNotFoundError):
         trace["module.head"]
+
+
+# -- the private torch API, one accessor at a time (hookscope._core.compat.private) ----------------
+
+
+class _Seen(TorchFunctionMode):
+    """Counts the torch calls it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_mode_stack_reads_as_a_with_block_pushes() -> None:
+    before = private.mode_stack_depth()
+    with _Seen() as mode:
+        assert private.mode_stack_depth() == before + 1
+        assert private.mode_at(before) is mode
+    assert private.mode_stack_depth() == before
+
+
+def test_a_pushed_mode_sees_torch_calls_until_popped() -> None:
+    mode = _Seen()
+    private.push_mode(mode)
+    try:
+        torch.ones(2).add(1)
+    finally:
+        popped = private.pop_mode()
+    assert popped is mode
+    assert mode.calls >= 2
+    seen = mode.calls
+    torch.ones(2).add(1)
+    assert mode.calls == seen
+
+
+def test_torch_functions_off_hides_calls_from_every_mode() -> None:
+    with _Seen() as mode:
+        with private.torch_functions_off():
+            torch.ones(2).add(1)
+        assert mode.calls == 0
+        torch.ones(2).add(1)
+        assert mode.calls >= 1
+
+
+def test_the_graph_task_id_is_minus_one_outside_a_backward_and_one_per_backward() -> None:
+    assert private.graph_task_id() == -1
+    seen: list[int] = []
+    weight = torch.ones(3, requires_grad=True)
+    weight.register_hook(lambda grad: seen.append(private.graph_task_id()))
+    (weight * 2).sum().backward()
+    (weight * 3).sum().backward()
+    assert len(seen) == 2
+    assert -1 not in seen
+    assert seen[0] != seen[1]
+
+
+def test_foreach_norm_equals_one_vector_norm_per_tensor() -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(5), torch.randn(2, 3)]
+    assert torch.equal(
+        torch.stack(private.foreach_norm(tensors)), torch.stack([torch.linalg.vector_norm(t) for t in tensors])
+    )
+    half = [t.to(torch.bfloat16) for t in tensors]
+    wide = private.foreach_norm(half, torch.float32)
+    assert all(norm.dtype == torch.float32 for norm in wide)
+    expected = torch.stack([torch.linalg.vector_norm(t.float()) for t in half])
+    torch.testing.assert_close(torch.stack(wide), expected)
+
+
+def test_a_zero_tensor_is_told_from_plain_memory() -> None:
+    zero = torch._efficientzerotensor(3)  # the reference: autograd's own constructor
+    assert private.is_zero_tensor(zero)
+    assert not private.is_zero_tensor(torch.zeros(3))
+
+
+def test_op_overload_types_tell_overloads_and_packets_from_python_functions() -> None:
+    overload, packet = private.op_overload_types()
+    assert isinstance(torch.ops.aten.add.Tensor, overload)
+    assert isinstance(torch.ops.aten.add, packet)
+    assert not isinstance(torch.add, (overload, packet))
+
+
+def test_the_optimized_module_class_is_the_class_of_a_compile_wrapper() -> None:
+    wrapper = torch.compile(nn.Linear(2, 2), backend="eager")  # made, never run: nothing is compiled
+    cls = private.optimized_module_class()
+    assert cls is not None
+    assert type(wrapper) is cls
+
+
+def test_dynamo_config_holds_the_hook_guard_setting() -> None:
+    import torch._dynamo.config as reference
+
+    config = private.dynamo_config()
+    assert config is reference
+    assert isinstance(config.skip_nnmodule_hook_guards, bool)
+
+
+def test_dynamo_errors_are_dynamos_exception_types() -> None:
+    from torch._dynamo import exc
+
+    limit, failure = private.dynamo_errors()
+    assert issubclass(failure, Exception)
+    assert failure is exc.TorchDynamoException
+    assert limit is getattr(exc, "FailOnRecompileLimitHit", limit)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_compiled_code_is_found_by_its_code_object() -> None:
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def never(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    torch.compile(double, backend="eager")(torch.ones(2))
+    codes = private.compiled_code_objects()
+    if codes is not None:
+        assert double.__code__ in codes
+        assert never.__code__ not in codes
+    assert private.has_compiled_code(double.__code__) is True
+    assert private.has_compiled_code(never.__code__) is False
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_every_compile_wrapper_runs_through_one_code_object() -> None:
+    code = private.wrapper_code()
+    assert code is not None
+    torch.compile(nn.Linear(2, 2), backend="eager")(torch.ones(1, 2))
+    assert private.has_compiled_code(code) is True
+
+
+def test_no_module_but_compat_reads_torchs_private_api() -> None:
+    """``torch._C``, ``torch._ops``, ``torch._dynamo`` and ``torch._foreach_*`` are read in
+    ``_core/compat/`` only (text in docstrings, comments and messages aside)."""
+    package = Path(hs.__file__).parent
+    private_use = re.compile(r"torch\._(C|ops|dynamo|foreach_\w+|efficientzerotensor)\b|\._is_zerotensor\b")
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Attribute, ast.ImportFrom, ast.Import)):
+                text = ast.unparse(node)
+                if private_use.search(text) or (isinstance(node, ast.ImportFrom) and "torch._" in (node.module or "")):
+                    found.append(f"{path.relative_to(package)}:{node.lineno}: {text}")
+    assert found == [], "\n".join(dict.fromkeys(found))

@@ -1,10 +1,12 @@
 """The layering contract of docs/architecture.md, read from the source: dependencies point down only.
 
 - ``_core`` imports only ``errors`` (and ``_version``) besides itself;
-- ``_shared`` imports only ``_core`` and ``errors``;
+- ``_arch`` (model families: canonical names, sample inputs, attention) imports only ``_core`` and
+  ``errors``;
+- ``_shared`` imports only ``_arch``, ``_core`` and ``errors``;
 - ``_store`` (the on-disk format and its readers, which never touch a model) imports only
-  ``_shared``, ``_core`` and ``errors``;
-- a feature (``_capture``, ``_trace``, ...) imports ``_shared``, ``_core``, ``errors``, its own
+  ``_shared``, ``_arch``, ``_core`` and ``errors``;
+- a feature (``_capture``, ``_trace``, ...) imports ``_shared``, ``_arch``, ``_core``, ``errors``, its own
   modules, and other features' public faces only: a package's ``__init__`` (``hookscope._capture``,
   never ``hookscope._capture.cache``) and the public feature modules ``hookscope.edits`` and
   ``hookscope.plots``; and the store's package root (``hookscope._store``, never ``hookscope._store.array``);
@@ -102,18 +104,21 @@ def violation(importer: str, target: str) -> str | None:
         return None
     if layer == "_core":
         return "_core imports only errors"
+    if layer == "_arch":
+        return None if wanted == "_core" else "_arch imports only _core and errors"
     if layer == "_shared":
-        return None if wanted == "_core" else "_shared imports only _core and errors"
+        return None if wanted in {"_arch", "_core"} else "_shared imports only _arch, _core and errors"
     if layer == STORE:
-        return None if wanted in {"_core", "_shared"} else "_store imports only _shared, _core and errors"
+        allowed = wanted in {"_arch", "_core", "_shared"}
+        return None if allowed else "_store imports only _shared, _arch, _core and errors"
     if layer in FEATURES:
-        if wanted in {"_core", "_shared"} or target == f"hookscope.{STORE}":
+        if wanted in {"_arch", "_core", "_shared"} or target == f"hookscope.{STORE}":
             return None
         if wanted in FEATURES and target == f"hookscope.{wanted}":
             return None  # another feature's public face
         if target in PUBLIC_FEATURE_MODULES:
             return None
-        return "a feature imports _shared, _core, errors, the _store root, and other features' package roots only"
+        return "a feature imports _shared, _arch, _core, errors, the _store root and other features' roots only"
     return None  # the public layer (hookscope, edits, plots, demo) may use anything below it
 
 
@@ -137,6 +142,9 @@ def test_dependencies_point_down_only() -> None:
     ("importer", "target"),
     [
         ("hookscope._core.sites", "hookscope._shared.stats"),
+        ("hookscope._core.ops", "hookscope._arch.attention"),
+        ("hookscope._arch.std.registry", "hookscope._shared.stats"),
+        ("hookscope._arch.samples", "hookscope._capture"),
         ("hookscope._shared.stats", "hookscope._trace"),
         ("hookscope._diff.api", "hookscope._capture.cache"),
         ("hookscope._report.api", "hookscope.plots.depth"),
@@ -157,6 +165,9 @@ def test_the_contract_refuses_upward_and_private_imports(importer: str, target: 
     [
         ("hookscope._core.sites", "hookscope.errors"),
         ("hookscope._shared.stats", "hookscope._core.compat.compiled"),
+        ("hookscope._arch.std.observe", "hookscope._core.attach"),
+        ("hookscope._shared.call_recorder", "hookscope._arch.std"),
+        ("hookscope._capture.recorder", "hookscope._arch.plan"),
         ("hookscope._extract.pipeline", "hookscope._capture"),
         ("hookscope._report.api", "hookscope.plots"),
         ("hookscope.cli.app", "hookscope"),

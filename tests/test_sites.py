@@ -7,7 +7,7 @@ from torch import nn
 
 from hookscope import Site, SpecError
 from hookscope._core.attach import HookGroup
-from hookscope._core.sites import CallTracker
+from hookscope._core.tracker import CallTracker
 
 
 class TestSite:

@@ -17,12 +17,12 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from hookscope import edits, methods, plots
+from hookscope._arch.samples import default_input_shape, sample_input
+from hookscope._arch.std import StdMap, StdSite, std_map
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
-from hookscope._core.samples import default_input_shape, sample_input
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
-from hookscope._core.std import StdMap, StdSite, std_map
 from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
 from hookscope._extract import ExtractConfig, extract

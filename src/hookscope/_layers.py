@@ -18,14 +18,14 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import nn
 
+from hookscope._arch.std import StdMap, std_map
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, module_label, named_modules
 from hookscope._core.ops import OpCall, OpLog, OpWatcher
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.sites import CallTracker
-from hookscope._core.std import StdMap, std_map
+from hookscope._core.tracker import CallTracker
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted

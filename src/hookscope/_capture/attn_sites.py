@@ -1,9 +1,9 @@
 """Attention sub-sites in a capture: the values one ``scaled_dot_product_attention`` call is asked for.
 
 A selector ``"h.0.attn:attn.pattern"`` watches the module's kernel calls through the op
-watcher (:mod:`~hookscope._core.op_selectors`); at each call this module turns the call's
+watcher (:mod:`~hookscope._arch.op_selectors`); at each call this module turns the call's
 arguments and output into the values selected, in one layout whatever the call's
-(:class:`~hookscope._core.attention.HeadLayout`: transformers repeats or packs grouped heads
+(:class:`~hookscope._arch.attention.HeadLayout`: transformers repeats or packs grouped heads
 on its masked path):
 
 - ``q``: the kernel's query, ``(batch, heads, queries, head size)``;
@@ -13,7 +13,7 @@ on its masked path):
   ``(batch, heads, queries, head size)``;
 - ``scores`` (pre-softmax, masked as the kernel masks, ``-inf`` where masked) and ``pattern``
   (the probabilities, before dropout): computed from the arguments by
-  :mod:`~hookscope._core.attention`, only when selected, ``(batch, heads, queries, keys)``.
+  :mod:`~hookscope._arch.attention`, only when selected, ``(batch, heads, queries, keys)``.
 
 Gradients (``capture(grads=True)``): a recomputed pattern is no part of the model's graph, so
 the gradient with respect to it would not exist; it is defined as the one the eager
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hookscope._core.attention import (
+from hookscope._arch.attention import (
     HeadCounts,
     HeadLayout,
     SdpaCall,
@@ -104,7 +104,7 @@ def read_attention(
     room: Callable[[str, tuple[int, ...], torch.dtype], None] | None = None,
 ) -> AttentionRead:
     """The values ``kinds`` of one kernel call (``counts``: its module's heads,
-    :func:`~hookscope._core.attention.head_counts`). ``room(kind, shape, dtype)`` is told of
+    :func:`~hookscope._arch.attention.head_counts`). ``room(kind, shape, dtype)`` is told of
     ``scores`` and ``pattern`` before they are made (a capture's ``max_bytes`` refuses them
     there, before the quadratic memory is taken). ``grads``: splice the call where a value
     asked for would otherwise be off the model's graph (module docstring)."""

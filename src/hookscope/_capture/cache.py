@@ -24,7 +24,7 @@ import torch
 from hookscope._capture.stack import Stacked, stack
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap, std_matches, std_pattern
+from hookscope._core.std_names import STD_PREFIX, StdMap, std_matches, std_pattern
 from hookscope._shared.bits import NUMPY_LACKS
 from hookscope._shared.dtypes import dtype_name
 from hookscope._shared.tables import Column, Table

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hookscope._core.function_modes import on_stack, put_on, take_off
+from hookscope._core.compat.function_modes import on_stack, put_on, take_off
+from hookscope._core.compat.private import op_overload_types, torch_functions_off
 
 __all__ = ["CopyOnWrite", "storage_bytes", "storage_key", "unwatch_writes", "watch_writes"]
 
@@ -58,6 +59,8 @@ _INPLACE_OPERATORS = frozenset(
 )
 
 
+_OP_OVERLOAD, _OP_PACKET = op_overload_types()
+
 # Functions that hand out a tensor's memory: whatever is written through it later goes unseen.
 _HANDS_OUT_MEMORY = frozenset({"untyped_storage", "storage", "_typed_storage", "numpy", "__array__", "__dlpack__"})
 
@@ -67,7 +70,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 
     Asked with torch functions off: hookscope reading a storage's address is no write.
     """
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         try:
             return int(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
@@ -76,7 +79,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 def storage_bytes(tensor: torch.Tensor) -> int:
     """The size of the whole storage behind ``tensor``, asked with torch functions off."""
-    with torch._C.DisableTorchFunction():
+    with torch_functions_off():
         return int(tensor.untyped_storage().nbytes())
 
 
@@ -87,9 +90,9 @@ def _written_arguments(func: Callable[..., Any]) -> tuple[tuple[int, str], ...]:
     everything else the name tells: ``add_``, ``__iadd__``, ``__setitem__`` write into their
     first argument.
     """
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, _OP_OVERLOAD):
         return _schema_writes([func._schema])
-    if isinstance(func, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(...): any overload may be chosen
+    if isinstance(func, _OP_PACKET):  # torch.ops.ns.op(...): any overload may be chosen
         overloads = func.overloads()  # type: ignore[no-untyped-call]
         return _schema_writes([getattr(func, overload)._schema for overload in overloads])
     name = getattr(func, "__name__", "")
@@ -170,7 +173,7 @@ class CopyOnWrite(TorchFunctionMode):
             return
         for watched, before_write in list(self.watchers):  # a callback may end its own watch
             if key in watched:
-                with torch._C.DisableTorchFunction():  # its copy is hookscope's work: no mode below sees it
+                with torch_functions_off():  # its copy is hookscope's work: no mode below sees it
                     before_write(key)
 
 

@@ -24,14 +24,15 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from hookscope._arch.std import StdMap
 from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
+from hookscope._capture.options import CaptureOptions
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.sites import Site
-from hookscope._core.std import StdMap
 from hookscope._shared import malloc as allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
-from hookscope._shared.reduce import Reduction, reduce_value
+from hookscope._shared.reduce import reduce_value
 from hookscope._shared.units import format_bytes
 from hookscope.errors import CaptureError, SpecError
 
@@ -64,29 +65,25 @@ class Keeper:
 
     def __init__(
         self,
+        options: CaptureOptions,
         *,
-        detach: bool,
-        reduce: Reduction | None,
-        reduce_spec: object,
-        dtype: torch.dtype | None,
-        device: torch.device | None,
-        copy: object,
-        budget: int | None,
-        last_call_only: bool,
         meta: dict[str, Any],
-        grads: bool = False,
         canonical: Callable[[], StdMap] | None = None,
+        copy: object = None,
     ) -> None:
-        self._detach = detach
-        self._reduce = reduce
-        self._reduce_spec = reduce_spec
-        self._dtype = dtype
-        self._device = device
-        self._copy = copy
-        self._budget = budget
-        self._last_call_only = last_call_only
+        """Keep values as ``options`` say (``copy``: in place of ``options.copy``, for a replica's
+        keeper, which copies every value); ``meta``: the cache's description of the capture;
+        ``canonical``: the model's canonical map, for reading ``std:`` names later."""
+        self._detach = options.detach
+        self._reduce = options.reduction
+        self._reduce_spec = options.reduce
+        self._dtype = options.torch_dtype
+        self._device = options.torch_device
+        self._copy = options.copy if copy is None else copy
+        self._budget = options.budget
+        self._last_call_only = options.calls == "last"
         self._meta = meta
-        self._grads = grads
+        self._grads = options.grads
         self._canonical = canonical
         self.cache = self._new_cache()
         #: ``grads=True``: where each kept value sits in autograd's graph, as it was when kept
@@ -94,7 +91,7 @@ class Keeper:
         self.grad_edges: list[GradientEdge] = []
         self._bytes = 0
         self._watched: dict[int, list[Site]] = {}
-        self._guards = copy == "auto"  # watch values and copy them before a write (else: copy now, or never)
+        self._guards = self._copy == "auto"  # watch values and copy them before a write (else: copy now, or never)
         self._guard_on = False
         self._latest_call: dict[str, int] = {}
         self._module_sites: dict[str, list[Site]] = {}

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import STD_PREFIX, is_std_selector, std_pattern
+from hookscope._core.std_names import STD_PREFIX, is_std_selector, std_pattern
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = ["Stacked", "stack"]

@@ -23,35 +23,32 @@ garbage-collected with the capture and every value it kept.
 
 from __future__ import annotations
 
-import copy
-import difflib
-import inspect
 import itertools
-import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar
 
 import torch
-import torch.fx
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope._core.compat.compiled import (
     eager_routes,
     guard_hook_dicts,
-    never_compiled,
     note_registration,
     sentinels,
     watching_wrappers,
 )
+from hookscope._core.compat.fx import refuse_uncalled
 from hookscope._core.compat.offload import refuse_real_inputs, unloaded_tensor
+from hookscope._core.hook_spec import HOOK_KINDS, HookKind, HookSpec, check_kind
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.select import ensure_module
-from hookscope._core.sites import CallTracker
-from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
+from hookscope._core.tracker import CallTracker
+from hookscope._core.wrap import WrapHandle, WrapSpec, copied_error
+from hookscope.errors import SpecError
 
 __all__ = [
     "HOOK_KINDS",
@@ -61,236 +58,22 @@ __all__ = [
     "HookKind",
     "HookSpec",
     "Scoped",
-    "WrapKind",
     "WrapSpec",
     "attached",
-    "calls_through_call_impl",
     "check_kind",
     "live_groups",
-    "refuse_uncalled",
+    "remove_all",
+    "remove_through",
 ]
 
-HookKind = Literal["forward_pre", "forward", "backward_pre", "backward"]
-HOOK_KINDS: tuple[str, ...] = get_args(HookKind)
 #: What a listed hook is: a module hook of a kind above, a wrapper, or a parameter's
 #: post-accumulate-grad hook (:meth:`HookGroup.add_grad_accumulated`).
 AttachedKind = HookKind | Literal["call wrapper", "forward wrapper", "grad accumulated"]
-#: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
-#: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone;
-#: ``"compiled"``, the call ``model.compile()`` compiled (only the compile routes wrap it).
-WrapKind = Literal["call", "forward", "compiled"]
-_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": "_call_impl", "forward": "forward", "compiled": "_compiled_call_impl"}
-
-# How PyTorch calls each kind of hook, for the arity check made once at attach time.
-_SIGNATURES: dict[tuple[str, bool], str] = {
-    ("forward_pre", False): "fn(module, args)",
-    ("forward_pre", True): "fn(module, args, kwargs)",
-    ("forward", False): "fn(module, args, output)",
-    ("forward", True): "fn(module, args, kwargs, output)",
-    ("backward_pre", False): "fn(module, grad_output)",
-    ("backward", False): "fn(module, grad_input, grad_output)",
-}
 
 # Groups with hooks attached, weakly, by group number (ascending: insertion order). Strong
 # references would keep every forgotten group's model and captured values alive for good.
 _LIVE_GROUPS: weakref.WeakValueDictionary[int, HookGroup] = weakref.WeakValueDictionary()
 _group_numbers = itertools.count(1)
-
-
-def check_kind(kind: str) -> HookKind:
-    """Return ``kind`` if it names a hook kind, else raise ``SpecError`` with the closest kind."""
-    if kind in HOOK_KINDS:
-        return kind  # type: ignore[return-value]
-    close = difflib.get_close_matches(str(kind), HOOK_KINDS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise SpecError(f"hook kind {kind!r} is unknown; expected one of {', '.join(HOOK_KINDS)}{hint}")
-
-
-@dataclass(frozen=True)
-class HookSpec:
-    """One hook to attach: which module, which PyTorch hook kind, which function, which flags.
-
-    ``fn`` is called exactly as PyTorch calls that kind of hook (see ``signature``); a value it
-    returns replaces the inputs/output/gradients as PyTorch documents.
-    """
-
-    name: str
-    module: nn.Module
-    kind: HookKind
-    fn: Callable[..., Any]
-    with_kwargs: bool = False
-    prepend: bool = False
-    always_call: bool = False
-    fitted: bool = False  # hookscope's own hooks, written for this kind: skip the signature check
-
-    def __post_init__(self) -> None:
-        check_kind(self.kind)
-        if self.with_kwargs and self.kind not in ("forward_pre", "forward"):
-            raise SpecError(f"with_kwargs=True applies to forward and forward_pre hooks, not {self.kind!r}")
-        if self.always_call and self.kind != "forward":
-            raise SpecError(f"always_call=True applies to forward hooks only, not {self.kind!r}")
-        if not callable(self.fn):
-            raise SpecError(
-                f"the hook for {module_label(self.name)!r} is a {type(self.fn).__name__}, not callable; "
-                f"expected a function called as {self.signature}"
-            )
-        if isinstance(self.module, torch.jit.ScriptModule):
-            raise UnsupportedModelError(
-                f"module {module_label(self.name)!r} is a TorchScript {type(self.module).__name__}: "
-                "scripted code never runs Python hooks; hook the eager module instead, or pick "
-                "modules outside the scripted part"
-            )
-        if not self.fitted:
-            _check_arity(self)
-
-    @property
-    def signature(self) -> str:
-        """How PyTorch will call ``fn``, e.g. ``fn(module, args, output)``."""
-        return _SIGNATURES[(self.kind, self.with_kwargs)]
-
-
-@dataclass(frozen=True)
-class WrapSpec:
-    """Run ``fn`` around one module's call or forward: ``fn(inner, args, kwargs)`` must return
-    ``inner(*args, **kwargs)`` (it may run code before and after, in ``try``/``finally``).
-
-    Why not hooks: hooks run in the order attached, so no hook can run *last before* the
-    forward once another pre-hook is attached after it, and ``always_call`` forward hooks are
-    skipped by a ``KeyboardInterrupt``. A wrapper of ``forward`` brackets the forward itself;
-    a wrapper of the call (the instance's ``_call_impl``, which ``nn.Module.__call__`` looks up)
-    brackets every hook of the module too.
-
-    Installed as an instance attribute and removed by :class:`HookGroup` like a hook; if other
-    code wrapped the same attribute after it (accelerate wraps ``forward``), removal leaves a
-    pass-through in place rather than undo the other wrapper (it copies and pickles as what
-    it wraps, so the model can still be saved). Under ``torch.compile`` a wrapped
-    module runs eagerly, everything it calls included (a graph break around it): what a wrapper
-    watches then runs as written.
-    """
-
-    name: str
-    module: nn.Module
-    around: WrapKind
-    fn: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
-
-    def __post_init__(self) -> None:
-        if self.around not in _WRAPPED_ATTRIBUTE:
-            raise SpecError(f"wrap kind {self.around!r} is unknown; expected 'call' or 'forward'")
-        if self.around == "call" and nn.Module.__call__ is not getattr(nn.Module, "_wrapped_call_impl", None):
-            raise UnsupportedModelError(
-                f"this torch ({torch.__version__}) calls modules without looking up _call_impl on the instance, "
-                "which op sites need; use torch 2.1 or later"
-            )
-        if self.around == "call" and not calls_through_call_impl(self.module):
-            raise UnsupportedModelError(
-                f"module {module_label(self.name)!r} ({type(self.module).__name__}) overrides __call__, so its "
-                "forward may run without nn.Module's call: select a module that is called as nn.Module calls"
-            )
-
-
-def calls_through_call_impl(module: nn.Module) -> bool:
-    """Whether calling ``module`` goes through ``nn.Module.__call__`` (so a ``"call"`` wrap sees
-    the call): False for classes that override ``__call__`` (torch.compile's ``OptimizedModule``)."""
-    return type(module).__call__ is nn.Module.__call__
-
-
-class _Wrapper:
-    """The callable put in the module's ``__dict__``; a pass-through once removed while other
-    code's wrapper sits above it.
-
-    Never compiled (a graph break around it under ``torch.compile``), and never copied: a
-    ``copy.deepcopy`` of a wrapped module would keep a wrapper calling the *original* module,
-    silently, so copying one is refused with the fix (as the hooks' anchors refuse it).
-    ``had`` and ``previous`` are what the attribute held before it (``inner`` is that, or the
-    class's method, bound), so a stack of wrappers can be taken apart in any order.
-    """
-
-    __slots__ = ("active", "fn", "had", "inner", "owner", "previous")
-
-    def __init__(self, fn: Callable[..., Any], module: nn.Module, attribute: str, owner: str) -> None:
-        self.fn = fn
-        self.owner = owner
-        self.had = attribute in module.__dict__
-        self.previous = module.__dict__.get(attribute)
-        self.inner: Callable[..., Any] = getattr(module, attribute)
-        self.active = True
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if self.active:
-            return self.fn(self.inner, args, kwargs)
-        return self.inner(*args, **kwargs)
-
-    __call__ = never_compiled(_call)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        if not self.active:  # a pass-through left behind: the copy gets what it wraps, bound to the copy
-            return copy.deepcopy(self.inner, memo)
-        raise _copied(self.owner, "copied", "copy")
-
-    def __reduce__(self) -> Any:
-        if not self.active:
-            # A pass-through left behind under other code's wrapper: it pickles as what it wraps
-            # (memoised with the rest), through a stdlib function, so loading needs no hookscope.
-            return (operator.getitem, ((self.inner,), 0))
-        raise _copied(self.owner, "pickled", "save")
-
-
-def _wrapped_attribute(module: nn.Module, around: WrapKind) -> str:
-    """The instance attribute to wrap: ``_call_impl`` for the call; for the forward, the one
-    that runs the module's own code: accelerate's ``_old_forward`` under its hook (its
-    ``forward`` runs the hook's pre- and post-forward work around it, not the module's code)."""
-    if around == "forward" and "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
-        return "_old_forward"
-    return _WRAPPED_ATTRIBUTE[around]
-
-
-class _WrapHandle:
-    """Removes one :class:`_Wrapper`, whatever the order: on top, it restores what the attribute
-    held (and unwinds pass-throughs below it); under another hookscope wrapper, it is spliced
-    out of the chain; under other code's wrapper, it stays as a pass-through."""
-
-    def __init__(self, module: nn.Module, owner: str, around: WrapKind, fn: Callable[..., Any]) -> None:
-        self._module = weakref.ref(module)
-        self._attribute = _wrapped_attribute(module, around)
-        self._wrapper = _Wrapper(fn, module, self._attribute, owner)
-        module.__dict__[self._attribute] = self._wrapper
-
-    def remove(self) -> None:
-        wrapper = self._wrapper
-        if not wrapper.active:
-            return
-        wrapper.active = False
-        module = self._module()
-        if module is None:
-            return
-        held = module.__dict__
-        attribute = self._attribute
-        if held.get(attribute) is wrapper:
-            _unwind(held, attribute, wrapper)
-            return
-        above = held.get(attribute)
-        while isinstance(above, _Wrapper):  # hookscope's own wrappers above it: splice it out
-            if above.inner is wrapper:
-                above.inner, above.had, above.previous = wrapper.inner, wrapper.had, wrapper.previous
-                return
-            above = above.inner
-        if self._attribute == "forward" and held.get("_old_forward") is wrapper:
-            held["_old_forward"] = wrapper.inner  # accelerate wrapped it since: give it what we wrapped
-            return
-        # under other code's wrapper: left as a pass-through
-
-
-def _unwind(held: dict[str, Any], attribute: str, wrapper: _Wrapper) -> None:
-    """Put back what ``wrapper`` replaced, and what each pass-through under it replaced."""
-    while True:
-        if wrapper.had:
-            held[attribute] = wrapper.previous
-        else:
-            held.pop(attribute, None)
-        below = held.get(attribute)
-        if not (isinstance(below, _Wrapper) and not below.active):
-            return
-        wrapper = below
 
 
 @dataclass(frozen=True)
@@ -310,7 +93,7 @@ class _Record:
     module: weakref.ReferenceType[nn.Module]
     kind: AttachedKind
     purpose: str
-    handle: RemovableHandle | _WrapHandle
+    handle: RemovableHandle | WrapHandle
 
 
 class HookGroup:
@@ -324,7 +107,7 @@ class HookGroup:
             model(x)
         assert not group.live
 
-    With a :class:`~hookscope._core.sites.CallTracker`, the group also numbers each call of the
+    With a :class:`~hookscope._core.tracker.CallTracker`, the group also numbers each call of the
     hooked modules, the root, and any extra modules named in ``count``, within each forward
     pass: ``group.call_index(module)`` inside a hook, ``group.calls`` after the pass.
     """
@@ -354,7 +137,7 @@ class HookGroup:
         try:
             self._attach(model, specs, count)
             for wrap in wraps:
-                handle = _WrapHandle(wrap.module, self.owner, wrap.around, wrap.fn)
+                handle = WrapHandle(wrap.module, self.owner, wrap.around, wrap.fn)
                 kind: Literal["call wrapper", "forward wrapper"] = (
                     "call wrapper" if wrap.around == "call" else "forward wrapper"
                 )
@@ -369,7 +152,7 @@ class HookGroup:
         refuse_uncalled(model, [spec.name for spec in specs])
         hooked = [*(spec.module for spec in specs), *(module for _, module in count)]
         for name, module, around, fn in eager_routes(model, hooked):
-            route = _WrapHandle(module, self.owner, around, fn)  # type: ignore[arg-type]
+            route = WrapHandle(module, self.owner, around, fn)  # type: ignore[arg-type]
             wrapped: Literal["call wrapper", "forward wrapper"] = (
                 "forward wrapper" if around == "forward" else "call wrapper"
             )
@@ -577,28 +360,6 @@ class Scoped:
         return None
 
 
-def refuse_uncalled(model: nn.Module, names: Sequence[str]) -> None:
-    """Refuse hooks on submodules of a ``torch.fx.GraphModule`` that its graph never calls.
-
-    An ``ExportedProgram.module()`` keeps its submodules only as holders of weights (its graph
-    reads them with ``get_attr``), and a ``symbolic_trace``d model calls its leaves but never
-    its containers: a hook on either would never fire, which is silent loss.
-    """
-    graph = getattr(model, "graph", None)
-    if graph is None or not isinstance(model, torch.fx.GraphModule):
-        return
-    called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
-    never = [name for name in dict.fromkeys(names) if name and name not in called]
-    if never:
-        shown = ", ".join(repr(name) for name in never[:6]) + (" ..." if len(never) > 6 else "")
-        usable = ", ".join(repr(name) for name in sorted(called)[:6]) or "none: only the root"
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is a torch.fx GraphModule whose graph never calls {shown}, so hooks on "
-            f"them would never fire (torch.export's ExportedProgram.module() reads the weights directly); "
-            f"modules its graph calls: {usable}; hook the root, or the eager model before it is exported or traced"
-        )
-
-
 def attached(model: nn.Module) -> list[AttachedHook]:
     """List the hookscope hooks attached to ``model`` and its submodules right now, in model order.
 
@@ -640,20 +401,10 @@ class _Anchor:
         return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise _copied(self.group.owner, "copied", "copy")
+        raise copied_error(self.group.owner, "copied", "copy")
 
     def __reduce__(self) -> Any:
-        raise _copied(self.group.owner, "pickled", "save")
-
-
-def _copied(owner: str, how: str, fix: str) -> HookscopeError:
-    """The refusal to copy or pickle a module while hookscope is attached to it: the copy would
-    carry the hooks (or op-site wrappers) and report into, or run, the original."""
-    return HookscopeError(
-        f"a module is being {how} while hookscope.{owner} is attached to it: the copy would carry its hooks "
-        f"and report into (or run) the original; {fix} the model before "
-        "attaching, or after removal (leave the with-block, or call .remove())"
-    )
+        raise copied_error(self.group.owner, "pickled", "save")
 
 
 def _watch_wrappers() -> None:
@@ -711,40 +462,6 @@ def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any, Any], Non
         exit_call(module, args, kwargs, output)
 
     return close_call
-
-
-def _check_arity(spec: HookSpec) -> None:
-    """Refuse, at attach time, a function PyTorch could not call with this kind's arguments."""
-    try:
-        signature = inspect.signature(spec.fn)
-    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
-        return
-    n_args = _arity(spec.signature)
-    if _binds(signature, n_args):
-        return
-    fitting = [
-        f"kind={kind!r}" + (", with_kwargs=True" if with_kwargs else "")
-        for (kind, with_kwargs), text in _SIGNATURES.items()
-        if _arity(text) != n_args and _binds(signature, _arity(text))
-    ]
-    hint = f"; did you mean {' or '.join(fitting)}?" if fitting else ""
-    raise SpecError(
-        f"hook {getattr(spec.fn, '__qualname__', spec.fn)!r} for {module_label(spec.name)!r} takes "
-        f"{signature}, but a {spec.kind} hook is called as {spec.signature}{hint}"
-    )
-
-
-def _arity(call: str) -> int:
-    """How many arguments a call written like ``fn(module, args, output)`` passes."""
-    return call.count(",") + 1
-
-
-def _binds(signature: inspect.Signature, n_args: int) -> bool:
-    try:
-        signature.bind(*range(n_args))
-    except TypeError:
-        return False
-    return True
 
 
 # A feature's own remove() for its group (weakly: a forgotten feature falls back to the group's),

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from hookscope._core.compat.private import optimized_module_class
 from hookscope.errors import SpecError
 
 __all__ = [
@@ -192,11 +193,12 @@ def parse_leaf(text: str, side: str, *, shown: str | None = None, hint: str = ""
 
 NamedModule = tuple[str, nn.Module]
 
-# (module that defines the class, class name, attribute holding the wrapped model)
+# (module that defines the class, class name, attribute holding the wrapped model); None: Dynamo's
+# private module, read through compat
 _WRAPPERS = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
     ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
-    ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
+    (None, "OptimizedModule", "_orig_mod"),
 )
 
 #: The wrappers' class names, for records that outlive their model (a trace's root row).
@@ -207,8 +209,11 @@ def _wrapper_classes() -> list[tuple[type, str]]:
     """The wrapper classes imported so far, with the attribute each keeps its model in."""
     found = []
     for module_path, class_name, attribute in _WRAPPERS:
-        owner = sys.modules.get(module_path)
-        cls = getattr(owner, class_name, None) if owner is not None else None
+        if module_path is None:
+            cls: object = optimized_module_class()
+        else:
+            owner = sys.modules.get(module_path)
+            cls = getattr(owner, class_name, None) if owner is not None else None
         if isinstance(cls, type):
             found.append((cls, attribute))
     return found

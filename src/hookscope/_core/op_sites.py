@@ -27,7 +27,7 @@ site (``Site.op == "attn.pattern#0"``) the text leaves ``#0`` out: ``h.0.attn#0:
 and a key without an index names kernel call 0; as a selector an index left out names every
 kernel call, as for op selectors. ``q``, ``k``, ``v`` are the kernel's arguments, ``z`` its
 output (per head, before the heads are merged), ``scores`` and ``pattern`` are computed from the
-arguments (:mod:`~hookscope._core.attention`) only when selected.
+arguments (:mod:`~hookscope._arch.attention`) only when selected.
 """
 
 from __future__ import annotations

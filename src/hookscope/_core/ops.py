@@ -44,7 +44,7 @@ How, and what it costs:
 - **Only calls that return a tensor** (or a tuple or list holding one) are reported and numbered:
   ``x.size()``, ``x.shape``, ``x.dim()``, ``len(x)``, ``x[0] = 1`` (``setitem`` returns None) are not.
 - **Threads.** The watcher follows the thread rule of
-  :class:`~hookscope._core.sites.CallTracker`: only the thread that attached it is watched
+  :class:`~hookscope._core.tracker.CallTracker`: only the thread that attached it is watched
   (autograd's own thread recomputing a checkpointed block counts as it); a forward on another
   thread passes through, unreported and with no mode pushed there.
 - **torch.compile**: the wrappers are never compiled (``torch.compiler.disable``), so a watched
@@ -71,14 +71,15 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hookscope._core.attach import HookGroup, Scoped, WrapSpec, calls_through_call_impl, remove_through
+from hookscope._core.attach import HookGroup, Scoped, remove_through
+from hookscope._core.compat.function_modes import put_under, take_off
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.function_modes import put_under, take_off
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.sites import CallTracker
+from hookscope._core.tracker import CallTracker
 from hookscope._core.tree import flatten_tensors
+from hookscope._core.wrap import WrapSpec, calls_through_call_impl
 from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["OpCall", "OpListener", "OpLog", "OpPattern", "OpSite", "OpWatcher", "list_ops", "op_name", "op_pattern"]

@@ -37,7 +37,7 @@ from typing import Literal
 from hookscope._core.names import MODULE_TEXT, ROOT_LABEL, escape_name, split_leaf, split_leaf_selector, unescape_name
 from hookscope._core.op_sites import op_text, split_op_leaf
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap
+from hookscope._core.std_names import STD_PREFIX, StdMap
 from hookscope.errors import SelectionError, SiteNotFoundError, SpecError
 
 __all__ = ["SiteIndex"]

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.std import known_std_map, select_std
 from hookscope._capture import Cache, capture
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import call_label, unwrapped_modules
 from hookscope._core.select import Selector, ensure_module
-from hookscope._core.std import known_std_map, select_std
 from hookscope._core.tree import map_tensors
 from hookscope._diff.matching import Match, name_pairs
 from hookscope._diff.metrics import read_metrics

@@ -6,7 +6,7 @@ the call's output is computed again from them, and the model goes on with that o
 - ``q``, ``k``, ``v``: the edited argument replaces the one passed; the kernel runs again with it
   and the call's other arguments (mask, causality, scale, GQA) as passed; ``k`` and ``v`` have
   the model's key/value heads, whether or not the model repeated them for the kernel;
-- ``scores``: the pre-softmax scores (:mod:`~hookscope._core.attention`, ``-inf`` where masked)
+- ``scores``: the pre-softmax scores (:mod:`~hookscope._arch.attention`, ``-inf`` where masked)
   are edited, then their softmax over the keys is attended to the values;
 - ``pattern``: the probabilities are edited, then ``pattern @ value`` (each value head repeated
   for its group of query heads under grouped-query attention) is the output;
@@ -14,7 +14,7 @@ the call's output is computed again from them, and the model goes on with that o
   ``hs.edits.zero(heads=3)`` ablates head 3 there.
 
 Each value is handed to the edit in the sub-sites' one layout and put back into the call's
-(:class:`~hookscope._core.attention.HeadLayout`: transformers packs a one-query step's grouped
+(:class:`~hookscope._arch.attention.HeadLayout`: transformers packs a one-query step's grouped
 query heads along the query axis, and repeats key/value heads, on its masked path), so
 ``zero(heads=1)`` is query head 1 in every call.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hookscope._core.attention import HeadCounts, attend, head_layout, pattern_of_scores, run_kernel, sdpa_call
+from hookscope._arch.attention import HeadCounts, attend, head_layout, pattern_of_scores, run_kernel, sdpa_call
 from hookscope.errors import EditError
 
 __all__ = ["edited_attention"]
@@ -52,7 +52,7 @@ def edited_attention(
 ) -> torch.Tensor:
     """What one kernel call returns with the sub-sites ``kinds`` edited: ``apply(kind, value)``
     gives each edited value; ``site`` (the module call's) names the call in errors; ``counts``
-    (the module's heads, :func:`~hookscope._core.attention.head_counts`) lays values out.
+    (the module's heads, :func:`~hookscope._arch.attention.head_counts`) lays values out.
 
     >>> q = k = v = torch.randn(1, 2, 3, 4)
     >>> out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

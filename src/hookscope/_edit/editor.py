@@ -7,7 +7,7 @@ leaving the block, also when the forward raised.
 
 An op selector (``"h.0.attn:op[softmax#0]"``, :mod:`~hookscope._core.op_sites`) edits what that
 torch call inside the module returns, through the op watcher shared with capture
-(:class:`~hookscope._core.op_selectors.OpSelectors`); an attention sub-site
+(:class:`~hookscope._arch.op_selectors.OpSelectors`); an attention sub-site
 (``"h.0.attn:attn.pattern"``) edits a value of a ``scaled_dot_product_attention`` call, and the
 call's output is computed again from it (:mod:`~hookscope._edit.attention`). Either way the rest
 of the forward runs on the edited value. An op selector whose module ran without that op is an
@@ -28,15 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._core.attach import HookGroup, HookSpec, Scoped, remove_through
+from hookscope._arch.plan import expand_sites, plan_sites
+from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf, split_leaf_selector
-from hookscope._core.op_selectors import OpSelectors
-from hookscope._core.op_sites import SDPA, OpPattern, op_pattern
-from hookscope._core.ops import OpWatcher
+from hookscope._core.op_sites import SDPA, OpPattern
+from hookscope._core.plan import attach_plan
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
-from hookscope._core.sites import CallTracker
-from hookscope._core.std import expand_std
+from hookscope._core.tracker import CallTracker
 from hookscope._core.tree import call_leaves, flatten_tensors, map_call_tensors, map_tensors_with_paths
 from hookscope._edit.attention import edited_attention
 from hookscope._edit.context import EditContext, EditSide
@@ -82,11 +81,9 @@ class Editor(Scoped):
         op_plan: list[tuple[OpPattern, list[EditFn]]] = []
         for selector, chosen in edits.items():
             functions = _functions(selector, chosen)
-            for target in expand_std(model, selector, "write")[0]:  # "std:blocks.3.resid_mid" -> its sites
-                pattern = op_pattern(target)
-                if pattern is not None:
-                    op_plan.append((_checked_op_edit(pattern, functions, on), functions))
-                    continue
+            sites = expand_sites(model, selector, "write")  # "std:blocks.3.resid_mid" -> its sites
+            op_plan += [(_checked_op_edit(pattern, functions, on), functions) for pattern in sites.patterns]
+            for target in sites.selectors:
                 split = split_leaf_selector(target)
                 side: EditSide = on if split is None else "input" if split[1] == "input" else "output"
                 targets = _targets(functions, on) if split is None else _at_path(functions, split[2], target)
@@ -94,7 +91,8 @@ class Editor(Scoped):
                     plan.setdefault((id(module), side), (name, module, side, []))[3].extend(targets)
         self._plan = list(plan.values())
         self._op_patterns = [pattern for pattern, _ in op_plan]
-        self._ops = OpSelectors(model, self._op_patterns, owner="edit", error=EditError) if op_plan else None
+        sites = plan_sites(model, None, "write", owner="edit", error=EditError, patterns=self._op_patterns)
+        self._ops = sites.ops
         self._op_targets = [_targets(fns, "output") for _, fns in op_plan]
         self._op_modules = dict(self._ops.modules) if self._ops is not None else {}
         # The applied count of each (op selector, module) pair, by the pair's site text.
@@ -116,19 +114,16 @@ class Editor(Scoped):
             else HookSpec(name, module, "forward_pre", self._input_hook(name, targets), with_kwargs=True, fitted=True)
             for name, module, side, targets in self._plan
         ]
-        counted = self._ops.modules if self._ops is not None else []  # a watched module called alone is a pass
-        self._group = HookGroup(model, specs, owner="edit", tracker=self._tracker, count=counted, restore_mode=False)
-        self._watcher: OpWatcher | None = None
-        if self._ops is not None:
-            try:
-                self._watcher = self._ops.attach(
-                    model, self._edit_op, self._want, self._edit_attention, replays=self._refuse_unplaceable_replay
-                )
-            except BaseException:
-                self._group.remove()
-                raise
-            remove_through(self._group, self.remove)  # hs.remove_all(model) takes both groups off
-            remove_through(self._watcher._group, self.remove)
+        self._group, self._watcher = attach_plan(
+            sites,
+            lambda counted: HookGroup(
+                model, specs, owner="edit", tracker=self._tracker, count=counted, restore_mode=False
+            ),
+            lambda ops: ops.attach(
+                model, self._edit_op, self._want, self._edit_attention, replays=self._refuse_unplaceable_replay
+            ),
+            self.remove,  # hs.remove_all(model) takes both groups off
+        )
 
     def _output_hook(self, name: str, targets: list[tuple[EditFn, str | None]]) -> Callable[..., Any]:
         current, want = self._tracker.current, self._want

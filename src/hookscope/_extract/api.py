@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from hookscope._arch.std import expand_std
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.op_sites import op_pattern
 from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module
 from hookscope._core.sites import Site
-from hookscope._core.std import expand_std
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity, model_identity
 from hookscope._extract.data import Batch, IndexedSource, Source, make_source

@@ -18,7 +18,7 @@ import re
 
 from torch import nn
 
-from hookscope._core.std import StdMap, known_std_map, std_map
+from hookscope._arch.std import StdMap, known_std_map, std_map
 from hookscope._methods.runs import Inputs
 from hookscope.errors import SpecError, StdMapError
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.std import known_std_map
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import escape_name
-from hookscope._core.std import known_std_map
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap
+from hookscope._core.std_names import STD_PREFIX, StdMap
 from hookscope._methods.metrics import MetricFn, check_metric, logits_of, metric_name, run_score, with_logits
 from hookscope._methods.readout import Readout, measure_readout
 from hookscope._methods.resid import block_count, captured_run, final_norm, unembed, unembed_site

@@ -18,10 +18,10 @@ from typing import Any, overload
 import torch
 from torch import nn
 
+from hookscope._arch.std import known_std_map
 from hookscope._capture import Cache, Stacked, run_with_capture
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.std import known_std_map
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite
+from hookscope._core.std_names import STD_PREFIX, StdMap, StdSite
 from hookscope._methods.checks import refuse_training
 from hookscope._methods.runs import Inputs
 from hookscope.errors import SpecError

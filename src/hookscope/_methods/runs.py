@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.std import expand_std, known_std_map
 from hookscope._capture import Cache
 from hookscope._core.names import escape_name, leaf_label
 from hookscope._core.op_sites import ATTN_KINDS, op_leaf_label
 from hookscope._core.sites import Site
-from hookscope._core.std import expand_std, known_std_map
-from hookscope._core.std.stdmap import STD_PREFIX
+from hookscope._core.std_names import STD_PREFIX
 from hookscope.errors import HookscopeError, SiteNotFoundError, SpecError
 
 __all__ = ["Inputs", "PatchSite", "patch_sites"]

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from hookscope._arch.std import select_std
 from hookscope._core.names import named_modules, named_parameters
 from hookscope._core.select import Selector, ensure_module, given_selectors
-from hookscope._core.std import select_std
 from hookscope._monitor.measures import Measures
 from hookscope._monitor.recorder import Read, TrainingRecorder
 from hookscope._monitor.records import MonitorStep

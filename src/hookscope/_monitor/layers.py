@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from hookscope._arch.std import known_std_map, select_std
 from hookscope._core.names import named_modules
 from hookscope._core.select import Selector
-from hookscope._core.std import known_std_map, select_std
 from hookscope.errors import HookscopeError, SpecError, StdMapError
 
 __all__ = ["chosen_layers", "logged_names"]

@@ -11,7 +11,7 @@ second one. Final callbacks run in order after the graph and may add more, so th
 after every callback queued during the backward, DDP's (which writes the averaged gradients
 back) included, and before the caller's next line: clipping, unscaling and the optimiser come after.
 
-"Once per backward" is kept by the backward's id (:func:`~hookscope._core.sites.backward_id`),
+"Once per backward" is kept by the backward's id (:func:`~hookscope._core.tracker.backward_id`),
 not by a flag: a backward that raises (out of memory) never runs its callbacks, and the next one
 queues its own. The read is one ``torch._foreach_norm`` per (device, dtype) of the gradients
 and a stack, on the device; a later backward of the same step (gradient accumulation) reads
@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import HookGroup
-from hookscope._core.sites import backward_id
+from hookscope._core.compat.private import foreach_norm
+from hookscope._core.tracker import backward_id
 
 __all__ = ["ParamNorms", "norms_of"]
 
@@ -73,10 +74,7 @@ def norms_of(tensors: Named) -> tuple[list[str], list[torch.Tensor]]:
 
 def _foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     wide = torch.float32 if dtype in _HALF else None
-    try:
-        return list(torch._foreach_norm(tensors, 2, dtype=wide))
-    except TypeError:  # a torch without dtype= (before 2.3)
-        return list(torch._foreach_norm([t.float() for t in tensors] if wide else tensors))
+    return foreach_norm(tensors, wide)
 
 
 class ParamNorms:

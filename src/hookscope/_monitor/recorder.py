@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope._core.attach import WrapSpec, remove_through
 from hookscope._core.names import call_label
-from hookscope._core.sites import in_backward
+from hookscope._core.tracker import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._monitor.measures import Kept, Measures, first_floating, measure_output
 from hookscope._monitor.records import GradRecord, GradWhat, MonitorStep

@@ -12,11 +12,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hookscope._arch.std import expand_std
 from hookscope._capture import capture
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
-from hookscope._core.std import expand_std
 from hookscope._core.tree import call_leaves
 from hookscope._monitor import GradMonitor, watch_grads
 from hookscope._report import sections

@@ -24,11 +24,11 @@ How the questions are answered:
   ``sys.exc_info()`` throughout, so a call raised only if the exception at its close is not
   the one that was there when it began. The same comparison at the end of a pass tells
   ``end_pass`` whether the forward raised.
-- **Recomputation.** A pass that the :class:`~hookscope._core.sites.CallTracker` opens inside
+- **Recomputation.** A pass that the :class:`~hookscope._core.tracker.CallTracker` opens inside
   a backward pass is a checkpointed block recomputing its forward; :meth:`skips_pass` says
   whether to ignore it (by default yes: the real forward was recorded already).
 - **Threads.** A recorder records the thread that attached it (see
-  :class:`~hookscope._core.sites.CallTracker`): a forward of the same model on another thread
+  :class:`~hookscope._core.tracker.CallTracker`): a forward of the same model on another thread
   passes by unrecorded, and both hooks return at once for it (one attribute read until another
   thread has run the model). A ``nn.DataParallel`` replica is refused with one
   :class:`~hookscope.errors.ConcurrentPassError` naming :attr:`CallRecorder.feature`; PyTorch
@@ -52,7 +52,7 @@ from torch import nn
 
 from hookscope._core.attach import HookGroup, HookSpec, Scoped, WrapSpec
 from hookscope._core.compat.compiled import EAGER, is_compiling
-from hookscope._core.sites import CallTracker
+from hookscope._core.tracker import CallTracker
 
 __all__ = ["Args", "CallRecorder", "Handled", "Kwargs", "OpenCall", "Watched"]
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from hookscope._core.sites import Site
-from hookscope._core.std.stdmap import is_std_selector, std_pattern
+from hookscope._core.std_names import is_std_selector, std_pattern
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
 from hookscope._store.array import StoreArray, Unwritten

@@ -8,7 +8,7 @@ queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with
 device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
 child's, a module's input an earlier module's output) is not measured twice.
 
-With ``ops=``, an :class:`~hookscope._core.op_selectors.OpSelectors` watches the op sites'
+With ``ops=``, an :class:`~hookscope._arch.op_selectors.OpSelectors` watches the op sites'
 modules and each selected op call becomes a row as it returns, under the row of its module's
 call (the innermost open one: a module's own code runs while none of its children does),
 measured the same way; an attention sub-site's row measures the value computed from the kernel
@@ -28,17 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.plan import plan_sites
+from hookscope._arch.std import select_std
 from hookscope._capture import attention_values
-from hookscope._core.attach import remove_through
+from hookscope._core.attach import HookGroup
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, named_modules
-from hookscope._core.op_selectors import OpSelectors
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
+from hookscope._core.plan import attach_plan
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
-from hookscope._core.std import select_std
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
 from hookscope._shared.dtypes import dtype_name
@@ -162,19 +163,22 @@ class Tracer(CallRecorder[_Module, _Draft]):
         # every op of the traced modules (no selector can be left unfired), or the selectors given
         self._check_ops = options.ops is not True
         patterns = _every_op(self._selected, layers) if options.ops is True else options.op_patterns
-        self._ops = OpSelectors(model, patterns, owner="trace", error=SpecError) if patterns else None
+        plan = plan_sites(model, None, "module", owner="trace", error=SpecError, patterns=patterns or ())
+        self._ops = plan.ops
         if self._ops is not None:  # an op site's module is traced too: its call is the op rows' parent
             self._selected = _union(model, self._selected, self._ops.modules)
         self._total_params = count(p for _, m in self._selected for p in m.parameters(recurse=False))
+        attach_plan(
+            plan,
+            lambda _counted: self._record(model),  # the op modules are traced, so counted already
+            lambda ops: ops.attach(model, self._op_row, lambda call: True, self._attention_rows),
+            self.remove,  # hs.remove_all(model) also lets go of the buffer
+        )
+
+    def _record(self, model: nn.Module) -> HookGroup:
+        """The recorder's hooks on every traced module (its constructor attaches them)."""
         super().__init__(model, self._selected)
-        remove_through(self._group, self.remove)  # hs.remove_all(model) also lets go of the buffer
-        if self._ops is not None:
-            try:
-                watcher = self._ops.attach(model, self._op_row, lambda call: True, self._attention_rows)
-            except BaseException:
-                self._group.remove()
-                raise
-            remove_through(watcher._group, self.remove)
+        return self._group
 
     # -- calls (told by the recorder's hooks) -------------------------------------------------------
 

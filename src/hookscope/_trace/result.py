@@ -14,11 +14,11 @@ from typing import Any, overload
 
 from torch import nn
 
+from hookscope._arch.std import canonical_source
 from hookscope._core.names import ROOT_LABEL, WRAPPER_CLASS_NAMES, short_spelling
 from hookscope._core.select import Selector, select, select_names
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site
-from hookscope._core.std import canonical_source
 from hookscope._shared.blame import findings, fine_input
 from hookscope._shared.csv_text import csv_text
 from hookscope._shared.files import write_text

@@ -34,6 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._core.compat.private import (
+    compiled_code_objects,
+    dynamo_config,
+    has_compiled_code,
+    optimized_module_class,
+    wrapper_code,
+)
 from hookscope._core.names import module_label, named_modules
 from hookscope.errors import StaleCompiledCodeWarning, UnsupportedModelError
 
@@ -63,7 +70,6 @@ is_compiling: Callable[[], bool] = (
     _IS_COMPILING if _IS_COMPILING is not None and _DISABLE is not None else (lambda: False)
 )
 
-_EVAL_FRAME = "torch._dynamo.eval_frame"
 _ESCAPES: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
@@ -90,7 +96,7 @@ def never_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
 def compile_wrappers(model: nn.Module, hooked: Sequence[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
     """``(name, wrapper)`` for every ``torch.compile`` wrapper (``OptimizedModule``) in ``model``;
     with ``hooked``, only the wrappers whose compiled code would have to call one of those modules."""
-    cls = _optimized_module()
+    cls = optimized_module_class()
     if cls is None:
         return []
     wrappers = [(name, module) for name, module in named_modules(model) if isinstance(module, cls)]
@@ -212,8 +218,8 @@ def guard_hook_dicts() -> Callable[[], None]:
     creation, an assignment), it is switched off again at each attach and before each call of a
     ``torch.compile`` wrapper holding hooks (:func:`reassert_hook_guards`), with one warning.
     """
-    config: Any = sys.modules.get("torch._dynamo.config")
-    if config is None or not hasattr(config, "skip_nnmodule_hook_guards"):
+    config: Any = dynamo_config()
+    if config is None:
         return _nothing
     global _guard_holders, _guard_saved, _guard_thread
     with _GUARDS_LOCK:
@@ -247,7 +253,7 @@ def reassert_hook_guards() -> None:
     something turned them off (one config read when nothing did); warn the first time. Only on
     the thread that switched them on: Dynamo's config is per thread, and another thread's is
     its own."""
-    config: Any = sys.modules.get("torch._dynamo.config")
+    config: Any = dynamo_config()
     if not _guard_holders or config is None or threading.get_ident() != _guard_thread:
         return
     if config.skip_nnmodule_hook_guards is not True:
@@ -305,12 +311,6 @@ def _inner(wrapper: nn.Module) -> nn.Module:
     return inner
 
 
-def _optimized_module() -> type[nn.Module] | None:
-    """``OptimizedModule``, if Dynamo has been imported (no wrapper can exist otherwise)."""
-    eval_frame = sys.modules.get(_EVAL_FRAME)
-    return getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
-
-
 def _stale_frames(model: nn.Module) -> str:
     """What compiled code hooks on ``model`` could run inside, described; ``""`` when none.
 
@@ -321,7 +321,7 @@ def _stale_frames(model: nn.Module) -> str:
     were compiled, through their wrappers, attaches as if nothing were compiled: Dynamo only
     runs that code inside a compiled caller, and this model has none.
     """
-    codes = _compiled_codes()
+    codes = compiled_code_objects()
     if codes is not None and not codes:
         return ""  # nothing is compiled in the process
     compiled = _compiled_check(codes)
@@ -336,66 +336,31 @@ def _stale_frames(model: nn.Module) -> str:
     for module_class in dict.fromkeys(type(module) for module in model.modules()):
         forward = getattr(module_class, "forward", None)
         own = inspect.unwrap(forward) if callable(forward) else None
-        if compiled(own):  # its own code, not a decorator's that every decorated class shares
+        if compiled(getattr(own, "__code__", None)):  # its own code, not that of a shared decorator
             return f"{module_class.__qualname__}.forward"
     return ""
 
 
-def _compiled_codes() -> list[CodeType] | None:
-    """The code objects Dynamo holds compiled code for (a short list: Dynamo tracks what it
-    compiled); None where this torch does not say, and each code is asked instead."""
-    try:
-        from torch._dynamo import convert_frame
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return None
-    seen = getattr(getattr(convert_frame, "input_codes", None), "seen", None)
-    if not isinstance(seen, list):
-        return None
-    found = []
-    for ref in list(seen):
-        code = ref()
-        try:
-            if code is not None and _debug_get_cache_entry_list(code):
-                found.append(code)
-        except (TypeError, RuntimeError):
-            return None
-    return found
-
-
-def _compiled_check(codes: list[CodeType] | None) -> Callable[[object], bool]:
-    """Whether a function's code has compiled code: by ``codes``, else by asking Dynamo."""
+def _compiled_check(codes: list[CodeType] | None) -> Callable[[CodeType | None], bool]:
+    """Whether a code object has compiled code: by ``codes``, else by asking Dynamo."""
     if codes is not None:
         held = {id(code) for code in codes}
-        return lambda function: id(getattr(function, "__code__", None)) in held
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return lambda function: False
-
-    def compiled(function: object) -> bool:
-        code = getattr(function, "__code__", None)
-        try:
-            return code is not None and bool(_debug_get_cache_entry_list(code))
-        except (TypeError, RuntimeError):
-            return True  # an unknown code object: assume the worst
-
-    return compiled
+        return lambda code: code is not None and id(code) in held
+    return lambda code: code is not None and bool(has_compiled_code(code))
 
 
-def _ran_compiled(module: nn.Module, compiled: Callable[[object], bool]) -> bool:
+def _ran_compiled(module: nn.Module, compiled: Callable[[CodeType | None], bool]) -> bool:
     """Whether a wrapper's or a ``model.compile()``'d module's compiled code may have run: the
     code every wrapper shares, or code of its classes' ``forward`` (decorators' too), is compiled."""
-    try:
-        from torch._dynamo import external_utils
-    except ImportError:
+    shared = wrapper_code()
+    if shared is None:
         return False
-    if compiled(external_utils.wrap_inline(lambda: None)):  # one code for every wrapper
+    if compiled(shared):  # one code for every wrapper
         return True
     for module_class in dict.fromkeys(type(inner) for inner in module.modules()):
         forward = getattr(module_class, "forward", None)
         while forward is not None:
-            if compiled(forward):
+            if compiled(getattr(forward, "__code__", None)):
                 return True
             forward = getattr(forward, "__wrapped__", None)
     return False
@@ -409,14 +374,14 @@ _WRAPPERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _REGISTRY = {"watching": False, "seeded": False}
 #: Whether Dynamo was imported before hookscope (which imports it for ``torch.compiler.disable``):
 #: only then can a wrapper predate the registration hook.
-_DYNAMO_BEFORE = _EVAL_FRAME in sys.modules
+_DYNAMO_BEFORE = "torch._dynamo.eval_frame" in sys.modules
 
 
 def note_registration(module: nn.Module, name: str, submodule: object) -> None:
     """The global module-registration hook: keeps each ``torch.compile`` wrapper as it
     registers the module it wraps (one string compare for every other registration)."""
     if name == "_orig_mod":
-        cls = _optimized_module()
+        cls = optimized_module_class()
         if cls is not None and issubclass(type(module), cls):
             _WRAPPERS.add(module)
 
@@ -431,7 +396,7 @@ def watching_wrappers(watching: bool) -> None:
 def _wrappers_around(model: nn.Module) -> list[nn.Module]:
     """Compile wrappers elsewhere in the process whose model holds ``model`` (the eager
     module was hooked, the wrapper is what gets called)."""
-    cls = _optimized_module()
+    cls = optimized_module_class()
     if cls is None:
         return []
     if not (_REGISTRY["watching"] and _REGISTRY["seeded"]):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.private import dynamo_errors
 from hookscope._shared.stats.fields import _ALL, _Wanted
 from hookscope._shared.stats.torch_path import _unconditional_of
 
@@ -56,12 +57,13 @@ def _guarded(source: torch.Tensor, wanted: _Wanted) -> torch.Tensor:
     Errors of the values or the device (out of memory, an asynchronous CUDA error) are raised.
     """
     global _compile_failed
+    limit_hit, dynamo_failed = dynamo_errors()
     try:
         with torch.no_grad():
             vector: torch.Tensor = _compiled(source, _ALL)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
+    except limit_hit:
         return _unconditional_of(source, wanted)
-    except (torch._dynamo.exc.TorchDynamoException, ImportError) as error:
+    except (dynamo_failed, ImportError) as error:
         _compile_failed = f"{type(error).__name__}: {error}"
         warnings.warn(
             f"hookscope: statistics on {source.device.type} could not be compiled ({_compile_failed}); "

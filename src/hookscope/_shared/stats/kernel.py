@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.private import is_zero_tensor
 from hookscope._shared.stats.fields import CANCELLATION_RATIO, SCALE_ABOVE, SCALE_BELOW, SCALE_BELOW_F64
 
 __all__ = [
@@ -238,7 +239,7 @@ def _plain(values: torch.Tensor) -> bool:
     return (
         type(values) in (torch.Tensor, torch.nn.Parameter)
         and not values.is_neg()
-        and not values._is_zerotensor()
+        and not is_zero_tensor(values)
         and values.data_ptr() != 0
     )
 

@@ -1,8 +1,8 @@
-"""The family tables: one :class:`~hookscope._core.std.spec.Family` per architecture.
+"""The family tables: one :class:`~hookscope._arch.std.spec.Family` per architecture.
 
 Data only. Each path is checked on the model when the map is made (a module that is not there,
 or that never runs, makes its canonical names unavailable with the reason, never wrong), and
-the values are checked against each other on one forward (:mod:`~hookscope._core.std.resolve`).
+the values are checked against each other on one forward (:mod:`~hookscope._arch.std.resolve`).
 Alternatives separated by ``|`` cover renames between transformers versions; the first present
 wins. Tables are looked up by ``config.model_type``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hookscope._core.std.spec import Block, Family, Stack
+from hookscope._arch.std.spec import Block, Family, Stack
 
 __all__ = ["FAMILIES", "family_of"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from hookscope._core.attention import HeadCounts, head_counts
-from hookscope._core.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.attention import HeadCounts, head_counts
+from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
@@ -202,7 +202,7 @@ class OpSelectors:
     def _eager_advice(self, module: str) -> str:
         """How to read ``module``'s eager attention on this model: only sites it has, and
         ``attn_implementation='sdpa'`` only where transformers allows it."""
-        from hookscope._core.std import kept_std_map  # an error path: the map is read, never made
+        from hookscope._arch.std import kept_std_map  # an error path: the map is read, never made
 
         softmax = f"'{escape_name(module)}:op[softmax#0]'"
         std = kept_std_map(self._model)

@@ -1,7 +1,7 @@
-"""Turn a family table into a checked :class:`~hookscope._core.std.stdmap.StdMap` on one model.
+"""Turn a family table into a checked :class:`~hookscope._core.std_names.StdMap` on one model.
 
 Three steps, one screen each: :func:`_plan` finds every role's module on the model (a role whose
-module is absent becomes a missing name with the reason); :func:`~hookscope._core.std.observe.observe`
+module is absent becomes a missing name with the reason); :func:`~hookscope._arch.std.observe.observe`
 runs one forward with hooks on those modules; :func:`_resolve` names each canonical site in
 hookscope's site grammar and checks the values against each other, so a table that no longer
 fits the model is a clear :class:`~hookscope.errors.StdMapError`, never silently wrong names.
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hookscope._core.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.std.observe import Seen, observe, values_close
+from hookscope._arch.std.shared import refuse_shared_role, refuse_tied, shared_block_error
+from hookscope._arch.std.spec import Block, Family, Layout, Stack
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
-from hookscope._core.std.observe import Seen, observe, values_close
-from hookscope._core.std.shared import refuse_shared_role, refuse_tied, shared_block_error
-from hookscope._core.std.spec import Block, Family, Layout, Stack
-from hookscope._core.std.stdmap import StdMap, StdSite
+from hookscope._core.std_names import StdMap, StdSite
 from hookscope.errors import StdMapError
 
 __all__ = ["ATTN_SUBS", "resolve_family"]

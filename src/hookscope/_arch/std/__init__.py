@@ -1,13 +1,13 @@
 """Canonical names: one set of site names across transformer architectures (``"std:..."``).
 
-:func:`~hookscope._core.std.registry.std_map` resolves them on a model from a family table
-(:mod:`~hookscope._core.std.families`) or the structural detector
-(:mod:`~hookscope._core.std.detect`), checked on one forward
-(:mod:`~hookscope._core.std.resolve`); :func:`~hookscope._core.std.registry.expand_std` turns
+:func:`~hookscope._arch.std.registry.std_map` resolves them on a model from a family table
+(:mod:`~hookscope._arch.std.families`) or the structural detector
+(:mod:`~hookscope._arch.std.detect`), checked on one forward
+(:mod:`~hookscope._arch.std.resolve`); :func:`~hookscope._arch.std.registry.expand_std` turns
 ``"std:"`` selectors into the site selectors every feature already takes.
 """
 
-from hookscope._core.std.registry import (
+from hookscope._arch.std.registry import (
     CanonicalSource,
     canonical_source,
     expand_std,
@@ -17,7 +17,7 @@ from hookscope._core.std.registry import (
     std_map,
     stream_modules,
 )
-from hookscope._core.std.stdmap import STD_PREFIX, StdMap, StdSite, is_std_selector
+from hookscope._core.std_names import STD_PREFIX, StdMap, StdSite, is_std_selector
 
 __all__ = [
     "STD_PREFIX",

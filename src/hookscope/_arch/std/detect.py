@@ -8,7 +8,7 @@ registered, the MLP's activation and its last linear layer; around the blocks, t
 embedding, a position embedding, the last norm and a head whose width is the vocabulary.
 
 Where the values flow is not guessed: the resolver checks the proposal on one forward (the
-residual identities of :mod:`~hookscope._core.std.resolve`), read both as pre-norm and as
+residual identities of :mod:`~hookscope._arch.std.resolve`), read both as pre-norm and as
 post-norm blocks, keeping the reading that places more names; a role the detector could not
 place is a missing name with the reason.
 """
@@ -19,8 +19,8 @@ import re
 
 from torch import nn
 
+from hookscope._arch.std.spec import Block, Family, Stack
 from hookscope._core.names import named_modules
-from hookscope._core.std.spec import Block, Family, Stack
 from hookscope.errors import StdMapError
 
 __all__ = ["detect_family"]

@@ -1,6 +1,6 @@
 """A resolved map of canonical names: what each name is on one model, and what is missing and why.
 
-:class:`StdMap` is what :func:`~hookscope._core.std.registry.std_map` returns and what every
+:class:`StdMap` is what :func:`~hookscope._arch.std.registry.std_map` returns and what every
 feature reads when it meets a ``"std:..."`` selector. Each :class:`StdSite` names the value in
 hookscope's own site grammar twice: ``read`` (what a capture or an extraction keeps: a module
 boundary where one carries the value, the cheapest way to it) and ``write`` (what an edit

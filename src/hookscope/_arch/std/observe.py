@@ -16,7 +16,7 @@ from torch import nn
 from hookscope._core.attach import HookGroup, HookSpec
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.ops import OpWatcher
-from hookscope._core.std.stdmap import StdSite
+from hookscope._core.std_names import StdSite
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope.errors import StdMapError
 

@@ -3,8 +3,8 @@
 A family table is data, not code: a :class:`Family` names the block lists (one per stack:
 ``""`` for decoder-only and encoder-only models, ``"encoder"`` and ``"decoder"`` for
 encoder-decoder ones), and a :class:`Block` names, relative to one block, the module that plays
-each role. The resolver (:mod:`~hookscope._core.std.resolve`) turns roles into sites and checks
-them on one forward; the structural detector (:mod:`~hookscope._core.std.detect`) produces the
+each role. The resolver (:mod:`~hookscope._arch.std.resolve`) turns roles into sites and checks
+them on one forward; the structural detector (:mod:`~hookscope._arch.std.detect`) produces the
 same :class:`Block` for a model no table knows. Paths are dotted module names as
 ``named_modules()`` spells them.
 """

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from hookscope._core.compat.private import mode_at as _at
+from hookscope._core.compat.private import mode_stack_depth as _length
+from hookscope._core.compat.private import pop_mode as _pop
+from hookscope._core.compat.private import push_mode as _push
 
 __all__ = ["depth", "on_stack", "put_on", "put_under", "take_off"]
-
-_length = torch._C._len_torch_function_stack
-_at = torch._C._get_function_stack_at
-_push = torch._C._push_on_torch_function_stack
-_pop = torch._C._pop_torch_function_stack
 
 
 def depth() -> int:

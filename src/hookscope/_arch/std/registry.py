@@ -1,6 +1,6 @@
 """Make, keep and use a model's canonical map: ``std_map`` and the expansion of ``"std:"`` selectors.
 
-A map is made once per model (one small forward, see :mod:`~hookscope._core.std.resolve`) and
+A map is made once per model (one small forward, see :mod:`~hookscope._arch.std.resolve`) and
 kept beside the model, weakly, until the model's modules change: every feature that meets a
 ``"std:..."`` selector asks here, and only the first pays for the forward.
 """
@@ -13,17 +13,17 @@ from typing import Any, Literal
 
 from torch import nn
 
+from hookscope._arch.samples import sample_input
+from hookscope._arch.std.detect import detect_family
+from hookscope._arch.std.families import family_of
+from hookscope._arch.std.resolve import resolve_family
+from hookscope._arch.std.shared import SHARED_BLOCK
 from hookscope._core.attach import attached
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import named_modules, split_leaf_selector
 from hookscope._core.params import model_device, model_float_dtype
-from hookscope._core.samples import sample_input
 from hookscope._core.select import Selector, ensure_module, select
-from hookscope._core.std.detect import detect_family
-from hookscope._core.std.families import family_of
-from hookscope._core.std.resolve import resolve_family
-from hookscope._core.std.shared import SHARED_BLOCK
-from hookscope._core.std.stdmap import StdMap, StdSite, is_std_selector
+from hookscope._core.std_names import StdMap, StdSite, is_std_selector
 from hookscope._core.tree import map_tensors
 from hookscope.errors import SelectionError, SiteNotFoundError, SpecError, StdMapError
 
@@ -234,7 +234,7 @@ def _has_std(selectors: Sequence[Any]) -> bool:
 
 
 def _sample(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The model's default sample input (:func:`~hookscope._core.samples.sample_input`), on its
+    """The model's default sample input (:func:`~hookscope._arch.samples.sample_input`), on its
     device and in its float dtype; a model without one is asked for an example."""
     try:
         inputs = sample_input(model, dtype=model_float_dtype(model))
