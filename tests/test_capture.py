@@ -758,3 +758,26 @@ class TestReviewedEdges:
         assert [str(site) for site in cache.sites()] == ["shared#1:output"]
         assert set(cache.overflowed) == {"shared#1:output"}
         assert cache.to("cpu").overflowed == cache.overflowed
+
+
+class CalledTwice(nn.Module):
+    """``fc`` twice per forward, ``head`` once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(torch.relu(self.fc(x))))
+
+
+def test_calls_that_keep_nothing_of_a_module_that_ran_are_an_error_at_the_pass_end() -> None:
+    model, x = CalledTwice(), torch.randn(3, 4)
+    with pytest.raises(hs.CaptureError, match=r"calls=1 kept nothing of 'head' ran 1 call in this pass"):
+        hs.run_with_capture(model, x, layers=["fc", "head"], calls=1)
+    with pytest.raises(hs.CaptureError, match=r"calls=\(2, 3\) kept nothing of 'fc' ran 2 calls"):
+        hs.run_with_capture(model, x, layers="fc", calls=[2, 3])
+    _, cache = hs.run_with_capture(model, x, layers=["fc", "head"], calls=[0, 1])  # head keeps call 0
+    reference = model.fc(torch.relu(model.fc(x))).detach()
+    assert torch.equal(cache["fc#1"], reference)
+    assert torch.equal(cache["head#0"], model.head(reference).detach())

@@ -128,6 +128,7 @@ class Capture(Scoped):
         self._replica_keepers: dict[threading.Thread, tuple[str, Keeper]] = {}
         self._replica_lock = threading.Lock()
         self._pending: set[int] = set()
+        self._passed_by: dict[str, int] = {}  # per pass: modules whose calls calls= passed by, and how many ran
         self._stopped = False
         self._group, _ = attach_plan(
             plan,
@@ -189,6 +190,7 @@ class Capture(Scoped):
                 raise StopForward(self)  # the model caught the first signal and went on: stop again
             call = current(module)
             if not want(call):
+                self._passed_by[name] = call + 1  # ran, but calls= keeps not this call
                 return None
             leaves = call_leaves(args, kwargs) if chosen is None else chosen(call_leaves(args, kwargs))
             if tracker.in_replica():
@@ -218,6 +220,7 @@ class Capture(Scoped):
                 raise StopForward(self)
             call = current(module)
             if not want(call):
+                self._passed_by[name] = call + 1  # ran, but calls= keeps not this call
                 return None
             leaves = flatten_tensors(output, "") if chosen is None else chosen(flatten_tensors(output, ""))
             if tracker.in_replica():
@@ -333,6 +336,7 @@ class Capture(Scoped):
         if self._tracker.replaying:
             return  # a recomputation in backward is no new pass: the forward's cache stays
         self._pending = {id(m) for _, m in self._selected if m is not module}
+        self._passed_by = {}
         self._replica_keepers = {}
         self._stopped = False
         self._handled = sys.exc_info()[1]  # an exception already being handled when the pass began
@@ -353,12 +357,28 @@ class Capture(Scoped):
             self._passes.append(self._keeper.cache)
         if self._ops is not None and sys.exc_info()[1] is self._handled:
             self._ops.check(self._tracker.counts(), self._want)
+        if sys.exc_info()[1] is self._handled and not self._replica_keepers:
+            self._refuse_calls_kept_none()
         if self._stopped and not isinstance(sys.exc_info()[1], StopForward):
             self._stopped = False
             raise CaptureError(
                 f"{type(module).__name__}'s forward caught hookscope's stop signal (an 'except Exception' in "
                 "the model?) and ran on; the values are captured, but use stop=False for this model"
             )
+
+    def _refuse_calls_kept_none(self) -> None:
+        """A selected module that ran, but none of whose calls ``calls=`` keeps, is an error at the end
+        of the pass, not an empty cache read later (``calls=1`` of a module called once)."""
+        kept = {site.module for site in self._keeper.cache.sites()}
+        missed = {name: count for name, count in self._passed_by.items() if name not in kept}
+        if not missed:
+            return
+        ran = ", ".join(f"{name!r} ran {count} call{'' if count == 1 else 's'}" for name, count in missed.items())
+        raise CaptureError(
+            f"calls={self.options.calls!r} kept nothing of {ran} in this pass (call indices start at 0); "
+            "pick calls that run, e.g. calls='all' or calls='last'",
+            site=next(iter(missed)),
+        )
 
     def _report_overflow(self, counts: dict[str, int]) -> None:
         if self.options.overflow == "ignore" or self.options.torch_dtype is None:
