@@ -45,7 +45,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -242,10 +242,8 @@ def format_table(table: Table) -> str:
 
 
 def table_to_json(table: Table) -> dict[str, Any]:
-    """The table as JSON-ready data, with medians and median ratios spelled out."""
-    data = asdict(table) | table.medians(PLAIN)
-    data["passed"] = passed(table)
-    return data
+    """The table as JSON-ready data (:func:`common.table_json`)."""
+    return common.table_json(table, passed(table), PLAIN)
 
 
 # -- entry point ------------------------------------------------------------------------------------

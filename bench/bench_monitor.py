@@ -57,7 +57,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -313,10 +313,8 @@ def format_table(table: Table) -> str:
 
 
 def table_to_json(table: Table) -> dict[str, Any]:
-    """The table as JSON-ready data, with medians and median ratios spelled out."""
-    data = asdict(table) | table.medians(PLAIN, EVERY_STEP)
-    data["passed"] = passed(table)
-    return data
+    """The table as JSON-ready data (:func:`common.table_json`)."""
+    return common.table_json(table, passed(table), PLAIN, EVERY_STEP)
 
 
 # -- entry point ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +116,8 @@ def format_table(table: Table) -> str:
 
 
 def table_to_json(table: Table) -> dict[str, Any]:
-    """The table as JSON-ready data, with medians and median ratios spelled out."""
-    data = asdict(table) | table.medians(PLAIN)
-    data["passed"] = passed(table)
-    return data
+    """The table as JSON-ready data (:func:`common.table_json`)."""
+    return common.table_json(table, passed(table), PLAIN)
 
 
 # -- entry point ------------------------------------------------------------------------------------

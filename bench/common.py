@@ -13,6 +13,7 @@ on ``sys.path`` and imports this module as ``common``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -126,6 +127,12 @@ class RoundRatios:
 
 
 # -- the workloads ----------------------------------------------------------------------------------
+
+
+def table_json(table: RoundRatios, passed: bool, *baselines: str) -> dict[str, Any]:
+    """A result table as JSON-ready data: its fields, the medians and median ratios against
+    ``baselines`` spelled out, and whether it met its target."""
+    return dataclasses.asdict(table) | table.medians(*baselines) | {"passed": passed}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What every rank runs for tests/test_distributed.py (module-level: a spawned process imports them).
+"""What every rank runs for tests/extract/test_distributed.py (module-level: a spawned process imports them).
 
 Each check returns plain values; the test asserts on them in the parent, where failures print.
 """

@@ -18,8 +18,8 @@ from hookscope import errors
 from hookscope.cli.app import EXIT_CODES, exit_code
 from hookscope.io import load_tensors, save_tensors, tensor_file_format
 from hookscope.tensors import parse_dtype
+from tests.cli.test_cli import run_cli
 from tests.models import LinearInplaceReLU, SharedTwice, SmallCNN
-from tests.test_cli import run_cli
 
 # --- the facts as fields -----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Torch's private names move between releases without notice. Reading each of them
 with what to do where it is missing, means a torch that renamed one fails in one place with a
 message naming it (or falls back where a fallback is exact), not deep inside a hook. Nothing
 else in the package touches ``torch._C``, ``torch._ops`` or ``torch._dynamo`` (a test reads the
-source for it); ``tests/test_compat.py`` checks each accessor against the behaviour it stands for.
+source for it); ``tests/core/test_compat.py`` checks each accessor against the behaviour it stands for.
 
 The calls, by what they are for:
 
