@@ -74,7 +74,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 8192))
 data = RandomRows(int(sys.argv[1]), (64,), seed=0)
 Path("/proc/self/clear_refs").write_text("5")  # the peak from here on: the extraction's, not the imports'
-hs.extract(model, data, "0", sys.argv[2], batch_size=64, progress=False, compression_level=1)
+hs.extract(model, data, sys.argv[2], layers="0", batch_size=64, progress=False, compression_level=1)
 print(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM")))
 """
 

@@ -148,7 +148,7 @@ def build():
 
 def extract(out, storage_options=None):
     return hs.extract(
-        build(), Rows(), ["0", "2"], out, storage_options=storage_options, batch_size=8, chunk_rows=16,
+        build(), Rows(), out, layers=["0", "2"], storage_options=storage_options, batch_size=8, chunk_rows=16,
         progress=False, command="extract rows",
     )
 

@@ -91,7 +91,8 @@ class Slow(torch.utils.data.Dataset):
         return torch.full((4,), float(index))
 
 torch.manual_seed(0)
-hs.extract(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), Slow(), sys.argv[2], sys.argv[1], batch_size=4, progress=False)
+model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+hs.extract(model, Slow(), sys.argv[1], layers=sys.argv[2], batch_size=4, progress=False)
 """
 
 
