@@ -1,4 +1,4 @@
-"""``trace()`` and ``tracing()``: one row per module call, with statistics read once per pass.
+"""The :class:`Tracer`: hooks that record one row per module call, with statistics read once per pass.
 
 Two hooks per traced module, those of a :class:`~hookscope._shared.call_recorder.CallRecorder`:
 when a call begins its row takes the inputs, depth, parent and timer; when it returns, the
@@ -6,7 +6,8 @@ outputs; a call an exception went through is marked as raised, so a forward that
 closes every row. Statistics are
 queued on the device by :func:`~hookscope._shared.stats.raw_stats` and read with one transfer per
 device when the pass ends; a tensor seen earlier in the pass (a container's output is its last
-child's, a module's input an earlier module's output) is not measured twice.
+child's, a module's input an earlier module's output) is not measured twice. The records a pass
+fills in are ``drafts``'; ``trace()`` and ``tracing()`` are ``api``'s.
 
 With ``ops=``, an :class:`~hookscope._arch.op_selectors.OpSelectors` watches the op sites'
 modules and each selected op call becomes a row as it returns, under the row of its module's
@@ -21,8 +22,7 @@ import re
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,95 +33,27 @@ from hookscope._arch.std import select_std
 from hookscope._capture import attention_values
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.compiled import is_compiling
-from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, named_modules
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.params import count, own_count
 from hookscope._core.plan import attach_plan
-from hookscope._core.select import Selector, ensure_module, given_selectors
+from hookscope._core.select import Selector, ensure_module
 from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves, flatten_tensors
-from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
+from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs
 from hookscope._shared.dtypes import dtype_name
-from hookscope._shared.histogram import RawHistogram, raw_histogram, read_histograms
-from hookscope._shared.identity import SeenTensors
-from hookscope._shared.options import with_options
+from hookscope._shared.histogram import raw_histogram, read_histograms
 from hookscope._shared.shapes import shape_of
-from hookscope._shared.stats import RawStats, Scratch, is_measurable, raw_stats, read_stats
-from hookscope._trace.options import TraceOptions, check_flag
+from hookscope._shared.stats import Scratch, is_measurable, raw_stats, read_stats
+from hookscope._trace.drafts import _Draft, _FinishedPass, _Leaf, _Module, _Pass, _record_done
+from hookscope._trace.options import TraceOptions
 from hookscope._trace.result import Trace
-from hookscope._trace.rows import CallStatus, LeafWhat, TensorInfo, TraceRow
+from hookscope._trace.rows import LeafWhat, TensorInfo, TraceRow
 from hookscope._trace.timing import CallClock, PeakMemory
 from hookscope._version import __version__
 from hookscope.errors import SpecError
 
-__all__ = ["Tracer", "run_with_trace", "trace", "tracing"]
-
-
-@dataclass
-class _Leaf:
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    stats_index: int | None
-    source: str | None
-
-
-@dataclass(frozen=True)
-class _FinishedPass:
-    state: _Pass
-    model_name: str
-    seconds: float
-    failure: int | None  # the innermost call the exception the forward ended with went through
-    done: list[torch.cuda.Event]  # recorded after the last statistic on each CUDA stream used
-
-
-def _record_done(streams: set[torch.cuda.Stream]) -> list[torch.cuda.Event]:
-    """An event on each CUDA stream statistics were queued on: no sync, just a marker."""
-    events = []
-    for stream in streams:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        events.append(event)
-    return events
-
-
-@dataclass(eq=False)
-class _Module(Watched):
-    params: int  # its own parameters, counted once at attach time
-
-
-@dataclass(eq=False)
-class _Draft(OpenCall[_Module]):
-    order: int
-    depth: int
-    parent: int | None
-    inputs: list[_Leaf]
-    outputs: list[_Leaf] = field(default_factory=list)
-    finished: int | None = None
-    status: CallStatus = "ok"
-    error: BaseException | None = None  # what went through the call, when it raised
-    cuda: torch.device | None = None  # the call's CUDA device, for its timer and memory counter
-    timer: int | None = None
-    measured_before: float = 0.0  # the pass's measuring time when the call's timer started
-    peak_bytes: int | None = None
-    op: str = ""  # an op site's row: the op within its module call ("softmax#0", "attn.pattern#0")
-
-
-class _Pass:
-    """Everything one forward pass accumulates; a new pass starts from a clean one."""
-
-    def __init__(self) -> None:
-        self.rows: list[_Draft] = []
-        self.raws: list[RawStats] = []
-        self.histograms: list[RawHistogram] = []  # one per raw statistic, when histograms are on
-        self.seen: SeenTensors[tuple[int | None, str | None]] = SeenTensors()
-        self.finished = 0
-        self.clock = CallClock()
-        self.started = time.perf_counter()
-        self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
-        self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
+__all__ = ["Tracer"]
 
 
 class Tracer(CallRecorder[_Module, _Draft]):
@@ -425,129 +357,6 @@ class Tracer(CallRecorder[_Module, _Draft]):
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"
         return f"<Tracer of {len(self._selected)} modules, {state}>"
-
-
-@with_options(TraceOptions)
-def tracing(
-    model: nn.Module,
-    *,
-    layers: Selector | Sequence[Selector] | None = None,
-    options: TraceOptions | None = None,
-    **opts: Any,
-) -> Tracer:
-    """Trace every forward pass of ``model`` while the block runs; ``tracer.trace`` is the latest.
-
-    Use it where :func:`run_with_trace` cannot call the model for you (a generation loop, your
-    own training step); the options are :class:`TraceOptions`'. The model runs as you call it:
-    grad mode and train/eval mode are yours. ``passes="all"`` keeps every pass's trace
-    (``tracer.passes``), not only the latest.
-
-    Example::
-
-        with hs.tracing(model, timing=True, passes="all") as tracer:
-            model.generate(ids, max_new_tokens=5)
-        print(tracer.trace)          # the last forward pass
-        tracer.passes[0]             # the prefill; one more per generated token
-
-    >>> import torch, hookscope as hs
-    >>> model = nn.Sequential(nn.Linear(4, 2))
-    >>> with hs.tracing(model, passes="all") as tracer:
-    ...     _ = model(torch.randn(3, 4)), model(torch.randn(5, 4))
-    >>> [t["0"].outputs[0].shape for t in tracer.passes]
-    [(3, 2), (5, 2)]
-    """
-    chosen = None if layers is None else given_selectors((), layers, feature="trace")
-    return Tracer(model, layers=chosen, options=TraceOptions.build(options, opts))
-
-
-@with_options(TraceOptions, keep=("grad", "model_kwargs"))
-def run_with_trace(
-    model: nn.Module,
-    *args: Any,
-    layers: Selector | Sequence[Selector] | None = None,
-    options: TraceOptions | None = None,
-    grad: bool = False,
-    model_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> tuple[Any, Trace]:
-    """Run ``model(*args, **kwargs)`` once, tracing it; return ``(output, trace)``.
-
-    Each row of the :class:`Trace` holds a call's order, depth, name, class and call index, the
-    shapes, dtypes and devices of its inputs (keyword inputs too) and outputs (every tensor of a
-    structured output), its own parameter count, and statistics of every output tensor: min,
-    max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts, computed on the device
-    and read once after the forward (see :mod:`hookscope._shared.stats`).
-
-    - ``layers``: trace only these modules (default: all, the model itself included);
-    - the options are :class:`TraceOptions`' (``stats``, ``input_stats``, ``timing``,
-      ``memory``, ``histograms``, ``passes``, ``ops``), as keywords or ``options=``;
-    - ``ops``: op sites to add rows for (``"h.*.attn:op[softmax]"``, ``"h.0.attn:attn.pattern"``,
-      a list, or ``True`` for every op of the traced modules): one row per op call, named by its
-      site (``h.0.attn:op[softmax#0]``), one deeper than its module's call and inside it, with the
-      same statistics as a module's row;
-    - ``grad=False`` runs under ``torch.no_grad()``; ``True`` keeps autograd on. The train/eval
-      mode is left as it is;
-    - ``model_kwargs``: keyword arguments for the model whose names clash with these options
-      (``nn.TransformerDecoder``'s ``memory=``); other keyword arguments go to the model.
-
-    A forward that raises re-raises its error with a note naming the innermost module it went
-    through and the shapes that went in; ``hs.tracing`` keeps the partial trace.
-
-    >>> import torch, hookscope as hs
-    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    >>> out, t = hs.run_with_trace(model, torch.randn(3, 4))
-    >>> out.shape, len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
-    (torch.Size([3, 2]), 4, '0', (3, 8), True)
-    """
-    check_flag("grad", grad)
-    chosen, model_kw = TraceOptions.split(kwargs)
-    ensure_loaded(ensure_module(model), (args, model_kw, model_kwargs))  # a meta model: one line, not torch's
-    with tracing(model, layers=layers, options=TraceOptions.build(options, chosen)) as tracer:
-        try:
-            with nullcontext() if grad else torch.no_grad():
-                output = model(*args, **{**model_kw, **(model_kwargs or {})})
-        except Exception as error:
-            failure = tracer.latest.failure if tracer.latest is not None else None
-            if failure is not None and hasattr(error, "add_note"):
-                error.add_note(f"hookscope.trace: the error went through {failure.describe()}")
-            raise
-    return output, tracer.trace
-
-
-@with_options(TraceOptions, keep=("grad", "model_kwargs"))
-def trace(
-    model: nn.Module,
-    *args: Any,
-    layers: Selector | Sequence[Selector] | None = None,
-    options: TraceOptions | None = None,
-    grad: bool = False,
-    model_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> Trace:
-    """Run ``model(*args, **kwargs)`` once and return its :class:`Trace`: one row per module call.
-
-    The short form of :func:`run_with_trace`, for when the output is not needed; the same
-    arguments.
-
-    >>> import torch, hookscope as hs
-    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    >>> t = hs.trace(model, torch.randn(3, 4))
-    >>> len(t), t[1].name, t[1].outputs[0].shape, t["1"].stats.min >= 0
-    (4, '0', (3, 8), True)
-
-    ``ops=`` adds a row per call of the op sites it selects, under the row of its module's call
-    (``hs.layers(model, x, ops=True)`` lists the op sites):
-
-    >>> t = hs.trace(model, torch.randn(3, 4), ops="2:op[linear]")
-    >>> [(row.site, row.depth) for row in t][-2:]
-    [('2#0', 1), ('2#0:op[linear#0]', 2)]
-    >>> t["2:op[linear#0]"].outputs[0].shape, t["2:op[linear#0]"].stats == t["2"].stats
-    ((3, 2), True)
-    """
-    _, result = run_with_trace(
-        model, *args, layers=layers, options=options, grad=grad, model_kwargs=model_kwargs, **kwargs
-    )
-    return result
 
 
 def _modules(model: nn.Module, layers: Selector | Sequence[Selector] | None) -> list[tuple[str, nn.Module]]:
