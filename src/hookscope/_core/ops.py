@@ -67,8 +67,9 @@ from typing import Any
 
 from torch import nn
 
-from hookscope._core.attach import HookGroup, Scoped, remove_through
+from hookscope._core.attach import HookGroup, Scoped
 from hookscope._core.compat.function_modes import put_under, take_off
+from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import module_label, named_modules
 from hookscope._core.op_mode import _INHERIT, _OFF, OpListener, _Frame, _Inherit, _Off, _OpMode
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
