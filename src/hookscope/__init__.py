@@ -20,7 +20,8 @@ from hookscope import edits, methods, plots
 from hookscope._arch.samples import default_input_shape, sample_input
 from hookscope._arch.std import StdMap, StdSite, std_map
 from hookscope._capture import Cache, Capture, CaptureOptions, capture, load, run_with_capture
-from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, remove_all
+from hookscope._core.attach import AttachedHook, HookGroup, HookSpec
+from hookscope._core.live_hooks import remove_all
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.sites import Site
 from hookscope._diff import Diff, DiffRow, Divergence, diff

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 from torch import nn
 
 from hookscope._core.attach import AttachedHook, HookGroup, HookSpec, check_kind
-from hookscope._core.attach import attached as attached_hooks
+from hookscope._core.live_hooks import attached as attached_hooks
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tracker import CallTracker
 from hookscope._shared.tables import Column, Table

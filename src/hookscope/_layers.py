@@ -22,7 +22,8 @@ from hookscope._arch.std import StdMap, std_map
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, module_label, named_modules
-from hookscope._core.ops import OpCall, OpLog, OpWatcher
+from hookscope._core.op_list import OpCall, OpLog
+from hookscope._core.ops import OpWatcher
 from hookscope._core.params import count, own_count
 from hookscope._core.select import Selector, ensure_module, select
 from hookscope._core.tracker import CallTracker

@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
-from hookscope._core.attach import attached
 from hookscope._core.compat import private
+from hookscope._core.live_hooks import attached
 from hookscope._core.select import select_names
 from tests.models import Handshake, track
 

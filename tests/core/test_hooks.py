@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope._core.attach import attached as attached_hooks
+from hookscope._core.live_hooks import attached as attached_hooks
 from hookscope.tensors import flatten_tensors
 from tests.conftest import raw_hook_count
 from tests.models import (

@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import hookscope as hs
-from hookscope._core.ops import list_ops
+from hookscope._core.op_list import list_ops
 
 WAIT = 30.0
 

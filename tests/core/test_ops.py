@@ -19,8 +19,9 @@ from torch.overrides import TorchFunctionMode
 
 import hookscope as hs
 import hookscope._capture.keeper as keeper
+from hookscope._core.op_list import list_ops
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
-from hookscope._core.ops import OpWatcher, list_ops
+from hookscope._core.ops import OpWatcher
 from tests.conftest import Golden, raw_hook_count
 from tests.models import Tracked, attention_gpt2, attention_tokens, track
 

@@ -11,7 +11,8 @@ from torch import nn
 import hookscope as hs
 from hookscope._arch.op_selectors import OpSelectors
 from hookscope._arch.plan import expand_sites, plan_sites
-from hookscope._core.attach import HookGroup, HookSpec, attached
+from hookscope._core.attach import HookGroup, HookSpec
+from hookscope._core.live_hooks import attached
 from hookscope._core.op_sites import OpPattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.plan import attach_plan, split_op_selectors

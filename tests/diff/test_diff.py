@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope._core.attach import attached
+from hookscope._core.live_hooks import attached
 from tests.cli.test_cli import run_cli
 from tests.models import SmallCNN, gpt2_input, tiny_gpt2, track
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hookscope as hs
-from hookscope._core.attach import attached
+from hookscope._core.live_hooks import attached
 from tests.models import LinearInplaceReLU, MixedOutputs, SharedTwice, SmallCNN, tiny_gpt2, track
 
 

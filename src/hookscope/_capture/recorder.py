@@ -20,12 +20,10 @@ this and not an arena of reused buffers, with the numbers: :mod:`hookscope._shar
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +35,7 @@ from hookscope._capture.attn_sites import read_attention
 from hookscope._capture.cache import Cache
 from hookscope._capture.guard import storage_key
 from hookscope._capture.keeper import Keeper
+from hookscope._capture.latest import LatestPass
 from hookscope._capture.leaves import copier, leaf_filter, writes_in_place
 from hookscope._capture.options import CaptureOptions
 from hookscope._capture.token_mask import token_mask_specs
@@ -69,7 +68,7 @@ class StopForward(Exception):  # noqa: N818 (a signal, not an error)
         self.owner = owner
 
 
-class Capture(Scoped):
+class Capture(Scoped, LatestPass):
     """Hooks that keep values of selected modules; reads like the :class:`Cache` of the latest pass.
 
     Made by :func:`capture`; attached at once, removed by ``remove()`` or on leaving ``with``.
@@ -403,54 +402,6 @@ class Capture(Scoped):
             if not self._pending:
                 self._stopped = True
                 raise StopForward(self)
-
-    # -- reading: the cache of the latest pass ---------------------------------------------------
-
-    @property
-    def cache(self) -> Cache:
-        """The :class:`Cache` of the latest forward pass."""
-        return self._keeper.cache
-
-    @property
-    def passes(self) -> list[Cache]:
-        """With ``passes="all"``, the :class:`Cache` of every finished forward pass, in order (a
-        generation loop: the prefill, then one per new token); otherwise the latest one's."""
-        if self._keep_passes:
-            return list(self._passes)
-        return [self._keeper.cache]
-
-    def __getitem__(self, key: str | Site) -> torch.Tensor:
-        return self.cache[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.cache
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.cache)
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def calls(self, key: str | Site) -> list[torch.Tensor]:
-        """Every call's value for ``key``, in order (see :meth:`Cache.calls`)."""
-        return self.cache.calls(key)
-
-    def sites(self) -> list[Site]:
-        """Every site captured in the latest pass."""
-        return self.cache.sites()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the latest pass's values."""
-        return self.cache.nbytes
-
-    def numpy(self) -> dict[str, Any]:
-        """The latest pass's values as numpy arrays (see :meth:`Cache.numpy`)."""
-        return self.cache.numpy()
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Save the latest pass's values (see :meth:`Cache.save`)."""
-        return self.cache.save(path)
 
     # -- lifetime ---------------------------------------------------------------------------------
 

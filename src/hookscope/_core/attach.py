@@ -13,9 +13,9 @@ it to :class:`HookGroup`, which follows the contract of PyTorch's ``RemovableHan
 - the train/eval mode of every module is restored on removal;
 - the group holds no strong reference to the model, like ``RemovableHandle``.
 
-Live groups are listed in a registry that :func:`attached` reads: hookscope never looks into
-PyTorch's private hook dictionaries. The registry holds groups weakly; what keeps a group alive
-is its modules: each hooked module (and the model) holds an *anchor* to it, a no-op
+Live groups are listed in a registry that :func:`~hookscope._core.live_hooks.attached` reads:
+hookscope never looks into PyTorch's private hook dictionaries. The registry holds groups
+weakly; what keeps a group alive is its modules: each hooked module (and the model) holds an *anchor* to it, a no-op
 ``load_state_dict`` post-hook that never runs in a forward. A group nobody removed therefore
 lives exactly as long as a module it hooks: a model dropped with a capture still attached is
 garbage-collected with the capture and every value it kept.
@@ -59,11 +59,8 @@ __all__ = [
     "HookSpec",
     "Scoped",
     "WrapSpec",
-    "attached",
     "check_kind",
     "live_groups",
-    "remove_all",
-    "remove_through",
 ]
 
 #: What a listed hook is: a module hook of a kind above, a wrapper, or a parameter's
@@ -78,7 +75,7 @@ _group_numbers = itertools.count(1)
 
 @dataclass(frozen=True)
 class AttachedHook:
-    """One live hookscope hook, as listed by :func:`attached`."""
+    """One live hookscope hook, as listed by :func:`~hookscope._core.live_hooks.attached`."""
 
     module: str
     kind: AttachedKind
@@ -232,8 +229,8 @@ class HookGroup:
     ) -> None:
         """Call ``fn(parameter)`` each time a backward has accumulated ``parameter``'s gradient
         (PyTorch's post-accumulate-grad hook), as a hook of this group: listed under ``module``
-        (the one holding the parameter) by :func:`attached`, and removed with the group, by
-        :func:`remove_all` too, whoever else forgot it."""
+        (the one holding the parameter) by :func:`~hookscope._core.live_hooks.attached`, and removed with the group, by
+        :func:`~hookscope._core.live_hooks.remove_all` too, whoever else forgot it."""
         if not self._live:
             raise SpecError(f"hookscope.{self.owner}: its hooks were removed; attach a new one")
         handle = parameter.register_post_accumulate_grad_hook(fn)  # type: ignore[no-untyped-call]
@@ -360,29 +357,6 @@ class Scoped:
         return None
 
 
-def attached(model: nn.Module) -> list[AttachedHook]:
-    """List the hookscope hooks attached to ``model`` and its submodules right now, in model order.
-
-    Each entry names the module (relative to ``model``), the hook kind, the owner label and the
-    :class:`HookGroup` that will remove it. Hooks registered by other code are not listed.
-
-    >>> model = nn.Sequential(nn.Linear(2, 2))
-    >>> attached(model)
-    []
-    """
-    ensure_module(model)
-    order = {id(module): (index, name) for index, (name, module) in enumerate(named_modules(model))}
-    found: list[tuple[int, AttachedHook]] = []
-    for group in live_groups():
-        for record in group._records:
-            module = record.module()
-            if module is not None and id(module) in order:
-                index, name = order[id(module)]
-                found.append((index, AttachedHook(name, record.kind, group.owner, group, record.purpose)))
-    found.sort(key=lambda pair: pair[0])
-    return [hook for _, hook in found]
-
-
 def live_groups() -> list[HookGroup]:
     """Every group with hooks still attached, on any model (used by the test suite's leak check)."""
     return list(_LIVE_GROUPS.values())
@@ -462,48 +436,3 @@ def _exit_hook(tracker: CallTracker) -> Callable[[nn.Module, Any, Any, Any], Non
         exit_call(module, args, kwargs, output)
 
     return close_call
-
-
-# A feature's own remove() for its group (weakly: a forgotten feature falls back to the group's),
-# so that remove_all also lets go of what the feature holds beside its hooks.
-_REMOVERS: weakref.WeakKeyDictionary[HookGroup, weakref.WeakMethod[Callable[[], None]]] = weakref.WeakKeyDictionary()
-
-
-def remove_through(group: HookGroup, remove: Callable[[], None]) -> None:
-    """Have :func:`remove_all` take ``group`` off by calling ``remove``, the bound ``remove``
-    method of the feature that owns it (a capture's also takes a write guard off that a cut-short
-    forward left on). Held weakly: it keeps neither the feature nor the group alive."""
-    _REMOVERS[group] = weakref.WeakMethod(remove)
-
-
-def remove_all(model: nn.Module) -> int:
-    """Remove every hook hookscope attached to ``model`` or its submodules; return how many.
-
-    For a notebook where a capture, a detector or an edit was left attached and the object
-    that would remove it is gone: each :class:`HookGroup` with a hook on one of the modules is
-    removed whole, through its feature's own ``remove()`` where it has one, so the feature's
-    object then reads as removed (``live`` is False; its ``remove()`` does nothing more). Hooks
-    registered by other code (``module.register_forward_hook``) stay. The count is of the
-    hooks :func:`attached` listed on the removed groups: the features' own and their call counters.
-
-    >>> import torch
-    >>> model = nn.Sequential(nn.Linear(2, 2))
-    >>> group = HookGroup(model, [HookSpec("0", model[0], "forward", lambda m, args, out: None)])
-    >>> remove_all(model), group.live, remove_all(model)
-    (1, False, 0)
-    """
-    ensure_module(model)
-    inside = {id(module) for _, module in named_modules(model)}
-    removed = 0
-    for group in live_groups():
-        modules = [record.module() for record in group._records]
-        if not any(module is not None and id(module) in inside for module in [group.model, *modules]):
-            continue
-        removed += len(modules)
-        remover = _REMOVERS.get(group)
-        feature_remove = remover() if remover is not None else None
-        try:
-            (feature_remove or group.remove)()
-        finally:
-            group.remove()  # idempotent: a no-op after the feature's own remove()
-    return removed

@@ -3,7 +3,7 @@
 Module hooks see what crosses a module's boundary; attention probabilities, pre-softmax scores
 and the residual ``+=`` inside a block never do. :class:`OpWatcher` reports every torch
 function call made inside selected modules, numbered per module call (``softmax#0``,
-``softmax#1``), to a listener that may replace the result. :func:`list_ops` runs one forward
+``softmax#1``), to a listener that may replace the result. :func:`~hookscope._core.op_list.list_ops` runs one forward
 and lists every op site, so users can find their names.
 
 How, and what it costs:
@@ -35,7 +35,7 @@ How, and what it costs:
   is one ``layer_norm``. The k-th ``softmax`` is the k-th that the module's source calls.
 - **Numbering follows execution.** ``add#1`` is the second ``add`` this call of the module ran:
   a branch not taken (an ``if`` on the input, a key/value cache present or not) shifts the
-  indices after it, so list the sites with the inputs that will be used (:func:`list_ops`).
+  indices after it, so list the sites with the inputs that will be used (:func:`~hookscope._core.op_list.list_ops`).
   A checkpointed block recomputing in backward reports its ops again (``replaying`` is True).
 - **A forward run without its call** (the parent calls ``child.forward(x)``, not ``child(x)``):
   no hook sees that call, so it has no call index; inside a watched call's own code its ops are
@@ -61,132 +61,24 @@ How, and what it costs:
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from hookscope._core.attach import HookGroup, Scoped, remove_through
+from hookscope._core.attach import HookGroup, Scoped
 from hookscope._core.compat.function_modes import put_under, take_off
-from hookscope._core.compat.offload import ensure_loaded
+from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import module_label, named_modules
+from hookscope._core.op_mode import _INHERIT, _OFF, OpListener, _Frame, _Inherit, _Off, _OpMode
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
-from hookscope._core.select import Selector, ensure_module, select
+from hookscope._core.select import ensure_module
 from hookscope._core.tracker import CallTracker
-from hookscope._core.tree import flatten_tensors
 from hookscope._core.wrap import WrapSpec, calls_through_call_impl
 from hookscope.errors import SpecError, UnsupportedModelError
 
-__all__ = ["OpCall", "OpListener", "OpLog", "OpPattern", "OpSite", "OpWatcher", "list_ops", "op_name", "op_pattern"]
-
-
-class OpListener(Protocol):
-    """Told of each op call inside a watched module; returns a value to use instead of
-    ``output`` for the rest of the forward, or None to keep it.
-
-    Called as ``listener(module, call, op, index, args, kwargs, output)``: the selected module's
-    name and call index in the pass, the op's name (:func:`op_name`) and its index among that
-    module call's ops of that name, and what the op was called with and returned. It runs with
-    the watcher's mode off: torch ops it calls are not reported. For an in-place op
-    (``add_``, ``x += y``) ``output`` is the written tensor itself, and a replacement changes only
-    what the call returns (``out += y`` rebinds ``out`` to it; a bare ``out.add_(y)`` ignores it).
-    """
-
-    def __call__(
-        self, module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> Any: ...
-
-
-class _Frame:
-    """A selected module's forward running its own code: its name, call index and op counts so far."""
-
-    __slots__ = ("call", "counts", "key", "module")
-
-    def __init__(self, module: str, call: int, key: int) -> None:
-        self.module = module
-        self.call = call
-        self.key = key  # id() of the module object
-        self.counts: dict[str, int] = {}
-
-
-class _Off:
-    """Nothing is reported while this is the innermost entry: the call of a module inside the
-    watch (its hooks, anyone's), and a submodule's forward with ``children=False``."""
-
-    __slots__ = ()
-
-
-class _Inherit:
-    """A submodule's forward with ``children=True``: its ops are the innermost selected call's."""
-
-    __slots__ = ()
-
-
-_OFF = _Off()
-_INHERIT = _Inherit()
-
-
-# Results that never hold a tensor, answered without a look inside (x.shape, x.size(), x.dim(), ...).
-_NO_TENSOR = frozenset({int, float, bool, complex, str, type(None), torch.Size, torch.dtype, torch.device})
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if type(value) in _NO_TENSOR:
-        return False
-    if isinstance(value, (tuple, list)):
-        if not value or (isinstance(value, list) and type(value[0]) in _NO_TENSOR):
-            return False  # empty, or tolist()'s numbers: not read one by one
-        return any(_holds_tensor(item) for item in value)
-    return False
-
-
-_WATCHER_NUMBERS = itertools.count()
-
-
-class _OpMode(TorchFunctionMode):
-    """Runs each torch function, then reports it to the listener when it returned a tensor and
-    a selected module's own code is running (``frame``)."""
-
-    def __init__(self, listener: OpListener) -> None:
-        super().__init__()
-        #: The innermost selected call running, set by the watcher; None: report nothing.
-        self.frame: _Frame | None = None
-        #: Attach order among watchers: a later watcher's mode sits above an earlier one's.
-        self.order = next(_WATCHER_NUMBERS)
-        self._listener = listener
-        self._names: dict[Any, str] = {}
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        output = func(*args, **kwargs)  # torch took this mode off the stack while it runs
-        frame = self.frame
-        if frame is None or not _holds_tensor(output):
-            return output
-        try:
-            name = self._names[func]
-        except KeyError:
-            name = self._names[func] = op_name(func)
-        except TypeError:  # an unhashable callable
-            name = op_name(func)
-        counts = frame.counts
-        index = counts.get(name, 0)
-        counts[name] = index + 1
-        replacement = self._listener(frame.module, frame.call, name, index, args, kwargs, output)
-        return output if replacement is None else replacement
+__all__ = ["OpPattern", "OpSite", "OpWatcher", "op_name", "op_pattern"]
 
 
 def _refuse_replicas(model: nn.Module) -> None:
@@ -237,6 +129,7 @@ class OpWatcher(Scoped):
     of it in one module call, in the order first seen: what a selector that never fired is
     answered with.
 
+    >>> import torch
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Softmax(dim=-1))
     >>> ops = []
     >>> def listen(module, call, op, index, args, kwargs, output):
@@ -465,75 +358,3 @@ class OpWatcher(Scoped):
             self._group.remove()
         finally:
             self._reset()
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """One op call found by :func:`list_ops`: where it ran, and the shapes and dtypes it returned
-    (one per tensor of its output, in order)."""
-
-    module: str
-    call: int
-    op: str
-    index: int
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-
-    @property
-    def site(self) -> OpSite:
-        """The op site: ``OpSite("h.0.attn", 0, "softmax", 0)``."""
-        return OpSite(self.module, self.call, self.op, self.index)
-
-    def __str__(self) -> str:
-        return str(self.site)
-
-
-def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's shape; a nested tensor's sizes after the first are -1 (ragged or not)."""
-    if tensor.is_nested:
-        return (tensor.size(0), *(-1,) * (tensor.dim() - 1))
-    return tuple(tensor.shape)
-
-
-class OpLog:
-    """A listener that keeps an :class:`OpCall` per op, in call order, and changes nothing."""
-
-    def __init__(self) -> None:
-        self.calls: list[OpCall] = []
-
-    def __call__(
-        self, module: str, call: int, op: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> None:
-        tensors = [tensor for _, tensor in flatten_tensors(output, root="")]
-        shapes = tuple(_shape(tensor) for tensor in tensors)
-        self.calls.append(OpCall(module, call, op, index, shapes, tuple(tensor.dtype for tensor in tensors)))
-
-
-def list_ops(
-    model: nn.Module,
-    *args: Any,
-    layers: Selector | None = None,
-    children: bool = False,
-    **kwargs: Any,
-) -> list[OpCall]:
-    """Run one forward and list every op site of the chosen modules, in the order the ops ran.
-
-    Why: op sites are named by counters (``softmax#0``) that nobody can guess from the source
-    alone; this shows them. The forward runs in eval mode under ``torch.no_grad()``; modes are
-    restored. ``layers`` picks the modules (any selector; by default every module, so each op is
-    listed under the module whose own code ran it); ``children=True`` lists the ops of their
-    submodules under them too.
-
-    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Softmax(dim=-1))
-    >>> [(str(op), op.shapes) for op in list_ops(model, torch.ones(2, 3))]
-    [('0#0:op[linear#0]', ((2, 4),)), ('1#0:op[softmax#0]', ((2, 4),))]
-    """
-    ensure_module(model)
-    ensure_loaded(model, (args, kwargs))
-    modules = named_modules(model) if layers is None else select(model, layers)
-    log = OpLog()
-    watcher = OpWatcher(model, modules, log, children=children, owner="layers", restore_mode=True, bare_to_caller=True)
-    with watcher, torch.no_grad():
-        model.eval()
-        model(*args, **kwargs)
-    return log.calls

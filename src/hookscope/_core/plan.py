@@ -21,7 +21,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from torch import nn
 
-from hookscope._core.attach import HookGroup, remove_through
+from hookscope._core.attach import HookGroup
+from hookscope._core.live_hooks import remove_through
 from hookscope._core.op_sites import OpPattern, op_pattern
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import Selector, compile_selector

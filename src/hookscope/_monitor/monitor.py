@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope._core.attach import Scoped, WrapSpec, remove_through
+from hookscope._core.attach import Scoped, WrapSpec
 from hookscope._core.compat.offload import ensure_loaded
+from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import named_parameters
 from hookscope._core.select import Selector, ensure_module
 from hookscope._monitor.evidence import note as _note

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope._core.attach import WrapSpec, remove_through
+from hookscope._core.attach import WrapSpec
+from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import call_label
 from hookscope._core.tracker import in_backward
 from hookscope._core.tree import call_leaves, flatten_tensors

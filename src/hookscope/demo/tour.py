@@ -27,7 +27,7 @@ from torch import nn
 
 from hookscope import edits
 from hookscope._capture import load, run_with_capture
-from hookscope._core.attach import attached
+from hookscope._core.live_hooks import attached
 from hookscope._core.names import module_label
 from hookscope._edit import run_with_edits
 from hookscope._hooks import hooks

@@ -18,8 +18,8 @@ from hookscope._arch.std.detect import detect_family
 from hookscope._arch.std.families import family_of
 from hookscope._arch.std.resolve import resolve_family
 from hookscope._arch.std.shared import SHARED_BLOCK
-from hookscope._core.attach import attached
 from hookscope._core.compat.offload import ensure_loaded
+from hookscope._core.live_hooks import attached
 from hookscope._core.names import named_modules, split_leaf_selector
 from hookscope._core.params import model_device, model_float_dtype
 from hookscope._core.select import Selector, ensure_module, select

@@ -1,10 +1,11 @@
 """Turn a family table into a checked :class:`~hookscope._core.std_names.StdMap` on one model.
 
-Three steps, one screen each: :func:`_plan` finds every role's module on the model (a role whose
-module is absent becomes a missing name with the reason); :func:`~hookscope._arch.std.observe.observe`
-runs one forward with hooks on those modules; :func:`_resolve` names each canonical site in
-hookscope's site grammar and checks the values against each other, so a table that no longer
-fits the model is a clear :class:`~hookscope.errors.StdMapError`, never silently wrong names.
+Three steps, one screen each: :func:`~hookscope._arch.std.locate._plan` finds every role's module
+on the model (a role whose module is absent becomes a missing name with the reason);
+:func:`~hookscope._arch.std.observe.observe` runs one forward with hooks on those modules;
+:func:`_resolve` names each canonical site in hookscope's site grammar and checks the values
+against each other, so a table that no longer fits the model is a clear
+:class:`~hookscope.errors.StdMapError`, never silently wrong names.
 
 The checks (``rtol`` 1e-4 relative to the values' scale; the shapes exactly):
 every ``resid_*`` is ``(batch, seq, d_model)``; ``resid_post[i]`` is ``resid_pre[i+1]``;
@@ -16,15 +17,15 @@ in a sequential block ``resid_mid == resid_pre + attn`` and ``resid_post == resi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
-from hookscope._arch.std.shared import refuse_shared_role, refuse_tied, shared_block_error
-from hookscope._arch.std.spec import Block, Family, Layout, Stack
+from hookscope._arch.std.shared import shared_block_error
+from hookscope._arch.std.spec import Block, Family, Layout
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SDPA
 from hookscope._core.std_names import StdMap, StdSite
@@ -34,38 +35,6 @@ __all__ = ["ATTN_SUBS", "resolve_family"]
 
 #: The attention sub-sites, as ``blocks.{i}.attn.{sub}`` (and ``cross_attn.{sub}``).
 ATTN_SUBS = ("q", "k", "v", "scores", "pattern", "z")
-
-
-@dataclass
-class _BlockPlan:
-    """One block's modules, by role, as full module names (None: absent, with ``why``)."""
-
-    name: str
-    roles: dict[str, str | None]
-    why: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def core(self) -> str:
-        """The module whose own code adds the residual: the block, or the module inside a
-        wrapper that holds the attention (a re-nested copy)."""
-        attn = self.roles["attn"]
-        parent = attn.rpartition(".")[0] if attn else ""
-        return parent if parent.startswith(self.name) else self.name
-
-
-@dataclass
-class _StackPlan:
-    stack: Stack
-    blocks: list[_BlockPlan]
-    around: dict[str, str | None]  # embed, pos_embed, ln_final
-    why: dict[str, str] = field(default_factory=dict)
-    blocks_path: str = ""
-
-
-_ROLE_FIELDS = (
-    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "act", "mlp_proj", "router",
-    "cross_attn", "cross_attn_out", "ln_cross", "resid_mid", "resid_mid_cross",
-)  # fmt: skip
 
 
 def resolve_family(
@@ -104,81 +73,6 @@ def resolve_family(
         assert failure is not None
         raise failure
     return max(readings, key=len)
-
-
-def _find(names: set[str], prefix: str, path: str | None) -> str | None:
-    """The first alternative of ``path`` (``"a|b"``) that is a module under ``prefix``."""
-    if not path:
-        return None
-    for alternative in path.split("|"):
-        full = f"{prefix}.{alternative}" if prefix else alternative
-        if full in names:
-            return full
-    return None
-
-
-def _block_list(names: set[str], family: Family, stack: Stack) -> tuple[str, str]:
-    """The model's base below a task head (``transformer``, ``model``), where the table's paths
-    start, and the block list's full name: the shortest name that ends in the table's path."""
-    for alternative in stack.blocks.split("|"):
-        found = sorted((n for n in names if n == alternative or n.endswith("." + alternative)), key=len)
-        if found:
-            return found[0][: -len(alternative)].rstrip("."), found[0]
-    listed = ", ".join(repr(a) for a in stack.blocks.split("|"))
-    raise StdMapError(
-        f"the {family.name} table's block list {listed} is not in this model: the installed transformers may have "
-        "renamed it; pass family=None to hs.std_map to use the structural detector",
-        family=family.name,
-    )
-
-
-def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family, stack: Stack) -> _StackPlan:
-    names = set(by_name)
-    base, blocks_path = _block_list(names, family, stack)
-    refuse_tied(by_name, family.name, blocks_path)
-    paths = [path for role in _ROLE_FIELDS if (path := getattr(stack.block, role))]
-    blocks = []
-    index = 0
-    while f"{blocks_path}.{index}" in names:
-        block_name = f"{blocks_path}.{index}"
-        refuse_shared_role(by_name[block_name], block_name, paths, name_of, family.name)
-        roles = {role: _find(names, block_name, getattr(stack.block, role)) for role in _ROLE_FIELDS}
-        why = {
-            role: f"{family.name} blocks of this model have no {getattr(stack.block, role)!r} module"
-            for role in _ROLE_FIELDS
-            if getattr(stack.block, role) and roles[role] is None
-        }
-        missing_core = [role for role in ("ln1", "attn") if getattr(stack.block, role) and roles[role] is None]
-        if missing_core and not family.detected:  # a table whose core roles are gone: renamed or re-nested
-            raise StdMapError(
-                f"the {family.name} table's {missing_core[0]} module {getattr(stack.block, missing_core[0])!r} is not "
-                f"in block {block_name!r}",
-                family=family.name,
-                check=f"no {missing_core[0]}",
-            )
-        blocks.append(_BlockPlan(block_name, roles, why))
-        index += 1
-    around = {
-        "embed": _find(names, base, stack.embed),
-        "pos_embed": _find(names, base, stack.pos_embed),
-        "ln_final": _find(names, base, stack.ln_final),
-    }
-    why = {
-        "embed": stack.no_embed,
-        "pos_embed": stack.no_pos_embed,
-        "ln_final": "the structural detector found no norm after the last block"
-        if family.detected
-        else f"{family.name} has no norm after the last block (each post-norm block ends in its own)",
-    }
-    return _StackPlan(stack, blocks, around, why, blocks_path)
-
-
-def _modules_of(stack: _StackPlan) -> list[str]:
-    found = [m for m in stack.around.values() if m]
-    for block in stack.blocks:
-        found.append(block.name)
-        found += [m for m in block.roles.values() if m]
-    return found
 
 
 def _resolve(
