@@ -60,14 +60,14 @@ OWN_FORM = {
 @pytest.mark.parametrize("name", sorted(DERIVED))
 def test_no_other_flag_of_a_command_redeclares_one_of_its_options(name: str) -> None:
     options, fields = DERIVED[name]
-    taken = set(inspect.signature(command(name)).parameters) & set(options.names())
+    taken = set(inspect.signature(command(name)).parameters) & set(options.option_names())
     assert taken - OWN_FORM.get(name, set()) == fields
 
 
 @pytest.mark.parametrize("options", [hs.CaptureOptions, hs.TraceOptions, hs.EditOptions])
 def test_every_option_is_documented_on_its_field(options: Any) -> None:
     docs = options.field_docs()
-    assert list(docs) == list(options.names())
+    assert list(docs) == list(options.option_names())
     assert all(len(text) > 20 and "\n" not in text for text in docs.values())
 
 

@@ -186,7 +186,7 @@ class ExtractConfig(Options):
 
     def __repr__(self) -> str:
         """Every option, as a dataclass shows them; storage options without their secrets."""
-        shown = {name: getattr(self, name) for name in self.names()}
+        shown = {name: getattr(self, name) for name in self.option_names()}
         shown.update(self._without_secrets())
         return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
 

@@ -69,7 +69,7 @@ class MonitorOptions(Options):
     several runs). Every sink gets every step; sinks that raise are named after the others wrote, in one
     :class:`~hookscope.SinkError`.
     """
-    names: str = "std"  # type: ignore[assignment]  # hides Options.names(); the base reads option_names()
+    names: str = "std"
     """``"std"`` logs canonical names (``blocks.3``) where the model has them, ``"modules"`` module
     names.
     """

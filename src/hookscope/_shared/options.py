@@ -65,6 +65,8 @@ class Options:
     PART_KEYWORDS: ClassVar[tuple[str, ...]] = ()
     #: The file the class was defined in, whose field docstrings :meth:`field_docs` reads.
     _source_file: ClassVar[str | None] = None
+    #: :meth:`field_docs` of this class, once read.
+    _field_docs_read: ClassVar[tuple[tuple[str, str], ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -73,14 +75,9 @@ class Options:
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        """The option names, in declaration order (what this base reads: a feature may have an
-        option called ``names``, as the monitor does, which hides :meth:`names`)."""
+        """The option names, in declaration order (not ``names()``: the monitor has an option
+        called ``names``)."""
         return tuple(field.name for field in dataclasses.fields(cls) if field.init)  # type: ignore[arg-type]
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """The option names, in declaration order."""
-        return cls.option_names()
 
     @classmethod
     def build(cls: type[OptionsT], options: OptionsT | None, given: Mapping[str, Any]) -> OptionsT:
@@ -155,7 +152,11 @@ class Options:
         >>> EditOptions.field_docs()["on"].split(",")[0]
         '``"output"`` (default) edits what the module returns'
         """
-        return dict(_field_docs(cls))
+        docs = cls.__dict__.get("_field_docs_read")
+        if docs is None:  # read once per class, when first asked
+            docs = _field_docs(cls)
+            cls._field_docs_read = docs
+        return dict(docs)
 
     def changes(self) -> dict[str, Any]:
         """The options that differ from their defaults (for a repr or a command line)."""
@@ -165,11 +166,12 @@ class Options:
         }
 
 
-def _field_docs(cls: type) -> list[tuple[str, str]]:
+def _field_docs(cls: type) -> tuple[tuple[str, str], ...]:
     """``(field, docstring)`` of every field of ``cls`` and its bases with a string literal under it.
 
     Read from the file each class was defined in (kept when it was defined: the package rewrites
-    its public classes' ``__module__``, which ``inspect.getsource`` would follow to the wrong file).
+    its public classes' ``__module__``, which ``inspect.getsource`` would follow to the wrong file),
+    once per class: the command line asks for every flag's help when it starts.
     """
     found: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
@@ -190,7 +192,7 @@ def _field_docs(cls: type) -> list[tuple[str, str]]:
                 and isinstance(after.value.value, str)
             ):
                 found[field.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return [(name, found[name]) for name in cls.option_names() if name in found]  # type: ignore[attr-defined]
+    return tuple((name, found[name]) for name in cls.option_names() if name in found)  # type: ignore[attr-defined]
 
 
 def _jsonable(value: Any) -> Any:
