@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias, cast
 
@@ -430,17 +431,30 @@ def _listing(items: Iterable[str], limit: int = 12) -> str:
 
 
 def given_selectors(
-    positional: tuple[Selector, ...], layers: Selector | Sequence[Selector] | None, *, feature: str
+    positional: tuple[Selector, ...],
+    layers: Selector | Sequence[Selector] | None,
+    *,
+    feature: str,
+    old_form: bool = False,
 ) -> tuple[Selector, ...]:
     """The selectors a feature was given, positionally (the short form) or as ``layers=``, never both.
+
+    ``old_form``: positional selectors are a form the feature is leaving (``hs.monitor(model,
+    layers)``): they still work, with a ``FutureWarning`` naming ``layers=``.
 
     >>> given_selectors((), ["fc", "conv1"], feature="capture"), given_selectors(("fc",), None, feature="capture")
     (('fc', 'conv1'), ('fc',))
     """
+    if positional and layers is not None:
+        raise SpecError(f"{feature} got selectors both positionally and as layers=; give them one way")
+    if positional and old_form:
+        warnings.warn(
+            f"{feature}: give the layers as layers=...; layers given positionally will not be taken in a later version",
+            FutureWarning,
+            stacklevel=3,
+        )
     if layers is None:
         return positional
-    if positional:
-        raise SpecError(f"{feature} got selectors both positionally and as layers=; give them one way")
     if isinstance(layers, torch.Tensor):
         raise SpecError(f"layers= is {feature}'s own option (which modules); use model_kwargs={{'layers': ...}}")
     return tuple(layers) if isinstance(layers, (list, tuple)) else (layers,)  # type: ignore[return-value]

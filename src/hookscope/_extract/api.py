@@ -26,14 +26,14 @@ from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.op_sites import op_pattern
 from hookscope._core.params import model_device
-from hookscope._core.select import Selector, describe_selector, ensure_module
+from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors
 from hookscope._extract.config import model_identity
 from hookscope._extract.data import IndexedSource, make_source
 from hookscope._extract.job import _Job
 from hookscope._extract.options import ExtractConfig
 from hookscope._extract.pipeline import SiteCaptures
 from hookscope._extract.ranks import resolve_ranks
-from hookscope._shared.options import positional_layers, with_options
+from hookscope._shared.options import with_options
 from hookscope._store import Store, target_of, zarr_module
 from hookscope.errors import SpecError
 
@@ -52,7 +52,7 @@ def _layers_and_out(where: tuple[Any, ...], layers: Any, out: Any) -> tuple[Any,
         old_layers, old_out = where if len(where) == 2 else (where[0], out)
         if len(where) == 2 and out is not None:
             raise SpecError("hs.extract got out twice, positionally and as out=; give it once")
-        return positional_layers((old_layers,), layers, where="hs.extract"), old_out
+        return given_selectors((old_layers,), layers, feature="hs.extract", old_form=True)[0], old_out
     if where:
         if out is not None:
             raise SpecError("hs.extract got out twice, positionally and as out=; give it once")

@@ -20,7 +20,6 @@ from hookscope._monitor.recorder import Read, TrainingRecorder
 from hookscope._monitor.records import MonitorStep
 from hookscope._monitor.summary import GradSummary, summarise
 from hookscope._monitor.tags import step_scalars
-from hookscope._shared.options import positional_layers
 from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["GradMonitor", "watch_grads"]
@@ -209,5 +208,5 @@ def watch_grads(
         print(monitor.summary())
         monitor.history              # steps x layers, pandas
     """
-    chosen = given_selectors((), positional_layers(selectors, layers, where="hs.watch_grads"), feature="watch_grads")
+    chosen = given_selectors(selectors, layers, feature="hs.watch_grads", old_form=True)
     return GradMonitor(model, chosen, params=params, activations=activations, every=every, dead_window=dead_window)

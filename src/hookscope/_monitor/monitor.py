@@ -23,7 +23,7 @@ from hookscope._core.attach import Scoped, WrapSpec
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import named_parameters
-from hookscope._core.select import Selector, ensure_module
+from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._monitor.evidence import note as _note
 from hookscope._monitor.evidence import save_evidence
 from hookscope._monitor.findings import Findings
@@ -36,7 +36,7 @@ from hookscope._monitor.recorder import TrainingRecorder
 from hookscope._monitor.records import MonitorStep
 from hookscope._monitor.scale import LossScale, unscaled
 from hookscope._monitor.sinks import Failures, as_sink, close_all, sink_error, write_all
-from hookscope._shared.options import positional_layers, with_options
+from hookscope._shared.options import with_options
 from hookscope._shared.stats import RAW_FIELDS, RawStats, Stats, finalize
 from hookscope._shared.transfer import fetch
 from hookscope._trace import NonFiniteDetector, detect_nonfinite
@@ -257,7 +257,7 @@ def _table(rows: list[Any]) -> np.ndarray:
 @with_options(MonitorOptions)
 def monitor(
     model: nn.Module,
-    *positional: Selector | Sequence[Selector],
+    *positional: Any,  # the old form: hs.monitor(model, layers)
     layers: Selector | Sequence[Selector] | None = None,
     options: MonitorOptions | None = None,
     **opts: Any,
@@ -287,6 +287,7 @@ def monitor(
     """
     if len(positional) > 1:
         raise SpecError(f"hs.monitor takes the model and layers=..., not {1 + len(positional)} positional arguments")
-    layers = positional_layers(positional, layers, where="hs.monitor")
+    if positional:
+        layers = given_selectors(positional, layers, feature="hs.monitor", old_form=True)[0]
     ensure_loaded(model)  # a meta model: one line, not torch's error
     return Monitor(model, layers, MonitorOptions.build(options, opts))

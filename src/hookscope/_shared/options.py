@@ -46,7 +46,7 @@ import torch
 from hookscope._shared.dtypes import dtype_name
 from hookscope.errors import SpecError
 
-__all__ = ["Options", "positional_layers", "renamed", "with_options"]
+__all__ = ["Options", "renamed", "with_options"]
 
 OptionsT = TypeVar("OptionsT", bound="Options")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -254,22 +254,3 @@ def renamed(new: Any, old: Any, *, new_name: str, old_name: str, where: str) -> 
         raise SpecError(f"{where} got both {new_name}= and {old_name}= (its old name); give {new_name}= alone")
     warnings.warn(f"{where}: {old_name}= is now {new_name}=; the old name will be removed", FutureWarning, stacklevel=3)
     return old
-
-
-def positional_layers(positional: tuple[Any, ...], layers: Any, *, where: str) -> Any:
-    """The layers of a function that took them positionally before ``layers=``: the keyword, or the
-    positional ones with a ``FutureWarning`` (one selector, or a list of several).
-
-    >>> positional_layers((), ["h.0"], where="hs.monitor")
-    ['h.0']
-    """
-    if not positional:
-        return layers
-    if layers is not None:
-        raise SpecError(f"{where} got layers positionally and as layers=; give layers= alone")
-    warnings.warn(
-        f"{where}: give the layers as layers=...; layers given positionally will not be taken in a later version",
-        FutureWarning,
-        stacklevel=3,
-    )
-    return positional[0] if len(positional) == 1 else list(positional)
