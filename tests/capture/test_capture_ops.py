@@ -262,12 +262,13 @@ def test_run_with_capture_takes_op_selectors() -> None:
     assert torch.equal(out, by_hand(block, x).relu())
 
 
-def test_extract_refuses_op_selectors_with_the_way_out(tmp_path: Path) -> None:
+def test_extract_stores_an_in_place_op_s_value_as_it_was(tmp_path: Path) -> None:
     pytest.importorskip("zarr")
     block = track(Residual())
-    with pytest.raises(hs.SpecError, match="does not store op sites yet.*hs.capture"):
-        hs.extract(block, image(4), layers=["conv", ":op[add_#0]"], out=tmp_path / "x.zarr")
-    assert not (tmp_path / "x.zarr").exists()
+    x = image(4)
+    store = hs.extract(block, x, layers=["conv", ":op[add_#0]"], out=tmp_path / "x.zarr", batch_size=2, progress=False)
+    assert store.sites == ["#0:op[add_#0]", "conv"]
+    assert torch.equal(torch.from_numpy(store["#0:op[add_#0]"][:]), by_hand(block, x))  # before the relu_ wrote in it
 
 
 @pytest.mark.slow

@@ -24,7 +24,6 @@ from torch import nn
 from hookscope._arch.std import expand_std
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
-from hookscope._core.op_sites import op_pattern
 from hookscope._core.params import model_device
 from hookscope._core.select import Selector, describe_selector, ensure_module, given_selectors
 from hookscope._extract.config import model_identity
@@ -76,8 +75,9 @@ def extract(
     """Run ``model`` over ``data`` and store the values of ``layers`` for every row in a zarr store.
 
     One array per site (a module's output; every call of a reused module; every tensor of a
-    tuple or ``ModelOutput``), shaped ``(N, ...)`` and chunked along the rows. Returns the
-    complete :class:`Store`.
+    tuple or ``ModelOutput``; an op site such as ``"h.3:op[add#0]"`` or an attention sub-site
+    such as ``"h.*.attn:attn.pattern"``, kept as :func:`hookscope.capture` keeps them), shaped
+    ``(N, ...)`` and chunked along the rows. Returns the complete :class:`Store`.
 
     ``data``: a ``DataLoader`` (not shuffling), a map-style ``Dataset`` (batched by
     ``batch_size``, default 32, with ``num_workers``; ``indices`` picks rows), a tensor or array
@@ -87,7 +87,8 @@ def extract(
 
     The options are :class:`ExtractConfig`'s, as keywords or ``options=``: among them
     ``reduce`` per layer before storing (``"mean:1"``, ``"cls"``, ``"last"``, a function, or a
-    dict ``{selector: reduction}``, first match wins; ``"mean:1"``, ``"last"`` and the others
+    dict ``{selector: reduction}``, first match wins (an op site takes the key written as its
+    selector is in ``layers``); ``"mean:1"``, ``"last"`` and the others
     over dim 1 use only real tokens when the batch has an ``attention_mask``, see ``mask``),
     ``dtype`` to store floats in (``torch.float16``, ``"bfloat16"``), ``device`` to put the
     inputs on (default: the model's), ``keep`` and ``calls`` as in :func:`hookscope.capture`,
@@ -123,7 +124,6 @@ def extract(
     config = ExtractConfig.build(options, opts)
     given: list[Selector] = list(layers) if isinstance(layers, (list, tuple)) else [layers]  # type: ignore[list-item]
     expanded, std_names = expand_std(model, layers, "read")  # "std:blocks.*.resid_post" -> site selectors
-    _refuse_op_selectors(expanded)
     zarr_module()
     target = target_of(out, config.storage_options)
     ranks = resolve_ranks(config.rank, config.world_size)
@@ -175,16 +175,3 @@ def extract(
 def _layer_text(selector: object) -> str:
     """A selector as the store records it: names, globs and regexes as written, others described."""
     return selector if isinstance(selector, str) else describe_selector(selector)
-
-
-def _refuse_op_selectors(layers: object) -> None:
-    """Op sites (``"h.0.attn:op[softmax#0]"``) are captured by ``hs.capture``, not stored by extract yet."""
-    for selector in layers if isinstance(layers, (list, tuple)) else [layers]:
-        if isinstance(selector, (list, tuple)):
-            _refuse_op_selectors(selector)
-        elif op_pattern(selector) is not None:
-            raise SpecError(
-                f"hs.extract does not store op sites yet, and layers= holds the op selector {selector!r}; "
-                "extract module values (the module itself, or its ':output'/':input' leaves), or keep op sites "
-                "with hs.capture / hs.run_with_capture batch by batch"
-            )

@@ -203,7 +203,7 @@ class _Job:
                 layer=site.module,
                 shape=tuple(value.shape[1:]),
                 dtype=dtype_name(value.dtype),
-                reduce=self.captures.reductions.get(site.module),
+                reduce=self.captures.reduction_of(site),
                 sparse=self._sparse(site, value),
             )
             for site, value in values.items()
@@ -226,7 +226,7 @@ class _Job:
 
     def _sparse(self, site: Site, value: torch.Tensor) -> dict[str, int] | None:
         """``{"k", "width"}`` for a site reduced by a ``SparseTopk`` (stored packed, read back sparse)."""
-        found = getattr(self.captures.specs.get(site.module), "sparse_latents", None)
+        found = getattr(self.captures.spec_of(site), "sparse_latents", None)
         if found is None:
             return None
         k, width = found

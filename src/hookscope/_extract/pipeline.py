@@ -11,6 +11,7 @@ batch.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +22,8 @@ from torch import nn
 
 from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
+from hookscope._core.op_sites import OpPattern, op_pattern
+from hookscope._core.plan import split_op_selectors
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
@@ -52,14 +55,17 @@ class SiteCaptures:
         options: CaptureOptions,
     ) -> None:
         self.model = model
+        ops, module_layers = _split_ops(layers)
         # SelectionError with the closest names, before anything runs
-        chosen, leaves = select_leaves(model, layers, whole_sides=options.sides)
+        chosen, leaves = select_leaves(model, module_layers, whole_sides=options.sides) if module_layers else ([], {})
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
-        groups = _groups(model, chosen, reduce)  # checks every reduction now, before anything attaches
-        self.reductions = {name: describe_reduction(spec) for spec, members in groups for name, _ in members}
-        #: The reduction given for each module, as given (a ``SparseTopk`` says its sites are sparse).
-        self.specs = {name: spec for spec, members in groups for name, _ in members}
-        if len(groups) == 1:  # one capture: it reads the selectors as given, leaf selectors included
+        groups = _groups(model, chosen, ops, reduce)  # checks every reduction now, before anything attaches
+        self.reductions = {
+            name: describe_reduction(spec) for spec, members, op_members in groups for name in [*members, *op_members]
+        }
+        #: The reduction given for each module or op selector, as given (a ``SparseTopk`` says its sites are sparse).
+        self.specs = {name: spec for spec, members, op_members in groups for name in [*members, *op_members]}
+        if len(groups) == 1:  # one capture: it reads the selectors as given, leaf and op selectors included
             self._groups: list[tuple[Reduction | None, list[Selector]]] = [
                 (extraction_reduction(groups[0][0]), list(layers))
             ]
@@ -67,10 +73,14 @@ class SiteCaptures:
             self._groups = [
                 (
                     extraction_reduction(spec),
-                    [s for name, module in members for s in _named(name, module, leaves)],
+                    [s for name, module in members.items() for s in _named(name, module, leaves)] + list(op_members),
                 )
-                for spec, members in groups
+                for spec, members, op_members in groups
             ]
+        self._op_modules = {
+            written: {name for name, _ in select(model, op_pattern(written).module)}  # type: ignore[union-attr]
+            for written in ops
+        }
         self._options = options
         self._captures: list[Capture] = []
         #: Values the dtype cast turned into +-inf, by site, over every batch so far.
@@ -99,6 +109,22 @@ class SiteCaptures:
         if exc and exc[0] is None and self.overflowed and self._options.overflow == "warn" and dtype is not None:
             warnings.warn(overflow_message(self.overflowed, dtype, "extract"), CastOverflowWarning, stacklevel=2)
 
+    def spec_of(self, site: Site) -> str | Reduction | None:
+        """The reduction given for ``site``: its module's, or for an op's value its op selector's."""
+        return self.specs.get(self._key_of(site))
+
+    def reduction_of(self, site: Site) -> str | None:
+        """How the store records ``site``'s reduction (see :attr:`reductions`)."""
+        return self.reductions.get(self._key_of(site))
+
+    def _key_of(self, site: Site) -> str:
+        if not site.op:
+            return site.module
+        for written, modules in self._op_modules.items():  # the first op selector that names the site
+            if site.module in modules and _op_names(op_pattern(written), site):  # type: ignore[arg-type]
+                return written
+        return site.module
+
     def collect(self) -> dict[Site, torch.Tensor]:
         """Every site of the latest forward, in model order, then call, then input before output."""
         for made in self._captures:
@@ -107,8 +133,19 @@ class SiteCaptures:
         found = {site: made.cache[site] for made in self._captures for site in made.cache.sites()}
         return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
 
-    def _rank(self, site: Site) -> tuple[int, int, int, str]:
-        return (self.order.get(site.module, -1), site.call, _WHAT_ORDER.get(site.what, 2), site.path)
+    def _rank(self, site: Site) -> tuple[int, int, str, int, str]:
+        # a module's own values, then its ops' in the order they ran (numbered per op name: by text)
+        return (self.order.get(site.module, -1), site.call, site.op, _WHAT_ORDER.get(site.what, 2), site.path)
+
+
+def _op_names(pattern: OpPattern, site: Site) -> bool:
+    """True when the op selector ``pattern`` names ``site``, an op's value, within its module."""
+    if not pattern.matches_call(site.call):
+        return False
+    name, _, index = site.op.rpartition("#")
+    if pattern.sub:
+        return name == f"attn.{pattern.sub}" and (pattern.index is None or fnmatch.fnmatchcase(index, pattern.index))
+    return pattern.matches(name, int(index))
 
 
 def _named(name: str, module: nn.Module, leaves: dict[str, LeafPaths]) -> list[Selector]:
@@ -120,16 +157,36 @@ def _named(name: str, module: nn.Module, leaves: dict[str, LeafPaths]) -> list[S
     ]
 
 
-def _groups(
-    model: nn.Module, chosen: list[tuple[str, nn.Module]], reduce: ReduceOption
-) -> list[tuple[str | Reduction | None, list[tuple[str, nn.Module]]]]:
-    """Modules grouped by reduction; with a dict, a module takes the first key that selects it."""
+def _split_ops(layers: list[Selector]) -> tuple[list[str], list[Selector]]:
+    """The op selectors (``"h.*.attn:attn.pattern"``, as written) and the module selectors; a
+    malformed op selector is a ``SpecError`` now."""
+    patterns, others = split_op_selectors(layers)
+    return [str(pattern) for pattern in patterns], others
+
+
+Group = tuple[str | Reduction | None, dict[str, nn.Module], list[str]]
+
+
+def _groups(model: nn.Module, chosen: list[tuple[str, nn.Module]], ops: list[str], reduce: ReduceOption) -> list[Group]:
+    """Modules and op selectors grouped by reduction. With a dict, a module takes the first key
+    that selects it, and an op selector the key written as it is (an op's values are not its
+    module's: ``"h.0.attn"``'s reduction is not its pattern's); a site no key names is stored whole."""
     if not isinstance(reduce, Mapping):
-        return [(reduce, chosen)]
+        return [(reduce, dict(chosen), ops)]
     assigned: dict[str, str | Reduction | None] = {}
     chosen_names = {name for name, _ in chosen}
     for key, spec in reduce.items():
         extraction_reduction(spec)  # every value is checked, also one no layer ends up using
+        if isinstance(key, str) and op_pattern(key) is not None:
+            written = str(op_pattern(key))
+            if written not in ops:
+                raise SpecError(
+                    f"reduce key {key!r} is an op selector that layers= does not hold (it holds "
+                    f"{', '.join(map(repr, ops)) or 'no op selector'}); key an op site's reduction by its selector "
+                    "exactly as given in layers="
+                )
+            assigned.setdefault(written, spec)
+            continue
         split = split_leaf_selector(key)  # "h.0:output[0]" reduces the module it names
         hits = [name for name, _ in select(model, key if split is None else split[0])]
         if not set(hits) & chosen_names:
@@ -140,11 +197,16 @@ def _groups(
             )
         for name in hits:
             assigned.setdefault(name, spec)
-    groups: dict[tuple[str, object], tuple[str | Reduction | None, list[tuple[str, nn.Module]]]] = {}
-    for name, module in chosen:
-        spec = assigned.get(name)
+    groups: dict[tuple[str, object], Group] = {}
+
+    def group_of(spec: str | Reduction | None) -> Group:
         key = ("name", spec) if isinstance(spec, str) else ("object", id(spec))  # equal texts share a capture
-        groups.setdefault(key, (spec, []))[1].append((name, module))
+        return groups.setdefault(key, (spec, {}, []))
+
+    for name, module in chosen:
+        group_of(assigned.get(name))[1][name] = module
+    for written in ops:
+        group_of(assigned.get(written))[2].append(written)
     return list(groups.values())
 
 

@@ -38,7 +38,10 @@ def extract_command(
         typer.Option(
             "--layers",
             "-l",
-            help="Modules to store: names, globs or 're:' regexes; repeat or comma-separate.",
+            help=(
+                "Modules to store (names, globs or 're:' regexes), op sites ('h.0:op[add#0]') and attention "
+                "sub-sites ('h.*.attn:attn.pattern'); repeat or comma-separate."
+            ),
             show_default=False,
         ),
     ],
