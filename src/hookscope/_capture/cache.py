@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hookscope._capture.stack import Stacked, stack
+from hookscope._core.compat.internals import version_counter
 from hookscope._core.site_index import SiteIndex
 from hookscope._core.sites import Site, short_names
 from hookscope._core.std_names import STD_PREFIX, StdMap, std_matches, std_pattern
@@ -31,7 +32,7 @@ from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted, format_bytes
 from hookscope.errors import CaptureError, FileFormatError, SiteNotFoundError, SpecError
 
-__all__ = ["Cache", "load", "tensor_bytes", "tensor_version"]
+__all__ = ["Cache", "load", "tensor_bytes"]
 
 _SITES_KEY = "hookscope_sites"  # in a saved file's metadata: each stored name's full site
 
@@ -100,7 +101,7 @@ class Cache(Mapping[str, torch.Tensor]):
             return
         previous = self._grads.get(site)
         self._grads[site] = grad if previous is None else previous + grad
-        self._grad_versions[site] = tensor_version(self._grads[site])
+        self._grad_versions[site] = version_counter(self._grads[site])
 
     def _note_no_grad(self, site: Site, why: str) -> None:
         self._no_grad[site] = why
@@ -320,7 +321,7 @@ class Cache(Mapping[str, torch.Tensor]):
     def _checked(self, site: Site) -> torch.Tensor:
         tensor = self._entries[site]
         version = self._versions.get(site)
-        if version is not None and tensor._version != version:
+        if version is not None and version_counter(tensor) != version:
             raise CaptureError(
                 f"the value captured at {str(site)!r} was changed in place after it was captured "
                 "(by code that ran later); capture it with copy=True, or read it before the change",
@@ -350,11 +351,6 @@ _NO_BACKWARD = (
     "no backward has reached it since the forward (call loss.backward(), or give run_with_capture a "
     "backward= metric), or the metric does not depend on it"
 )
-
-
-def tensor_version(tensor: torch.Tensor) -> int | None:
-    """``tensor._version`` (bumped by each in-place write); None for an inference tensor, which has none."""
-    return None if tensor.is_inference() else tensor._version
 
 
 def load(path: str | os.PathLike[str]) -> Cache:

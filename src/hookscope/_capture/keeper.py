@@ -25,10 +25,11 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from hookscope._arch.std import StdMap
-from hookscope._capture.cache import Cache, tensor_bytes, tensor_version
+from hookscope._capture.cache import Cache, tensor_bytes
 from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes, watch_writes
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.internals import version_counter
 from hookscope._core.sites import Site
 from hookscope._shared import malloc as allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
@@ -244,7 +245,7 @@ class Keeper:
     def _keep(self, site: Site, tensor: torch.Tensor, *, owned: bool = False, fresh: bool = False) -> None:
         if owned:  # made by _prepared in compiled code: reduced, cast and moved already
             self._charge(site, tensor_bytes(tensor))
-            self.cache._put(site, tensor, tensor_version(tensor))
+            self.cache._put(site, tensor, version_counter(tensor))
             if self._grads:
                 self.cache._note_no_grad(site, "it was kept inside torch.compile'd code: capture the eager model")
             return
@@ -261,7 +262,7 @@ class Keeper:
             value = self._moved(value)
         if not fresh:
             value = self._owned(site, value, tensor)
-        self.cache._put(site, value, tensor_version(value))
+        self.cache._put(site, value, version_counter(value))
         if self._grads:
             self._keep_grad(site, tensor, fresh)
 
@@ -394,13 +395,13 @@ class Keeper:
             kept = self.cache._get(site)
             if keep_graph and kept is not None and kept.requires_grad and not self._detach:
                 continue  # the model's own tensor, kept in the graph (see _owned)
-            if kept is None or tensor_version(kept) != self.cache._version_of(site):
+            if kept is None or version_counter(kept) != self.cache._version_of(site):
                 continue  # already changed behind the guard's back: leave it for the read check
             view = (kept.data_ptr(), tuple(kept.shape), kept.stride(), kept.dtype)
             copy = copies.get(view)
             if copy is None:
                 copy = copies[view] = kept.clone()
-            self.cache._put(site, copy, tensor_version(copy))
+            self.cache._put(site, copy, version_counter(copy))
 
     def _forget(self, site: Site) -> None:
         if self._overflows:

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from hookscope._core.compat.internals import COMPILED_MODEL_ATTRIBUTE, child_slots
 from hookscope._core.compat.private import optimized_module_class
 from hookscope.errors import SpecError
 
@@ -198,7 +199,7 @@ NamedModule = tuple[str, nn.Module]
 _WRAPPERS = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
     ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
-    (None, "OptimizedModule", "_orig_mod"),
+    (None, "OptimizedModule", COMPILED_MODEL_ATTRIBUTE),
 )
 
 #: The wrappers' class names, for records that outlive their model (a trace's root row).
@@ -283,7 +284,7 @@ def _walk(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
         yield name, raw, module
         inner = _inner_of(module, classes) if classes else None
         children = []
-        for attribute, child in module._modules.items():
+        for attribute, child in child_slots(module):
             if child is None:
                 continue
             child_name = f"{prefix}.{attribute}" if prefix else attribute
@@ -296,5 +297,5 @@ def _walk(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
 def _inner_of(module: nn.Module, classes: list[tuple[type, str]]) -> nn.Module | None:
     for cls, attribute in classes:
         if isinstance(module, cls):
-            return module._modules.get(attribute)
+            return dict(child_slots(module)).get(attribute)
     return None

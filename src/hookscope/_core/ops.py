@@ -75,7 +75,7 @@ from hookscope._core.op_mode import _INHERIT, _OFF, OpListener, _Frame, _Inherit
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import ensure_module
 from hookscope._core.tracker import CallTracker
-from hookscope._core.wrap import WrapSpec, calls_through_call_impl
+from hookscope._core.wrap import WrapSpec, calls_through_module_call
 from hookscope.errors import SpecError, UnsupportedModelError
 
 __all__ = ["OpPattern", "OpSite", "OpWatcher", "op_name", "op_pattern"]
@@ -167,11 +167,11 @@ class OpWatcher(Scoped):
         chosen = {id(module): (name, module) for name, module in modules}
         wraps: list[WrapSpec] = []
         for name, module in chosen.values():
-            if calls_through_call_impl(module):
+            if calls_through_module_call(module):
                 wraps.append(WrapSpec(name, module, "call", self._quiet()))
             wraps.append(WrapSpec(name, module, "forward", self._loud(name, module)))
         for name, module in self._submodules(model, chosen):
-            if calls_through_call_impl(module):
+            if calls_through_module_call(module):
                 wraps.append(WrapSpec(name, module, "call", self._quiet()))
             if children:
                 wraps.append(WrapSpec(name, module, "forward", self._inherit()))

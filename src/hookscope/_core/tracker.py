@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from hookscope._core.compat.compiled import EAGER, is_compiling
+from hookscope._core.compat.internals import CALL_IMPL, hook_dicts_key
 from hookscope._core.compat.private import graph_task_id
 from hookscope._core.names import module_label
 from hookscope.errors import ConcurrentPassError, SpecError, UnsupportedModelError
@@ -52,7 +53,7 @@ def is_reentered(module: nn.Module) -> bool:
     frame: FrameType | None = sys._getframe(1)
     calls = 0
     while frame is not None:
-        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+        if frame.f_code.co_name == CALL_IMPL and frame.f_locals.get("self") is module:
             calls += 1  # the call being entered is one; an outer one makes two
             if calls == 2:
                 return True
@@ -205,7 +206,7 @@ class CallTracker:
         self._names.setdefault(id(module), name)
         self._open.setdefault(id(module), [])  # every key from the start: compiled code guards on the dict's size
         # nn.DataParallel's replicas are shallow copies: they share the original's hook dicts
-        self._originals.setdefault(id(module._forward_pre_hooks), id(module))
+        self._originals.setdefault(hook_dicts_key(module), id(module))
 
     def enter(self, module: nn.Module, *, eager: bool = False) -> int:
         """Open a call of ``module`` and return its index in the current pass, or
@@ -238,15 +239,15 @@ class CallTracker:
         with self._lock:  # the owner and autograd's thread entering at once: one opens the pass
             if self._open_calls:
                 raise self._refusal(module, replica=False)
-            if self._originals.get(id(module._forward_pre_hooks), key) != key:
-                raise _replica_opener(self._names.get(self._originals[id(module._forward_pre_hooks)], ""))
+            if self._originals.get(hook_dicts_key(module), key) != key:
+                raise _replica_opener(self._names.get(self._originals[hook_dicts_key(module)], ""))
             self._open_pass(module, key, ident)
             return self._count(key)
 
     def _enter_elsewhere(self, module: nn.Module, key: int, ident: int) -> int:
         """A call on a thread other than the owner's (the rare path): a DataParallel replica,
         autograd recomputing a checkpointed block for the owner, or another thread's forward."""
-        original = self._originals.get(id(module._forward_pre_hooks))
+        original = self._originals.get(hook_dicts_key(module))
         if original is not None and original != key:
             self.shared = True
             return self._enter_replica(module, original)
@@ -362,7 +363,7 @@ class CallTracker:
     def _replica_stack(self, module: nn.Module) -> list[int] | None:
         """This thread's open calls of the original that ``module`` is a replica of."""
         replica = self._replica_calls()
-        return replica.open.get(self._originals.get(id(module._forward_pre_hooks), 0)) if replica else None
+        return replica.open.get(self._originals.get(hook_dicts_key(module), 0)) if replica else None
 
     def counts(self) -> dict[str, int]:
         """``{name: calls}`` for the latest pass, in the order the modules were watched."""
@@ -385,7 +386,7 @@ class CallTracker:
         """The one error for a call that would mix into a pass open on another thread (on that rare
         path only): a replica the listener does not keep apart, or autograd's thread and the owner's."""
         self.shared = True  # the refused call's closing hooks must leave the open pass alone
-        key = self._originals.get(id(module._forward_pre_hooks), id(module))  # a replica: its original's name
+        key = self._originals.get(hook_dicts_key(module), id(module))  # a replica: its original's name
         name = self._names.get(key, "")
         where = module_label(name)
         verb = f"hs.{self._feature}"

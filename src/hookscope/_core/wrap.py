@@ -18,16 +18,17 @@ import torch
 from torch import nn
 
 from hookscope._core.compat.compiled import never_compiled
+from hookscope._core.compat.internals import CALL_IMPL, COMPILED_CALL_IMPL, calls_look_up_call_impl
 from hookscope._core.names import module_label
 from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 
-__all__ = ["WrapHandle", "WrapKind", "WrapSpec", "calls_through_call_impl", "copied_error"]
+__all__ = ["WrapHandle", "WrapKind", "WrapSpec", "calls_through_module_call", "copied_error"]
 
 #: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
 #: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone;
 #: ``"compiled"``, the call ``model.compile()`` compiled (only the compile routes wrap it).
 WrapKind = Literal["call", "forward", "compiled"]
-_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": "_call_impl", "forward": "forward", "compiled": "_compiled_call_impl"}
+_WRAPPED_ATTRIBUTE: dict[str, str] = {"call": CALL_IMPL, "forward": "forward", "compiled": COMPILED_CALL_IMPL}
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,19 @@ class WrapSpec:
     def __post_init__(self) -> None:
         if self.around not in _WRAPPED_ATTRIBUTE:
             raise SpecError(f"wrap kind {self.around!r} is unknown; expected 'call' or 'forward'")
-        if self.around == "call" and nn.Module.__call__ is not getattr(nn.Module, "_wrapped_call_impl", None):
+        if self.around == "call" and not calls_look_up_call_impl():
             raise UnsupportedModelError(
                 f"this torch ({torch.__version__}) calls modules without looking up _call_impl on the instance, "
                 "which op sites need; use torch 2.1 or later"
             )
-        if self.around == "call" and not calls_through_call_impl(self.module):
+        if self.around == "call" and not calls_through_module_call(self.module):
             raise UnsupportedModelError(
                 f"module {module_label(self.name)!r} ({type(self.module).__name__}) overrides __call__, so its "
                 "forward may run without nn.Module's call: select a module that is called as nn.Module calls"
             )
 
 
-def calls_through_call_impl(module: nn.Module) -> bool:
+def calls_through_module_call(module: nn.Module) -> bool:
     """Whether calling ``module`` goes through ``nn.Module.__call__`` (so a ``"call"`` wrap sees
     the call): False for classes that override ``__call__`` (torch.compile's ``OptimizedModule``)."""
     return type(module).__call__ is nn.Module.__call__

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hookscope._capture import Cache
+from hookscope._core.compat.internals import version_counter
 from hookscope._core.tree import call_leaves, flatten_tensors
 from hookscope._diff.metrics import raw_metrics
 from hookscope._shared.call_recorder import Args, CallRecorder, Handled, Kwargs, OpenCall, Watched
@@ -227,7 +228,7 @@ def compare_leaves(
 def _measure(reference: torch.Tensor, tensor: torch.Tensor, measured: Measured | None) -> tuple[int, torch.Tensor]:
     if measured is None:
         return raw_metrics(reference, tensor)
-    version = None if tensor.is_inference() else tensor._version  # inference tensors have no counter
+    version = version_counter(tensor)  # inference tensors have no counter
     if version is None:
         return raw_metrics(reference, tensor)
     key = (id(reference), id(tensor))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hookscope._core.attach import Scoped, WrapSpec
+from hookscope._core.compat.internals import COMPILED_MODEL_ATTRIBUTE
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.live_hooks import remove_through
 from hookscope._core.names import named_parameters
@@ -86,7 +87,7 @@ class Monitor(Scoped):
         )  # fmt: skip
         # The wrapper of the model's call sees the batch of a forward trip; a compiled model
         # (its forward is Dynamo's) would run eagerly inside one, so it goes without.
-        wraps = () if hasattr(model, "_orig_mod") else (WrapSpec("", model, "call", self._guarded),)
+        wraps = () if hasattr(model, COMPILED_MODEL_ATTRIBUTE) else (WrapSpec("", model, "call", self._guarded),)
         self._recorder = TrainingRecorder(model, self._chosen, measures, wraps=wraps)
         self._group = self._recorder._group
         self._recorder.record_next(options.start % options.every == 0)

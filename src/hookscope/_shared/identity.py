@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from hookscope._core.compat.compiled import is_compiling
+from hookscope._core.compat.internals import version_counter
 
 __all__ = ["SeenTensors"]
 
@@ -41,15 +42,16 @@ class SeenTensors(Generic[T]):
         if entry is None:
             return None
         ref, version, value = entry
-        if ref() is not tensor or tensor.is_inference() or tensor._version != version:
+        if ref() is not tensor or version_counter(tensor) != version:
             return None  # another tensor at a recycled id, an untracked one, or changed in place
         return value
 
     def put(self, tensor: torch.Tensor, value: T) -> None:
         """Remember ``value`` for ``tensor`` as it is now."""
-        if is_compiling() or tensor.is_inference():
+        version = None if is_compiling() else version_counter(tensor)
+        if version is None:
             return  # inference tensors have no version counter: an in-place change would go unseen
-        self._entries[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
+        self._entries[id(tensor)] = (weakref.ref(tensor), version, value)
 
     def clear(self) -> None:
         """Forget everything (at the start of a pass)."""

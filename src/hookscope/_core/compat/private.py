@@ -17,6 +17,9 @@ The calls, by what they are for:
 - Dynamo (:func:`optimized_module_class`, :func:`dynamo_config`, :func:`compiled_code_objects`,
   :func:`has_compiled_code`, :func:`wrapper_code`, :func:`dynamo_errors`): what is compiled,
   and how compiling failed.
+
+The private attributes of torch's objects (a tensor's version counter, a module's hook dicts,
+``_modules``, ``_call_impl``) are read in :mod:`~hookscope._core.compat.internals`.
 """
 
 from __future__ import annotations
