@@ -21,6 +21,7 @@ import torch
 import typer
 
 import hookscope as hs
+from hookscope.cli.parse.flags import option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.specs import make_input
 from hookscope.cli.training import synthetic_loss
@@ -35,9 +36,8 @@ def train_check_command(
     dtype: Dtype = None,
     steps: Annotated[int, typer.Option("--steps", "-n", min=1, help="Training steps to run.")] = 50,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="AdamW learning rate.")] = 1e-3,
-    precision: Annotated[
-        str, typer.Option("--precision", help="Format whose losses are counted: bf16, fp16, fp8, float8_e5m2.")
-    ] = "bf16",
+    # the health report always counts one format's losses: bf16 unless told, where the library counts none
+    precision: Annotated[str, option_flag(hs.MonitorOptions, "precision")] = "bf16",
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Also log every step's scalars here (.jsonl or .csv).")
     ] = None,
