@@ -161,6 +161,8 @@ def test_a_missing_layer_and_a_taken_out(capsys: pytest.CaptureFixture[str], tmp
 def test_parse_reductions() -> None:
     assert parse_reductions([]) is None
     assert parse_reductions(["re:h\\.\\d+=mean:1", "cls"]) == {"re:h\\.\\d+": "mean:1", every_module: "cls"}
+    with_ops = parse_reductions(["h.*=mean:1", "last"], ["h.*", "h.0:op[add#0]", "h.1.attn:attn.pattern"])
+    assert with_ops == {"h.*": "mean:1", "h.0:op[add#0]": "last", "h.1.attn:attn.pattern": "last", every_module: "last"}
     with pytest.raises(hs.SpecError, match="both apply to every layer"):
         parse_reductions(["mean:1", "last"])
     with pytest.raises(hs.SpecError, match="SELECTOR=SPEC"):

@@ -21,7 +21,7 @@ DERIVED = {
     "edit": (hs.EditOptions, {"on"}),
     "extract": (hs.CaptureOptions, {"keep", "calls"}),
     "trace": (hs.TraceOptions, {"timing"}),
-    "train-check": (hs.MonitorOptions, {"precision"}),
+    "train-check": (hs.MonitorOptions, {"precision", "flag_above"}),
 }
 
 #: Flags whose default is the command's own: train-check's report counts bf16 unless told.

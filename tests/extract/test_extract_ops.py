@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 import hookscope as hs
 from tests.models import attention_gpt2
@@ -105,21 +106,83 @@ def test_op_sites_reduce_over_real_tokens_by_their_own_key(tmp_path: Path) -> No
     assert stored_reductions == {"h.0#0:op[add#0]": "mean:1", "h.1.attn#0:attn.pattern": None}
 
 
-def test_a_store_of_op_sites_resumes_and_refuses_other_op_sites(tmp_path: Path) -> None:
+class FailsOnce(Dataset[dict[str, torch.Tensor]]):
+    """The padded rows one by one; fetching ``fail_at`` raises until ``armed`` is turned off."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.rows, self.fail_at, self.armed = padded_rows(), fail_at, True
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.armed and index == self.fail_at:
+            raise RuntimeError("the data went away")
+        return {key: value[index] for key, value in self.rows.items()}
+
+
+def test_a_store_of_op_sites_resumes_to_the_same_values_and_refuses_other_op_sites(tmp_path: Path) -> None:
     model = attention_gpt2("sdpa")
-    rows = padded_rows()
-    out = tmp_path / "f.zarr"
-    layers = ["h.0.attn:op[split#0]"]
-    first = hs.extract(model, rows, out, layers=layers, batch_size=4, progress=False)
-    assert first.sites == [f"h.0.attn#0:op[split#0][{part}]" for part in range(3)]  # the tuple's three tensors
-    again = hs.extract(model, rows, out, layers=layers, batch_size=4, progress=False)  # complete: reopened
-    for name in first.sites:
-        assert np.array_equal(again[name][:], first[name][:])
-    query = captured_in_batches(model, ["h.0.attn:op[split#0]"], rows)["h.0.attn#0:op[split#0][0]"]
-    assert np.array_equal(first["h.0.attn#0:op[split#0][0]"][:], query)
+    layers = ["h.0.attn:op[split#0]", "h.1.attn:attn.pattern"]
+    whole = hs.extract(model, padded_rows(), tmp_path / "whole.zarr", layers=layers, batch_size=2, progress=False)
+    names = [*(f"h.0.attn#0:op[split#0][{part}]" for part in range(3)), "h.1.attn#0:attn.pattern"]
+    assert whole.sites == names  # the tuple's three tensors, then the next module's pattern
+
+    data, out = FailsOnce(fail_at=4), tmp_path / "f.zarr"
+    with pytest.raises(RuntimeError, match="went away"):
+        hs.extract(model, data, out, layers=layers, batch_size=2, chunk_rows=2, progress=False)
+    assert hs.open_store(out, partial=True).done_chunks() == {0, 1}
+    data.armed = False
+    resumed = hs.extract(model, data, out, layers=layers, batch_size=2, chunk_rows=2, progress=False)
+    assert resumed.complete
+    assert resumed.sites == names
+    for name in names:
+        assert np.array_equal(resumed[name][:], whole[name][:]), name
+    query = captured_in_batches(model, ["h.0.attn:op[split#0]"], padded_rows())["h.0.attn#0:op[split#0][0]"]
+    assert np.allclose(whole["h.0.attn#0:op[split#0][0]"][:], query, atol=1e-6)
 
     with pytest.raises(hs.StoreError, match="layers"):
-        hs.extract(model, rows, out, layers=["h.0.attn:op[split#1]"], batch_size=4, progress=False)
+        hs.extract(model, padded_rows(), out, layers=["h.0.attn:op[split#1]"], batch_size=2, progress=False)
+
+
+def test_ops_of_one_module_under_two_reductions_see_the_model_s_ops_only(tmp_path: Path) -> None:
+    model, eager = attention_gpt2("sdpa"), attention_gpt2("eager")
+    rows = padded_rows()
+    layers = ["h.0.attn:op[s*]", "h.0.attn:attn.pattern"]  # split, scaled_dot_product_attention: batch-first
+    store = hs.extract(
+        model, rows, tmp_path / "f.zarr", layers=layers, reduce={"h.0.attn:attn.pattern": "mean:1"}, progress=False
+    )
+    alone = hs.extract(model, rows, tmp_path / "g.zarr", layers=["h.0.attn:op[s*]"], progress=False)
+    # the other capture's softmax (its pattern recomputed) is not one of the module's ops
+    assert [name for name in store.sites if "attn.pattern" not in name] == alone.sites
+    assert not any("softmax" in name for name in store.sites)
+    with torch.no_grad():
+        weights = eager(**rows, output_attentions=True).attentions[0].double().numpy()
+    assert np.allclose(store["h.0.attn#0:attn.pattern"][:], weights.mean(axis=1), atol=1e-6)
+
+
+def test_an_op_site_named_under_two_reductions_is_refused(tmp_path: Path) -> None:
+    model = attention_gpt2("sdpa")
+    with pytest.raises(hs.SpecError, match=r"op site 'h.0#0:op\[add#0\]' is named by op selectors of two reductions"):
+        hs.extract(
+            model,
+            padded_rows(),
+            tmp_path / "f.zarr",
+            layers=["h.*:op[add#0]", "h.0:op[add#0]"],
+            reduce={"h.0:op[add#0]": "mean:1"},
+            progress=False,
+        )
+    assert hs.attached(model) == []
+
+
+def test_a_mean_over_attention_heads_is_never_masked_as_tokens() -> None:
+    """Two heads and two tokens: the padding mask fits the pattern's (batch, heads) by shape alone."""
+    model, eager = attention_gpt2("sdpa"), attention_gpt2("eager")
+    rows = {"input_ids": torch.tensor([[5, 6], [7, 0]]), "attention_mask": torch.tensor([[1, 1], [1, 0]])}
+    _, cache = hs.run_with_capture(model, **rows, layers="h.1.attn:attn.pattern", reduce="mean:1")
+    with torch.no_grad():
+        weights = eager(**rows, output_attentions=True).attentions[1].double().numpy()
+    assert np.allclose(cache["h.1.attn:attn.pattern"].double().numpy(), weights.mean(axis=1), atol=1e-6)
 
 
 def test_a_reduction_keyed_by_an_op_selector_not_extracted_is_refused(tmp_path: Path) -> None:
@@ -141,3 +204,8 @@ def test_an_op_selector_that_never_fires_is_an_error_and_leaves_no_hook(tmp_path
     with pytest.raises(hs.CaptureError, match="softmax"):
         hs.extract(model, padded_rows(), tmp_path / "f.zarr", layers=["h.0.attn:op[softmax]"], progress=False)
     assert hs.attached(model) == []
+
+
+def test_empty_layers_are_refused_as_selecting_nothing(tmp_path: Path) -> None:
+    with pytest.raises(hs.SpecError, match="empty"):
+        hs.extract(attention_gpt2("sdpa"), padded_rows(), tmp_path / "f.zarr", layers=[], progress=False)

@@ -9,6 +9,7 @@ listener it calls (:class:`OpListener`) and the watcher's stack entries it reads
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,8 +27,10 @@ class OpListener(Protocol):
 
     Called as ``listener(module, call, op, index, args, kwargs, output)``: the selected module's
     name and call index in the pass, the op's name (:func:`op_name`) and its index among that
-    module call's ops of that name, and what the op was called with and returned. It runs with
-    the watcher's mode off: torch ops it calls are not reported. For an in-place op
+    module call's ops of that name, and what the op was called with and returned. Torch ops it
+    calls are reported to no watcher on this thread: they are hookscope's work (a pattern
+    recomputed, a reduction, an edit), not the module's, so another capture's or edit's watch
+    of the same module neither keeps them nor counts them in its op indices. For an in-place op
     (``add_``, ``x += y``) ``output`` is the written tensor itself, and a replacement changes only
     what the call returns (``out += y`` rebinds ``out`` to it; a bare ``out.add_(y)`` ignores it).
     """
@@ -85,6 +88,15 @@ def _holds_tensor(value: Any) -> bool:
 _WATCHER_NUMBERS = itertools.count()
 
 
+class _Listening(threading.local):
+    """How many op listeners are running on this thread: while one is, no mode reports."""
+
+    depth = 0
+
+
+_LISTENING = _Listening()
+
+
 class _OpMode(TorchFunctionMode):
     """Runs each torch function, then reports it to the listener when it returned a tensor and
     a selected module's own code is running (``frame``)."""
@@ -109,7 +121,7 @@ class _OpMode(TorchFunctionMode):
             kwargs = {}
         output = func(*args, **kwargs)  # torch took this mode off the stack while it runs
         frame = self.frame
-        if frame is None or not _holds_tensor(output):
+        if frame is None or _LISTENING.depth or not _holds_tensor(output):
             return output
         try:
             name = self._names[func]
@@ -120,5 +132,9 @@ class _OpMode(TorchFunctionMode):
         counts = frame.counts
         index = counts.get(name, 0)
         counts[name] = index + 1
-        replacement = self._listener(frame.module, frame.call, name, index, args, kwargs, output)
+        _LISTENING.depth += 1
+        try:
+            replacement = self._listener(frame.module, frame.call, name, index, args, kwargs, output)
+        finally:
+            _LISTENING.depth -= 1
         return output if replacement is None else replacement

@@ -11,7 +11,6 @@ batch.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -22,7 +21,7 @@ from torch import nn
 
 from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
-from hookscope._core.op_sites import OpPattern, op_pattern
+from hookscope._core.op_sites import op_pattern
 from hookscope._core.plan import split_op_selectors
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
@@ -56,8 +55,9 @@ class SiteCaptures:
     ) -> None:
         self.model = model
         ops, module_layers = _split_ops(layers)
-        # SelectionError with the closest names, before anything runs
-        chosen, leaves = select_leaves(model, module_layers, whole_sides=options.sides) if module_layers else ([], {})
+        # SelectionError with the closest names, before anything runs (an empty list's too)
+        picked = module_layers or not ops
+        chosen, leaves = select_leaves(model, module_layers, whole_sides=options.sides) if picked else ([], {})
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, ops, reduce)  # checks every reduction now, before anything attaches
         self.reductions = {
@@ -77,10 +77,10 @@ class SiteCaptures:
                 )
                 for spec, members, op_members in groups
             ]
-        self._op_modules = {
-            written: {name for name, _ in select(model, op_pattern(written).module)}  # type: ignore[union-attr]
-            for written in ops
-        }
+        #: Each capture's reduction as given, and its op selectors, in the order of the captures.
+        self._given = [(spec, op_members) for spec, _, op_members in groups]
+        #: Which capture kept each site of the latest forward.
+        self._kept_by: dict[Site, int] = {}
         self._options = options
         self._captures: list[Capture] = []
         #: Values the dtype cast turned into +-inf, by site, over every batch so far.
@@ -110,42 +110,52 @@ class SiteCaptures:
             warnings.warn(overflow_message(self.overflowed, dtype, "extract"), CastOverflowWarning, stacklevel=2)
 
     def spec_of(self, site: Site) -> str | Reduction | None:
-        """The reduction given for ``site``: its module's, or for an op's value its op selector's."""
-        return self.specs.get(self._key_of(site))
+        """The reduction given for ``site`` (read after :meth:`collect`): its capture's."""
+        return self._given[self._kept_by[site]][0]
 
     def reduction_of(self, site: Site) -> str | None:
         """How the store records ``site``'s reduction (see :attr:`reductions`)."""
-        return self.reductions.get(self._key_of(site))
-
-    def _key_of(self, site: Site) -> str:
-        if not site.op:
-            return site.module
-        for written, modules in self._op_modules.items():  # the first op selector that names the site
-            if site.module in modules and _op_names(op_pattern(written), site):  # type: ignore[arg-type]
-                return written
-        return site.module
+        return describe_reduction(self.spec_of(site))
 
     def collect(self) -> dict[Site, torch.Tensor]:
-        """Every site of the latest forward, in model order, then call, then input before output."""
+        """Every site of the latest forward, in model order, then call, then the module's own
+        values before its ops', then input before output."""
         for made in self._captures:
-            for site, count in made.cache.overflowed.items():
-                self.overflowed[site] = self.overflowed.get(site, 0) + count
-        found = {site: made.cache[site] for made in self._captures for site in made.cache.sites()}
+            for label, count in made.cache.overflowed.items():
+                self.overflowed[label] = self.overflowed.get(label, 0) + count
+        found: dict[Site, torch.Tensor] = {}
+        self._kept_by = {}
+        for number, made in enumerate(self._captures):
+            for site in made.cache.sites():
+                if site in self._kept_by:
+                    raise self._kept_twice(site, self._kept_by[site], number)
+                self._kept_by[site] = number
+                found[site] = made.cache[site]
         return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
 
-    def _rank(self, site: Site) -> tuple[int, int, str, int, str]:
-        # a module's own values, then its ops' in the order they ran (numbered per op name: by text)
-        return (self.order.get(site.module, -1), site.call, site.op, _WHAT_ORDER.get(site.what, 2), site.path)
+    def _kept_twice(self, site: Site, first: int, second: int) -> SpecError:
+        """Op selectors of two reductions name one site (modules are shared out between reductions
+        before anything runs; op sites are known only once they ran)."""
+        named = " and ".join(
+            f"{', '.join(map(repr, self._given[number][1]))} (reduce {describe_reduction(self._given[number][0])})"
+            for number in (first, second)
+        )
+        return SpecError(
+            f"op site {str(site)!r} is named by op selectors of two reductions, {named}; name each op site "
+            "in layers= through selectors of one reduction"
+        )
 
-
-def _op_names(pattern: OpPattern, site: Site) -> bool:
-    """True when the op selector ``pattern`` names ``site``, an op's value, within its module."""
-    if not pattern.matches_call(site.call):
-        return False
-    name, _, index = site.op.rpartition("#")
-    if pattern.sub:
-        return name == f"attn.{pattern.sub}" and (pattern.index is None or fnmatch.fnmatchcase(index, pattern.index))
-    return pattern.matches(name, int(index))
+    def _rank(self, site: Site) -> tuple[int, int, str, int, int, str]:
+        # a module's own values first (op ""), then its ops by name and index (the order they ran is not kept)
+        name, _, index = site.op.rpartition("#")
+        return (
+            self.order.get(site.module, -1),
+            site.call,
+            name,
+            int(index) if index else -1,
+            _WHAT_ORDER.get(site.what, 2),
+            site.path,
+        )
 
 
 def _named(name: str, module: nn.Module, leaves: dict[str, LeafPaths]) -> list[Selector]:
@@ -191,9 +201,10 @@ def _groups(model: nn.Module, chosen: list[tuple[str, nn.Module]], ops: list[str
         hits = [name for name, _ in select(model, key if split is None else split[0])]
         if not set(hits) & chosen_names:
             named = ", ".join(hits[:3]) + (", ..." if len(hits) > 3 else "")
+            ops_note = " (an op site takes only a key written as its op selector is in layers=)" if ops else ""
             raise SpecError(
                 f"reduce key {describe_selector(key)} selects {named}, none of the layers being extracted; "
-                "use a key that names some of them"
+                f"use a key that names some of them{ops_note}"
             )
         for name in hits:
             assigned.setdefault(name, spec)

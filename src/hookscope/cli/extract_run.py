@@ -11,7 +11,7 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +42,16 @@ def every_module(name: str, module: nn.Module) -> bool:
     return True
 
 
-def parse_reductions(options: list[str]) -> Any:
+def parse_reductions(options: list[str], layers: Sequence[object] = ()) -> Any:
     """``--reduce`` values: one spec for every layer, or ``SELECTOR=SPEC`` pairs (first match wins).
+    A spec without ``SELECTOR=`` beside pairs applies to every module and op site no pair named: an
+    op site takes only a key written as its selector (see ``hs.extract``), so each op selector of
+    ``layers`` is keyed with it too.
 
     >>> parse_reductions(["mean:1"]), parse_reductions(["h.*=mean:1", "last"])
     ('mean:1', {'h.*': 'mean:1', <function every_module ...>: 'last'})
+    >>> parse_reductions(["h.*=mean:1", "last"], ["h.*", "h.0:op[add#0]"])[ "h.0:op[add#0]"]
+    'last'
     """
     if not options:
         return None
@@ -65,6 +70,9 @@ def parse_reductions(options: list[str]) -> Any:
     if not pairs:
         return default
     if default is not None:
+        for layer in layers:
+            if isinstance(layer, str) and (":op[" in layer or ":attn." in layer):  # an op selector
+                pairs.setdefault(layer, default)
         pairs[every_module] = default
     return pairs
 

@@ -14,7 +14,7 @@ private *attributes* of its objects that hooks alone cannot replace:
   attributes ``nn.Module.__call__`` runs, which a wrapper of a module's whole call replaces;
 - :data:`COMPILED_MODEL_ATTRIBUTE`: where ``torch.compile``'s wrapper keeps the model.
 
-A test (``tests/core/test_compat.py``) checks each against the behaviour it stands for on the
+A test (``tests/core/test_compat_internals.py``) checks each against the behaviour it stands for on the
 installed torch, and that no module outside ``compat/`` reads these names.
 """
 

@@ -144,7 +144,7 @@ def extract_command(
     from hookscope.cli.sample import build_model
 
     level = None if compression.strip().lower() == "none" else int_option("--compression-level", compression)
-    reductions = parse_reductions(reduce or [])
+    reductions = parse_reductions(reduce or [], selector_list(layers))
     storage = parse_storage_options(storage_options or [])
     keep_tokens = tokens_choice(tokens)
     # recorded by the store with credentials redacted (hs.extract); shown back as typed after Ctrl-C

@@ -21,7 +21,7 @@ import torch
 import typer
 
 import hookscope as hs
-from hookscope.cli.parse.flags import option_flag
+from hookscope.cli.parse.flags import option_default, option_flag
 from hookscope.cli.parse.options import Dtype, InputShape, ModelSpec, seed_option
 from hookscope.cli.parse.specs import make_input
 from hookscope.cli.training import synthetic_loss
@@ -38,6 +38,9 @@ def train_check_command(
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="AdamW learning rate.")] = 1e-3,
     # the health report always counts one format's losses: bf16 unless told, where the library counts none
     precision: Annotated[str, option_flag(hs.MonitorOptions, "precision")] = "bf16",
+    flag_above: Annotated[float, option_flag(hs.MonitorOptions, "flag_above", min=0.0, max=1.0)] = option_default(
+        hs.MonitorOptions, "flag_above"
+    ),
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Also log every step's scalars here (.jsonl or .csv).")
     ] = None,
@@ -52,7 +55,9 @@ def train_check_command(
     if out is not None:
         check_output_path(out, what="--out")
     trip_dir = (out.parent if out is not None else Path(".")) / "hookscope-trips"
-    options = hs.MonitorOptions(precision=precision, sinks=(out,) if out else (), trip_dir=trip_dir)  # checked first
+    options = hs.MonitorOptions(  # checked first
+        precision=precision, flag_above=flag_above, sinks=(out,) if out else (), trip_dir=trip_dir
+    )
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     net = sample.model.train()
