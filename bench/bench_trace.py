@@ -49,13 +49,15 @@ float64; the statistics path that ran is printed with the notes; the check print
 Measured when the kernel landed (three runs of 15 rounds): trace 1.10-1.34x on ResNet-50, 1.06-1.37x on GPT-2
 (1.50x and 1.30x with ``HOOKSCOPE_FUSED_STATS=0``), 1.12-1.24x beside a busy process (1.64x), ``detect_nonfinite``
 1.11-1.19x and 1.03-1.09x. Those runs read long tensors with torch's OpenMP team, whose parallel region ends at a
-barrier that waits for a team thread another process holds off its core. Since then the calling thread reads
-every tensor under ``kernel.TEAM_MIN_VALUES`` values alone. Same sitting, old and new builds in alternating
-processes (ResNet-50, 2 warm-ups, 4-5 rounds each, a machine loaded 3-9 by other jobs): seconds inside the kernel
-per traced forward 0.08-1.08 (median 0.83, 0.76) with the team, 0.24-0.53 (median 0.50, 0.28) alone; trace over
-plain 1.25, 1.40, 2.12, 1.40, 1.43x before, 1.11, 3.00, 1.14, 1.33, 1.11x after; ``detect_nonfinite`` 1.57, 1.24,
-1.24, 1.48, 1.33x before, 0.96, 1.16, 1.11, 1.19, 1.05x after. On a quiet machine the team is faster (0.08 s
-against about 0.2 s per forward): the cost of figures that hold on a shared one.
+barrier that waits for a team thread another process holds off its core. A later build read every tensor under 16 Mi
+values alone: on a machine loaded 3-9 by other jobs trace over plain went from 1.25, 1.40, 2.12, 1.40, 1.43x to 1.11,
+3.00, 1.14, 1.33, 1.11x, but on a quiet one the team is about twice as fast. Now tensors of ``kernel.TEAM_MIN_VALUES``
+values and more go whichever way has been reading faster (timed as they are read). One sitting, the three builds in
+alternating processes (ResNet-50, 7 rounds; quiet, then beside a busy process): the team for every long tensor 1.22
+and 1.20x, 1.28 and 1.24x, 1.41 and 1.40x; alone under 16 Mi values 1.44 and 1.38x, 1.40 and 1.12x; the faster way
+1.28 and 1.23x (from 1 Mi values), 1.38 and 1.20x, 1.39 and 1.47x (from 512 Ki). In one process with the choice
+forced, 8 rounds: the faster way 1.29x, always the team 1.45x, always alone 1.44x. The machine's own noise (per-round
+ratios from 0.96 to 1.91x) is larger than the differences, and the 1.15x target was not met by any build.
 
 Run: ``.venv/bin/python bench/bench_trace.py``; ``--model resnet50|gpt2|all``, ``--rounds N`` (default 15:
 single rounds vary by 10% and more), ``--no-busy``; ``--quick`` for a smoke run.

@@ -105,17 +105,19 @@ def reading_with(team: int) -> None:
     of more than one segment, or (0) the calling thread alone; kept until ``fused._threads = -1``."""
     assert fused._use_team is not None
     fused._use_team(team, SEGMENT + 1)
+    fused._team_choice(1)  # always the team, not the faster way
     fused._threads = torch.get_num_threads()  # keep this choice until reset
 
 
 @pytest.fixture
 def restore_reading() -> Iterator[None]:
     yield
+    fused._team_choice(0)
     fused._threads = -1  # the next measure sets the library up for torch's threads again
 
 
 def test_the_layout_constants_come_from_the_library() -> None:
-    assert ctypes.c_int32.in_dll(fused._library, "hookscope_abi_version").value == fused.ABI_VERSION == 2
+    assert ctypes.c_int32.in_dll(fused._library, "hookscope_abi_version").value == fused.ABI_VERSION == 3
     assert SUB % 16 == 0
     assert SEGMENT % SUB == 0
     assert fused.TEAM_MIN_VALUES >= SEGMENT
@@ -140,6 +142,20 @@ def test_alone_and_with_torchs_team_give_the_same_bits() -> None:
         results.append(fused.measure(values))
     assert results[0] is not None
     assert all(result == results[0] for result in results)
+
+
+@pytest.mark.usefixtures("restore_reading")
+def test_the_faster_way_chosen_as_it_reads_gives_the_same_bits() -> None:
+    """Long tensors go alone or to the team by their timings, and one in 16 the other way: every
+    read of many gives the bits of a read alone."""
+    values = torch.randn(5 * SEGMENT + 123, generator=torch.Generator().manual_seed(4))
+    reading_with(0)
+    alone = fused.measure(values)
+    finite_alone = fused.all_finite(values)
+    reading_with(2)
+    fused._team_choice(0)  # the faster way, timed as it reads
+    assert all(fused.measure(values) == alone for _ in range(40))
+    assert all(fused.all_finite(values) == finite_alone for _ in range(40))
 
 
 @pytest.mark.usefixtures("restore_reading")

@@ -3,8 +3,8 @@
  * hookscope measures every activation of a model inside its forward hooks. Done with torch
  * reductions that is five or six passes over each tensor (aminmax, sum, dot, |x|, its sum, zero
  * counts), each a parallel region of torch's thread pool; on a shared machine every region pays
- * a barrier. This file reads each value once, in the calling thread (torch's OpenMP team joins in
- * for very long tensors only: see "segments" below), and returns
+ * a barrier. This file reads each value once, in the calling thread or, for long tensors where it
+ * reads faster, with torch's OpenMP team (see "segments" below), and returns
  *
  *     out[0] min    out[1] max    out[2] sum(x - shift)    out[3] sum((x - shift)^2)
  *     out[4] sum|x| out[5] number of zeros   out[6] the shift used
@@ -28,6 +28,7 @@
  */
 #define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <dlfcn.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -40,12 +41,13 @@
 
 /* The interface's version: bumped whenever an entry point, the ``out`` layout or a constant below
  * changes meaning. hookscope/_shared/fused.py refuses a library whose version is not its own. */
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define LANES 16 /* one AVX-512 register of float32, two AVX2 ones, four SSE ones */
 #define SUB 512  /* values per float32 partial sum: a multiple of LANES */
 #define SEGMENT 262144 /* values read forward at a time (1 MiB of float32), segments last first */
 #define OUT_FIELDS 8   /* doubles each entry point writes to ``out`` */
-#define TEAM_MIN_VALUES 16777216 /* tensors shorter than this are read by the caller alone (see below) */
+#define TEAM_MIN_VALUES (2 * SEGMENT) /* shorter tensors are read by the caller alone; longer, the faster way */
+#define EXPLORE_EVERY 16 /* one long tensor in this many is read the other way, to keep both timed */
 
 /* The same numbers for the Python side, tests and docs to read (ctypes ``in_dll``), so that none
  * of them keeps a copy that can drift. */
@@ -274,18 +276,20 @@ CLONES static void finite_f64(totals *t, const void *p, size_t count, double unu
 /* -- segments and torch's OpenMP team ------------------------------------------------------------
  *
  * A tensor is cut into segments of SEGMENT values, each summed into its own totals and merged in a
- * fixed order, so the result is the same bits whichever thread read which segment. The calling
- * thread reads them alone, unless the tensor holds at least ``team_min`` values (TEAM_MIN_VALUES by
- * default) and torch runs on GNU OpenMP: then torch's own team shares them, claiming segments one
- * at a time from a shared counter.
+ * fixed order, so the result is the same bits whichever thread read which segment. Tensors under
+ * ``team_min`` values (TEAM_MIN_VALUES by default) are read by the calling thread alone. Longer
+ * ones, where torch runs on GNU OpenMP, are read whichever way has been reading faster: alone, or
+ * shared with torch's own team, claiming segments one at a time from a shared counter.
  *
- * Why alone below that size: a parallel region ends at a barrier that waits for every thread of
- * the team to arrive, also one that claimed nothing. When another process holds a core, the
- * team's thread there is descheduled and the caller waits for the scheduler to run it again: a
- * time slice, milliseconds, per region. A traced ResNet-50 reads ~170 tensors of 0.1-25 MB per
- * forward; shared with the team they spent 1.1-3.9 s per forward in the kernel beside other
- * processes, read alone 0.2-0.9 s (and ~0.2 s against ~0.1 s on a quiet machine). A tensor of
- * 64 MiB and more takes long enough to read that the second thread's half pays for the wait.
+ * Why measure rather than pick: a parallel region ends at a barrier that waits for every thread of
+ * the team, also one that claimed nothing. When another process holds a core, the team's thread
+ * there is descheduled and the caller waits a time slice (milliseconds) per region; on a quiet
+ * machine the team reads twice as fast. A traced ResNet-50 reads ~170 tensors of 0.1-25 MB per
+ * forward: always shared, they took 1.1-3.9 s per forward beside another process; always alone,
+ * 0.2-0.9 s there and ~0.2 s against ~0.1 s on a quiet machine. So each way keeps a moving average
+ * of its nanoseconds per 1,024 values over the long tensors it read, the faster is used, and one
+ * long tensor in EXPLORE_EVERY is read the other way so a machine that quietens or fills up is
+ * followed within a forward. A timing is a hint only: either way gives the same bits.
  */
 typedef void (*segment_fn)(totals *, const void *, size_t, double);
 
@@ -344,8 +348,44 @@ static _Atomic pid_t team_pid;         /* a forked child has no team of its pare
 
 static void team_body(void *work) { run_segments((job *)work); }
 
-/* Read tensors of at least ``min_values`` values (<= 0: TEAM_MIN_VALUES) with torch's OpenMP team
- * of ``threads`` (< 2: never); returns 1 when there is such a team. */
+/* Nanoseconds per 1,024 values, moving averages over long tensors, for statistics [0] and
+ * finiteness [1] apart (a finiteness read does less per value); 0: not timed yet. */
+static _Atomic int64_t alone_cost[2], team_cost[2];
+static _Atomic uint64_t long_reads;
+static _Atomic int team_choice; /* 0: the faster way; 1: always the team; 2: never (tests) */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void note_cost(_Atomic int64_t *cost, int64_t elapsed, size_t count) {
+    int64_t per = elapsed * 1024 / (int64_t)count + 1; /* never 0, which means untimed */
+    int64_t old = atomic_load(cost);
+    atomic_store(cost, old == 0 ? per : (3 * old + per) / 4);
+}
+
+/* Whether this long tensor goes to the team: an untimed way first, then the faster one, and
+ * every EXPLORE_EVERY-th the other. */
+static int team_reads_next(int kind) {
+    int choice = atomic_load(&team_choice);
+    if (choice != 0) return choice == 1;
+    int64_t alone = atomic_load(&alone_cost[kind]), team = atomic_load(&team_cost[kind]);
+    if (team == 0) return 1;
+    if (alone == 0) return 0;
+    int faster = team < alone;
+    return atomic_fetch_add(&long_reads, 1) % EXPLORE_EVERY == EXPLORE_EVERY - 1 ? !faster : faster;
+}
+
+/* How long tensors are read: 0 the faster way (the default), 1 always with the team, 2 always alone. */
+int hookscope_team_choice(int choice) {
+    atomic_store(&team_choice, choice == 1 || choice == 2 ? choice : 0);
+    return atomic_load(&team_choice);
+}
+
+/* Read tensors of at least ``min_values`` values (<= 0: TEAM_MIN_VALUES) the faster of alone and with
+ * torch's OpenMP team of ``threads`` (< 2: always alone); returns 1 when there is such a team. */
 int hookscope_use_team(int threads, int64_t min_values) {
     gomp_parallel_fn found = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
     atomic_store(&gomp_parallel, found);
@@ -356,7 +396,7 @@ int hookscope_use_team(int threads, int64_t min_values) {
     return team > 0;
 }
 
-static void measure(segment_fn fn, const void *values, size_t item, size_t count, double shift, double *out) {
+static void measure(segment_fn fn, int kind, const void *values, size_t item, size_t count, double shift, double *out) {
     size_t segments = (count + SEGMENT - 1) / SEGMENT;
     totals few[64];
     totals *parts = segments <= 64 ? few : malloc(segments * sizeof(totals));
@@ -367,7 +407,13 @@ static void measure(segment_fn fn, const void *values, size_t item, size_t count
         start(&few[0]);
         fn(&few[0], values, count, shift);
     } else if (segments > 1 && team > 0 && (int64_t)count >= atomic_load(&team_min) && getpid() == team_pid) {
-        atomic_load(&gomp_parallel)(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
+        int shared = team_reads_next(kind);
+        int64_t began = now_ns();
+        if (shared)
+            atomic_load(&gomp_parallel)(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
+        else
+            run_segments(&work);
+        note_cost(shared ? &team_cost[kind] : &alone_cost[kind], now_ns() - began, count);
     } else {
         run_segments(&work);
     }
@@ -408,21 +454,21 @@ static float bf16_value(const void *values) {
 int hookscope_stats_f32(const void *values, int64_t count, double wanted, double *out) {
     if (count <= 0) return nothing(wanted, out);
     float shift = wanted == wanted ? (float)wanted : *(const float *)values;
-    measure(segment_f32, values, sizeof(float), (size_t)count, shift, out);
+    measure(segment_f32, 0, values, sizeof(float), (size_t)count, shift, out);
     return 0;
 }
 
 int hookscope_stats_bf16(const void *values, int64_t count, double wanted, double *out) {
     if (count <= 0) return nothing(wanted, out);
     float shift = wanted == wanted ? (float)wanted : bf16_value(values);
-    measure(segment_bf16, values, sizeof(uint16_t), (size_t)count, shift, out);
+    measure(segment_bf16, 0, values, sizeof(uint16_t), (size_t)count, shift, out);
     return 0;
 }
 
 int hookscope_stats_f64(const void *values, int64_t count, double wanted, double *out) {
     if (count <= 0) return nothing(wanted, out);
     double shift = wanted == wanted ? wanted : *(const double *)values;
-    measure(segment_f64, values, sizeof(double), (size_t)count, shift, out);
+    measure(segment_f64, 0, values, sizeof(double), (size_t)count, shift, out);
     return 0;
 }
 
@@ -430,20 +476,20 @@ int hookscope_stats_f64(const void *values, int64_t count, double wanted, double
 int hookscope_finite_f32(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
     if (count <= 0) return nothing(0.0, out);
-    measure(finite_f32, values, sizeof(float), (size_t)count, 0.0, out);
+    measure(finite_f32, 1, values, sizeof(float), (size_t)count, 0.0, out);
     return 0;
 }
 
 int hookscope_finite_bf16(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
     if (count <= 0) return nothing(0.0, out);
-    measure(finite_bf16, values, sizeof(uint16_t), (size_t)count, 0.0, out);
+    measure(finite_bf16, 1, values, sizeof(uint16_t), (size_t)count, 0.0, out);
     return 0;
 }
 
 int hookscope_finite_f64(const void *values, int64_t count, double unused, double *out) {
     (void)unused;
     if (count <= 0) return nothing(0.0, out);
-    measure(finite_f64, values, sizeof(double), (size_t)count, 0.0, out);
+    measure(finite_f64, 1, values, sizeof(double), (size_t)count, 0.0, out);
     return 0;
 }

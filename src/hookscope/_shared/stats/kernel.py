@@ -4,9 +4,10 @@ Why a compiled kernel: torch computes min and max, sums, sums of squares, ``|x|`
 counts as five or six reductions, each a pass over the values and a parallel region of torch's
 thread pool. Over the ~200 activations of a ResNet-50 that is about a thousand regions per
 forward; on a machine where another process holds a core, each one waits for a descheduled
-thread. The kernel reads each value once, in the calling thread (no region at all; torch's
-OpenMP team joins in only for tensors of :data:`TEAM_MIN_VALUES` and more), with SIMD lanes
-(AVX-512 or AVX2 where the CPU has them).
+thread. The kernel reads each value once, in the calling thread (no region at all), with SIMD
+lanes (AVX-512 or AVX2 where the CPU has them); tensors of :data:`TEAM_MIN_VALUES` and more are
+read with torch's OpenMP team instead while that has been the faster way (timed as it reads: the
+team is quick on a quiet machine and waits a time slice per tensor beside a busy process).
 
 Why C through ctypes, not numba or a torch extension: it builds with the package in about a
 second wherever a C compiler is (``setup.py``, optional), needs no headers and no JIT warm-up, and
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: The kernel interface this module speaks (``hookscope_abi_version`` in ``fused_stats.c``).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _ENTRY_POINTS = {
     torch.float32: "hookscope_stats_f32",
@@ -64,6 +65,7 @@ _ENTRY_POINTS = {
 }
 _Kernel = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)
 _UseTeam = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+_TeamChoice = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 _LIBRARY = "_fused_stats" + (".dylib" if sys.platform == "darwin" else ".dll" if sys.platform == "win32" else ".so")
 
 
@@ -104,13 +106,17 @@ def _constant(library: ctypes.CDLL | None, name: str) -> int:
     return int(ctypes.c_int64.in_dll(library, f"hookscope_{name}").value) if library is not None else 0
 
 
-def _entry_points(library: ctypes.CDLL | None) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any]:
-    """The library's functions: statistics and finiteness by dtype, and the team setting (all empty without it)."""
+def _entry_points(
+    library: ctypes.CDLL | None,
+) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any, Any]:
+    """The library's functions: statistics and finiteness by dtype, the team setting and the team
+    choice (``hookscope_team_choice``: 0 the faster way, 1 always the team, 2 never; for tests);
+    all empty without it."""
     if library is None:
-        return {}, {}, None
+        return {}, {}, None, None
     stats = {dtype: _Kernel((name, library)) for dtype, name in _ENTRY_POINTS.items()}
     finite = {dtype: _Kernel((name.replace("_stats_", "_finite_"), library)) for dtype, name in _ENTRY_POINTS.items()}
-    return stats, finite, _UseTeam(("hookscope_use_team", library))
+    return stats, finite, _UseTeam(("hookscope_use_team", library)), _TeamChoice(("hookscope_team_choice", library))
 
 
 _library, _missing = _load()
@@ -118,18 +124,20 @@ _library, _missing = _load()
 BLOCK_VALUES = _constant(_library, "block_values")
 #: Values per segment, the unit torch's OpenMP team shares (read last first).
 SEGMENT_VALUES = _constant(_library, "segment_values")
-#: Tensors with fewer values are read by the calling thread alone (see ``fused_stats.c``: a
-#: parallel region waits for every thread of the team, also one another process holds off its core).
+#: Tensors with fewer values are read by the calling thread alone; longer ones alone or with torch's
+#: OpenMP team, whichever has been reading faster (see ``fused_stats.c``: a parallel region waits for
+#: every thread of the team, also one another process holds off its core).
 TEAM_MIN_VALUES = _constant(_library, "team_min_values")
 _OUT_FIELDS = _constant(_library, "out_fields")
-_KERNELS, _FINITE, _use_team = _entry_points(_library)
+_KERNELS, _FINITE, _use_team, _team_choice = _entry_points(_library)
 _use = bool(_KERNELS)
 _threads = -1  # the thread count the library was set up for; -1: not yet
 
 
 def _match_torch_threads() -> None:
     """Let torch's OpenMP team, of as many threads as torch computes with, read the longest
-    tensors, where torch runs on GNU OpenMP; else every tensor is read by the calling thread."""
+    tensors where that is faster, when torch runs on GNU OpenMP; else every tensor is read by the
+    calling thread."""
     global _threads
     threads = torch.get_num_threads()
     if threads == _threads or _use_team is None:
