@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast coverage lint bench browser wheel-check install install-dev clean FORCE
+.PHONY: demo test test-fast coverage lint bench browser wheel-check docs install install-dev clean FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ $(VENV)/.installed-dev: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN
 demo: install
 	$(BIN)/hookscope demo
 
+# The documentation site, built into docs/_build/html; every page's code cells run, warnings are errors.
+$(VENV)/.installed-docs: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
+	$(PIP) "$(TORCH)"
+	$(PIP) "$(TORCH)" -e ".[dev,docs]"
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 lint: install-dev
 	$(BIN)/python -m ruff check src tests bench
 	$(BIN)/python -m ruff format --check src tests bench
@@ -53,7 +62,7 @@ browser:
 wheel-check: install-dev
 	bash .ci/wheel-check $(BIN)/python "$(TORCH)"
 
-test: lint browser wheel-check
+test: lint browser wheel-check docs
 	$(BIN)/python -m pytest
 
 # The edit-test loop: everything but the tests marked slow (compile, distributed, browser, and
@@ -75,5 +84,5 @@ bench: install-dev
 	$(BIN)/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo \
+	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo docs/_build docs/jupyter_execute \
 		.coverage .coverage.*

@@ -193,7 +193,7 @@ def watch_grads(
     positionally still work, with a ``FutureWarning``.
 
     Per module call, statistics of the gradient with respect to each output (``grad_output``)
-    and input (``grad_input``): norm, mean |g|, max |g|, NaN/Inf counts; per parameter, its
+    and input (``grad_input``): norm, mean ``|g|``, max ``|g|``, NaN/Inf counts; per parameter, its
     gradient's statistics and ``|g| / |w|``. Call ``monitor.step()`` after each ``backward()``.
     It is :func:`hookscope.monitor`'s recorder measuring gradients only: the same hooks, steps,
     flags and tags.

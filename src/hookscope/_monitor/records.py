@@ -47,7 +47,7 @@ _SIDE = {"grad_output": "output", "grad_input": "input"}
 class GradRecord:
     """One gradient of one step: of a module call's output or input tensor, or of a parameter.
 
-    ``norm`` is the L2 norm, ``mean_abs`` and ``max_abs`` of |g|; ``ratio`` is ``norm / |w|``
+    ``norm`` is the L2 norm, ``mean_abs`` and ``max_abs`` of ``|g|``; ``ratio`` is ``norm / |w|``
     for parameters (None for activations). ``order`` ranks activation gradients in the order
     backward produced them (0 first). ``path`` is, for an activation, the tensor's place
     relative to the call's output or input, as in a :class:`~hookscope.Site` (``""`` for the

@@ -72,7 +72,7 @@ def run_with_trace(
     Each row of the :class:`Trace` holds a call's order, depth, name, class and call index, the
     shapes, dtypes and devices of its inputs (keyword inputs too) and outputs (every tensor of a
     structured output), its own parameter count, and statistics of every output tensor: min,
-    max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts, computed on the device
+    max, mean, std, mean ``|x|``, fraction of zeros, NaN and +/-Inf counts, computed on the device
     and read once after the forward (see :mod:`hookscope._shared.stats`).
 
     - ``layers``: trace only these modules (default: all, the model itself included);

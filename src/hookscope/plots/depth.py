@@ -27,7 +27,7 @@ def layer_stats(
     """Mean, std, min and max of each layer's output along depth, in two panels.
 
     The top panel shows the range (min to max, light), mean ± std (dark) and the mean; the
-    bottom one the std and mean |x| on a log axis, where growth or decay by orders of magnitude
+    bottom one the std and mean ``|x|`` on a log axis, where growth or decay by orders of magnitude
     reads as a slope. A layer whose output held a NaN or Inf is marked with a red cross.
     ``layers`` picks them (a selector, formerly ``sites``; default: every leaf module's call).
 

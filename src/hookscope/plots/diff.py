@@ -17,7 +17,7 @@ __all__ = ["diff_profile"]
 
 
 def diff_profile(diff: Diff, *, leaves_only: bool = True) -> Any:
-    """Relative error and max |a - b| of each site along depth (log scale), SQNR below.
+    """Relative error and max ``|a - b|`` of each site along depth (log scale), SQNR below.
 
     Sites run left to right in the order b made its outputs. Exactly equal sites sit on the
     bottom edge as open circles (a log axis has no zero); sites that could not be compared

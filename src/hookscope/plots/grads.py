@@ -26,7 +26,7 @@ def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
 
 
 def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = None, what: str = "grad_output") -> Any:
-    """Mean and max |g| per layer at one recorded step (the latest by default), log scale.
+    """Mean and max ``|g|`` per layer at one recorded step (the latest by default), log scale.
 
     Layers run left to right in forward order; a layer whose gradient held a NaN/Inf is marked
     with a red cross at the top. ``what`` is ``grad_output`` (default), ``grad_input`` or

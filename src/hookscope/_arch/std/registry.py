@@ -58,7 +58,7 @@ def std_map(model: nn.Module, *args: Any, family: str | None = "auto", **kwargs:
 
     Args:
         model: a transformers model of a known family, or any model with a list of blocks.
-        *args, **kwargs: an example input for the check forward; a transformers model needs
+        ``*args``, ``**kwargs``: an example input for the check forward; a transformers model needs
             none (a tiny one is made from its config).
         family: ``"auto"``: the family table for ``config.model_type``, else the structural
             detector; None: the structural detector always.
