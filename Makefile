@@ -40,9 +40,8 @@ demo: install
 	$(BIN)/hookscope demo
 
 # The documentation site, built into docs/_build/html; every page's code cells run, warnings are errors.
-$(VENV)/.installed-docs: pyproject.toml Makefile $(KERNEL) $(VENV)/.torch | $(BIN)/python
-	$(PIP) "$(TORCH)"
-	$(PIP) "$(TORCH)" -e ".[dev,docs]"
+$(VENV)/.installed-docs: $(VENV)/.installed-dev
+	$(PIP) "$(TORCH)" -e ".[docs]"
 	touch $@
 
 docs: $(VENV)/.installed-docs
@@ -84,5 +83,5 @@ bench: install-dev
 	$(BIN)/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo docs/_build docs/jupyter_execute \
+	rm -rf $(VENV) build dist src/*.egg-info src/hookscope/_shared/_fused_stats*.so src/hookscope/_shared/stats/_fused_stats*.so .pytest_cache .mypy_cache .ruff_cache .hypothesis hookscope-demo docs/_build \
 		.coverage .coverage.*

@@ -35,7 +35,7 @@ extensions = [
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build", "examples", "**/.ipynb_checkpoints", "jupyter_execute"]
+exclude_patterns = ["_build", "examples", "**/.ipynb_checkpoints"]
 
 # MyST: headings get anchors down to level 3, so a page's sections can be linked to.
 myst_enable_extensions = ["colon_fence", "deflist", "fieldlist", "attrs_inline"]
@@ -65,3 +65,19 @@ html_title = f"hookscope {release}"
 html_static_path: list[str] = []
 html_copy_source = True  # each page's Markdown source is published beside it, for tools and agents
 html_show_sourcelink = True
+
+
+def _options_fields(app: object, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
+    """An options class's fields, each with the docstring written under it (``Options.field_docs``):
+    the package names itself as their ``__module__``, so autodoc would look for them elsewhere."""
+    from hookscope._shared.options import Options
+
+    if what != "class" or not (isinstance(obj, type) and issubclass(obj, Options)):
+        return
+    lines += ["", "**Options** (each also a keyword of the functions that take this class):", ""]
+    for field, text in obj.field_docs().items():
+        lines += [f"``{field}``", *(f"   {line}" for line in text.splitlines()), ""]
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-docstring", _options_fields)  # type: ignore[attr-defined]

@@ -17,15 +17,35 @@ import hookscope as hs
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PUBLIC_MODULES = ("edits", "methods", "plots", "sinks", "io", "tensors", "info")
 
-# An example fence of Python code that is not a code cell; it must be marked just above.
-_PYTHON_FENCE = re.compile(r"^(?P<ticks>`{3,})(?:python|py|pycon)\s*$")
+# An example fence of Python code that is not a code cell (```python, ~~~py, ```{code-block} python,
+# indented or not, any case); it must be marked just above.
+_PYTHON_FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*(\{code-block\}\s*)?(i?py(thon3?)?|pycon)\b", re.IGNORECASE)
+_CODE_CELL = re.compile(r"^\s*(`{3,}|~{3,})\{code-cell\}", re.MULTILINE)
 _NOT_RUN = re.compile(r"^<!-- not run: .{10,} -->$")
 
 
+@pytest.mark.parametrize(
+    ("line", "python"),
+    [
+        ("```python", True),
+        ("```py", True),
+        ("~~~Python3", True),
+        ("   ```ipython", True),
+        ("```python {linenos}", True),
+        ("```{code-block} python", True),
+        ("```pycon", True),
+        ("```{code-cell} python", False),
+        ("```sh", False),
+        ("```pyproject", False),
+        ("```text", False),
+    ],
+)
+def test_the_fence_rule_knows_a_python_block(line: str, python: bool) -> None:
+    assert bool(_PYTHON_FENCE.match(line)) is python
+
+
 def pages() -> list[Path]:
-    return sorted(
-        path for path in DOCS.rglob("*.md") if "_build" not in path.parts and "jupyter_execute" not in path.parts
-    )
+    return sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts)
 
 
 def test_every_public_name_has_a_reference_entry() -> None:
@@ -53,7 +73,6 @@ def test_a_page_with_code_cells_is_a_notebook() -> None:
     plain = [
         str(page.relative_to(DOCS))
         for page in pages()
-        if re.search(r"^`{3,}\{code-cell\}", page.read_text(), flags=re.MULTILINE)
-        and not page.read_text().startswith("---\nfile_format: mystnb")
+        if _CODE_CELL.search(page.read_text()) and not page.read_text().startswith("---\nfile_format: mystnb")
     ]
     assert plain == []

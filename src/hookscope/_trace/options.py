@@ -43,7 +43,7 @@ class TraceOptions(Options):
     feature = "trace"
 
     stats: StatsChoice = True
-    """Min, max, mean, std, mean |x|, fraction of zeros, NaN and +/-Inf counts of every output tensor,
+    """Min, max, mean, std, mean ``|x|``, fraction of zeros, NaN and +/-Inf counts of every output tensor,
     computed on the device and read once per pass; ``False``: shapes only; or a list of the
     statistics to keep, among ``"min"``, ``"max"``, ``"mean"``, ``"std"``, ``"abs_mean"``,
     ``"zeros"`` and ``"nonfinite"`` (NaN/Inf counts are always kept; the others read NaN and, where

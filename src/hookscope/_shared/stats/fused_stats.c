@@ -47,7 +47,7 @@
 #define SEGMENT 262144 /* values read forward at a time (1 MiB of float32), segments last first */
 #define OUT_FIELDS 8   /* doubles each entry point writes to ``out`` */
 #define TEAM_MIN_VALUES (2 * SEGMENT) /* shorter tensors are read by the caller alone; longer, the faster way */
-#define EXPLORE_EVERY 16 /* one long tensor in this many is read the other way, to keep both timed */
+#define EXPLORE_EVERY 16 /* about one long tensor in this many is read the other way, to keep both timed */
 
 /* The same numbers for the Python side, tests and docs to read (ctypes ``in_dll``), so that none
  * of them keeps a copy that can drift. */
@@ -287,9 +287,11 @@ CLONES static void finite_f64(totals *t, const void *p, size_t count, double unu
  * machine the team reads twice as fast. A traced ResNet-50 reads ~170 tensors of 0.1-25 MB per
  * forward: always shared, they took 1.1-3.9 s per forward beside another process; always alone,
  * 0.2-0.9 s there and ~0.2 s against ~0.1 s on a quiet machine. So each way keeps a moving average
- * of its nanoseconds per 1,024 values over the long tensors it read, the faster is used, and one
- * long tensor in EXPLORE_EVERY is read the other way so a machine that quietens or fills up is
- * followed within a forward. A timing is a hint only: either way gives the same bits.
+ * of its nanoseconds per KiB read over the long tensors it read (statistics and finiteness apart:
+ * they do different work per value), the faster is used, and about one long read in EXPLORE_EVERY,
+ * picked at random (a fixed stride would always pick the same layer of a forward), goes the other
+ * way, so a machine that quietens or fills up is followed within a few dozen long reads. A timing
+ * is a hint only: either way gives the same bits.
  */
 typedef void (*segment_fn)(totals *, const void *, size_t, double);
 
@@ -348,10 +350,11 @@ static _Atomic pid_t team_pid;         /* a forked child has no team of its pare
 
 static void team_body(void *work) { run_segments((job *)work); }
 
-/* Nanoseconds per 1,024 values, moving averages over long tensors, for statistics [0] and
+/* Nanoseconds per KiB read, moving averages over long tensors, for statistics [0] and
  * finiteness [1] apart (a finiteness read does less per value); 0: not timed yet. */
 static _Atomic int64_t alone_cost[2], team_cost[2];
-static _Atomic uint64_t long_reads;
+static _Atomic uint64_t explore_state = 0x9e3779b97f4a7c15u; /* xorshift64: which reads go the other way */
+static _Atomic int64_t reads_made[2][2]; /* [kind][shared]: long reads made each way, for tests */
 static _Atomic int team_choice; /* 0: the faster way; 1: always the team; 2: never (tests) */
 
 static int64_t now_ns(void) {
@@ -360,14 +363,14 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void note_cost(_Atomic int64_t *cost, int64_t elapsed, size_t count) {
-    int64_t per = elapsed * 1024 / (int64_t)count + 1; /* never 0, which means untimed */
+static void note_cost(_Atomic int64_t *cost, int64_t elapsed, size_t bytes) {
+    int64_t per = elapsed * 1024 / (int64_t)bytes + 1; /* never 0, which means untimed */
     int64_t old = atomic_load(cost);
     atomic_store(cost, old == 0 ? per : (3 * old + per) / 4);
 }
 
-/* Whether this long tensor goes to the team: an untimed way first, then the faster one, and
- * every EXPLORE_EVERY-th the other. */
+/* Whether this long tensor goes to the team: an untimed way first, then the faster one, and about
+ * one in EXPLORE_EVERY, at random, the other. */
 static int team_reads_next(int kind) {
     int choice = atomic_load(&team_choice);
     if (choice != 0) return choice == 1;
@@ -375,7 +378,17 @@ static int team_reads_next(int kind) {
     if (team == 0) return 1;
     if (alone == 0) return 0;
     int faster = team < alone;
-    return atomic_fetch_add(&long_reads, 1) % EXPLORE_EVERY == EXPLORE_EVERY - 1 ? !faster : faster;
+    uint64_t x = atomic_load(&explore_state); /* a lost update between threads only repeats a draw */
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    atomic_store(&explore_state, x);
+    return x % EXPLORE_EVERY == 0 ? !faster : faster;
+}
+
+/* How many long reads of ``kind`` (0 statistics, 1 finiteness) went ``shared`` (1) or alone (0). */
+int64_t hookscope_long_reads(int kind, int shared) {
+    return atomic_load(&reads_made[kind != 0][shared != 0]);
 }
 
 /* How long tensors are read: 0 the faster way (the default), 1 always with the team, 2 always alone. */
@@ -413,7 +426,8 @@ static void measure(segment_fn fn, int kind, const void *values, size_t item, si
             atomic_load(&gomp_parallel)(team_body, &work, (unsigned)team, 0); /* the caller is one of the team */
         else
             run_segments(&work);
-        note_cost(shared ? &team_cost[kind] : &alone_cost[kind], now_ns() - began, count);
+        note_cost(shared ? &team_cost[kind] : &alone_cost[kind], now_ns() - began, count * item);
+        atomic_fetch_add(&reads_made[kind][shared], 1);
     } else {
         run_segments(&work);
     }

@@ -66,6 +66,7 @@ _ENTRY_POINTS = {
 _Kernel = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p)
 _UseTeam = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int64)
 _TeamChoice = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+_LongReads = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int, ctypes.c_int)
 _LIBRARY = "_fused_stats" + (".dylib" if sys.platform == "darwin" else ".dll" if sys.platform == "win32" else ".so")
 
 
@@ -108,15 +109,22 @@ def _constant(library: ctypes.CDLL | None, name: str) -> int:
 
 def _entry_points(
     library: ctypes.CDLL | None,
-) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any, Any]:
-    """The library's functions: statistics and finiteness by dtype, the team setting and the team
-    choice (``hookscope_team_choice``: 0 the faster way, 1 always the team, 2 never; for tests);
-    all empty without it."""
+) -> tuple[dict[torch.dtype, Any], dict[torch.dtype, Any], Any, Any, Any]:
+    """The library's functions: statistics and finiteness by dtype, the team setting, and for
+    tests the team choice (``hookscope_team_choice``: 0 the faster way, 1 always the team, 2 never)
+    and the count of long reads made each way (``hookscope_long_reads(kind, shared)``); all empty
+    without it."""
     if library is None:
-        return {}, {}, None, None
+        return {}, {}, None, None, None
     stats = {dtype: _Kernel((name, library)) for dtype, name in _ENTRY_POINTS.items()}
     finite = {dtype: _Kernel((name.replace("_stats_", "_finite_"), library)) for dtype, name in _ENTRY_POINTS.items()}
-    return stats, finite, _UseTeam(("hookscope_use_team", library)), _TeamChoice(("hookscope_team_choice", library))
+    return (
+        stats,
+        finite,
+        _UseTeam(("hookscope_use_team", library)),
+        _TeamChoice(("hookscope_team_choice", library)),
+        _LongReads(("hookscope_long_reads", library)),
+    )
 
 
 _library, _missing = _load()
@@ -129,7 +137,7 @@ SEGMENT_VALUES = _constant(_library, "segment_values")
 #: every thread of the team, also one another process holds off its core).
 TEAM_MIN_VALUES = _constant(_library, "team_min_values")
 _OUT_FIELDS = _constant(_library, "out_fields")
-_KERNELS, _FINITE, _use_team, _team_choice = _entry_points(_library)
+_KERNELS, _FINITE, _use_team, _team_choice, _long_reads = _entry_points(_library)
 _use = bool(_KERNELS)
 _threads = -1  # the thread count the library was set up for; -1: not yet
 
