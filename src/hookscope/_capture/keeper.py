@@ -30,7 +30,7 @@ from hookscope._capture.guard import storage_bytes, storage_key, unwatch_writes,
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.compat.compiled import is_compiling
 from hookscope._core.compat.internals import version_counter
-from hookscope._core.op_sites import SDPA
+from hookscope._core.op_sites import heads_first
 from hookscope._core.sites import Site
 from hookscope._shared import malloc as allocator
 from hookscope._shared.dtypes import cast_checked, dtype_name
@@ -305,8 +305,7 @@ class Keeper:
 
     def _reduced(self, site: Site, value: torch.Tensor) -> torch.Tensor:
         assert self._reduce is not None
-        # an attention kernel's values are (batch, heads, ...): dim 1 is never the tokens the mask marks
-        mask = None if site.op.startswith(("attn.", f"{SDPA}#")) else self.token_mask
+        mask = None if heads_first(site.op) else self.token_mask
         try:
             return reduce_value(self._reduce, value, mask)
         except (RuntimeError, IndexError, TypeError, ValueError) as error:

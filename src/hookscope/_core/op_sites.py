@@ -46,10 +46,12 @@ __all__ = [
     "SDPA",
     "OpPattern",
     "OpSite",
+    "heads_first",
     "op_leaf_label",
     "op_name",
     "op_pattern",
     "op_text",
+    "split_op_label",
     "split_op_leaf",
 ]
 
@@ -341,6 +343,26 @@ def op_leaf_label(op: str, what: str, path: str) -> str:
     if what not in ("input", "output"):
         raise SpecError(f"an op's value is its 'input' or 'output', not {what!r}")
     return f"op[{op}]{':input' if what == 'input' else ''}{path}"
+
+
+def split_op_label(label: str) -> tuple[str, int]:
+    """The op's name and index of a label (``Site.op``): ``("softmax", 0)``, ``("attn.pattern", 1)``.
+
+    >>> split_op_label("softmax#0"), split_op_label("attn.pattern#1")
+    (('softmax', 0), ('attn.pattern', 1))
+    """
+    name, _, index = label.rpartition("#")
+    return name, int(index)
+
+
+def heads_first(label: str) -> bool:
+    """Whether an op's value is an attention kernel's, laid out ``(batch, heads, ...)``: an attention
+    sub-site or the kernel's own output. Its dimension 1 is never the tokens a padding mask marks.
+
+    >>> heads_first("attn.pattern#0"), heads_first(f"{SDPA}#1"), heads_first("add#0"), heads_first("")
+    (True, True, False, False)
+    """
+    return label.startswith(("attn.", f"{SDPA}#"))
 
 
 def op_text(label: str) -> str:

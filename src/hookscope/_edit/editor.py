@@ -32,7 +32,7 @@ from hookscope._arch.plan import expand_sites, plan_sites
 from hookscope._core.attach import HookGroup, HookSpec, Scoped
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.names import ROOT_LABEL, call_label, module_label, parse_leaf, split_leaf_selector
-from hookscope._core.op_sites import SDPA, OpPattern
+from hookscope._core.op_sites import SDPA, OpPattern, split_op_label
 from hookscope._core.plan import attach_plan
 from hookscope._core.select import Selector, describe_selector, ensure_module, select
 from hookscope._core.tracker import CallTracker
@@ -169,8 +169,8 @@ class Editor(Scoped):
         self, name: str, call: int, label: str, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """Edit what one selected op call returned (told by the op watcher, after the op ran)."""
-        op, _, index = label.rpartition("#")
-        numbers = [n for n in self._matching(name, call, op, int(index)) if not self._op_patterns[n].sub]
+        op, index = split_op_label(label)
+        numbers = [n for n in self._matching(name, call, op, index) if not self._op_patterns[n].sub]
         targets = [target for number in numbers for target in self._op_targets[number]]
         found = flatten_tensors(output, "")
         leaves = _apply(targets, found, name, call, self._op_modules[name], "output", args, kwargs, op=label)

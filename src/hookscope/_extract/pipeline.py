@@ -21,7 +21,7 @@ from torch import nn
 
 from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
-from hookscope._core.op_sites import op_pattern
+from hookscope._core.op_sites import op_pattern, split_op_label
 from hookscope._core.plan import split_op_selectors
 from hookscope._core.select import LeafPaths, Selector, describe_selector, select, select_leaves
 from hookscope._core.sites import Site
@@ -63,8 +63,6 @@ class SiteCaptures:
         self.reductions = {
             name: describe_reduction(spec) for spec, members, op_members in groups for name in [*members, *op_members]
         }
-        #: The reduction given for each module or op selector, as given (a ``SparseTopk`` says its sites are sparse).
-        self.specs = {name: spec for spec, members, op_members in groups for name in [*members, *op_members]}
         if len(groups) == 1:  # one capture: it reads the selectors as given, leaf and op selectors included
             self._groups: list[tuple[Reduction | None, list[Selector]]] = [
                 (extraction_reduction(groups[0][0]), list(layers))
@@ -147,15 +145,8 @@ class SiteCaptures:
 
     def _rank(self, site: Site) -> tuple[int, int, str, int, int, str]:
         # a module's own values first (op ""), then its ops by name and index (the order they ran is not kept)
-        name, _, index = site.op.rpartition("#")
-        return (
-            self.order.get(site.module, -1),
-            site.call,
-            name,
-            int(index) if index else -1,
-            _WHAT_ORDER.get(site.what, 2),
-            site.path,
-        )
+        name, index = split_op_label(site.op) if site.op else ("", -1)
+        return (self.order.get(site.module, -1), site.call, name, index, _WHAT_ORDER.get(site.what, 2), site.path)
 
 
 def _named(name: str, module: nn.Module, leaves: dict[str, LeafPaths]) -> list[Selector]:
@@ -187,8 +178,9 @@ def _groups(model: nn.Module, chosen: list[tuple[str, nn.Module]], ops: list[str
     chosen_names = {name for name, _ in chosen}
     for key, spec in reduce.items():
         extraction_reduction(spec)  # every value is checked, also one no layer ends up using
-        if isinstance(key, str) and op_pattern(key) is not None:
-            written = str(op_pattern(key))
+        pattern = op_pattern(key) if isinstance(key, str) else None
+        if pattern is not None:
+            written = str(pattern)
             if written not in ops:
                 raise SpecError(
                     f"reduce key {key!r} is an op selector that layers= does not hold (it holds "
