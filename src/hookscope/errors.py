@@ -50,8 +50,9 @@ A message says what happened, what was expected, and how to fix it, in one line:
 line prints exactly that line. It ends with a link to the error's entry on the errors page
 (:func:`docs_link`), which says what the error means, its usual causes and the fix. The same
 facts are attributes (in parentheses above), so a program can act on an error without reading
-its message: ``error.suggestions[0]`` is the name a mistyped selector probably meant. Which exit code the command line gives each error is the command
-line's business (``hookscope.cli.app``), not the errors'.
+its message: ``error.suggestions[0]`` is the name a mistyped selector probably meant. Which
+exit code the command line gives each error is the command line's business
+(``hookscope.cli.app``), not the errors'.
 """
 
 from __future__ import annotations
