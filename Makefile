@@ -45,7 +45,7 @@ $(VENV)/.installed-docs: $(VENV)/.installed-dev
 	touch $@
 
 docs: $(VENV)/.installed-docs
-	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(BIN)/python -m sphinx -W --keep-going -q -j auto -b html docs docs/_build/html
 
 lint: install-dev
 	$(BIN)/python -m ruff check src tests bench

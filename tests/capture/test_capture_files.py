@@ -316,7 +316,7 @@ def test_missing_safetensors_package_is_named(tmp_path: Path) -> None:
         try:
             save_tensors(sys.argv[1], {"x": torch.ones(2)}, {})
         except MissingDependencyError as error:
-            print(error)
+            print(error.args[0])
         """
     )
     target = tmp_path / "out" / "x.safetensors"
