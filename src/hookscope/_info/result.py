@@ -19,7 +19,9 @@ class Info:
     Jupyter it shows as a table. Packages map to their version, or None where not installed.
 
     Attributes:
-        hookscope, python, torch: the versions.
+        hookscope: hookscope's version.
+        python: Python's version.
+        torch: torch's version (``torch.__version__``).
         platform: the operating system, machine and C library.
         devices: the CPU threads torch computes with, and the CUDA devices it sees.
         integrations: ``transformers``, ``accelerate``, ``lightning``: version or None.
