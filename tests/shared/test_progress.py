@@ -9,6 +9,7 @@ import io
 import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,11 +112,16 @@ class _Texts(HTMLParser):
 
 
 @pytest.fixture
-def notebook(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[dict[str, Any], dict[str, Any]]]]:
+def notebook(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[tuple[dict[str, Any], dict[str, Any]]]]:
     """An IPython shell that says a kernel runs it, its display messages recorded: what a
-    Jupyter kernel's shell publishes to the notebook."""
+    Jupyter kernel's shell publishes to the notebook (no history kept, its files in ``tmp_path``)."""
     interactiveshell = pytest.importorskip("IPython.core.interactiveshell")
-    shell = interactiveshell.InteractiveShell.instance()
+    from traitlets.config import Config
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = interactiveshell.InteractiveShell.instance(config=config)
     published: list[tuple[dict[str, Any], dict[str, Any]]] = []
     monkeypatch.setattr(shell, "kernel", object(), raising=False)
     monkeypatch.setattr(shell.display_pub, "publish", lambda data, metadata=None, **kw: published.append((data, kw)))
