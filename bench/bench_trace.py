@@ -88,7 +88,6 @@ from torch import nn
 
 import common
 import hookscope as hs
-import hookscope.info
 
 # trace with statistics over plain, per model; detect_nonfinite over plain; trace under a busy process
 TARGETS = {"resnet50": 1.15, "gpt2": 1.08}
@@ -296,7 +295,7 @@ WORKLOADS: dict[str, Callable[[bool], common.Workload]] = {
 
 def bench(work: common.Workload, rounds: int) -> Table:
     """Check, then time every method on one workload."""
-    notes = [f"statistics: {hookscope.info.statistics_path()}", *check_trace(work)]
+    notes = [f"statistics: {hs.info().statistics}", *check_trace(work)]
     runs, skipped = methods()
     times = common.measure(runs, work.model, work.inputs, rounds, WARMUP)
     return Table(work.key, work.title, times, notes + skipped)

@@ -15,7 +15,7 @@ import pytest
 import hookscope as hs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PUBLIC_MODULES = ("edits", "methods", "plots", "sinks", "io", "tensors", "info")
+PUBLIC_MODULES = ("edits", "methods", "plots", "sinks", "io", "tensors")
 
 # An example fence of Python code that is not a code cell (```python, ~~~py, ```{code-block} python,
 # indented or not, any case); it must be marked just above.

@@ -11,8 +11,8 @@
   never ``hookscope._capture.cache``) and the public feature modules ``hookscope.edits`` and
   ``hookscope.plots``; and the store's package root (``hookscope._store``, never ``hookscope._store.array``);
 - the CLI imports only the public API: ``hookscope`` itself, its public modules (``errors``,
-  ``edits``, ``plots``, ``methods``, ``redaction``, ``info``), the demo models and ``hookscope.cli.*``; not
-  even ``hookscope._version``.
+  ``edits``, ``plots``, ``methods``, ``redaction``, ``io``, ``sinks``, ``tensors``), the demo models
+  and ``hookscope.cli.*``; not even ``hookscope._version``.
 
 Every import counts, also one inside a function. A violation names the file, the line and the rule.
 """
@@ -51,7 +51,6 @@ PUBLIC_MODULES = {
     "hookscope.plots",
     "hookscope.methods",
     "hookscope.redaction",
-    "hookscope.info",
     "hookscope.io",
     "hookscope.sinks",
     "hookscope.tensors",

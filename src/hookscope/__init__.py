@@ -28,6 +28,7 @@ from hookscope._diff import Diff, DiffRow, Divergence, diff
 from hookscope._edit import EditContext, EditOptions, Editor, edit, run_with_edits
 from hookscope._extract import ExtractConfig, extract
 from hookscope._hooks import AttachedHooks, attached, hooks
+from hookscope._info import Info, info
 from hookscope._layers import Layer, LayerTable, layers
 from hookscope._monitor import (
     GradFlag,
@@ -117,6 +118,7 @@ __all__ = [
     "HookGroup",
     "HookSpec",
     "HookscopeError",
+    "Info",
     "Layer",
     "LayerTable",
     "MissingDependencyError",
@@ -170,6 +172,7 @@ __all__ = [
     "ensure_module",
     "extract",
     "hooks",
+    "info",
     "layers",
     "load",
     "methods",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import html
 import itertools
 import re
 from collections.abc import Iterator, Mapping
@@ -177,33 +178,57 @@ class StdMap(Mapping[str, StdSite]):
         """The map as text: one row per canonical name, each block's names once with ``{i}`` for
         the block number (a block that differs is shown in full), then the names not defined
         here, one row per reason."""
-        rows: list[tuple[str, str]] = []
+        title, rows, missing = self._layout()
+        width = max((len(name) for name, _, _ in rows), default=4)
+        lines = [title, *(f"  {name:<{width}}  {_described(read, write)}" for name, read, write in rows)]
+        if missing:
+            lines.append("not defined here:")
+            lines.extend(f"  {names}: {why}" for names, why in missing)
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The map as Jupyter shows it: the rows of :meth:`table` in columns (name, read, edits),
+        every name escaped, the names not defined here below."""
+        title, rows, missing = self._layout()
+        cell = '<td style="text-align:left">{}</td>'.format
+        head = "".join(f'<th style="text-align:left">{h}</th>' for h in ("canonical name", "read", "edits"))
+        body = "".join(
+            f"<tr>{cell(_html(name))}{cell(_html(read))}{cell('' if write == read else _html(write))}</tr>"
+            for name, read, write in rows
+        )
+        parts = [f"<p><b>{_html(title)}</b></p>"]
+        if rows:
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        parts.extend(f"<p>not defined here: {_html(names)}: {_html(why)}</p>" for names, why in missing)
+        return "".join(parts)
+
+    def _layout(self) -> tuple[str, list[tuple[str, str, str]], list[tuple[str, str]]]:
+        """The title, the rows ``(name, read, write)`` with each block's names once, and the
+        names not defined here grouped by reason ``(names, why)``: what text and HTML show."""
+        rows: list[tuple[str, str, str]] = []
         shown_generic: set[tuple[str, str, str]] = set()
         for site in self.sites.values():
             generic = _numbered(site)
             if generic is None:
-                rows.append((site.name, _described(site.read, site.write)))
+                rows.append((site.name, site.read, site.write))
                 continue
-            name, read, write = generic
-            if (name, read, write) in shown_generic:
+            if generic in shown_generic:
                 continue
-            shown_generic.add((name, read, write))
-            rows.append((name, _described(read, write)))
+            shown_generic.add(generic)
+            rows.append(generic)
         blocks = {found.group(1, 2) for n in self.sites if (found := _BLOCK.match(n)) is not None}
-        width = max((len(name) for name, _ in rows), default=4)
         count = f"{len(blocks)} blocks, " if blocks else ""
-        lines = [
-            f"canonical sites of a {self.family} model ({count}{len(self.sites)} names; select them as 'std:NAME')"
-        ]
-        lines += [f"  {name:<{width}}  {text}" for name, text in rows]
+        title = f"canonical sites of a {self.family} model ({count}{len(self.sites)} names; select them as 'std:NAME')"
         reasons: dict[str, list[str]] = {}
         for name, why in self.missing.items():
             reasons.setdefault(why, []).append(_generic(name))
-        if reasons:
-            lines.append("not defined here:")
-            for why, names in reasons.items():
-                lines.append(f"  {_short_list(list(dict.fromkeys(names)))}: {why}")
-        return "\n".join(lines)
+        missing = [(_short_list(list(dict.fromkeys(names))), why) for why, names in reasons.items()]
+        return title, rows, missing
+
+
+def _html(text: str) -> str:
+    """``text`` escaped for HTML, quotes too (a module may be named ``<script>``)."""
+    return html.escape(text)
 
 
 def _described(read: str, write: str) -> str:

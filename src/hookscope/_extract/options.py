@@ -65,8 +65,9 @@ class ExtractConfig(Options):
 
     How it runs: ``device`` to put the inputs on (default: the model's), ``batch_size``
     (default 32) and ``num_workers`` for a data set, ``indices`` (rows of a map-style data set),
-    ``inputs=lambda batch: (args, kwargs)``, ``progress`` (default: when standard error is a
-    terminal), ``resume`` (continue a store a stopped run left), ``overwrite`` (replace one),
+    ``inputs=lambda batch: (args, kwargs)``, ``progress`` (default: a bar when standard error is a
+    terminal, a line in a notebook once the run has taken a second; ``True`` also plain lines
+    elsewhere; ``False`` none), ``resume`` (continue a store a stopped run left), ``overwrite`` (replace one),
     ``model_spec`` (how the store names the model), ``rank`` / ``world_size`` (default: from
     ``torch.distributed`` or torchrun's environment), ``command`` (the command line recorded),
     ``storage_options`` (for an ``out`` URL such as ``s3://bucket/feats.zarr``: the fsspec file

@@ -29,6 +29,7 @@ from hookscope._methods.metrics import MetricFn, check_metric, metric_name, metr
 from hookscope._methods.result import Effects
 from hookscope._methods.runs import Inputs, PatchSite, patch_sites
 from hookscope._shared.options import renamed
+from hookscope._shared.progress import Progress
 from hookscope.errors import SpecError
 
 __all__ = ["Direction", "Plan", "patch_sweep", "plan_study"]
@@ -257,7 +258,9 @@ def _score(metric: MetricFn, output: Any, rows: int, per_row: bool) -> torch.Ten
 # -- running the patches -------------------------------------------------------------------------
 
 
-def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Tensor:
+def run_cells(
+    plan: Plan, cells: list[Cell], batch_rows: int | None, progress: bool | None = False, label: str = "patch_sweep"
+) -> torch.Tensor:
     """The metric (mean over the input's rows) of each cell patched on its own, batched.
 
     A cell whose source value equals the patched run's own value, bit for bit, changes nothing:
@@ -265,6 +268,8 @@ def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Te
     kernel's result may differ between batch sizes). In a causal model every position before
     the first changed token is such a cell, at every layer, and so is every unchanged position
     at the first block; skipping them is exact, and often most of a sweep's work.
+
+    ``progress`` shows the patched cells done (:class:`~hookscope._shared.progress.Progress`).
     """
     rows = plan.base.rows
     scores = torch.full((len(cells),), plan.base_score, dtype=torch.float64)
@@ -277,19 +282,21 @@ def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None) -> torch.Te
         if any(differs[key]) if cell.position is None else differs[key][cell.position]:
             changed.append(index)
     per_forward = 1 if not plan.per_row else max(1, (batch_rows or DEFAULT_BATCH_ROWS) // rows)
-    for start in range(0, len(changed), per_forward):
-        indices = changed[start : start + per_forward]
-        chunk = [cells[i] for i in indices]
-        edits = _chunk_edits(plan, chunk)
-        inputs = plan.base.repeated(len(chunk))
-        with torch.no_grad(), edit(plan.model, edits):
-            output = inputs.run(plan.model)
-        if plan.per_row:
-            values = metric_rows(plan.metric, output, inputs.rows).double().reshape(len(chunk), rows).mean(1)
-        else:
-            values = plan.metric(output).detach().double().reshape(1)
-        scores[indices] = values.cpu()
-        plan.forwards += 1
+    with Progress(len(changed), enabled=progress, label=label, unit="patched cells") as bar:
+        for start in range(0, len(changed), per_forward):
+            indices = changed[start : start + per_forward]
+            chunk = [cells[i] for i in indices]
+            edits = _chunk_edits(plan, chunk)
+            inputs = plan.base.repeated(len(chunk))
+            with torch.no_grad(), edit(plan.model, edits):
+                output = inputs.run(plan.model)
+            if plan.per_row:
+                values = metric_rows(plan.metric, output, inputs.rows).double().reshape(len(chunk), rows).mean(1)
+            else:
+                values = plan.metric(output).detach().double().reshape(1)
+            scores[indices] = values.cpu()
+            plan.forwards += 1
+            bar.advance(len(chunk))
     return scores
 
 
@@ -349,6 +356,7 @@ def patch_sweep(
     batch_rows: int | None = None,
     model_kwargs: dict[str, Any] | None = None,
     sites: str | Sequence[str] | None = None,
+    progress: bool | None = None,
 ) -> Effects:
     """Activation patching over every site × position (× head): the effect of each cell alone.
 
@@ -377,6 +385,10 @@ def patch_sweep(
         stack: an encoder-decoder's stack for the default sites: ``"decoder."`` or ``"encoder."``.
         batch_rows: rows per forward (default 64): ``batch_rows // rows`` patches run together.
         sites: the old name of ``layers=``, with a ``FutureWarning``.
+        progress: show the patched cells done: ``None`` (default) on a terminal (a bar) and in a
+            notebook (a line, once the sweep has run a second); ``True`` also as plain lines
+            on a standard error that is neither (``HOOKSCOPE_PROGRESS_INTERVAL`` seconds apart);
+            ``False`` never.
 
     Returns:
         :class:`~hookscope.methods.Effects`, dims ``("site", "position")`` or
@@ -397,4 +409,6 @@ def patch_sweep(
     )  # fmt: skip
     if batch_rows is not None and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
         raise SpecError(f"batch_rows={batch_rows!r}: expected a positive number of rows per forward")
-    return plan.effects(run_cells(plan, plan.cells, batch_rows), "patch_sweep")
+    if progress is not None and not isinstance(progress, bool):
+        raise SpecError(f"progress={progress!r}: expected True, False or None (on a terminal or in a notebook)")
+    return plan.effects(run_cells(plan, plan.cells, batch_rows, progress), "patch_sweep")

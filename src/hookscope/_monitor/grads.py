@@ -133,14 +133,8 @@ class GradMonitor(TrainingRecorder):
 
     def _repr_html_(self) -> str:
         """The latest step's gradient norms (a row with NaN/Inf marked), then the summary, for Jupyter."""
-        from hookscope._shared.tables import Column, Table
-
-        columns = [Column("layer"), Column("what"), *(Column(h, "right") for h in ("norm", "mean |g|", "max |g|"))]
-        table = Table([*columns, Column("nan/inf", "right")], title=repr(self), notes=str(self.summary()).splitlines())
-        for r in self._records[-1].records if self._records else ():
-            cells = (f"{r.norm:.4g}", f"{r.mean_abs:.4g}", f"{r.max_abs:.4g}", f"{r.nan}/{r.inf}")
-            table.add(r.column, r.what, *cells, bad=bool(r.nan or r.inf))
-        return table.html()
+        latest = self._records[-1] if self._records else MonitorStep(-1)
+        return latest.table(title=repr(self), notes=str(self.summary()).splitlines()).html()
 
 
 def _modules(model: nn.Module, selectors: tuple[Selector, ...]) -> list[tuple[str, nn.Module]]:

@@ -172,6 +172,14 @@ class Monitor(Scoped):
             raise failed
         return result
 
+    def _repr_html_(self) -> str:
+        """The latest logged step (its gradients, or its scalars, and its flags), for Jupyter."""
+        title = f"hs.monitor of {len(self._chosen)} layers: {len(self.steps)} steps logged"
+        if not self.steps:
+            return MonitorStep(-1).table(title=title).html()
+        latest = self.steps[-1]
+        return latest.table(title=f"{title}; step {latest.step}:").html()
+
     def _refuse_an_empty_step(self) -> None:
         """A step after the hooks came off, or with no training forward or backward since the
         last, would log stale gradients (or nothing) under a new step number: refused."""

@@ -19,6 +19,7 @@ from hookscope._core.sites import Site
 from hookscope._shared.histogram import Histogram
 from hookscope._shared.optional import require
 from hookscope._shared.stats import Stats
+from hookscope._shared.tables import Column, Table
 from hookscope.errors import SiteNotFoundError, SpecError
 
 __all__ = [
@@ -197,6 +198,42 @@ class MonitorStep:
         """The step itself where its gradients were read, else None (kept from when a monitor's
         step held a separate gradient step)."""
         return self if self.read_grads else None
+
+    def table(self, title: str | None = None, notes: Sequence[str] = ()) -> Table:
+        """The step's gradients as a table, one row per record (NaN/Inf rows marked), under
+        ``title`` (default: the step's number and counts), its flags and ``notes`` below."""
+        columns = [Column("layer"), Column("what"), *(Column(h, "right") for h in ("norm", "mean |g|", "max |g|"))]
+        if title is None:
+            dead = f", {len(self.dead)} layers with dead units" if self.dead else ""
+            title = (
+                f"step {self.step}: {len(self.records)} gradients, {len(self.flags)} flags, "
+                f"{len(self.scalars)} scalars logged{dead}"
+            )
+        notes = [*map(str, self.flags), *notes]
+        if not self.records and self.scalars:  # hs.monitor(grads=False): what it logged instead
+            return self._scalar_table(title, notes)
+        table = Table([*columns, Column("nan/inf", "right")], title=title, notes=notes)
+        for r in self.records:
+            cells = (f"{r.norm:.4g}", f"{r.mean_abs:.4g}", f"{r.max_abs:.4g}", f"{r.nan}/{r.inf}")
+            table.add(r.column, r.what, *cells, bad=bool(r.nan or r.inf))
+        return table
+
+    def _scalar_table(self, title: str, notes: list[str]) -> Table:
+        """The first :data:`_SCALARS_SHOWN` logged scalars by name (a NaN/Inf one marked)."""
+        table = Table([Column("scalar"), Column("value", "right")], title=title, notes=notes)
+        for name, value in list(self.scalars.items())[:_SCALARS_SHOWN]:
+            table.add(name, f"{value:.4g}", bad=not math.isfinite(value))
+        if len(self.scalars) > _SCALARS_SHOWN:
+            table.notes.append(f"and {len(self.scalars) - _SCALARS_SHOWN} more scalars in step.scalars")
+        return table
+
+    def _repr_html_(self) -> str:
+        """The step's gradients and flags as a table, for Jupyter."""
+        return self.table().html()
+
+
+#: The most scalars a step's table lists when it holds no gradients (``step.scalars`` has them all).
+_SCALARS_SHOWN = 30
 
 
 def ranges(steps: Sequence[int]) -> str:

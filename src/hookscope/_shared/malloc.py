@@ -67,6 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hookscope._shared.units import format_bytes
 from hookscope.errors import SpecError
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "ResidentWatch",
     "allocator_state",
     "check_setting",
+    "describe",
     "keep_freed_memory",
     "release_free_memory",
     "resident_bytes",
@@ -255,6 +257,29 @@ def allocator_state() -> dict[str, Any]:
             "trim_threshold": state.trim_threshold,
             "skipped": state.skipped,
         }
+
+
+def describe() -> str:
+    """The policy as it stands in this process, in one line (``hookscope info`` prints it).
+
+    >>> describe().startswith(("glibc keeps", "steady", "left to the C library"))
+    True
+    """
+    state = allocator_state()
+    if state["trim_threshold"]:
+        return (
+            f"glibc keeps up to {format_bytes(state['trim_threshold'])} of freed memory for the next forward "
+            f"(M_TRIM_THRESHOLD; blocks up to {format_bytes(state['mmap_threshold'])} from the heap), set by a "
+            "capture; hs.extract trims freed memory when resident memory drifts past 10% of its level"
+        )
+    reason = state["skipped"] or _skip_reason()
+    if reason is not None:
+        return f"left to the C library's defaults: {reason}"
+    return (
+        f"steady ({ENV}=default turns it off): a capture that ends holding {format_bytes(MIN_BYTES)} or more "
+        "lets glibc keep about twice that of freed memory (at most 2 GiB) for the next forward; hs.extract "
+        "trims freed memory when resident memory drifts past 10% of its level; nothing set yet"
+    )
 
 
 # -- trim on drift -------------------------------------------------------------------------------

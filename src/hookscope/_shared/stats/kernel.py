@@ -52,6 +52,7 @@ __all__ = [
     "enabled",
     "measure",
     "statistics_path",
+    "team_threads",
     "use_fused",
 ]
 
@@ -140,18 +141,32 @@ _OUT_FIELDS = _constant(_library, "out_fields")
 _KERNELS, _FINITE, _use_team, _team_choice, _long_reads = _entry_points(_library)
 _use = bool(_KERNELS)
 _threads = -1  # the thread count the library was set up for; -1: not yet
+_team = 0  # the threads of torch's OpenMP team that may read long tensors; 0: the calling thread alone
 
 
 def _match_torch_threads() -> None:
     """Let torch's OpenMP team, of as many threads as torch computes with, read the longest
     tensors where that is faster, when torch runs on GNU OpenMP; else every tensor is read by the
     calling thread."""
-    global _threads
+    global _threads, _team
     threads = torch.get_num_threads()
     if threads == _threads or _use_team is None:
         return
-    _use_team(threads if torch.backends.openmp.is_available() else 0, 0)  # type: ignore[no-untyped-call]
-    _threads = threads
+    shared = _use_team(threads if torch.backends.openmp.is_available() else 0, 0)  # type: ignore[no-untyped-call]
+    _threads, _team = threads, threads if shared else 0
+
+
+def team_threads() -> int:
+    """How many threads of torch's OpenMP team read a tensor of :data:`TEAM_MIN_VALUES` values or
+    more, where that reads faster than the calling thread alone; 0 where every tensor is read by
+    the calling thread (no kernel, torch not on GNU OpenMP, or one thread). Follows
+    ``torch.set_num_threads`` as the kernel does.
+
+    >>> team_threads() >= 0
+    True
+    """
+    _match_torch_threads()
+    return _team
 
 
 def statistics_path() -> str:

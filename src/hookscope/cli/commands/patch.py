@@ -120,6 +120,10 @@ def patch_command(
     ] = None,
     dtype: Dtype = None,
     seed: Seed = 0,
+    progress: Annotated[
+        bool | None,
+        typer.Option("--progress/--no-progress", help="Show the sweep's progress (default: on a terminal)."),
+    ] = None,
 ) -> None:
     """Activation patching: the effect of each site x position (x head) on a metric, patched on its own.
 
@@ -165,6 +169,7 @@ def patch_command(
             lambda: hs.methods.patch_sweep(
                 net, clean_in, corrupted_in, metric=scorer, layers=chosen, positions=where, heads=heads,
                 num_heads=num_heads, stack=stack or "", direction=direction, batch_rows=batch_rows,
+                progress=progress,
             ), PATCH_FLAGS,
         )  # fmt: skip
     typer.echo(effects_table(effects, top))
