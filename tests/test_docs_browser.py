@@ -79,3 +79,17 @@ def test_the_reference_of_capture_and_of_the_errors(opened: Any) -> None:
     errors = opened("reference/errors.html")
     assert errors.locator("[id='hookscope.SpecError']").is_visible()
     assert errors.locator("[id='hookscope.HookscopeError']").is_visible()
+
+
+def test_the_hooks_tutorial_shows_its_plots_and_cell_outputs(opened: Any) -> None:
+    page = opened("tutorials/hooks-first-principles.html")
+    images = page.locator(".cell_output img")
+    assert images.count() >= 2  # the feature maps of conv1 and conv3
+    first = images.first
+    first.scroll_into_view_if_needed()
+    assert first.is_visible()
+    # Loaded, not a broken image: the browser decoded it and knows its size.
+    assert first.evaluate("image => image.complete && image.naturalWidth") > 0
+    outputs = " ".join(page.locator(".cell_output").all_inner_texts())
+    assert "accuracy on 64 fresh images" in outputs
+    assert "raw hook == true output: False | capture == true output: True" in outputs

@@ -16,6 +16,7 @@ from torch import nn
 import hookscope as hs
 from hookscope import errors
 from hookscope.cli.app import EXIT_CODES, exit_code
+from hookscope.errors import docs_link
 from hookscope.io import load_tensors, save_tensors, tensor_file_format
 from hookscope.tensors import parse_dtype
 from tests.cli.test_cli import run_cli
@@ -31,7 +32,7 @@ class TestSelectionError:
             hs.select(model, "conv")
         assert info.value.selector == "conv"
         assert info.value.suggestions == ("conv1",)
-        assert str(info.value) == "selector 'conv' matched 0 of 5 modules; did you mean 'conv1'?"
+        assert info.value.args[0] == "selector 'conv' matched 0 of 5 modules; did you mean 'conv1'?"
         assert set(info.value.suggestions) <= {name for name, _ in model.named_modules()}
 
     def test_in_a_list_the_member_that_matched_nothing_is_named(self) -> None:
@@ -231,7 +232,8 @@ def test_a_stream_that_ends_before_its_count_is_a_data_error(tmp_path: Path) -> 
     ],
 )
 def test_old_call_sites_still_work(error: Exception, fields: dict[str, Any]) -> None:
-    assert str(error) == "m"
+    assert error.args[0] == "m"
+    assert str(error) == f"m (docs: {docs_link(type(error))})"
     assert {name: getattr(error, name) for name in fields} == fields
 
 
@@ -378,7 +380,7 @@ def test_cli_data_error_exits_1_and_keeps_the_chunks_before_it(
     assert err.strip().splitlines() == [
         "error: site 'conv1#0:output' gave (4, 16, 38, 38) float32 for rows 4..7; the store holds "
         "(4, 16, 30, 30) float32 per batch; reduce the varying dimension (e.g. reduce='mean:1' over tokens) "
-        "or pad every batch to one length"
+        "or pad every batch to one length" + f" (docs: {docs_link(hs.DataError)})"
     ]
     torch.manual_seed(0)  # the command's --seed 0 builds the same weights
     conv1 = SmallCNN().eval().conv1
@@ -390,7 +392,10 @@ def test_cli_data_error_exits_1_and_keeps_the_chunks_before_it(
 def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run_cli(capsys, "extract", "demo:cnn", "--data", "random:8", "-l", "fcc", "-o", str(tmp_path / "f"))
     assert code == 2
-    assert err.strip() == "error: selector 'fcc' matched 0 of 5 modules; did you mean 'fc'?"
+    assert (
+        err.strip()
+        == f"error: selector 'fcc' matched 0 of 5 modules; did you mean 'fc'? (docs: {docs_link(hs.SelectionError)})"
+    )
 
 
 INTERRUPTED_ROWS = (
@@ -498,3 +503,29 @@ class TestForwardRaisesNote:
         finally:
             handle.remove()
         assert "went through h.1.mlp.c_fc (Conv1D)" in self.note_of(raised.value)  # its pre-hook raised
+
+
+# --- every message ends with its entry on the errors page ------------------------------------------
+
+ERROR_TYPES = [value for value in vars(hs).values() if isinstance(value, type) and issubclass(value, hs.HookscopeError)]
+ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md"
+
+
+@pytest.mark.parametrize("error_type", ERROR_TYPES, ids=lambda error_type: error_type.__name__)
+def test_a_message_ends_with_the_entry_of_its_error_on_the_errors_page(error_type: type[hs.HookscopeError]) -> None:
+    error = error_type("something was wrong; expected this; do that")
+    link = f"https://hookscope.readthedocs.io/en/latest/reference/errors.html#hookscope.{error_type.__name__}"
+    assert str(error) == f"something was wrong; expected this; do that (docs: {link})"
+    page = ERRORS_PAGE.read_text()
+    assert f"## {error_type.__name__}\n" in page  # what it means, its causes, the fix
+    assert f".. autoexception:: hookscope.{error_type.__name__}\n" in page  # the anchor the link names
+
+
+def test_a_wrapped_message_ends_with_the_wrapping_errors_link_only() -> None:
+    inner = hs.SelectionError("selector 'fcc' matched 0 of 5 modules")
+    outer = hs.SpecError(f"layers=['fcc']: {inner}")
+    assert str(outer) == f"layers=['fcc']: selector 'fcc' matched 0 of 5 modules (docs: {docs_link(hs.SpecError)})"
+
+
+def test_a_message_made_of_several_arguments_keeps_them_all() -> None:
+    assert str(hs.HookscopeError("a", 2)).startswith("('a', 2) (docs: ")

@@ -159,8 +159,8 @@ def layers(
     ``ops=True`` also lists the op sites of that pass (``table.ops``, and a second table): every
     torch call a module's own code made, not counting its submodules', under the name a
     selector will take (``h.0.attn:op[softmax#0]``), with the shapes and dtypes it returned.
-    ``ops=`` a selector lists only the chosen modules' op sites. Op sites need eager execution:
-    a model under ``torch.compile`` is refused.
+    ``ops=`` a selector lists only the chosen modules' op sites. Under ``torch.compile`` the
+    watched modules run eagerly for that pass, so their ops are listed as the eager model runs them.
 
     ``std=True`` adds the map of canonical names (``table.std``, a :class:`~hookscope.StdMap`,
     printed after the modules): which site ``std:blocks.3.resid_post`` and the other canonical

@@ -47,14 +47,17 @@ does::
                                            was left there, an older file stays as it was
 
 A message says what happened, what was expected, and how to fix it, in one line: the command
-line prints exactly that line. The same facts are attributes (in parentheses above), so a program
-can act on an error without reading its message: ``error.suggestions[0]`` is the name a mistyped
-selector probably meant. Which exit code the command line gives each error is the command
-line's business (``hookscope.cli.app``), not the errors'.
+line prints exactly that line. It ends with a link to the error's entry on the errors page
+(:func:`docs_link`), which says what the error means, its usual causes and the fix. The same
+facts are attributes (in parentheses above), so a program can act on an error without reading
+its message: ``error.suggestions[0]`` is the name a mistyped selector probably meant. Which
+exit code the command line gives each error is the command line's business
+(``hookscope.cli.app``), not the errors'.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = [
@@ -86,8 +89,38 @@ __all__ = [
 ]
 
 
+#: Where the documentation site lives; an error's message ends with its entry on the errors page.
+DOCS_URL = "https://hookscope.readthedocs.io/en/latest"
+
+# A docs link at the end of a message; one is dropped from a message that another error's text was
+# written into, so a wrapped message ends with the wrapping error's link only.
+_LINK = re.compile(r" \(docs: \S+\)")
+
+
+def docs_link(error_type: type[BaseException]) -> str:
+    """The errors page's entry of ``error_type`` (autodoc's anchor: the class's public name).
+
+    >>> docs_link(SelectionError)
+    'https://hookscope.readthedocs.io/en/latest/reference/errors.html#hookscope.SelectionError'
+    """
+    return f"{DOCS_URL}/reference/errors.html#hookscope.{error_type.__name__}"
+
+
 class HookscopeError(Exception):
-    """Base class of every error hookscope raises on purpose."""
+    """Base class of every error hookscope raises on purpose.
+
+    Its text is the message it was raised with, followed by a link to its entry on the errors page
+    (what the error means, its usual causes, the fix); ``error.args[0]`` is the message alone.
+
+    >>> str(SpecError("unknown hook kind 'fwd'; expected 'forward'"))  # doctest: +ELLIPSIS
+    "unknown hook kind 'fwd'; expected 'forward' (docs: https://.../reference/errors.html#hookscope.SpecError)"
+    """
+
+    def __str__(self) -> str:
+        # One argument (the usual case) is shown bare: KeyError would quote it, OSError would
+        # format (errno, strerror) pairs.
+        message = str(self.args[0]) if len(self.args) == 1 else super().__str__()
+        return f"{_LINK.sub('', message)} (docs: {docs_link(type(self))})"
 
 
 class SelectionError(HookscopeError, LookupError):
@@ -163,9 +196,6 @@ class SiteNotFoundError(HookscopeError, KeyError):
         super().__init__(message)
         self.key = key
         self.candidates = tuple(candidates)
-
-    def __str__(self) -> str:  # KeyError would show the message in quotes
-        return str(self.args[0]) if self.args else ""
 
 
 class FileFormatError(HookscopeError, ValueError):
@@ -331,9 +361,6 @@ class StoreError(HookscopeError, OSError):
         self.array = array
         self.chunk = chunk
 
-    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
-        return str(self.args[0]) if self.args else ""
-
 
 class StoreIndexError(StoreError, IndexError):
     """Rows asked of a store's array that it does not have (an index past its end, a mask of
@@ -400,9 +427,6 @@ class OutputPathError(HookscopeError, OSError):
         super().__init__(message)
         self.path = path
         self.errno = errno
-
-    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
-        return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[object, ...]:  # errno lives in a slot, not in __dict__
         return (type(self), self.args, {**vars(self), "errno": self.errno})

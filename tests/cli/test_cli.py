@@ -17,6 +17,7 @@ import hookscope as hs
 from hookscope.cli import main
 from hookscope.demo.models import SmallCNN
 from hookscope.demo.tour import run_tour
+from hookscope.errors import docs_link
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -180,7 +181,10 @@ class TestCaptureCommand:
     def test_bad_layer_is_one_line_exit_2(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         code, _, err = run_cli(capsys, "capture", "demo:cnn", "-l", "conv", "-o", str(tmp_path / "f.npz"))
         assert code == 2
-        assert err.strip().splitlines() == ["error: selector 'conv' matched 0 of 5 modules; did you mean 'conv1'?"]
+        assert err.strip().splitlines() == [
+            "error: selector 'conv' matched 0 of 5 modules; did you mean 'conv1'?"
+            + f" (docs: {docs_link(hs.SelectionError)})"
+        ]
         assert not list(tmp_path.iterdir()), "no file written"
 
     def test_unknown_format_and_budget(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 import hookscope as hs
 from hookscope.cli.extract_run import every_module, parse_reductions
+from hookscope.errors import docs_link
 from tests.cli.test_cli import run_cli
 from tests.extract.test_extract import store_files
 
@@ -185,7 +186,7 @@ def test_a_write_that_failed_part_way_exits_1(capsys: pytest.CaptureFixture[str]
     argv = ["extract", "demo:cnn", "--data", f"{tmp_path / 'data.py'}:Rows", "-l", "fc", "-o", str(out), "-b", "8"]
     code, _, err = run_cli(capsys, *argv, "--chunk-rows", "16")
     assert code == 1  # a failure at run time, not bad input
-    assert err.strip() == "error: the volume went read-only"
+    assert err.strip() == f"error: the volume went read-only (docs: {docs_link(hs.StoreWriteError)})"
     assert hs.open_store(out, partial=True).done_chunks() == {0, 1}
 
 

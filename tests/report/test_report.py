@@ -366,3 +366,36 @@ class TestReportCommand:
         assert message in err
         assert "Traceback" not in err
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_an_hs_monitor_and_its_steps_are_taken_as_grads(tmp_path: Path) -> None:
+    """``hs.monitor`` keeps ``.steps`` where ``hs.watch_grads`` keeps ``.records``: both are read."""
+    model = SmallCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.monitor(model) as monitor:
+        for _ in range(2):
+            model(torch.randn(2, 3, 32, 32)).pow(2).mean().backward()
+            monitor.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    for grads in (monitor, monitor.steps):
+        page = hs.report(model, torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", grads=grads).read_text()
+        assert "2 recorded steps" in page
+        assert page.count("data:image/png") == 6  # flow and history on top of the four activation figures
+    assert hs.plots.grad_flow(monitor).axes
+    assert hs.plots.grad_history(monitor.steps).axes
+
+
+@pytest.mark.parametrize(
+    ("grads", "said"),
+    [
+        (42, "grads= is a int; expected an hs.monitor or hs.watch_grads monitor"),
+        ([1, 2], "grads= holds int; expected"),
+        ([], "grads= holds no recorded step yet"),
+    ],
+)
+def test_grads_that_are_no_monitor_are_refused(tmp_path: Path, grads: object, said: str) -> None:
+    with pytest.raises(hs.SpecError, match=re.escape(said)):
+        hs.report(SmallCNN(), torch.randn(1, 3, 32, 32), out=tmp_path / "r.html", grads=grads)  # type: ignore[arg-type]
+    assert not (tmp_path / "r.html").exists()

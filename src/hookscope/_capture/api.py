@@ -71,7 +71,8 @@ def capture(
     (``:op[add#0]:input[1]``; not the argument an in-place op writes into, which holds its
     output by then). Every option above applies, but ``stop``. An op selector whose module
     ran but whose op never did raises ``CaptureError`` at the end of the pass, naming the ops
-    the module called; under ``torch.compile`` op sites are refused (run the eager model).
+    the module called; under ``torch.compile`` each watched module runs eagerly (a graph break
+    around it), so its op sites hold the eager values.
 
     Attention sub-sites: ``"h.*.attn:attn.pattern"`` keeps, for each
     ``F.scaled_dot_product_attention`` call the module's own code makes (transformers'

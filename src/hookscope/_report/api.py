@@ -18,7 +18,7 @@ from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector, ensure_module, given_selectors
 from hookscope._core.sites import Site
 from hookscope._core.tree import call_leaves
-from hookscope._monitor import GradMonitor, watch_grads
+from hookscope._monitor import GradMonitor, Recorded, recorded_steps, summarise, watch_grads
 from hookscope._report import sections
 from hookscope._report.images import Image, embed
 from hookscope._report.render import render, script_json
@@ -42,7 +42,7 @@ def report(
     *args: Any,
     out: str | os.PathLike[str] = "report.html",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    grads: GradMonitor | None = None,
+    grads: Recorded | None = None,
     layers: Selector | Sequence[Selector] | None = None,
     max_sites: int = DEFAULT_MAX_SITES,
     feature_maps: int = DEFAULT_FEATURE_MAPS,
@@ -62,7 +62,8 @@ def report(
       ``feature_maps`` conv-like outputs (first item of the batch);
     - gradients when ``loss_fn`` is given: ``loss_fn(output)`` must return a scalar; one
       backward pass is watched (:func:`hookscope.watch_grads`) and the parameters' ``.grad``
-      are set back as they were. Or pass ``grads=`` a monitor that recorded steps already.
+      are set back as they were. Or pass ``grads=`` a monitor that recorded steps already
+      (``hs.monitor`` or ``hs.watch_grads``) or its steps.
 
     Images are drawn for a subset, so a model of thousands of modules gives a page that loads
     at once: ``layers`` (a selector; formerly ``sites``) picks the layers drawn, by default up to ``max_sites``
@@ -87,7 +88,7 @@ def report(
     if loss_fn is not None and not callable(loss_fn):
         raise SpecError(f"loss_fn must be a function of the model's output; got {type(loss_fn).__name__}")
     if loss_fn is not None and grads is not None:
-        raise SpecError("pass loss_fn= (one backward pass is run) or grads= (a monitor's steps), not both")
+        raise SpecError("pass loss_fn= (one backward pass is run) or grads= (a monitor or its steps), not both")
     for option, value in (("max_sites", max_sites), ("feature_maps", feature_maps)):
         if not isinstance(value, int) or value < 0:
             raise SpecError(f"{option}={value!r}; expected a count of 0 or more")
@@ -214,21 +215,19 @@ def _gradients(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    monitor: GradMonitor | None,
+    grads: Recorded | None,
 ) -> dict[str, Any] | None:
     loss = None
     if loss_fn is not None:
-        monitor, loss = _one_backward(model, args, kwargs, loss_fn)
-    if monitor is None:
+        grads, loss = _one_backward(model, args, kwargs, loss_fn)
+    if grads is None:
         return None
-    steps = monitor.records
-    if not steps:
-        raise SpecError("grads= holds no recorded step: call monitor.step() after each backward pass")
+    steps = recorded_steps(grads, argument="grads=")
     from hookscope.plots import grad_flow, grad_history
 
-    figures = [embed(grad_flow(monitor), "gradient flow per layer")]
+    figures = [embed(grad_flow(steps), "gradient flow per layer")]
     if len(steps) > 1:
-        figures.append(embed(grad_history(monitor), "gradient norms over steps"))
+        figures.append(embed(grad_history(steps), "gradient norms over steps"))
     latest = steps[-1]
     caption = (
         f"One backward pass of loss_fn(output), loss {loss:.4g}: |gradient| per layer, in forward order."
@@ -237,7 +236,7 @@ def _gradients(
     )
     return {
         "caption": caption,
-        "flags": [str(flag) for flag in monitor.summary().flags],
+        "flags": [str(flag) for flag in summarise(steps).flags],
         "figures": figures,
         "params": sections.param_rows(latest),
     }

@@ -4,28 +4,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hookscope._monitor.recorded import Recorded, recorded_steps
 from hookscope._monitor.records import MonitorStep as GradStep
 from hookscope.errors import SpecError
 from hookscope.plots.figure import depth_figure, label_layers, literal, new_figure
-
-if TYPE_CHECKING:
-    from hookscope._monitor.grads import GradMonitor
 
 __all__ = ["grad_flow", "grad_history"]
 
 _MAX_LINES = 8
 
 
-def _steps(source: GradMonitor | Sequence[GradStep]) -> list[GradStep]:
-    steps = list(source.records) if hasattr(source, "records") else list(source)
-    if not steps:
-        raise SpecError("nothing recorded yet: call monitor.step() after a backward pass first")
-    return steps
+def _steps(source: Recorded) -> list[GradStep]:
+    return recorded_steps(source, argument="the plot's source")
 
 
-def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = None, what: str = "grad_output") -> Any:
+def grad_flow(source: Recorded, *, step: int | None = None, what: str = "grad_output") -> Any:
     """Mean and max ``|g|`` per layer at one recorded step (the latest by default), log scale.
 
     Layers run left to right in forward order; a layer whose gradient held a NaN/Inf is marked
@@ -65,7 +60,7 @@ def grad_flow(source: GradMonitor | Sequence[GradStep], *, step: int | None = No
 
 
 def grad_history(
-    source: GradMonitor | Sequence[GradStep],
+    source: Recorded,
     *,
     layers: str | Sequence[str] | None = None,
     metric: str = "norm",
