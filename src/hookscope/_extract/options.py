@@ -59,9 +59,10 @@ class ExtractConfig(Options):
     ``{selector: reduction}``, first match wins), ``chunk_rows`` (a multiple of the batch; default
     up to 1,024 rows or 8 MiB per chunk), ``compression_level`` (zstd, -7..22; None for none),
     ``eval_mode`` (run in eval mode, restored after), ``tokens`` (``"auto"``: keep each row's token
-    ids beside its values when the batches carry some, ``input_ids`` or an integer first input;
-    True: required; False: never; each row's data index and padding mask are kept too, see
-    ``Store.row_index``).
+    ids beside its values when a site is stored per token, ``(N, seq, ...)``, and the batches
+    carry some, ``input_ids`` or an integer first input; True: required; False: never; each
+    row's data index is kept too, and its padding mask where a site is stored per token or the
+    token ids are kept, see ``Store.row_index``).
 
     How it runs: ``device`` to put the inputs on (default: the model's), ``batch_size``
     (default 32) and ``num_workers`` for a data set, ``indices`` (rows of a map-style data set),

@@ -64,7 +64,10 @@ def extract_command(
     ] = None,
     tokens: Annotated[
         str,
-        typer.Option("--tokens", help="Keep each row's token ids: auto (when the data has some), yes, or no."),
+        typer.Option(
+            "--tokens",
+            help="Keep each row's token ids: auto (when a layer is stored per token and the data has ids), yes, no.",
+        ),
     ] = "auto",
     reduce: Annotated[
         list[str] | None,
