@@ -86,12 +86,14 @@ def train(*, seed: int = 0, epochs: int = EPOCHS, write: Callable[[str], object]
     return model, result
 
 
-def save(model: ShapesCNN, out: Path, *, metadata: dict[str, str]) -> None:
+def save(model: nn.Module, out: Path, *, metadata: dict[str, str]) -> None:
     """Write ``model``'s weights to ``out`` as safetensors, atomically: a reader (or an interrupted
-    run) never sees half a file, and no temporary file is left on failure."""
+    run) never sees half a file, and no temporary file is left on failure. Tied weights (a language
+    model's embedding and unembedding) are written once per name, as safetensors requires."""
     from safetensors.torch import save as to_bytes
 
-    data = to_bytes({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, metadata)
+    state = model.state_dict()
+    data = to_bytes({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, metadata)
     with atomic_path(out) as temporary:
         temporary.write_bytes(data)
 
