@@ -25,7 +25,6 @@ the layer-1 keys depend on.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
@@ -35,8 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
-from hookscope.demo.train import save
+from hookscope.demo.train import train_command
 from hookscope.errors import SpecError
 
 if TYPE_CHECKING:
@@ -208,23 +208,20 @@ def load_induction_model() -> GPT2LMHeadModel:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: train, report, write the weights; returns the exit status."""
-    parser = argparse.ArgumentParser(
+
+    def run(seed: int, steps: int) -> tuple[nn.Module, dict[str, str]]:
+        model, final = train(seed=seed, steps=steps)
+        return model, {"final_loss": f"{final:.4f}"}
+
+    return train_command(
+        argv,
         prog="python -m hookscope.demo.induction",
         description="Train the two-layer induction GPT-2 and write its weights.",
+        default_out=DEFAULT_OUT,
+        seed_help="seed for the initialisation and the batches",
+        count=("steps", STEPS, f"training steps of {BATCH_SIZE} rows"),
+        run=run,
     )
-    parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="where to write the weights (default: %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed for the initialisation and the batches")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps of {BATCH_SIZE} rows")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
-    model, final = train(seed=args.seed, steps=args.steps)
-    metadata = {"seed": str(args.seed), "steps": str(args.steps), "final_loss": f"{final:.4f}"}
-    save(model, args.out, metadata=metadata)
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
