@@ -34,6 +34,7 @@ doctest.DocTestFinder._from_module = _from_defining_module  # type: ignore[metho
 #: Doctests that need the markers a test function would carry; a doctest cannot be decorated.
 DOCTEST_MARKS = {
     "hookscope.demo.tour.run_tour": ("slow", "transformers"),  # the whole tour: a GPT-2, a report
+    "hookscope.demo.induction.load_induction_model": ("transformers",),  # builds the GPT-2 it loads
 }
 
 

@@ -20,7 +20,7 @@ from hookscope.demo.models import WEIGHTS_FILE, ShapesCNN
 from hookscope.demo.shapes import make_shapes
 from hookscope.errors import SpecError
 
-__all__ = ["DEFAULT_OUT", "EPOCHS", "accuracy", "main", "save", "train"]
+__all__ = ["DEFAULT_OUT", "EPOCHS", "accuracy", "main", "save", "train", "train_command"]
 
 DEFAULT_OUT = Path(__file__).with_name(WEIGHTS_FILE)
 EPOCHS = 8
@@ -86,34 +86,64 @@ def train(*, seed: int = 0, epochs: int = EPOCHS, write: Callable[[str], object]
     return model, result
 
 
-def save(model: ShapesCNN, out: Path, *, metadata: dict[str, str]) -> None:
+def save(model: nn.Module, out: Path, *, metadata: dict[str, str]) -> None:
     """Write ``model``'s weights to ``out`` as safetensors, atomically: a reader (or an interrupted
-    run) never sees half a file, and no temporary file is left on failure."""
+    run) never sees half a file, and no temporary file is left on failure. Tied weights (a language
+    model's embedding and unembedding) are written once per name, as safetensors requires."""
     from safetensors.torch import save as to_bytes
 
-    data = to_bytes({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, metadata)
+    state = model.state_dict()
+    data = to_bytes({name: tensor.detach().clone().contiguous() for name, tensor in state.items()}, metadata)
     with atomic_path(out) as temporary:
         temporary.write_bytes(data)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line: train, report, write the weights; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m hookscope.demo.train", description="Train the demo ShapesCNN and write its weights."
-    )
+def train_command(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    default_out: Path,
+    seed_help: str,
+    count: tuple[str, int, str],
+    run: Callable[[int, int], tuple[nn.Module, dict[str, str]]],
+) -> int:
+    """The command line every demo training script shares: ``--out``, ``--seed`` and one count
+    (``count`` is its name, default and help: epochs, steps), then ``run(seed, count)``, which
+    returns the model and its metadata; the file records the seed and the count besides."""
+    name, default, count_help = count
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="where to write the weights (default: %(default)s)"
+        "--out", type=Path, default=default_out, help="where to write the weights (default: %(default)s)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for the data, the initialisation and the batches")
-    parser.add_argument("--epochs", type=int, default=EPOCHS, help="passes over the training images")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument(f"--{name}", type=int, default=default, help=count_help)
     args = parser.parse_args(argv)
-    if args.epochs < 1:
-        parser.error(f"--epochs must be >= 1, got {args.epochs}")
-    model, result = train(seed=args.seed, epochs=args.epochs)
-    metadata = {"seed": str(args.seed), "epochs": str(args.epochs), "test_accuracy": f"{result:.4f}"}
-    save(model, args.out, metadata=metadata)
+    value = getattr(args, name)
+    if value < 1:
+        parser.error(f"--{name} must be >= 1, got {value}")
+    model, metadata = run(args.seed, value)
+    save(model, args.out, metadata={"seed": str(args.seed), name: str(value), **metadata})
     print(f"wrote {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: train, report, write the weights; returns the exit status."""
+
+    def run(seed: int, epochs: int) -> tuple[nn.Module, dict[str, str]]:
+        model, result = train(seed=seed, epochs=epochs)
+        return model, {"test_accuracy": f"{result:.4f}"}
+
+    return train_command(
+        argv,
+        prog="python -m hookscope.demo.train",
+        description="Train the demo ShapesCNN and write its weights.",
+        default_out=DEFAULT_OUT,
+        seed_help="seed for the data, the initialisation and the batches",
+        count=("epochs", EPOCHS, "passes over the training images"),
+        run=run,
+    )
 
 
 if __name__ == "__main__":
