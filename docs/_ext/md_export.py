@@ -192,7 +192,9 @@ class MarkdownWriter:
     def _fence(self, node: nodes.Element, language: str | None = None) -> str:
         text = node.astext().rstrip("\n")
         if language is None:
-            language = node.get("language", "python" if isinstance(node, nodes.doctest_block) else "")
+            classes = [name for name in node.get("classes", ()) if name != "code"]  # docutils' own parsers
+            default = "python" if isinstance(node, nodes.doctest_block) else (classes[0] if classes else "")
+            language = node.get("language", default)
             language = _LANGUAGES.get(language, language)
             if language in _TEXT_LANGUAGES:
                 language = "text"
