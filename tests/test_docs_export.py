@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import inspect
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -28,9 +27,9 @@ from myst_parser.parsers.docutils_ import Parser as MystParser
 from sphinx import addnodes
 
 import hookscope as hs
+from tests.docs_site import built_site
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-SITE = DOCS / "_build" / "html"
 sys.path.insert(0, str(DOCS / "_ext"))
 
 from md_export import MarkdownWriter  # noqa: E402  (docs/_ext is not a package)
@@ -151,11 +150,7 @@ def test_an_unknown_node_gives_its_text() -> None:
 
 @pytest.fixture(scope="module")
 def site() -> Path:
-    if not (SITE / "llms.txt").exists():
-        if os.environ.get("HOOKSCOPE_BROWSER_TESTS") == "require":
-            pytest.fail(f"the documentation site is not built at {SITE}; run `make docs` first")
-        pytest.skip(f"the documentation site is not built at {SITE}; `make docs` builds it")
-    return SITE
+    return built_site("llms.txt")
 
 
 def toctree_pages(docname: str = "index") -> list[str]:
