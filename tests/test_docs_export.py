@@ -207,3 +207,19 @@ def test_llms_full_txt_holds_every_page(site: Path) -> None:
         heading = exported.splitlines()[0]
         assert heading.startswith("# ")
         assert f"\n{heading}\n" in f"\n{full}", docname
+
+
+@pytest.mark.slow
+def test_every_relative_link_of_the_exported_pages_exists(site: Path) -> None:
+    missing = []
+    for page in site.rglob("*.html.md"):
+        text = re.sub(r"^(`{3,}).*?^\1$", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+        text = re.sub(r"`[^`\n]*`", "", text)  # links, not code that looks like one
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"^[a-z][a-z0-9+.-]*:", path):
+                continue  # a link within the page, or to another site
+            resolved = (page.parent / path).resolve()
+            if not (resolved.exists() and resolved.is_relative_to(site.resolve())):
+                missing.append(f"{page.relative_to(site)}: {target}")
+    assert missing == []

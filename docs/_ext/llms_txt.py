@@ -34,7 +34,6 @@ def write_exports(app: Sphinx, exception: BaseException | None) -> None:
     env, builder, outdir = app.env, app.builder, Path(app.outdir)
     uris = {docname: _md_uri(builder.get_target_uri(docname)) for docname in env.found_docs}
     html_to_md = {_md_uri(builder.get_target_uri(docname))[: -len(".md")]: md for docname, md in uris.items()}
-    images: dict[str, str] = getattr(builder, "images", {})
 
     def writer(docname: str, root: bool) -> MarkdownWriter:
         here = posixpath.dirname(uris[docname])
@@ -51,9 +50,9 @@ def write_exports(app: Sphinx, exception: BaseException | None) -> None:
             return (target if root else posixpath.relpath(target, here or ".")) + hash_ + fragment
 
         def image(uri: str) -> str:
-            if uri not in images:
+            if uri not in env.images:  # a remote image, or one the build did not copy
                 return uri
-            target = posixpath.join(builder.imagedir, images[uri])
+            target = posixpath.join(builder.imagedir, env.images[uri][1])  # where the builder copies it
             return target if root else posixpath.relpath(target, here or ".")
 
         return MarkdownWriter(link=link, image=image)
