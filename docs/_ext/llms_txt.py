@@ -33,7 +33,8 @@ def write_exports(app: Sphinx, exception: BaseException | None) -> None:
         return
     env, builder, outdir = app.env, app.builder, Path(app.outdir)
     uris = {docname: _md_uri(builder.get_target_uri(docname)) for docname in env.found_docs}
-    html_to_md = {_md_uri(builder.get_target_uri(docname))[: -len(".md")]: md for docname, md in uris.items()}
+    # a page's HTML address, as a link to it reads once normalised (``guides/capture/`` under dirhtml)
+    html_to_md = {posixpath.normpath(builder.get_target_uri(docname)): md for docname, md in uris.items()}
 
     def writer(docname: str, root: bool) -> MarkdownWriter:
         here = posixpath.dirname(uris[docname])
