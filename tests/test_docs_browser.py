@@ -8,27 +8,21 @@ Reads the site ``make docs`` built (``make test`` builds it before the tests run
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.docs_site import built_site
 from tests.report.test_report_browser import browser  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-SITE = Path(__file__).resolve().parents[1] / "docs" / "_build" / "html"
-
 
 @pytest.fixture(scope="module")
 def site() -> Path:
-    if not (SITE / "index.html").exists():
-        if os.environ.get("HOOKSCOPE_BROWSER_TESTS") == "require":
-            pytest.fail(f"the documentation site is not built at {SITE}; run `make docs` first")
-        pytest.skip(f"the documentation site is not built at {SITE}; `make docs` builds it")
-    return SITE
+    return built_site()
 
 
 @pytest.fixture
