@@ -61,13 +61,18 @@ browser:
 wheel-check: install-dev
 	bash .ci/wheel-check $(BIN)/python "$(TORCH)"
 
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist), a test file's tests in one worker, so
+# that a module's shared fixture (a server, an engine) starts once.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+
 test: lint browser wheel-check docs
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 # The edit-test loop: everything but the tests marked slow (compile, distributed, browser, and
 # any test of a second or more); under 90 s on 2 cores. `make test` runs them all.
 test-fast: install-dev
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 # The whole suite under coverage.py; prints the files below 100% and the total line coverage of
 # src/hookscope (code run only in a subprocess the tests start is not counted).

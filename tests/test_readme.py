@@ -40,7 +40,7 @@ def test_the_examples_run_in_order_and_say_what_they_claim(
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "readme"}
     for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102  (the README's own examples)
+        exec(compile(block, str(README), "exec"), namespace)  # the README's own examples
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("<NonFiniteRow '2' (Linear")  # the broken Linear made the first NaN/Inf
     assert namespace["pattern"].shape == (1, 4, 12, 12)  # type: ignore[attr-defined]

@@ -587,18 +587,17 @@ def test_effects_to_pandas_and_plots() -> None:
     assert "blocks.0.resid_pre" in repr(effects)
 
 
-# -- the README's worked study -----------------------------------------------------------------------------
+# -- the methods guide's worked study -----------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_the_worked_study_runs_and_the_readme_shows_it(
+def test_the_worked_study_runs_and_the_methods_guide_names_it(
     tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = Path(__file__).resolve().parents[2]
     script = root / "docs" / "examples" / "ioi_study.py"
-    readme = (root / "README.md").read_text()
-    code = script.read_text()
-    assert code[code.index("import torch") :] in readme  # the README shows the script as it is
+    guide = (root / "docs" / "guides" / "methods.md").read_text()
+    assert "`docs/examples/ioi_study.py`" in guide  # the guide's worked study points to the script
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(script), run_name="__main__")
     printed = capsys.readouterr().out
