@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import importlib
 import math
 import os
 import sys
@@ -219,11 +220,12 @@ class Progress:
         return f"<div>{bar}{html.escape(self._line(end))}</div>"
 
     def _draw_notebook(self, end: str | None = None) -> None:
-        from IPython.display import HTML, display
-
-        shown = HTML(self.html(end))  # type: ignore[no-untyped-call]
+        # Imported by name: IPython is there whenever a notebook is, but not an install extra, and its
+        # annotations vary by version; the two names used are typed Any here.
+        ipython_display: Any = importlib.import_module("IPython.display")
+        shown = ipython_display.HTML(self.html(end))
         if self._display is None:
-            self._display = display(shown, display_id=True)  # type: ignore[no-untyped-call]
+            self._display = ipython_display.display(shown, display_id=True)
         else:
             self._display.update(shown)
 
