@@ -190,16 +190,18 @@ class StdMap(Mapping[str, StdSite]):
         """The map as Jupyter shows it: the rows of :meth:`table` in columns (name, read, edits),
         every name escaped, the names not defined here below."""
         title, rows, missing = self._layout()
-        cell = '<td style="text-align:left">{}</td>'.format
+
+        def cell(text: str) -> str:
+            return f'<td style="text-align:left">{html.escape(text)}</td>'
+
         head = "".join(f'<th style="text-align:left">{h}</th>' for h in ("canonical name", "read", "edits"))
         body = "".join(
-            f"<tr>{cell(_html(name))}{cell(_html(read))}{cell('' if write == read else _html(write))}</tr>"
-            for name, read, write in rows
+            f"<tr>{cell(name)}{cell(read)}{cell('' if write == read else write)}</tr>" for name, read, write in rows
         )
-        parts = [f"<p><b>{_html(title)}</b></p>"]
+        parts = [f"<p><b>{html.escape(title)}</b></p>"]
         if rows:
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-        parts.extend(f"<p>not defined here: {_html(names)}: {_html(why)}</p>" for names, why in missing)
+        parts.extend(f"<p>not defined here: {html.escape(names)}: {html.escape(why)}</p>" for names, why in missing)
         return "".join(parts)
 
     def _layout(self) -> tuple[str, list[tuple[str, str, str]], list[tuple[str, str]]]:
@@ -224,11 +226,6 @@ class StdMap(Mapping[str, StdSite]):
             reasons.setdefault(why, []).append(_generic(name))
         missing = [(_short_list(list(dict.fromkeys(names))), why) for why, names in reasons.items()]
         return title, rows, missing
-
-
-def _html(text: str) -> str:
-    """``text`` escaped for HTML, quotes too (a module may be named ``<script>``)."""
-    return html.escape(text)
 
 
 def _described(read: str, write: str) -> str:

@@ -258,9 +258,7 @@ def _score(metric: MetricFn, output: Any, rows: int, per_row: bool) -> torch.Ten
 # -- running the patches -------------------------------------------------------------------------
 
 
-def run_cells(
-    plan: Plan, cells: list[Cell], batch_rows: int | None, progress: bool | None = False, label: str = "patch_sweep"
-) -> torch.Tensor:
+def run_cells(plan: Plan, cells: list[Cell], batch_rows: int | None, progress: bool | None = False) -> torch.Tensor:
     """The metric (mean over the input's rows) of each cell patched on its own, batched.
 
     A cell whose source value equals the patched run's own value, bit for bit, changes nothing:
@@ -282,7 +280,7 @@ def run_cells(
         if any(differs[key]) if cell.position is None else differs[key][cell.position]:
             changed.append(index)
     per_forward = 1 if not plan.per_row else max(1, (batch_rows or DEFAULT_BATCH_ROWS) // rows)
-    with Progress(len(changed), enabled=progress, label=label, unit="patched cells") as bar:
+    with Progress(len(changed), enabled=progress, label="patch_sweep", unit="patched cells") as bar:
         for start in range(0, len(changed), per_forward):
             indices = changed[start : start + per_forward]
             chunk = [cells[i] for i in indices]
