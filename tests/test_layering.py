@@ -41,6 +41,7 @@ FEATURES = {
     "_layers",
     "_methods",
     "_monitor",
+    "_verify",
 }
 #: Public modules a feature may use as any user would (their package roots, not their internals).
 PUBLIC_FEATURE_MODULES = {"hookscope.edits", "hookscope.plots"}

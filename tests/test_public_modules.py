@@ -47,7 +47,7 @@ def test_moved_names_left_the_root_and_belong_to_their_module(module: str, name:
 
 def test_the_root_offers_the_new_modules_and_far_fewer_names() -> None:
     assert {"io", "sinks", "tensors"} <= set(dir(hs))
-    assert len(hs.__all__) <= 100
+    assert len(hs.__all__) <= 102  # 100 after the house issue, + verify and VerifyReport
 
 
 def test_moved_objects_pickle_under_their_new_names(tmp_path: pytest.TempPathFactory) -> None:

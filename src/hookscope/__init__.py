@@ -61,6 +61,7 @@ from hookscope._trace import (
     tracing,
 )
 from hookscope._trace.nonfinite import NonFiniteDetector, detect_nonfinite
+from hookscope._verify import VerifyReport, verify
 from hookscope._version import __version__
 from hookscope.errors import (
     CaptureError,
@@ -161,6 +162,7 @@ __all__ = [
     "TraceRow",
     "Tracer",
     "UnsupportedModelError",
+    "VerifyReport",
     "__version__",
     "attached",
     "capture",
@@ -189,6 +191,7 @@ __all__ = [
     "std_map",
     "trace",
     "tracing",
+    "verify",
     "watch_grads",
 ]
 

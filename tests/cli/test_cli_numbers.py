@@ -43,6 +43,7 @@ def base_args(command: str, tmp: Path) -> list[str]:
         "patch": [GPT2, "--clean", "5,6,7", "--corrupted", "5,6,8", "-m", "logit_diff:3,4", "--atp"],
         "lens": [GPT2, "--prompt", "5,6,7"],
         "extract": ["demo:cnn", "-D", "random:2", "-l", "fc", "--out", str(tmp / "s.zarr")],
+        "verify": [GPT2, "--checks", "capture,edits", "--compile-backend", "none"],
     }[command]
 
 
@@ -75,7 +76,7 @@ def _cases() -> list[Any]:
     for command, option in integer_options():
         if (command, option) in RUNS_THAT_LONG:
             continue
-        marks = transformers_cli if command in ("patch", "lens") else [pytest.mark.slow]
+        marks = transformers_cli if command in ("patch", "lens", "verify") else [pytest.mark.slow]
         if option == "--seed":
             marks = []  # refused while the line is read: nothing runs
         cases.append(pytest.param(command, option, marks=marks, id=f"{command}{option}"))

@@ -32,6 +32,7 @@ from hookscope.cli.commands.patch import patch_command
 from hookscope.cli.commands.report import report_command
 from hookscope.cli.commands.trace import trace_command
 from hookscope.cli.commands.train_check import train_check_command
+from hookscope.cli.commands.verify import verify_command
 from hookscope.cli.common import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, interrupt_note
 from hookscope.cli.parse.flags import plain
 from hookscope.errors import (
@@ -134,6 +135,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("patch", patch_command),
     ("lens", lens_command),
     ("extract", extract_command),
+    ("verify", verify_command),
 )
 
 for _name, _command in COMMANDS:  # help as plain text: no reST, paragraphs wrapped by the terminal

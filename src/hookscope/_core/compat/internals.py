@@ -8,6 +8,9 @@ private *attributes* of its objects that hooks alone cannot replace:
 - :func:`hook_dicts_key`: the identity of ``module._forward_pre_hooks``, which
   ``nn.DataParallel``'s replicas share with the module they copy (``replicate`` copies
   ``__dict__`` shallowly): the one way to tell a replica's call from its original's;
+- :func:`module_hooks`: the hook functions in ``module._forward_hooks``, ``_forward_pre_hooks``,
+  ``_backward_hooks`` and ``_backward_pre_hooks``, which ``hs.verify`` counts to prove a check
+  left none behind (a ``RemovableHandle`` does not say whether it is still attached);
 - :func:`child_slots`: ``module._modules``, every child under every attribute, a module held
   twice included (``named_children`` lists it once);
 - :data:`CALL_IMPL`, :data:`COMPILED_CALL_IMPL` and :func:`calls_look_up_call_impl`: the instance
@@ -32,6 +35,7 @@ __all__ = [
     "calls_look_up_call_impl",
     "child_slots",
     "hook_dicts_key",
+    "module_hooks",
     "version_counter",
 ]
 
@@ -51,6 +55,13 @@ def version_counter(tensor: torch.Tensor) -> int | None:
 def hook_dicts_key(module: nn.Module) -> int:
     """An identity ``module`` shares with every replica ``nn.DataParallel`` made of it, and with no other module."""
     return id(module._forward_pre_hooks)
+
+
+def module_hooks(module: nn.Module) -> list[object]:
+    """Every module hook function attached to ``module`` now: forward, forward pre-, backward and
+    backward pre-hooks, in that order."""
+    tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return [hook for table in tables for hook in table.values()]
 
 
 def child_slots(module: nn.Module) -> ItemsView[str, nn.Module | None]:

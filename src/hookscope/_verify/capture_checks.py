@@ -1,0 +1,137 @@
+"""Capture, checked: every module's inputs and outputs, and the gradients of kept values.
+
+The reference is a :class:`~hookscope._verify.reference.RawRecorder` on the same forward as the
+capture: both see the same values, so any difference is hookscope's, and equality is bit for bit.
+The model's output with the capture attached is compared with the clean forward's too: a capture
+must not change what the model computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookscope._capture import capture
+from hookscope._core.compat.internals import version_counter
+from hookscope._verify.reference import RawRecorder, close, same
+from hookscope._verify.subject import Subject, floating_leaves
+from hookscope.errors import HookscopeError
+
+__all__ = ["check_capture", "check_gradients"]
+
+
+def _label(module: str, call: int, what: str, path: str) -> str:
+    return f"{module or '(root)'}#{call}:{what}{path}"
+
+
+def check_capture(subject: Subject) -> None:
+    """One forward capturing every module that ran (``keep="both"``), against raw hooks."""
+    ran = subject.ran
+    with subject.check("capture inputs and outputs", f"every module ({len(ran)})") as findings:
+        with RawRecorder(subject.model) as recorder, capture(subject.model, layers=ran, keep="both") as cap:
+            output = subject.run()
+        cache = cap.cache
+        wanted: dict[tuple[str, int, str, str], torch.Tensor] = {}
+        for record in recorder.calls:
+            for path, value in record.inputs.items():
+                wanted[(record.module, record.call, "input", path)] = value
+            for path, value in record.outputs.items():
+                wanted[(record.module, record.call, "output", path)] = value
+        got = {(site.module, site.call, site.what, site.path): site for site in cache.sites()}
+        missing = [key for key in wanted if key not in got]
+        extra = [key for key in got if key not in wanted]
+        wrong = [key for key, value in wanted.items() if key in got and not same(cache[got[key]], value)]
+        if missing:
+            findings.append(("SILENTLY_WRONG", f"{len(missing)} values not kept, e.g. {_label(*missing[0])}"))
+        if extra:
+            findings.append(("SILENTLY_WRONG", f"{len(extra)} values kept that no call made, e.g. {_label(*extra[0])}"))
+        if wrong:
+            findings.append(("SILENTLY_WRONG", f"{len(wrong)} values differ from raw hooks', e.g. {_label(*wrong[0])}"))
+        changed = [
+            path
+            for path, value in floating_leaves(output).items()
+            if path in subject.clean_output and not close(value, subject.clean_output[path])
+        ]
+        if changed:
+            findings.append(("SILENTLY_WRONG", f"the model's output{changed[0]} changed while capturing"))
+        calls = len(recorder.calls)
+        findings.append(("SUPPORTED", f"{len(wanted)} tensors of {calls} calls equal to raw hooks', bit for bit"))
+
+
+def check_gradients(subject: Subject) -> None:
+    """``grads=True`` on a sample of modules against ``torch.autograd.grad`` of the same loss.
+
+    The loss is a fixed random projection of every floating output, so every kept value gets a
+    gradient of its own; the parameters' ``.grad`` are put back as they were afterwards.
+    """
+    chosen = subject.sample()
+    with subject.check("gradients of kept values", ", ".join(chosen) or "no module") as findings:
+        if not chosen:
+            findings.append(("REFUSED", "no module returned a floating tensor"))
+            return
+        params = [p for p in subject.model.parameters() if p.requires_grad]
+        if not params:
+            findings.append(("REFUSED", "no parameter requires grad, so the model's output has no graph"))
+            return
+        saved = [p.grad for p in params]
+        try:
+            _compare_gradients(subject, chosen, findings)
+        finally:
+            for param, grad in zip(params, saved, strict=False):
+                param.grad = grad
+
+
+def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any]) -> None:
+    with (
+        RawRecorder(subject.model, keep_graph=frozenset(chosen), values=False) as recorder,
+        capture(subject.model, layers=chosen, grads=True) as cap,
+    ):
+        output = subject.run(grad=True)
+        outs = [t for t in floating_leaves_graph(output) if t.requires_grad]
+        if not outs:
+            findings.append(("REFUSED", "the model's output does not require grad"))
+            return
+        generator = torch.Generator().manual_seed(0)
+        loss = torch.stack([(t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in outs])
+        loss = loss.sum()
+        keys = [key for key, tensor in recorder.graph.items() if version_counter(tensor) == recorder.versions[key]]
+        written = len(recorder.graph) - len(keys)
+        torch.autograd.backward(loss, retain_graph=True)
+        subject.backwards += 1
+        kept = _kept_grads(cap.cache, keys, findings)
+    # after the capture: a backward inside it would reach its hooks a second time
+    expected = torch.autograd.grad(loss, [recorder.graph[key] for key in keys], allow_unused=True)
+    compared = 0
+    for key, want in zip(keys, expected, strict=False):
+        got = kept.get(key)
+        if want is None or got is None:
+            continue
+        compared += 1
+        if not close(got, want, rtol=1e-5, atol=1e-7):
+            findings.append(("SILENTLY_WRONG", f"{key[0]}#{key[1]}: gradient differs from torch.autograd.grad's"))
+    if not compared:
+        findings.append(("REFUSED", "no kept value lies on the path from the parameters to the output"))
+    note = f"; {written} left out (the model writes into them in place later)" if written else ""
+    findings.append(("SUPPORTED", f"{compared} gradients equal to torch.autograd.grad's{note}"))
+
+
+def _kept_grads(cache: Any, keys: list[tuple[str, int]], findings: list[Any]) -> dict[tuple[str, int], torch.Tensor]:
+    kept: dict[tuple[str, int], torch.Tensor] = {}
+    for module, call in keys:
+        site = next((s for s in cache.sites() if s.module == module and s.call == call and s.what == "output"), None)
+        if site is None:
+            findings.append(("SILENTLY_WRONG", f"{module}#{call}: no value kept"))
+            continue
+        try:
+            kept[(module, call)] = cache.grad[site].clone()
+        except HookscopeError as error:
+            findings.append(("SILENTLY_WRONG", f"{module}#{call}: no gradient kept ({error.args[0]})"))
+    return kept
+
+
+def floating_leaves_graph(output: Any) -> list[torch.Tensor]:
+    """The floating tensors of the model's output, graph kept."""
+    from hookscope._verify.reference import leaves
+
+    return [tensor for _, tensor in leaves(output) if tensor.is_floating_point()]

@@ -1,0 +1,77 @@
+"""``torch.compile``, checked: a capture of a sample of modules while the compiled model runs
+equals the raw hooks' values of the eager reference forward.
+
+The backend is ``"eager"`` by default: it runs dynamo, which is where hooks meet compiled code
+(graph breaks, guards, the compiled-code escape), without spending a minute in a C++ compiler;
+``compile="inductor"`` checks the whole stack, within float rounding. A model dynamo cannot
+compile on its own is a refusal with dynamo's reason, not a defect of hookscope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookscope._capture import capture
+from hookscope._core.sites import Site
+from hookscope._verify.reference import close
+from hookscope._verify.report import Status
+from hookscope._verify.subject import Subject, floating_leaves, last_line
+from hookscope.errors import HookscopeError
+
+__all__ = ["check_compile"]
+
+
+def check_compile(subject: Subject, backend: str) -> None:
+    """One row: the sample's values under ``torch.compile(model, backend=backend)``."""
+    chosen = subject.sample()
+    with subject.check("torch.compile", f"backend={backend}: {', '.join(chosen)}") as findings:
+        if not chosen:
+            findings.append(("REFUSED", "no module returned a floating tensor to capture"))
+            return
+        compiled = torch.compile(subject.model, backend=backend)
+        args, kwargs = subject.example
+        try:
+            # hooks first: code compiled before they were attached would never call them
+            with capture(subject.model, layers=chosen) as cap:
+                subject.forwards += 1
+                with torch.no_grad():
+                    output = floating_leaves(compiled(*args, **kwargs))
+        except HookscopeError:
+            raise
+        except Exception as error:
+            findings.append(_without_hooks(subject, compiled, error))
+            return
+        off = [p for p in output if p in subject.clean_output and not close(output[p], subject.clean_output[p])]
+        reference = subject.reference
+        assert reference is not None
+        compared = 0
+        for name in chosen:
+            for record in [r for r in reference.calls if r.module == name]:
+                for path, want in record.outputs.items():
+                    site = Site(name, record.call, "output", path)
+                    try:
+                        got = cap.cache[site]
+                    except HookscopeError:
+                        findings.append(("SILENTLY_WRONG", f"{site} not kept under torch.compile"))
+                        continue
+                    compared += 1
+                    if not close(got, want, rtol=1e-4, atol=1e-5):
+                        findings.append(("SILENTLY_WRONG", f"{site} under torch.compile differs from eager raw hooks'"))
+        note = (
+            f" (the compiled model's output output{off[0]} differs from eager's beyond float rounding)" if off else ""
+        )
+        findings.append(("SUPPORTED", f"{compared} values under torch.compile equal to eager raw hooks'{note}"))
+
+
+def _without_hooks(subject: Subject, compiled: Any, error: Exception) -> tuple[Status, str]:
+    """A failure under hooks: REFUSED where the compiled model fails without them too, else ERROR."""
+    args, kwargs = subject.example
+    try:
+        subject.forwards += 1
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+    except Exception as plain:
+        return "REFUSED", f"the model does not compile without hookscope: {last_line(plain)}"
+    return "ERROR", f"compiles without hookscope, fails with its capture: {last_line(error)}"

@@ -1,0 +1,158 @@
+"""Canonical names, checked: each ``std:`` name the model resolves, read through a capture, equals
+the raw hook's value at the module boundary it names; each name it does not resolve is a
+refusal with the reason the map gives.
+
+Attention sub-site names (``blocks.i.attn.pattern``) are read from the same module as the name
+``blocks.i.attn``: their values are what the attention sub-sites row checked. One identity ties
+the blocks together without hookscope: ``blocks.i.resid_post`` equals ``blocks.{i+1}.resid_pre``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hookscope._arch.std import std_map
+from hookscope._capture import capture
+from hookscope._core.sites import Site
+from hookscope._verify.attention_checks import sub_site_problem
+from hookscope._verify.reference import RawRecorder, same
+from hookscope._verify.subject import Subject
+from hookscope.errors import HookscopeError
+
+__all__ = ["check_std"]
+
+
+def check_std(subject: Subject) -> None:
+    """Rows: the resolved names, then one refusal per reason a name is missing."""
+    args, kwargs = subject.example
+    std: Any = None
+    with subject.check("std names", "resolved") as findings:
+        subject.forwards += 1
+        std = std_map(subject.model, *args, **kwargs)
+        names = list(std)
+        if not names:
+            findings.append(("REFUSED", "no canonical name resolves on this model"))
+            return
+        with RawRecorder(subject.model) as recorder, capture(subject.model, layers=[f"std:{n}" for n in names]) as cap:
+            subject.run()
+        checked, via_attention = 0, 0
+        for name in names:
+            site = std[name]
+            if site.kind == "attn":
+                problem = _attention_problem(name, site, cap.cache, subject)
+                if problem is None:
+                    continue
+                if problem:
+                    findings.append(("SILENTLY_WRONG", problem))
+                via_attention += 1
+                continue
+            problem = _compare(name, site, cap.cache, recorder)
+            if problem:
+                findings.append(("SILENTLY_WRONG", problem))
+            checked += 1
+        chained = _chain(std, recorder, findings)
+        findings.append(
+            (
+                "SUPPORTED",
+                f"{len(names)} names ({std.family if hasattr(std, 'family') else 'map'}): "
+                f"{checked} equal to raw hooks' values, {via_attention} to the raw kernel call's, "
+                f"{chained} block boundaries chained",
+            )
+        )
+    if std is None:
+        return
+    for reason, missing in _grouped(dict(std.missing)).items():
+        with subject.check("std names", _short(missing)) as findings:
+            findings.append(("REFUSED", reason))
+
+
+def _parse(read: str) -> Any:
+    """A std name's read selector as a site: ``"h.0"`` (a whole module) is its output."""
+    return Site.parse(read if ":" in read else f"{read}:output")
+
+
+def _compare(name: str, site: Any, cache: Any, recorder: RawRecorder) -> str | None:
+    parsed = _parse(site.read)
+    record = recorder.record(parsed.module, parsed.call)
+    if record is None:
+        return f"std:{name}: {parsed.module} did not run"
+    values = record.inputs if parsed.what == "input" else record.outputs
+    want = values.get(parsed.path) if parsed.path or site.kind != "module" else next(iter(values.values()), None)
+    if want is None:
+        return f"std:{name}: raw hooks saw no tensor at {site.read}"
+    if site.kind == "module":  # a whole block: every tensor it returned, under the block's name
+        for path, value in values.items():
+            kept = cache.get(Site(parsed.module, parsed.call, "output", path))
+            if kept is None or not same(kept, value):
+                return f"std:{name}: {site.read}:output{path} is not the raw value"
+        return None
+    try:
+        got = cache[f"std:{name}"]
+    except HookscopeError as error:
+        return f"std:{name}: {error.args[0]}"
+    if not same(got, want):
+        return f"std:{name} is not the raw value at {site.read}"
+    return None
+
+
+def _attention_problem(name: str, site: Any, cache: Any, subject: Subject) -> str | None:
+    """``""`` when the sub-site name equals the attention check's kernel reference, the problem
+    otherwise, None where there is no reference (the attention check did not run)."""
+    module, _, part = site.read.partition(":attn.")
+    part, _, index = part.partition("#")
+    calls = subject.kernels.get(module)
+    if not calls or int(index or 0) >= len(calls):
+        return None
+    try:
+        got = cache[f"std:{name}"]
+    except HookscopeError as error:
+        return f"std:{name}: {error.args[0]}"
+    return (
+        f"std:{name} is not the kernel call's {part}"
+        if sub_site_problem(part, got, calls[int(index or 0)][part])
+        else ""
+    )
+
+
+def _chain(std: Any, recorder: RawRecorder, findings: list[Any]) -> int:
+    chained = 0
+    for prefix in sorted({n.rsplit("blocks.", 1)[0] for n in std if re.search(r"(^|\.)blocks\.\d+\.resid_post$", n)}):
+        index = 0
+        while f"{prefix}blocks.{index + 1}.resid_pre" in std and f"{prefix}blocks.{index}.resid_post" in std:
+            post, pre = std[f"{prefix}blocks.{index}.resid_post"], std[f"{prefix}blocks.{index + 1}.resid_pre"]
+            a, b = _raw(post.read, recorder), _raw(pre.read, recorder)
+            if a is not None and b is not None:
+                chained += 1
+                if not same(a, b):
+                    findings.append(
+                        (
+                            "SILENTLY_WRONG",
+                            f"{prefix}blocks.{index}.resid_post is not "
+                            f"{prefix}blocks.{index + 1}.resid_pre (raw values at {post.read}, {pre.read})",
+                        )
+                    )
+            index += 1
+    return chained
+
+
+def _raw(read: str, recorder: RawRecorder) -> Any:
+    parsed = _parse(read)
+    record = recorder.record(parsed.module, parsed.call)
+    if record is None:
+        return None
+    values = record.inputs if parsed.what == "input" else record.outputs
+    return values.get(parsed.path) if parsed.path else next(iter(values.values()), None)
+
+
+def _grouped(missing: dict[str, str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name, reason in missing.items():
+        groups.setdefault(reason, []).append(name)
+    return groups
+
+
+def _short(names: list[str]) -> str:
+    """``blocks.*.cross_attn.*`` for a list of numbered names: the patterns, deduplicated."""
+    patterns = list(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", name) for name in names))
+    return ", ".join(patterns[:4]) + (f" (+{len(patterns) - 4})" if len(patterns) > 4 else "")
