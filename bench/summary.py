@@ -47,6 +47,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "bench_monitor.py": (),
     "bench_store.py": (),
     "bench_report.py": (),
+    "bench_verify.py": (),
 }
 """The scripts in the order they run, each with the arguments ``make bench`` always gives it."""
 

@@ -72,7 +72,7 @@ def test_the_report_as_data_and_as_text() -> None:
         "trace calls and statistics",
         "trace first NaN",
     }
-    assert data["forwards"] == report.forwards == 4  # clean, capture, clean trace, NaN trace
+    assert data["forwards"] == report.forwards == 5  # clean twice, capture, clean trace, NaN trace
     text = str(report)
     assert text.splitlines()[-1].startswith("ok: 3 SUPPORTED")
     assert "SharedTwice" in text
@@ -80,6 +80,48 @@ def test_the_report_as_data_and_as_text() -> None:
     wrong = hs.VerifyReport("M", [hs.VerifyReport.Row("edit zero", "fc", "ERROR", "TypeError: x")])
     assert not wrong.ok
     assert "NOT OK: 1 ERROR" in wrong.table()
+
+
+class Noisy(nn.Module):
+    """Draws random numbers in eval mode, as a random mask would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x) + torch.randn_like(x))
+
+
+class Drifting(nn.Module):
+    """Computes something else on every call: no two forwards agree, whatever the seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.head(self.fc(x) * self.calls)
+
+
+def test_a_model_drawing_random_numbers_is_verified_with_the_generator_reseeded() -> None:
+    model, x = track(Noisy()), torch.randn(2, 4)
+    state = torch.get_rng_state()
+    report = hs.verify(model, x, compile=False)
+    assert report.ok, report.table()
+    assert statuses(report, "edit zero") == {"SUPPORTED"}
+    assert torch.equal(torch.get_rng_state(), state)  # the user's generator is as it was
+
+
+def test_a_model_that_drifts_between_forwards_gets_refusals_not_wrong_rows() -> None:
+    report = hs.verify(track(Drifting()), torch.randn(2, 4), compile="eager")
+    assert report.ok, report.table()
+    for check in ("edit", "torch.compile"):
+        assert statuses(report, check) == {"REFUSED"}
+        assert "two forwards on the same input differ" in next(r for r in report if r.check == check).detail
+    assert statuses(report, "capture inputs and outputs") == {"SUPPORTED"}  # one forward: no assumption
 
 
 @pytest.mark.parametrize(

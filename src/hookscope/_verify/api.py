@@ -63,9 +63,10 @@ def verify(
     - ``compile``: a capture under ``torch.compile(model, backend=compile)`` against the eager raw
       values (``compile=False`` skips it; ``"inductor"`` compiles for real, minutes on a CPU).
 
-    Cost: about ``4 * sample + 16`` forwards and one backward of ``model`` on ``example`` (the
-    report states the count), plus a compile; every hook is removed and the train/eval mode and
-    parameters put back, however a check ends.
+    Cost: about ``4 * sample + 14`` forwards and one backward of ``model`` on ``example`` (the
+    report states the count), plus a compile; every hook is removed and the train/eval mode,
+    parameters and torch's generator put back, however a check ends. The generator is reseeded
+    with ``seed`` before every forward, so that a model drawing random numbers draws the same ones.
 
     Args:
         model: any ``nn.Module``; run in eval mode during the checks.
@@ -89,10 +90,10 @@ def verify(
     backend = _backend(compile)
     start = time.perf_counter()
     args, kwargs = _example(model, example, seed)
-    subject = Subject(model, (args, kwargs), sample_size=sample)
+    subject = Subject(model, (args, kwargs), sample_size=sample, seed=seed)
     modes = {module: module.training for module in model.modules()}
     hooks_before = _hook_count(model)
-    torch.manual_seed(seed)
+    generator = torch.get_rng_state()
     try:
         model.eval()
         try:
@@ -115,6 +116,7 @@ def verify(
             runs[name]()
             _no_hook_left(subject, model, hooks_before, name)
     finally:
+        torch.set_rng_state(generator)
         for module, training in modes.items():
             module.train(training)
     return VerifyReport(

@@ -54,6 +54,9 @@ def check_attention(subject: Subject) -> None:
         return
     recorders: dict[str, OpRecorder] = {}
     with subject.check("attention op sites", "attention modules") as findings:
+        if subject.unsteady:
+            findings.append(("REFUSED", subject.unsteady))
+            return
         recorders = _reference_ops(subject, names)
         own = [name for name in names if any(recorders[name].calls)]  # a wrapper whose children do the work has none
         if not own:
@@ -200,7 +203,7 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
     args, kwargs = subject.example
     try:
         switch("eager")
-        subject.forwards += 1
+        subject.begin_forward()
         with torch.no_grad():
             output = model(*args, **{**kwargs, "output_attentions": True})
     except Exception:

@@ -53,7 +53,7 @@ def check_capture(subject: Subject) -> None:
             for path, value in floating_leaves(output).items()
             if path in subject.clean_output and not close(value, subject.clean_output[path])
         ]
-        if changed:
+        if changed and not subject.unsteady:  # a model that drifts between forwards says nothing here
             findings.append(("SILENTLY_WRONG", f"the model's output{changed[0]} changed while capturing"))
         calls = len(recorder.calls)
         findings.append(("SUPPORTED", f"{len(wanted)} tensors of {calls} calls equal to raw hooks', bit for bit"))

@@ -30,12 +30,15 @@ def check_compile(subject: Subject, backend: str) -> None:
         if not chosen:
             findings.append(("REFUSED", "no module returned a floating tensor to capture"))
             return
+        if subject.unsteady:
+            findings.append(("REFUSED", subject.unsteady))
+            return
         compiled = torch.compile(subject.model, backend=backend)
         args, kwargs = subject.example
         try:
             # hooks first: code compiled before they were attached would never call them
             with capture(subject.model, layers=chosen) as cap:
-                subject.forwards += 1
+                subject.begin_forward()
                 with torch.no_grad():
                     output = floating_leaves(compiled(*args, **kwargs))
         except HookscopeError:
@@ -69,7 +72,7 @@ def _without_hooks(subject: Subject, compiled: Any, error: Exception) -> tuple[S
     """A failure under hooks: REFUSED where the compiled model fails without them too, else ERROR."""
     args, kwargs = subject.example
     try:
-        subject.forwards += 1
+        subject.begin_forward()
         with torch.no_grad():
             compiled(*args, **kwargs)
     except Exception as plain:

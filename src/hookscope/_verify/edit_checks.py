@@ -63,6 +63,10 @@ def _is_model_output(item: object) -> bool:
 def check_edits(subject: Subject) -> None:
     """Zero and patch each module of the sample; one row per edit kind and module."""
     chosen = subject.sample()
+    if subject.unsteady:
+        with subject.check("edit", "every edit") as findings:
+            findings.append(("REFUSED", subject.unsteady))
+        return
     if not chosen:
         with subject.check("edit", "no module") as findings:
             findings.append(("REFUSED", "no module returned a floating tensor to edit"))

@@ -28,7 +28,7 @@ def check_std(subject: Subject) -> None:
     args, kwargs = subject.example
     std: Any = None
     with subject.check("std names", "resolved") as findings:
-        subject.forwards += 1
+        subject.begin_forward()
         std = std_map(subject.model, *args, **kwargs)
         names = list(std)
         if not names:

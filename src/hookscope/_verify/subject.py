@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._verify.reference import CallRecord, RawRecorder, leaves
+from hookscope._verify.reference import CallRecord, RawRecorder, leaves, same
 from hookscope._verify.report import Status, VerifyRow
 from hookscope.errors import HookscopeError
 
@@ -80,6 +80,7 @@ class Subject:
     model: nn.Module
     example: Example
     sample_size: int = 3
+    seed: int = 0
     forwards: int = 0
     backwards: int = 0
     rows: list[VerifyRow] = field(default_factory=list)
@@ -90,19 +91,34 @@ class Subject:
     #: q, k, v, z and the float64 scores and pattern (what the std check reads sub-site names against).
     kernels: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
 
+    #: Where two plain forwards on the same input (the generator reseeded) differed, or "".
+    unsteady: str = ""
+
+    def begin_forward(self) -> None:
+        """Count a forward and reseed torch's generator, so that a model drawing random numbers
+        (a random mask in eval mode) draws the same ones in every forward of the report."""
+        self.forwards += 1
+        torch.manual_seed(self.seed)
+
     def run(self, example: Example | None = None, *, grad: bool = False) -> Any:
         """One forward of the model on ``example`` (default: the subject's), counted."""
         args, kwargs = example if example is not None else self.example
-        self.forwards += 1
+        self.begin_forward()
         with torch.set_grad_enabled(grad):
             return self.model(*args, **kwargs)
 
     def record_clean(self) -> None:
-        """The reference forward: every module's calls, inputs and outputs, by raw hooks."""
+        """The reference forward: every module's calls, inputs and outputs, by raw hooks; then a
+        plain forward, which must give the same output for the checks that compare two forwards."""
         with RawRecorder(self.model) as recorder:
             output = self.run()
         self.reference = recorder
         self.clean_output = floating_leaves(output)
+        again = floating_leaves(self.run())
+        moved = [path for path, value in again.items() if not same(value, self.clean_output.get(path, value))]
+        if moved or again.keys() != self.clean_output.keys():
+            where = f"output{moved[0]}" if moved else "the output's tensors"
+            self.unsteady = f"two forwards on the same input differ ({where}), so no check can compare two forwards"
 
     @property
     def ran(self) -> list[str]:

@@ -28,7 +28,7 @@ def check_trace(subject: Subject) -> None:
     with subject.check("trace calls and statistics", "every module") as findings:
         with RawRecorder(subject.model) as recorder:
             args, kwargs = subject.example
-            subject.forwards += 1
+            subject.begin_forward()
             with torch.no_grad():
                 trace = run_trace(subject.model, *args, **kwargs)
         _compare_rows(trace, recorder, findings)
@@ -135,7 +135,7 @@ def _blame(subject: Subject, findings: list[Any]) -> None:
             param.data[index] = float("nan")
         with RawRecorder(subject.model) as recorder:
             args, kwargs = subject.example
-            subject.forwards += 1
+            subject.begin_forward()
             with torch.no_grad():
                 trace = run_trace(subject.model, *args, **kwargs)
     finally:
