@@ -19,7 +19,7 @@ from hookscope import edits
 from hookscope._capture import capture
 from hookscope._edit import edit
 from hookscope._verify.reference import RawRecorder, close
-from hookscope._verify.subject import Example, Subject, floating_leaves, other_example
+from hookscope._verify.subject import Example, Subject, floating_leaves, last_line, other_example
 
 __all__ = ["check_edits", "replace_first"]
 
@@ -99,7 +99,15 @@ def _source_run(subject: Subject, other: Example, chosen: list[str]) -> tuple[Ra
     """The second input's run: raw values (the reference's patches) and hookscope's cache."""
     result: tuple[RawRecorder, Any] | None = None
     with subject.check("capture for patching", "second input") as findings:
-        with RawRecorder(subject.model) as recorder, capture(subject.model, layers=chosen) as cap:
+        try:
+            subject.run(other)
+        except Exception as error:  # the varied input is ours, not the user's: say so
+            findings.append(("REFUSED", f"the second input (the example varied) does not run: {last_line(error)}"))
+            return None
+        with (
+            RawRecorder(subject.model, only=frozenset(chosen)) as recorder,
+            capture(subject.model, layers=chosen) as cap,
+        ):
             subject.run(other)
         findings.append(("SUPPORTED", f"{len(chosen)} modules captured on a second input to patch from"))
         result = recorder, cap.cache

@@ -91,11 +91,20 @@ class RawRecorder:
     """Record every call of every module of ``model`` with raw hooks (a context manager).
 
     ``keep_graph`` names modules whose first output tensor is also kept undetached
-    (``graph[(module, call)]``), for gradients taken with ``torch.autograd.grad``.
+    (``graph[(module, call)]``), for gradients taken with ``torch.autograd.grad``; ``only`` limits
+    the recording to some modules (a check that needs a few keeps no copy of the rest).
     """
 
-    def __init__(self, model: nn.Module, *, keep_graph: frozenset[str] = frozenset(), values: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        keep_graph: frozenset[str] = frozenset(),
+        values: bool = True,
+        only: frozenset[str] | None = None,
+    ) -> None:
         self.model = model
+        self.only = only
         self.keep_graph = keep_graph
         self.values = values
         self.calls: list[CallRecord] = []
@@ -109,6 +118,8 @@ class RawRecorder:
     def __enter__(self) -> RawRecorder:
         try:
             for name, module in self.model.named_modules():
+                if self.only is not None and name not in self.only:
+                    continue
                 self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post(name), always_call=True))
         except BaseException:

@@ -34,7 +34,11 @@ def check_std(subject: Subject) -> None:
         if not names:
             findings.append(("REFUSED", "no canonical name resolves on this model"))
             return
-        with RawRecorder(subject.model) as recorder, capture(subject.model, layers=[f"std:{n}" for n in names]) as cap:
+        modules = frozenset(_parse(std[n].read).module for n in names if std[n].kind != "attn")
+        with (
+            RawRecorder(subject.model, only=modules) as recorder,
+            capture(subject.model, layers=[f"std:{n}" for n in names]) as cap,
+        ):
             subject.run()
         checked, via_attention = 0, 0
         for name in names:

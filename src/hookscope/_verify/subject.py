@@ -41,10 +41,14 @@ def rated(error: BaseException) -> tuple[Status, str]:
 
 
 def other_example(example: Example, seed: int = 1) -> Example | None:
-    """A second input of the same shapes, for patching: token ids rolled by one place along the
-    sequence, floating inputs moved by seeded noise; masks and other integers kept. None when
-    nothing could change (no token ids and no floating input)."""
+    """A second input of the same shapes, for patching: floating inputs (pixels, audio features)
+    moved by seeded noise where there are any, else token ids (``input_ids``, or a positional
+    integer input) rolled by one place along the sequence; masks, positions, boxes and special
+    token layouts are kept. None when nothing could change."""
     generator = torch.Generator().manual_seed(seed)
+    args, kwargs = example
+    values = [*args, *kwargs.values()]
+    floats = any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 for v in values)
     changed = False
 
     def vary(key: str, value: Any) -> Any:
@@ -55,12 +59,11 @@ def other_example(example: Example, seed: int = 1) -> Example | None:
             changed = True
             noise = torch.randn(value.shape, generator=generator).to(value.device, value.dtype)
             return value + noise * (value.float().std().nan_to_num(1.0).clamp(min=1e-3).item())
-        if "ids" in key and value.dim() >= 1 and value.shape[-1] > 1:
+        if not floats and key == "input_ids" and value.shape[-1] > 1:
             changed = True
             return value.roll(1, dims=-1)
         return value
 
-    args, kwargs = example
     varied: Example = (
         tuple(vary("input_ids", arg) for arg in args),  # a positional integer input is read as token ids
         {key: vary(key, value) for key, value in kwargs.items()},
