@@ -266,3 +266,53 @@ def test_tiny_transformers_models_verify_with_no_wrong_row(family: str) -> None:
     if family == "llama":
         assert "torch.compile" in supported
     assert hs.attached(model) == []
+
+
+@pytest.mark.transformers
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["falcon", "opt", "bloom"])
+def test_sweep_findings_multi_query_heads_residual_adds_and_eager_softmax_verify_clean(family: str) -> None:
+    """Falcon repeats one key/value head for the kernel (the sub-sites keep one per group); OPT's
+    resid_mid is an add inside the block's code; BLOOM's pattern is the softmax of its eager
+    attention: each name is checked against a raw function mode or the raw kernel call."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    built: dict[str, Any] = {
+        "falcon": lambda: tf.FalconForCausalLM(
+            tf.FalconConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                multi_query=True,
+                vocab_size=128,
+                new_decoder_architecture=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "opt": lambda: tf.OPTForCausalLM(
+            tf.OPTConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                ffn_dim=128,
+                vocab_size=128,
+                word_embed_proj_dim=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=1,
+            )
+        ),
+        "bloom": lambda: tf.BloomForCausalLM(
+            tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=128, bos_token_id=0, eos_token_id=0)
+        ),
+    }
+    model = track(built[family]())
+    report = hs.verify(model, checks=["attention", "std"], compile=False)
+    assert report.ok, report.table()
+    std_row = next(row for row in report if row.check == "std names" and row.subject == "resolved")
+    assert std_row.status == "SUPPORTED", report.table()
+    assert "not checked" not in std_row.detail  # every resolved name had a reference
+    if family == "falcon":
+        assert statuses(report, "attention sub-sites") == {"SUPPORTED"}

@@ -168,10 +168,17 @@ def _reference_sub_sites(op: OpCall) -> dict[str, torch.Tensor]:
 
 
 def sub_site_problem(part: str, value: torch.Tensor, want: torch.Tensor) -> bool:
-    """True when ``value`` is not the reference: q, k, v, z bit for bit (k and v repeated to the
-    query's heads where the kernel grouped them), scores and pattern within float rounding."""
-    if part in ("k", "v") and want.shape != value.shape and want.dim() >= 3 and value.dim() == want.dim():
-        want = want.repeat_interleave(max(value.shape[-3] // max(want.shape[-3], 1), 1), dim=-3)
+    """True when ``value`` (a sub-site in its documented layout) is not the reference: q, k, v, z
+    bit for bit, scores and pattern within float rounding. The documented layout keeps one of each
+    run of repeated key/value heads and splits packed query heads; the reference is the kernel's
+    layout, so key/value heads are repeated back and a packed value reshaped before comparing."""
+    if part in ("k", "v") and value.dim() == want.dim() >= 3 and value.shape[-3] != want.shape[-3]:
+        if want.shape[-3] % value.shape[-3] == 0:  # the kernel took the heads repeated
+            value = value.repeat_interleave(want.shape[-3] // value.shape[-3], dim=-3)
+        elif value.shape[-3] % want.shape[-3] == 0:  # the kernel grouped them itself (enable_gqa)
+            want = want.repeat_interleave(value.shape[-3] // want.shape[-3], dim=-3)
+    if value.shape != want.shape and value.numel() == want.numel():
+        value = value.reshape(want.shape)
     if part in ("q", "k", "v", "z"):
         return not same(value, want)
     return not close(value, want, rtol=1e-4, atol=1e-5)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hookscope._core.compat.internals import version_counter
+from hookscope._core.op_sites import op_name
 
 __all__ = ["CallRecord", "OpRecorder", "RawRecorder", "leaves", "same"]
 
@@ -181,6 +182,7 @@ class OpCall:
     args: list[Any]
     kwargs: dict[str, Any]
     outputs: list[torch.Tensor]
+    paths: list[str] = field(default_factory=list)  # each output's path in what the op returned
 
 
 class OpRecorder(TorchFunctionMode):
@@ -202,12 +204,12 @@ class OpRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if self._paused == 0 and self.calls:
-            outs = [t for _, t in leaves(result)] if isinstance(result, (torch.Tensor, tuple, list)) else []
+            outs = list(leaves(result)) if isinstance(result, (torch.Tensor, tuple, list)) else []
             if outs:
                 kept = [_clone(a) if isinstance(a, torch.Tensor) else a for a in args]
                 named = {k: _clone(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-                name = getattr(func, "__name__", str(func))
-                self.calls[-1].append(OpCall(name, kept, named, [_clone(t) for t in outs]))
+                copies = [_clone(t) for _, t in outs]
+                self.calls[-1].append(OpCall(op_name(func), kept, named, copies, [path for path, _ in outs]))
         return result
 
     def attach(self) -> OpRecorder:
@@ -231,6 +233,17 @@ class OpRecorder(TorchFunctionMode):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def value(self, call: int, op: str, path: str) -> torch.Tensor | None:
+        """The output at ``path`` of op ``"add#1"`` (the second ``add``) in the module's call ``call``."""
+        name, _, index = op.partition("#")
+        if call >= len(self.calls):
+            return None
+        found = [item for item in self.calls[call] if item.name == name]
+        if int(index or 0) >= len(found):
+            return None
+        item = found[int(index or 0)]
+        return dict(zip(item.paths, item.outputs, strict=True)).get(path)
 
     def _start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.calls.append([])

@@ -16,7 +16,7 @@ from hookscope._arch.std import std_map
 from hookscope._capture import capture
 from hookscope._core.sites import Site
 from hookscope._verify.attention_checks import sub_site_problem
-from hookscope._verify.reference import RawRecorder, same
+from hookscope._verify.reference import OpRecorder, RawRecorder, same
 from hookscope._verify.subject import Subject
 from hookscope.errors import HookscopeError
 
@@ -35,23 +35,29 @@ def check_std(subject: Subject) -> None:
             findings.append(("REFUSED", "no canonical name resolves on this model"))
             return
         modules = frozenset(_parse(std[n].read).module for n in names if std[n].kind != "attn")
+        ops = _op_references(subject, [_parse(std[n].read) for n in names if std[n].kind != "attn"])
         with (
             RawRecorder(subject.model, only=modules) as recorder,
             capture(subject.model, layers=[f"std:{n}" for n in names]) as cap,
         ):
             subject.run()
         checked, via_attention = 0, 0
+        unchecked: list[str] = []
         for name in names:
             site = std[name]
             if site.kind == "attn":
                 problem = _attention_problem(name, site, cap.cache, subject)
                 if problem is None:
+                    unchecked.append(name)
                     continue
                 if problem:
                     findings.append(("SILENTLY_WRONG", problem))
                 via_attention += 1
                 continue
-            problem = _compare(name, site, cap.cache, recorder)
+            problem = _compare(name, site, cap.cache, recorder, ops)
+            if problem is None:
+                unchecked.append(name)
+                continue
             if problem:
                 findings.append(("SILENTLY_WRONG", problem))
             checked += 1
@@ -60,8 +66,9 @@ def check_std(subject: Subject) -> None:
             (
                 "SUPPORTED",
                 f"{len(names)} names ({std.family if hasattr(std, 'family') else 'map'}): "
-                f"{checked} equal to raw hooks' values, {via_attention} to the raw kernel call's, "
-                f"{chained} block boundaries chained",
+                f"{checked} equal to raw hooks' or a raw function mode's values, "
+                f"{via_attention} to the raw kernel call's, "
+                f"{chained} block boundaries chained" + _unchecked(unchecked, subject),
             )
         )
     if std is None:
@@ -76,28 +83,52 @@ def _parse(read: str) -> Any:
     return Site.parse(read if ":" in read else f"{read}:output")
 
 
-def _compare(name: str, site: Any, cache: Any, recorder: RawRecorder) -> str | None:
+def _op_references(subject: Subject, sites: list[Any]) -> dict[str, OpRecorder]:
+    """Raw function modes on the modules whose names are op sites (a residual add inside a
+    block's code), in a forward of their own; none where two forwards differ."""
+    modules = sorted({site.module for site in sites if site.op})
+    if not modules or subject.unsteady:
+        return {}
+    recorders = {module: OpRecorder(subject.model, module) for module in modules}
+    try:
+        for recorder in recorders.values():
+            recorder.attach()
+        subject.run()
+    finally:
+        for recorder in recorders.values():
+            recorder.remove()
+    return recorders
+
+
+def _compare(name: str, site: Any, cache: Any, recorder: RawRecorder, ops: dict[str, OpRecorder]) -> str | None:
+    """The problem with ``std:name``'s value, ``""`` for none, None where no reference exists."""
     parsed = _parse(site.read)
-    record = recorder.record(parsed.module, parsed.call)
-    if record is None:
-        return f"std:{name}: {parsed.module} did not run"
-    values = record.inputs if parsed.what == "input" else record.outputs
-    want = values.get(parsed.path) if parsed.path or site.kind != "module" else next(iter(values.values()), None)
-    if want is None:
-        return f"std:{name}: raw hooks saw no tensor at {site.read}"
-    if site.kind == "module":  # a whole block: every tensor it returned, under the block's name
-        for path, value in values.items():
-            kept = cache.get(Site(parsed.module, parsed.call, "output", path))
-            if kept is None or not same(kept, value):
-                return f"std:{name}: {site.read}:output{path} is not the raw value"
-        return None
+    if parsed.op:
+        if parsed.module not in ops or parsed.what != "output":
+            return None
+        want = ops[parsed.module].value(parsed.call, parsed.op, parsed.path)
+        if want is None:
+            return f"std:{name}: the module's code made no {parsed.op} (raw function mode)"
+    else:
+        record = recorder.record(parsed.module, parsed.call)
+        if record is None:
+            return f"std:{name}: {parsed.module} did not run"
+        values = record.inputs if parsed.what == "input" else record.outputs
+        if site.kind == "module":  # a whole block: every tensor it returned, under the block's name
+            for path, value in values.items():
+                kept = cache.get(Site(parsed.module, parsed.call, "output", path))
+                if kept is None or not same(kept, value):
+                    return f"std:{name}: {site.read}:output{path} is not the raw value"
+            return ""
+        found = values.get(parsed.path)
+        if found is None:
+            return f"std:{name}: raw hooks saw no tensor at {site.read}"
+        want = found
     try:
         got = cache[f"std:{name}"]
     except HookscopeError as error:
         return f"std:{name}: {error.args[0]}"
-    if not same(got, want):
-        return f"std:{name} is not the raw value at {site.read}"
-    return None
+    return "" if same(got, want) else f"std:{name} is not the raw value at {site.read}"
 
 
 def _attention_problem(name: str, site: Any, cache: Any, subject: Subject) -> str | None:
@@ -140,8 +171,17 @@ def _chain(std: Any, recorder: RawRecorder, findings: list[Any]) -> int:
     return chained
 
 
+def _unchecked(names: list[str], subject: Subject) -> str:
+    if not names:
+        return ""
+    why = subject.unsteady or "no reference without hookscope for these sites"
+    return f"; {len(names)} not checked ({_short(names)}: {why})"
+
+
 def _raw(read: str, recorder: RawRecorder) -> Any:
     parsed = _parse(read)
+    if parsed.op:
+        return None
     record = recorder.record(parsed.module, parsed.call)
     if record is None:
         return None
