@@ -316,3 +316,70 @@ def test_sweep_findings_multi_query_heads_residual_adds_and_eager_softmax_verify
     assert "not checked" not in std_row.detail  # every resolved name had a reference
     if family == "falcon":
         assert statuses(report, "attention sub-sites") == {"SUPPORTED"}
+
+
+class SharedAttention(nn.Module):
+    """One attention module run twice (ALBERT shares its layer), writing into ``new_empty`` memory
+    (DeepSeek-V3 builds its rotary query so), beside a module whose output needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = Attention()
+        self.positions = Positions()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.positions(x)
+        return self.head(self.attention(self.attention(x)))
+
+
+class Positions(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[1], dtype=x.dtype)[:, None].expand_as(x).sin()
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        scratch = q.new_empty(q.shape)
+        scratch[...] = q
+        z = torch.nn.functional.scaled_dot_product_attention(scratch, k, v, is_causal=True)
+        return x + z.transpose(1, 2).reshape(x.shape)
+
+
+def test_sweep_findings_shared_attention_scratch_memory_and_values_without_gradient() -> None:
+    """The sweep's ALBERT, DeepSeek-V3 and rotary-embedding rows: each module call's kernel is its
+    own reference, ops reading unwritten memory are compared by shape, and a value no gradient
+    reaches is not asked for one."""
+    model = track(SharedAttention())
+    report = hs.verify(model, torch.randn(2, 5, 8), checks=["gradients", "attention"], sample=3, compile=False)
+    assert report.ok, report.table()
+    assert statuses(report, "attention sub-sites") == {"SUPPORTED"}
+    assert "12 sub-site values" in next(r for r in report if r.check == "attention sub-sites").detail  # 2 calls x 6
+    assert statuses(report, "gradients of kept values") == {"SUPPORTED"}
+
+
+class Validating(nn.Module):
+    """Checks its own values, as a torch.distributions argument check does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.fc(x))
+        if torch.isnan(out).any():
+            raise ValueError("found invalid values")
+        return out
+
+
+def test_a_model_that_raises_on_the_injected_nan_is_a_refusal() -> None:
+    report = hs.verify(track(Validating()), torch.randn(2, 4), checks=["trace"], compile=False)
+    row = next(r for r in report if r.check == "trace first NaN")
+    assert row.status == "REFUSED"
+    assert "the model raises on a NaN in" in row.detail
+    assert "ValueError: found invalid values" in row.detail

@@ -63,7 +63,7 @@ def verify(
     - ``compile``: a capture under ``torch.compile(model, backend=compile)`` against the eager raw
       values (``compile=False`` skips it; ``"inductor"`` compiles for real, minutes on a CPU).
 
-    Cost: about ``4 * sample + 14`` forwards and one backward of ``model`` on ``example`` (the
+    Cost: about ``4 * sample + 15`` forwards and one backward of ``model`` on ``example`` (the
     report states the count), plus a compile; every hook is removed and the train/eval mode,
     parameters and torch's generator put back, however a check ends. The generator is reseeded
     with ``seed`` before every forward, so that a model drawing random numbers draws the same ones.

@@ -14,6 +14,7 @@ import torch
 
 from hookscope._capture import capture
 from hookscope._core.compat.internals import version_counter
+from hookscope._core.sites import Site
 from hookscope._verify.reference import RawRecorder, close, same
 from hookscope._verify.subject import Subject, floating_leaves
 from hookscope.errors import HookscopeError
@@ -95,17 +96,21 @@ def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any])
         generator = torch.Generator().manual_seed(0)
         loss = torch.stack([(t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in outs])
         loss = loss.sum()
-        keys = [key for key, tensor in recorder.graph.items() if version_counter(tensor) == recorder.versions[key]]
-        written = len(recorder.graph) - len(keys)
+        on_graph = {key: t for key, t in recorder.graph.items() if t.requires_grad and t.is_floating_point()}
+        keys = [key for key, tensor in on_graph.items() if version_counter(tensor) == recorder.versions[key]]
+        written = len(on_graph) - len(keys)
         torch.autograd.backward(loss, retain_graph=True)
         subject.backwards += 1
-        kept = _kept_grads(cap.cache, keys, findings)
+        kept = _kept_grads(cap.cache, keys, recorder.paths)
     # after the capture: a backward inside it would reach its hooks a second time
-    expected = torch.autograd.grad(loss, [recorder.graph[key] for key in keys], allow_unused=True)
+    expected: tuple[Any, ...] = torch.autograd.grad(loss, [recorder.graph[key] for key in keys], allow_unused=True)
     compared = 0
-    for key, want in zip(keys, expected, strict=False):
-        got = kept.get(key)
-        if want is None or got is None:
+    for key, want in zip(keys, expected, strict=True):
+        if want is None:  # not on the path to the output (a value cut off by integer codes): no gradient to keep
+            continue
+        got = kept[key]
+        if isinstance(got, str):
+            findings.append(("SILENTLY_WRONG", f"{key[0]}#{key[1]}: {got}; torch.autograd.grad gives one"))
             continue
         compared += 1
         if not close(got, want, rtol=1e-5, atol=1e-7):
@@ -116,17 +121,20 @@ def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any])
     findings.append(("SUPPORTED", f"{compared} gradients equal to torch.autograd.grad's{note}"))
 
 
-def _kept_grads(cache: Any, keys: list[tuple[str, int]], findings: list[Any]) -> dict[tuple[str, int], torch.Tensor]:
-    kept: dict[tuple[str, int], torch.Tensor] = {}
+def _kept_grads(
+    cache: Any, keys: list[tuple[str, int]], paths: dict[tuple[str, int], str]
+) -> dict[tuple[str, int], torch.Tensor | str]:
+    """Each key's kept gradient (cloned), or why there is none."""
+    kept: dict[tuple[str, int], torch.Tensor | str] = {}
     for module, call in keys:
-        site = next((s for s in cache.sites() if s.module == module and s.call == call and s.what == "output"), None)
-        if site is None:
-            findings.append(("SILENTLY_WRONG", f"{module}#{call}: no value kept"))
+        site = Site(module, call, "output", paths[(module, call)])
+        if site not in cache.sites():
+            kept[(module, call)] = f"no value kept at {site}"
             continue
         try:
             kept[(module, call)] = cache.grad[site].clone()
         except HookscopeError as error:
-            findings.append(("SILENTLY_WRONG", f"{module}#{call}: no gradient kept ({error.args[0]})"))
+            kept[(module, call)] = f"no gradient kept ({error.args[0]})"
     return kept
 
 

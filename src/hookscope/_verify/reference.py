@@ -110,6 +110,7 @@ class RawRecorder:
         self.values = values
         self.calls: list[CallRecord] = []
         self.graph: dict[tuple[str, int], torch.Tensor] = {}
+        self.paths: dict[tuple[str, int], str] = {}
         self.versions: dict[tuple[str, int], int | None] = {}
         self._counts: dict[str, int] = {}
         self._open: dict[str, list[CallRecord]] = {}
@@ -161,6 +162,7 @@ class RawRecorder:
                 record.outputs = {path: _clone(t) for path, t in found}
             if name in self.keep_graph and found:
                 self.graph[(name, record.call)] = found[0][1]
+                self.paths[(name, record.call)] = found[0][0]
                 self.versions[(name, record.call)] = version_counter(found[0][1])
 
         return post
@@ -172,6 +174,10 @@ class RawRecorder:
     def counts(self) -> dict[str, int]:
         """How many times each module was called."""
         return dict(self._counts)
+
+
+#: Ops whose result is memory left as it was found: equal shapes are all two runs can share.
+UNINITIALISED = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
 
 
 @dataclass

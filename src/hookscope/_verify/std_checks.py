@@ -136,8 +136,10 @@ def _attention_problem(name: str, site: Any, cache: Any, subject: Subject) -> st
     otherwise, None where there is no reference (the attention check did not run)."""
     module, _, part = site.read.partition(":attn.")
     part, _, index = part.partition("#")
-    calls = subject.kernels.get(module)
-    if not calls or int(index or 0) >= len(calls):
+    module, _, call = module.partition("#")
+    calls = subject.kernels.get(module, [])
+    kernels = calls[int(call or 0)] if int(call or 0) < len(calls) else []
+    if int(index or 0) >= len(kernels):
         return None
     try:
         got = cache[f"std:{name}"]
@@ -145,7 +147,7 @@ def _attention_problem(name: str, site: Any, cache: Any, subject: Subject) -> st
         return f"std:{name}: {error.args[0]}"
     return (
         f"std:{name} is not the kernel call's {part}"
-        if sub_site_problem(part, got, calls[int(index or 0)][part])
+        if sub_site_problem(part, got, kernels[int(index or 0)][part])
         else ""
     )
 

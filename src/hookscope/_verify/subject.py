@@ -90,9 +90,10 @@ class Subject:
     clean: CallRecord | None = None
     reference: RawRecorder | None = None
     clean_output: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: The attention check's reference for each module calling SDPA: per kernel call, the raw
-    #: q, k, v, z and the float64 scores and pattern (what the std check reads sub-site names against).
-    kernels: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    #: The attention check's reference for each module calling SDPA: per module call, per kernel
+    #: call in it, the raw q, k, v, z and the float64 scores and pattern (what the std check reads
+    #: sub-site names against).
+    kernels: dict[str, list[list[dict[str, torch.Tensor]]]] = field(default_factory=dict)
 
     #: Where two plain forwards on the same input (the generator reseeded) differed, or "".
     unsteady: str = ""

@@ -17,7 +17,8 @@ import torch
 
 from hookscope._trace import trace as run_trace
 from hookscope._verify.reference import RawRecorder
-from hookscope._verify.subject import Subject
+from hookscope._verify.subject import Subject, last_line
+from hookscope.errors import HookscopeError
 
 __all__ = ["check_trace"]
 
@@ -138,6 +139,11 @@ def _blame(subject: Subject, findings: list[Any]) -> None:
             subject.begin_forward()
             with torch.no_grad():
                 trace = run_trace(subject.model, *args, **kwargs)
+    except HookscopeError:
+        raise
+    except Exception as error:  # the model's own check of its values (a distribution's argument check)
+        findings.append(("REFUSED", f"the model raises on a NaN in {name}'s parameter: {last_line(error)}"))
+        return
     finally:
         with torch.no_grad():
             param.data[index] = old
