@@ -25,8 +25,10 @@ __all__ = [
     "KINDS",
     "main",
     "make_ledger",
+    "merged",
     "outcome",
     "page_path",
+    "read_json",
     "reason_of",
     "render_page",
     "summary_line",
@@ -62,6 +64,24 @@ def _normalised(entry: dict[str, Any]) -> dict[str, Any]:
     out = {"kind": "other", "config_class": None, "model_class": None, "parameters": None, "verify": None, **entry}
     out["stages"] = {stage: stages.get(stage, {"ok": False, "reason": "not reached"}) for stage in _STAGES}
     return out
+
+
+def merged(earlier: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``earlier`` with the entries of ``update`` in place of its own for the same types; the
+    sweep's date and wall time stay the earlier ones, and the rerun is listed under ``updates``."""
+    models = {entry["model_type"]: entry for entry in earlier["models"]}
+    models.update({entry["model_type"]: entry for entry in update["models"]})
+    rerun = {"date": update["date"], "wall_seconds": update["wall_seconds"], "model_types": len(update["models"])}
+    return {
+        **earlier,
+        "models": [models[name] for name in sorted(models)],
+        "updates": [*earlier.get("updates", []), rerun],
+    }
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return document
 
 
 def write_json(document: dict[str, Any], path: Path) -> None:
@@ -129,6 +149,7 @@ def render_page(document: dict[str, Any]) -> str:
         f"Swept on {document['date']} in {document['wall_seconds']:g} s. "
         "Regenerate this page with `python -m zoo.ledger docs/zoo/ledger.json`; rerun the sweep with `make zoo`.",
         "",
+        *_provenance(document),
         "## Summary",
         "",
         f"{summary_line(document)}.",
@@ -149,6 +170,18 @@ def render_page(document: dict[str, Any]) -> str:
         if rows:
             lines += ["", f"## {kind}", "", *_model_table(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _provenance(document: dict[str, Any]) -> list[str]:
+    """Lines for a sweep stopped early and for the model types rerun since, if any."""
+    lines = []
+    if (document.get("settings") or {}).get("partial"):
+        lines.append("This sweep stopped before every model type ran; the missing ones are not listed.")
+    for update in document.get("updates", []):
+        lines.append(
+            f"{update['model_types']} model types were rerun on {update['date']} ({update['wall_seconds']:g} s)."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _summary_table(models: list[dict[str, Any]]) -> list[str]:
@@ -205,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("ledger", type=Path, help="the ledger JSON, e.g. docs/zoo/ledger.json")
     parser.add_argument("--page", type=Path, default=None, help="the page (default: docs/zoo.md beside docs/zoo/)")
     parsed = parser.parse_args(argv)
-    document = json.loads(parsed.ledger.read_text(encoding="utf-8"))
+    document = read_json(parsed.ledger)
     page = parsed.page or page_path(parsed.ledger)
     page.write_text(render_page(document), encoding="utf-8")
     print(f"wrote {page}: {summary_line(document)}")

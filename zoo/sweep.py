@@ -141,17 +141,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-gib", type=float, default=DEFAULT_MEMORY_GIB, help="address space per child")
     parser.add_argument("--no-verify", action="store_true", help="skip hookscope.verify")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--merge", action="store_true", help="replace only these types' entries in --out")
     parsed = parser.parse_args(argv)
     if parsed.only:
         types = [name.strip() for name in parsed.only.split(",") if name.strip()]
     else:
         types = list(SAMPLE_TYPES) if parsed.sample else model_types()
+    settings = {"jobs": parsed.jobs, "timeout_s": parsed.timeout, "memory_gib": parsed.memory_gib}
+    earlier = ledger.read_json(parsed.out) if parsed.merge and parsed.out.exists() else None
     started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
 
     def show(model_type: str, entry: dict[str, Any]) -> None:
         print(f"{model_type:40s} {ledger.outcome(entry):10s} {ledger.reason_of(entry) or ''}"[:200], flush=True)
+        results[model_type] = entry
+        if len(results) % 25 == 0:  # a sweep stopped early still leaves what it found
+            _write(results, partial=True)
 
-    results = run_sweep(
+    def _write(found: dict[str, dict[str, Any]], *, partial: bool) -> dict[str, Any]:
+        wall = time.perf_counter() - started
+        document = ledger.make_ledger(found, wall_seconds=wall, settings={**settings, "partial": partial})
+        if earlier is not None:
+            document = ledger.merged(earlier, document)
+        ledger.write_json(document, parsed.out)
+        return document
+
+    run_sweep(
         types,
         jobs=parsed.jobs,
         timeout_s=parsed.timeout,
@@ -159,9 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options={"verify": not parsed.no_verify, "seed": parsed.seed},
         progress=show,
     )
-    settings = {"jobs": parsed.jobs, "timeout_s": parsed.timeout, "memory_gib": parsed.memory_gib}
-    document = ledger.make_ledger(results, wall_seconds=time.perf_counter() - started, settings=settings)
-    ledger.write_json(document, parsed.out)
+    document = _write(results, partial=False)
     page = parsed.page if parsed.page is not None else (ledger.page_path(parsed.out) if not parsed.only else None)
     if page is not None:
         page.write_text(ledger.render_page(document), encoding="utf-8")

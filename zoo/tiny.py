@@ -135,6 +135,7 @@ _SHORT_KEYS = {
     "attn_layer_offset": LAYERS - 1,
     "full_attention_interval": LAYERS,
 }
+_ATTENTION_KINDS = frozenset({"full_attention", "attention", "sliding_attention", "hybrid"})
 # fields a default config leaves empty that the model cannot be built or run without
 _REQUIRED = {"attn_layer_indices": [LAYERS - 1], "prediction_length": 4}
 
@@ -176,7 +177,7 @@ def tiny_config(model_type: str, *, level: int = 0) -> Any:
     except Exception:  # a validator rejects the constructor form; fall back to setting the fields
         _assign(default, overrides)
         config = default
-    _fit_layers(config)
+    _fit_layers(config, config_class())
     return config
 
 
@@ -186,23 +187,37 @@ def _per_layer(key: str, value: Any, layers: Any) -> bool:
     return named and isinstance(value, (list, str)) and isinstance(layers, int) and len(value) == layers
 
 
-def _fit_layers(config: Any) -> None:
-    """Per-layer lists the constructor did not recompute, cut to the shrunk layer count (in
-    sub-configurations too), so that no list describes layers the model does not have."""
-    layers = getattr(config, "num_hidden_layers", None)
+def _fit_layers(config: Any, default: Any) -> None:
+    """Per-layer lists the constructor did not recompute (as long as ``default``'s layer count),
+    cut to the shrunk count, in sub-configurations too, so no list describes absent layers."""
+    layers, old = getattr(config, "num_hidden_layers", None), getattr(default, "num_hidden_layers", None)
     for key, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and value is not config:
-            _fit_layers(value)
+            _fit_layers(value, getattr(default, key, None))
             continue
-        longer = isinstance(layers, int) and isinstance(value, (list, str)) and len(value) > layers
-        if longer and _per_layer(key, value, len(value)):
-            setattr(config, key, value[:layers])
+        if isinstance(layers, int) and layers != old and _per_layer(key, value, old):
+            value = value[:layers]
+            setattr(config, key, value)
+        full = getattr(default, key, None)
+        if key.endswith(("layer_types", "block_type")) and isinstance(value, list) and isinstance(full, list):
+            _keep_an_attention_layer(config, key, value, full)
+
+
+def _keep_an_attention_layer(config: Any, key: str, kinds: list[Any], default: list[Any]) -> None:
+    """A hybrid cut to two linear or state-space layers has no attention layer left, and
+    transformers refuses a cache without one: the last layer becomes the default's attention kind."""
+    attention = [kind for kind in default if isinstance(kind, str) and kind in _ATTENTION_KINDS]
+    if attention and kinds and not any(kind in _ATTENTION_KINDS for kind in kinds):
+        setattr(config, key, [*kinds[:-1], attention[0]])
 
 
 def _overrides(values: dict[str, Any], level: int) -> dict[str, Any]:
     """The shrunk fields of one configuration dict, sub-configurations included (recursively)."""
     out: dict[str, Any] = {}
     for key, value in values.items():
+        if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
+            out[key] = _resnet_backbone(value)
+            continue
         if isinstance(value, dict) and isinstance(value.get("model_type"), str):
             # whole, so the parent's defaults for it stay; per-layer lists left out, to be recomputed
             kept = {
@@ -213,6 +228,8 @@ def _overrides(values: dict[str, Any], level: int) -> dict[str, Any]:
         new = _shrunk(key, value, values, level)
         if new is not None and new != value:
             out[key] = new
+    if level == 0 and isinstance(values.get("qk_rope_head_dim"), int):
+        out.update(_latent_attention(values))
     found = out.get("text_config")
     text: dict[str, Any] = found if isinstance(found, dict) else {}
     rope = text.get("rope_parameters")
@@ -235,6 +252,34 @@ def _shrunk(key: str, value: Any, values: dict[str, Any], level: int) -> Any:
     if level == 0 and isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
         return {**value, "mrope_section": _sections(value["mrope_section"], HEAD_DIM // 2)}
     return None
+
+
+def _resnet_backbone(timm: dict[str, Any]) -> dict[str, Any]:
+    """A tiny transformers ResNet in place of a timm backbone (DETR and kin default to timm,
+    which the zoo does not install), with the same feature maps out."""
+    indices = timm.get("out_indices") or [4]
+    return {
+        "model_type": "resnet",
+        "num_channels": timm.get("num_channels", 3),
+        "embedding_size": 16,
+        "hidden_sizes": [16, 32, 64, 128],
+        "depths": [1, 1, 1, 1],
+        "layer_type": "basic",
+        "out_indices": list(indices),
+    }
+
+
+def _latent_attention(values: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's latent attention: its rotary, plain and value head dims and its low ranks,
+    shrunk together (``head_dim`` is the rotary part there)."""
+    out: dict[str, Any] = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM, "kv_lora_rank": 32}
+    if "head_dim" in values:
+        out["head_dim"] = 8
+    if "qk_head_dim" in values:
+        out["qk_head_dim"] = 16
+    if isinstance(values.get("q_lora_rank"), int):
+        out["q_lora_rank"] = 32
+    return out
 
 
 def _sections(sections: list[int], total: int) -> list[int]:

@@ -120,3 +120,18 @@ def test_a_required_input_it_cannot_make_is_a_spec_error_naming_it() -> None:
     model = _tiny("blip_2_qformer")
     with pytest.raises(SpecError, match=r"Blip2QFormerModel.forward requires `query_embeds`"):
         hs.sample_input(model)
+
+
+def test_a_patch_encoder_gets_flattened_patches_and_their_grid() -> None:
+    model = _tiny("cosmos3_edge_vision")
+    _, kwargs = hs.sample_input(model)
+    assert kwargs["grid_thw"].tolist() == [[1, 4, 4]]
+    assert kwargs["pixel_values"].shape[0] == 16
+    _runs(model, kwargs)
+
+
+def test_a_detector_whose_config_states_no_image_size_gets_an_rgb_image() -> None:
+    model = _tiny("detr")
+    assert hs.default_input_shape(model) == (1, 3, 224, 224)
+    _, kwargs = hs.sample_input(model)
+    assert _runs(model, kwargs).last_hidden_state.shape[0] == 1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zoo.ledger import main, outcome, page_path, reason_of, render_page
+from zoo.ledger import main, merged, outcome, page_path, reason_of, render_page
 
 
 def _entry(model_type: str, kind: str, failed: str | None = None, reason: str | None = None) -> dict[str, Any]:
@@ -65,3 +65,15 @@ def test_the_page_regenerates_from_the_json_alone(tmp_path: Path) -> None:
     assert page_path(ledger) == tmp_path / "zoo.md"
     assert main([str(ledger)]) == 0
     assert (tmp_path / "zoo.md").read_text() == render_page(DOCUMENT)
+
+
+def test_a_rerun_replaces_only_its_own_entries_and_is_listed() -> None:
+    update = {**DOCUMENT, "date": "2026-01-02T00:00:00Z", "wall_seconds": 3.0, "models": [_entry("dpt", "vision")]}
+    document = merged(DOCUMENT, update)
+    models = {entry["model_type"]: entry for entry in document["models"]}
+    assert sorted(models) == ["bert", "dpt", "fancy", "gpt2", "hang"]
+    assert outcome(models["dpt"]) == "runs"
+    assert outcome(models["fancy"]) == "no input"
+    assert document["date"] == DOCUMENT["date"]
+    assert document["updates"] == [{"date": "2026-01-02T00:00:00Z", "wall_seconds": 3.0, "model_types": 1}]
+    assert "1 model types were rerun on 2026-01-02T00:00:00Z (3 s)." in render_page(document)

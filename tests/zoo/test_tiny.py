@@ -66,3 +66,20 @@ def test_the_sample_is_drawn_from_known_types() -> None:
 def test_kind_reads_composite_configs_as_vision_language() -> None:
     config = tiny_config("llava")
     assert kind_of("llava", config, "input_ids") == "vision-language"
+
+
+def test_a_timm_backbone_becomes_a_tiny_resnet() -> None:
+    tiny = build_tiny("detr")  # DETR's default backbone is timm's resnet50
+    assert tiny.model.config.backbone_config.model_type == "resnet"
+    assert tiny.parameters < 2_000_000
+
+
+def test_latent_attention_dims_shrink_together() -> None:
+    config = tiny_config("deepseek_v3")
+    assert (config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim) == (8, 8, 16)
+    assert config.head_dim == config.qk_rope_head_dim
+
+
+def test_a_hybrid_cut_to_two_layers_keeps_an_attention_layer() -> None:
+    config = tiny_config("qwen3_next")
+    assert config.layer_types == ["linear_attention", "full_attention"]

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from hookscope._arch.samples.config import text_config, vision_config, vocab_size
-from hookscope._arch.samples.media import MEDIA_INPUTS, audio_shape, pixel_shape
-from hookscope._arch.samples.multimodal import image_token, pixel_inputs, with_image
+from hookscope._arch.samples.media import DEFAULT_IMAGE_SIZE, MEDIA_INPUTS, audio_shape, pixel_shape
+from hookscope._arch.samples.multimodal import GRID_NAMES, image_token, pixel_inputs, with_image
 from hookscope._arch.samples.tokens import DECODER_LENGTH, boxes, decoder_input, forward_parameters, random_tokens
 from hookscope.errors import SpecError
 
@@ -63,6 +63,11 @@ def sample_input(
             )
         kwargs = _text_inputs(model, config, vocab, size, generator, dtype)
         return (), _checked(model, kwargs)
+    parameters = forward_parameters(model) if config is not None else {}
+    if main_input == "pixel_values" and shape is None and any(name in parameters for name in GRID_NAMES):
+        patches = pixel_inputs(config, parameters, size[0], generator, dtype)  # a patch encoder: rows and grid
+        if patches is not None:
+            return (), _checked(model, patches)
     maker = getattr(model, "sample_input", None)
     values = maker(size, seed=seed) if callable(maker) else torch.randn(size, generator=generator)
     if dtype is not None:
@@ -88,8 +93,8 @@ def default_input_shape(model: nn.Module) -> tuple[int, ...] | None:
         return None
     if main_input == "input_ids" and vocab_size(config):
         return (1, _sequence_length(config))
-    if main_input == "pixel_values":
-        return pixel_shape(config)
+    if main_input == "pixel_values":  # a config that states nothing: an RGB image of the common size
+        return pixel_shape(config) or (1, 3, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
     return audio_shape(config, main_input)
 
 

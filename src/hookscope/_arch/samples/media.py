@@ -20,19 +20,21 @@ MEDIA_INPUTS = ("pixel_values", "input_features", "input_values")
 
 
 def pixel_shape(config: object, batch: int = 1) -> tuple[int, ...] | None:
-    """``(batch, channels, height, width)`` for a vision model (or the vision tower of a composite
-    one); None where the config states no channels."""
-    for part in (config, vision_config(config), getattr(config, "backbone_config", None)):
-        if part is None:
-            continue
-        size = image_size(part)
-        channels = int_field(part, "num_channels", "in_channels", "input_channels", "in_chans")
-        channels = channels or (3 if size is not None else None)  # a tower that states a size but not RGB
-        if channels is not None and size is not None:
-            return (batch, channels, *size)
-        if channels is not None and part is config:
-            return (batch, channels, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
+    """``(batch, channels, height, width)`` for a vision model (or the vision tower or backbone
+    of a composite one): the first stated size, with the channels stated anywhere (RGB if none);
+    ``DEFAULT_IMAGE_SIZE`` where only channels are stated; None where neither is."""
+    parts = [part for part in (config, vision_config(config), getattr(config, "backbone_config", None)) if part]
+    channels = next((found for part in parts if (found := _channels(part)) is not None), None)
+    size = next((found for part in parts if (found := image_size(part)) is not None), None)
+    if size is not None:
+        return (batch, channels or 3, *size)
+    if channels is not None:
+        return (batch, channels, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
     return None
+
+
+def _channels(config: object) -> int | None:
+    return int_field(config, "num_channels", "in_channels", "input_channels", "in_chans")
 
 
 def audio_shape(config: object, main_input: str, batch: int = 1) -> tuple[int, ...] | None:

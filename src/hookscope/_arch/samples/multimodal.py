@@ -17,8 +17,9 @@ from torch import nn
 from hookscope._arch.samples.config import int_field, token_id, vision_config
 from hookscope._arch.samples.media import pixel_shape
 
-__all__ = ["image_token", "with_image"]
+__all__ = ["GRID_NAMES", "image_feature_count", "image_token", "pixel_inputs", "with_image"]
 
+GRID_NAMES = ("image_grid_thw", "grid_thw")  # a patch encoder's (frames, rows, columns) per image
 _IMAGE_TOKEN_NAMES = ("image_token_id", "image_token_index", "img_token_id", "image_token")
 
 
@@ -32,8 +33,9 @@ def pixel_inputs(
 ) -> dict[str, torch.Tensor] | None:
     """``pixel_values`` (and the grid or size tensors a family's forward takes with them) for
     ``batch`` images, or None where the config states no image geometry."""
-    if "image_grid_thw" in parameters:  # Qwen2-VL and kin: flattened patches plus their grid
-        return _patch_inputs(config, batch, generator, dtype)
+    grid = next((name for name in GRID_NAMES if name in parameters), None)
+    if grid is not None:  # Qwen2-VL and kin: flattened patches plus their grid
+        return _patch_inputs(config, grid, batch, generator, dtype)
     shape = pixel_shape(config, batch)
     if shape is None:
         return None
@@ -45,7 +47,7 @@ def pixel_inputs(
 
 
 def _patch_inputs(
-    config: object, batch: int, generator: torch.Generator, dtype: torch.dtype | None
+    config: object, grid: str, batch: int, generator: torch.Generator, dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor] | None:
     vision = vision_config(config) or config
     patch = int_field(vision, "patch_size", "spatial_patch_size")
@@ -58,7 +60,7 @@ def _patch_inputs(
     values = torch.randn((batch * side * side, channels * temporal * patch * patch), generator=generator)
     return {
         "pixel_values": values.to(dtype) if dtype is not None else values,
-        "image_grid_thw": torch.tensor([[1, side, side]] * batch),
+        grid: torch.tensor([[1, side, side]] * batch),
     }
 
 
