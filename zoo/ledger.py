@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zoo.reasons import reason_class
+from zoo.reasons import reason_class, short_reason
 
 __all__ = [
     "KINDS",
@@ -213,7 +213,7 @@ def _model_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{parameters:,}" if isinstance(parameters, int) else "",
             outcome(entry),
             _verify_cell(entry.get("verify")),
-            _escape(reason_of(entry) or ""),
+            _escape(short_reason(reason_of(entry) or "")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

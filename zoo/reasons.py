@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_REASON", "reason_class", "reason_for"]
+__all__ = ["MAX_REASON", "reason_class", "reason_for", "short_reason"]
 
 MAX_REASON = 240
+_DOCS_LINK = re.compile(r"\s*\(docs: \S+\)$")
 
 # (pattern on "Type: message", the line the ledger shows, its class in the summary)
 _KNOWN: tuple[tuple[str, str, str], ...] = (
@@ -42,6 +43,7 @@ _KNOWN: tuple[tuple[str, str, str], ...] = (
 def reason_for(error: BaseException) -> str:
     """The ledger's one-line reason for ``error``."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = _DOCS_LINK.sub("", message)  # hookscope's errors end in a link the ledger does not need
     text = f"{type(error).__name__}: {message}"
     for pattern, line, _ in _KNOWN:
         match = re.search(pattern, text)
@@ -65,3 +67,8 @@ def reason_class(reason: str | None, stage: str | None) -> str:
     if reason.startswith("SpecError"):
         return "input not made"
     return f"{stage} error" if stage else "error"
+
+
+def short_reason(reason: str) -> str:
+    """``reason`` without a trailing documentation link, for the page's table."""
+    return _DOCS_LINK.sub("", reason)

@@ -135,6 +135,8 @@ _SHORT_KEYS = {
     "attn_layer_offset": LAYERS - 1,
     "full_attention_interval": LAYERS,
 }
+# the text models of vision-language families, whose rotary sections default in code to a full head
+_MROPE_TYPES = re.compile(r"vl|image|omni")
 _ATTENTION_KINDS = frozenset({"full_attention", "attention", "sliding_attention", "hybrid"})
 # fields a default config leaves empty that the model cannot be built or run without
 _REQUIRED = {"attn_layer_indices": [LAYERS - 1], "prediction_length": 4}
@@ -232,9 +234,11 @@ def _overrides(values: dict[str, Any], level: int) -> dict[str, Any]:
         out.update(_latent_attention(values))
     found = out.get("text_config")
     text: dict[str, Any] = found if isinstance(found, dict) else {}
-    rope = text.get("rope_parameters")
-    if level == 0 and "vision_config" in values and isinstance(rope, dict) and "mrope_section" not in rope:
-        text["rope_parameters"] = {**rope, "mrope_section": _sections([16, 24, 24], HEAD_DIM // 2)}  # code default
+    multimodal = "vision_config" in values
+    for part in (text, out) if multimodal else (out,) if _MROPE_TYPES.search(str(values.get("model_type"))) else ():
+        rope = part.get("rope_parameters", values.get("rope_parameters") if part is out else None)
+        if level == 0 and isinstance(rope, dict) and "mrope_section" not in rope:  # the modeling code's default
+            part["rope_parameters"] = {**rope, "mrope_section": _sections([16, 24, 24], HEAD_DIM // 2)}
     out.update(_token_ids(values, out.get("vocab_size", text.get("vocab_size"))))
     return out
 

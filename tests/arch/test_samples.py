@@ -135,3 +135,27 @@ def test_a_detector_whose_config_states_no_image_size_gets_an_rgb_image() -> Non
     assert hs.default_input_shape(model) == (1, 3, 224, 224)
     _, kwargs = hs.sample_input(model)
     assert _runs(model, kwargs).last_hidden_state.shape[0] == 1
+
+
+def test_a_video_model_gets_frames_of_images() -> None:
+    model = _tiny("videomae")
+    config = model.config
+    assert hs.default_input_shape(model) == (1, config.num_frames, 3, config.image_size, config.image_size)
+    _, kwargs = hs.sample_input(model)
+    _runs(model, kwargs)
+
+
+def test_a_raw_audio_model_that_states_no_rate_gets_a_second_at_16_khz() -> None:
+    model = _tiny("moonshine")
+    _, kwargs = hs.sample_input(model)
+    assert kwargs["input_values"].shape == (1, 16000)
+    assert kwargs["decoder_input_ids"].shape == (1, 4)
+    _runs(model, kwargs)
+
+
+def test_a_vision_tower_without_its_own_main_input_gets_pixels() -> None:
+    model = _tiny("siglip_vision_model")
+    assert model.main_input_name == "pixel_values"  # the control: a tower that names its input
+    tower = _tiny("deepseek_ocr2_vision")
+    assert tower.main_input_name == "input_ids"  # transformers' class default, and no vocabulary
+    assert hs.default_input_shape(tower)[1] == 3

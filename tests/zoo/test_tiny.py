@@ -83,3 +83,9 @@ def test_latent_attention_dims_shrink_together() -> None:
 def test_a_hybrid_cut_to_two_layers_keeps_an_attention_layer() -> None:
     config = tiny_config("qwen3_next")
     assert config.layer_types == ["linear_attention", "full_attention"]
+
+
+def test_the_text_model_of_a_vision_language_family_gets_rotary_sections_of_its_head() -> None:
+    config = tiny_config("qwen2_vl_text")
+    assert config.hidden_size // config.num_attention_heads == 16
+    assert sum(config.rope_parameters["mrope_section"]) == 8  # half the head: the rotary frequencies

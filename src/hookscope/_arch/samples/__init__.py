@@ -50,7 +50,7 @@ def sample_input(
         raise SpecError(f"seed={seed!r} is not a torch seed; expected a whole number from 0 to 2**64 - 1")
     size = shape if shape is not None else default_input_shape(model)
     config = getattr(model, "config", None)
-    main_input = getattr(model, "main_input_name", None)
+    main_input = _main_input(model, config)
     if size is None:
         raise _no_default(model, config, main_input)
     generator = torch.Generator().manual_seed(seed)
@@ -88,14 +88,28 @@ def default_input_shape(model: nn.Module) -> tuple[int, ...] | None:
     if declared is not None:
         return tuple(declared)
     config = getattr(model, "config", None)
-    main_input = getattr(model, "main_input_name", None)
-    if config is None or not isinstance(main_input, str):
+    main_input = _main_input(model, config)
+    if config is None or main_input is None:
         return None
     if main_input == "input_ids" and vocab_size(config):
         return (1, _sequence_length(config))
     if main_input == "pixel_values":  # a config that states nothing: an RGB image of the common size
-        return pixel_shape(config) or (1, 3, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
+        image = pixel_shape(config) or (1, 3, DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
+        frames = getattr(config, "num_frames", None)  # a video model: batch x frames x channels x H x W
+        return (image[0], frames, *image[1:]) if isinstance(frames, int) and frames > 0 else image
     return audio_shape(config, main_input)
+
+
+def _main_input(model: nn.Module, config: object) -> str | None:
+    """The model's ``main_input_name``, except where it is transformers' class default
+    ``input_ids`` on a model with no vocabulary whose forward takes ``pixel_values`` (a vision
+    tower or image tokenizer that never set its own)."""
+    main_input = getattr(model, "main_input_name", None)
+    if not isinstance(main_input, str):
+        return None
+    if main_input == "input_ids" and not vocab_size(config) and "pixel_values" in forward_parameters(model):
+        return "pixel_values"
+    return main_input
 
 
 def _sequence_length(config: object) -> int:
@@ -151,10 +165,10 @@ def _no_default(model: nn.Module, config: object, main_input: object) -> SpecErr
             "of a known input; pass a shape, e.g. hs.sample_input(model, (1, 3, 224, 224))"
         )
     if main_input in ("input_ids", *MEDIA_INPUTS):
+        missing, example = ("vocab_size", "(1, 16)") if main_input == "input_ids" else ("size for it", "(1, 16000)")
         return SpecError(
-            f"no default input for {name}: it takes `{main_input}` but its config states no "
-            f"{'vocab_size' if main_input == 'input_ids' else 'size for it'}; pass a shape, e.g. "
-            "hs.sample_input(model, (1, 3, 224, 224))"
+            f"no default input for {name}: it takes `{main_input}` but its config states no {missing}; pass a "
+            f"shape, e.g. hs.sample_input(model, {example})"
         )
     return SpecError(
         f"no default input for {name}: it takes `{main_input}`, which hs.sample_input cannot make (it makes "

@@ -12,10 +12,11 @@ import math
 
 from hookscope._arch.samples.config import image_size, int_field, vision_config
 
-__all__ = ["DEFAULT_FRAMES", "DEFAULT_IMAGE_SIZE", "MEDIA_INPUTS", "audio_shape", "pixel_shape"]
+__all__ = ["DEFAULT_FRAMES", "DEFAULT_IMAGE_SIZE", "DEFAULT_SAMPLES", "MEDIA_INPUTS", "audio_shape", "pixel_shape"]
 
 DEFAULT_IMAGE_SIZE = 224  # a vision model that states no image size: the size most were trained at
 DEFAULT_FRAMES = 16  # audio encoder frames, like DEFAULT_SEQUENCE_LENGTH tokens
+DEFAULT_SAMPLES = 16000
 MEDIA_INPUTS = ("pixel_values", "input_features", "input_values")
 
 
@@ -25,7 +26,7 @@ def pixel_shape(config: object, batch: int = 1) -> tuple[int, ...] | None:
     ``DEFAULT_IMAGE_SIZE`` where only channels are stated; None where neither is."""
     parts = [part for part in (config, vision_config(config), getattr(config, "backbone_config", None)) if part]
     channels = next((found for part in parts if (found := _channels(part)) is not None), None)
-    size = next((found for part in parts if (found := image_size(part)) is not None), None)
+    size = next((stated for part in parts if (stated := image_size(part)) is not None), None)
     if size is not None:
         return (batch, channels or 3, *size)
     if channels is not None:
@@ -83,4 +84,4 @@ def _values_shape(config: object, batch: int) -> tuple[int, ...] | None:
         return (batch, channels, samples)
     if int_field(config, "sampling_rate") is not None or hop is not None:
         return (batch, samples)
-    return None
+    return (batch, DEFAULT_SAMPLES)  # a raw audio model that states nothing: one second at 16 kHz
