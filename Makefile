@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast coverage lint bench browser wheel-check docs install install-dev clean FORCE
+.PHONY: demo test test-fast coverage lint bench browser wheel-check docs install install-dev clean zoo zoo-sample FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,9 +48,24 @@ docs: $(VENV)/.installed-docs
 	$(BIN)/python -m sphinx -W --keep-going -q -j auto -b html docs docs/_build/html
 
 lint: install-dev
-	$(BIN)/python -m ruff check src tests bench
-	$(BIN)/python -m ruff format --check src tests bench
+	$(BIN)/python -m ruff check src tests bench zoo
+	$(BIN)/python -m ruff format --check src tests bench zoo
 	$(BIN)/python -m mypy
+
+# The zoo sweep: every transformers model type built tiny, given hs.sample_input, run once and
+# verified, each in a child process under ZOO_TIMEOUT seconds and ZOO_MEMORY GiB; writes
+# docs/zoo/ledger.json and the page docs/zoo.md (tens of minutes on 2 cores). `make zoo-sample`
+# runs the ~25 architectures of zoo.tiny.SAMPLE_TYPES in a minute, into docs/zoo/sample.json.
+ZOO_JOBS ?= 2
+ZOO_TIMEOUT ?= 120
+ZOO_MEMORY ?= 6
+ZOO_ARGS = --jobs $(ZOO_JOBS) --timeout $(ZOO_TIMEOUT) --memory-gib $(ZOO_MEMORY)
+
+zoo: install-dev
+	$(BIN)/python -m zoo.sweep $(ZOO_ARGS) --out docs/zoo/ledger.json
+
+zoo-sample: install-dev
+	$(BIN)/python -m zoo.sweep $(ZOO_ARGS) --sample --out docs/zoo/sample.json --page docs/zoo/sample.md
 
 # Debian's Chromium for the report's browser tests (skipped, with a note, where it cannot be installed).
 browser:
