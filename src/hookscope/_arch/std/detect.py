@@ -41,7 +41,8 @@ def detect_family(model: nn.Module) -> Family:
     if not lists:
         raise StdMapError(
             f"no block list in this {type(model).__name__}: canonical names need a ModuleList or Sequential of "
-            "blocks of one class, each holding an attention module (a class or attribute named attn/attention)",
+            f"blocks of one class, each holding an attention module (a class or attribute named attn/attention); "
+            f"{_why_no_blocks(named)}",
             family="detected",
             check="no block list",
         )
@@ -49,13 +50,23 @@ def detect_family(model: nn.Module) -> Family:
     return Family("detected", (), stacks, unembed=_unembed(named, lists))
 
 
+_NORM = re.compile(r"Norm(Gated|alization)?(\dd)?$")
+
+
 def _is_norm(module: nn.Module) -> bool:
-    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+    """A norm by class: ``LlamaRMSNorm``, ``T5LayerNorm``; not ``RobertaPreLayerNormAttention``."""
+    return bool(_NORM.search(type(module).__name__)) or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+
+
+def _has_weights(module: nn.Module) -> bool:
+    """A sublayer holds weights: a dropout, a norm or an activation named after one
+    (``post_attention_dropout``, ``post_mlp_layernorm``) is not the sublayer."""
+    return not _is_norm(module) and next(module.parameters(), None) is not None
 
 
 def _is_attention(name: str, module: nn.Module) -> bool:
     leaf = name.rsplit(".", 1)[-1]
-    return bool(_ATTENTION.search(leaf) or _ATTENTION.search(type(module).__name__)) and not _is_norm(module)
+    return bool(_ATTENTION.search(leaf) or _ATTENTION.search(type(module).__name__)) and _has_weights(module)
 
 
 def _block_lists(named: list[tuple[str, nn.Module]]) -> list[str]:
@@ -74,6 +85,37 @@ def _block_lists(named: list[tuple[str, nn.Module]]) -> list[str]:
         if any(_is_attention(n, m) for n, m in inside):
             found.append(name)
     return found
+
+
+def _why_no_blocks(named: list[tuple[str, nn.Module]]) -> str:
+    """What the model has instead of attention blocks, and how to read it: the longest list of
+    modules says it (a state-space model's mixers, a hybrid's mixed layers, a conv net's stages)."""
+    lists = [(n, m) for n, m in named if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
+    if not lists:
+        return "it has no list of layers: select its modules by name (hs.layers(model) lists them)"
+    path, longest = max(lists, key=lambda item: len(item[1]))
+    classes = list(dict.fromkeys(type(child).__name__ for child in longest))
+    reads = f"select them by name instead: hs.capture(model, '{path}.*') reads every layer's output"
+    if len(classes) > 1:
+        hybrid = "; a hybrid of attention and other mixers" if any(_is_attention(n, m) for n, m in named) else ""
+        return f"its longest layer list {path!r} mixes classes {', '.join(classes)}{hybrid}; {reads}"
+    first = f"{path}.0" if path else "0"
+    if _is_attention(first, longest[0]):
+        return (
+            f"its layer list {path!r} holds the attention modules themselves ({classes[0]}), apart from the rest of "
+            f"each layer: there is no block module to read; {reads}"
+        )
+    parts = [n.rsplit(".", 1)[-1] for n, _ in named if n.rpartition(".")[0] == first]
+    if any(re.search(r"mixer|ssm|mamba|rnn|lstm|rwkv", p, re.IGNORECASE) for p in parts):
+        kind = " (state-space or recurrent mixers)"
+    elif any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for n, m in named if n.startswith(first + ".")):
+        kind = " (convolutions)"
+    else:
+        kind = ""
+    return (
+        f"its longest layer list {path!r} holds {classes[0]} layers with {', '.join(parts) or 'no submodules'} and no "
+        f"attention{kind}; {reads}"
+    )
 
 
 def _prefix(path: str, lists: list[str]) -> str:
@@ -106,7 +148,11 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     cross = next((n for n in attention if n != attn and _CROSS.search(n.rsplit(".", 1)[-1])), None)
     within = [a for a in (attn, cross) if a]
     mlps = _outermost(
-        [n for n, m in inside if _MLP.search(n.rsplit(".", 1)[-1] + type(m).__name__) and not _under(n, within)]
+        [
+            n
+            for n, m in inside
+            if _MLP.search(n.rsplit(".", 1)[-1] + type(m).__name__) and _has_weights(m) and not _under(n, within)
+        ]
     )
     mlp = mlps[0] if mlps else None
     norms = [n for n, m in inside if _is_norm(m) and not _under(n, [*within, *mlps])]
@@ -132,6 +178,7 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
         mlp_proj=rel(proj),
         cross_attn=rel(cross),
         ln_cross=rel(ln_cross),
+        norms=tuple(_relative(block, n) for n in norms),
     )
     embed, pos_embed = _embeddings(named, path)
     return Stack(prefix, path, roles, embed=embed, pos_embed=pos_embed, ln_final=_final_norm(named, path))

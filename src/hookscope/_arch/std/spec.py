@@ -48,6 +48,10 @@ class Block:
         resid_mid_cross: the same after cross-attention.
         layout: see :data:`Layout`.
         why_parallel: for ``"parallel"``, the sentence saying why ``resid_mid`` is not defined.
+        norms: the structural detector's every norm of the block outside attention and the MLP
+            (tables leave it empty): names alone cannot tell a norm before a sublayer from one
+            after it (Llama's ``post_attention_layernorm`` feeds the MLP, OLMo 2's normalizes
+            what attention adds), so :mod:`~hookscope._arch.std.place` places them by values.
     """
 
     ln1: str | None = None
@@ -66,6 +70,7 @@ class Block:
     resid_mid_cross: str | None = None
     layout: Layout = "pre"
     why_parallel: str = "attention and the MLP both read the block's input and are added together"
+    norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""Canonical names the structural detector reads off real transformers architectures no family
+table knows: norms after the sublayers (OLMo 2), an MLP that adds the residual itself (MPT),
+post-norm blocks whose dropouts and norms carry sublayer names (GTE), a layer scale (BEiT), and
+the refusals that say what a model has instead of attention blocks.
+
+Every model is tiny, with random weights from its config. References are raw PyTorch hooks on
+modules named here by hand, and the residual identities are computed here in float64.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+pytestmark = [pytest.mark.transformers]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+SMALL: dict[str, Any] = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+def build(config: str, model: str, **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    return getattr(transformers, model)(getattr(transformers, config)(**kwargs)).eval()
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+
+
+def raw(model: nn.Module, names: list[str], run: Callable[[], object]) -> dict[str, torch.Tensor]:
+    """``name:input`` and ``name:output`` (first tensors) of each module, with plain PyTorch hooks."""
+    seen: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+
+    def keep(name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            first = output[0] if isinstance(output, tuple) else output
+            taken = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            seen.setdefault(f"{name}:output", first.detach().clone())
+            seen.setdefault(f"{name}:input", taken.detach().clone())
+
+        return hook
+
+    handles = [modules[n].register_forward_hook(keep(n), with_kwargs=True) for n in names]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def captured(model: nn.Module, names: list[str], run: Callable[[], object]) -> dict[str, torch.Tensor]:
+    with hs.capture(model, *(f"std:{n}" for n in names)) as cap, torch.no_grad():
+        run()
+    return {n: cap.cache[f"std:{n}"] for n in names}
+
+
+def assert_sum(got: torch.Tensor, *parts: torch.Tensor) -> None:
+    """``got`` is the sum of ``parts``, added here in float64."""
+    expected = sum((p.double() for p in parts), torch.zeros_like(got, dtype=torch.float64))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+_CONVNEXT = {"num_stages": 2, "depths": [2, 2], "hidden_sizes": [8, 16]}
+BLOCK = ["blocks.1.resid_pre", "blocks.1.attn", "blocks.1.resid_mid", "blocks.1.mlp", "blocks.1.resid_post"]
+
+
+def test_norms_after_each_sublayer_are_what_it_adds_olmo2() -> None:
+    model = build("Olmo2Config", "Olmo2ForCausalLM", **SMALL)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert std.family == "detected"
+    layer = "model.layers.1"
+    hand = raw(
+        model, [layer, f"{layer}.post_attention_layernorm", f"{layer}.post_feedforward_layernorm"], lambda: model(x)
+    )
+    got = captured(model, BLOCK, lambda: model(x))
+    torch.testing.assert_close(got["blocks.1.attn"], hand[f"{layer}.post_attention_layernorm:output"], rtol=0, atol=0)
+    torch.testing.assert_close(got["blocks.1.mlp"], hand[f"{layer}.post_feedforward_layernorm:output"], rtol=0, atol=0)
+    torch.testing.assert_close(got["blocks.1.resid_pre"], hand[f"{layer}:input"], rtol=0, atol=0)
+    assert_sum(got["blocks.1.resid_mid"], hand[f"{layer}:input"], hand[f"{layer}.post_attention_layernorm:output"])
+    assert_sum(hand[f"{layer}:output"], got["blocks.1.resid_mid"], hand[f"{layer}.post_feedforward_layernorm:output"])
+    assert "after them" in std.missing["blocks.1.ln1"]  # no norm reads the stream before attention
+
+
+def test_an_mlp_that_adds_the_residual_itself_is_read_at_its_projection_mpt() -> None:
+    model = build("MptConfig", "MptForCausalLM", vocab_size=100, d_model=32, n_layers=2, n_heads=4, expansion_ratio=2)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert std["blocks.1.mlp"].module == "transformer.blocks.1.ffn.down_proj"
+    layer = "transformer.blocks.1"
+    hand = raw(model, [layer, f"{layer}.attn", f"{layer}.ffn.down_proj"], lambda: model(x))
+    got = captured(model, BLOCK, lambda: model(x))
+    torch.testing.assert_close(got["blocks.1.mlp"], hand[f"{layer}.ffn.down_proj:output"], rtol=0, atol=0)
+    assert_sum(got["blocks.1.resid_mid"], hand[f"{layer}:input"], hand[f"{layer}.attn:output"])
+    assert_sum(hand[f"{layer}:output"], got["blocks.1.resid_mid"], hand[f"{layer}.ffn.down_proj:output"])
+
+
+def test_a_post_norm_block_with_sublayer_named_dropouts_and_norms_gte() -> None:
+    model = build("GteConfig", "GteForMaskedLM", **SMALL)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert std["blocks.1.attn"].module == "gte.layers.1.self_attn"  # not post_attention_dropout
+    assert std["blocks.1.mlp"].module == "gte.layers.1.mlp"  # not post_mlp_dropout or post_mlp_layernorm
+    layer = "gte.layers.1"
+    names = [
+        layer,
+        f"{layer}.self_attn",
+        f"{layer}.mlp",
+        f"{layer}.post_attention_layernorm",
+        f"{layer}.post_mlp_layernorm",
+    ]
+    hand = raw(model, names, lambda: model(x))
+    got = captured(model, [*BLOCK, "blocks.1.ln1", "blocks.1.ln2"], lambda: model(x))
+    assert_sum(
+        hand[f"{layer}.post_attention_layernorm:input"], hand[f"{layer}:input"], hand[f"{layer}.self_attn:output"]
+    )
+    torch.testing.assert_close(
+        got["blocks.1.resid_mid"], hand[f"{layer}.post_attention_layernorm:output"], rtol=0, atol=0
+    )
+    assert_sum(hand[f"{layer}.post_mlp_layernorm:input"], got["blocks.1.resid_mid"], hand[f"{layer}.mlp:output"])
+    torch.testing.assert_close(got["blocks.1.resid_post"], hand[f"{layer}:output"], rtol=0, atol=0)
+    torch.testing.assert_close(got["blocks.1.ln2"], hand[f"{layer}.post_mlp_layernorm:output"], rtol=0, atol=0)
+
+
+def test_a_layer_scale_names_the_stream_and_says_why_attn_is_missing_beit() -> None:
+    vision = {"image_size": 16, "patch_size": 8, "use_mean_pooling": True, "layer_scale_init_value": 0.1}
+    model = build("BeitConfig", "BeitForImageClassification", **{**SMALL, **vision})
+    with torch.no_grad():  # a layer scale that is not one number
+        for layer in model.beit.layers:
+            layer.lambda_1.uniform_(0.5, 1.5)
+            layer.lambda_2.uniform_(0.5, 1.5)
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    std = hs.std_map(model, pixel_values=pixels)
+    assert "layer scale" in std.missing["blocks.1.attn"]
+    assert "layer scale" in std.missing["blocks.1.mlp"]
+    assert "pooler" in std.missing["ln_final"]  # the pooler's norm reads the mean token, not the stream
+    layer = "beit.layers.1"
+    hand = raw(model, [layer, f"{layer}.attention", f"{layer}.mlp"], lambda: model(pixel_values=pixels))
+    names = ["blocks.1.resid_pre", "blocks.1.resid_mid", "blocks.1.resid_post"]
+    got = captured(model, names, lambda: model(pixel_values=pixels))
+    block: Any = model.beit.layers[1]
+    assert_sum(
+        got["blocks.1.resid_mid"], hand[f"{layer}:input"], block.lambda_1.detach() * hand[f"{layer}.attention:output"]
+    )
+    assert_sum(
+        hand[f"{layer}:output"], got["blocks.1.resid_mid"], block.lambda_2.detach() * hand[f"{layer}.mlp:output"]
+    )
+
+
+def test_a_sublayer_no_sum_checks_is_missing_not_guessed_roberta_prelayernorm() -> None:
+    model = build("RobertaPreLayerNormConfig", "RobertaPreLayerNormForMaskedLM", **SMALL)
+    std = hs.std_map(model, ids())
+    # the attention module's output already holds the residual: naming it "attn" would be wrong
+    assert "blocks.1.attn" not in std
+    assert "no residual sum" in std.missing["blocks.1.attn"]
+    hand = raw(model, ["roberta_prelayernorm.encoder.layer.1"], lambda: model(ids()))
+    got = captured(model, ["blocks.1.resid_post"], lambda: model(ids()))
+    torch.testing.assert_close(got["blocks.1.resid_post"], hand["roberta_prelayernorm.encoder.layer.1:output"])
+
+
+@pytest.mark.parametrize(
+    ("config", "model", "kwargs", "says"),
+    [
+        ("MambaConfig", "MambaForCausalLM", {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2},
+         r"'backbone\.layers' holds MambaBlock layers .*state-space .* hs\.capture\(model, 'backbone\.layers\.\*'\)"),
+        ("ConvNextConfig", "ConvNextForImageClassification", _CONVNEXT,
+         r"ConvNextStage layers .*\(convolutions\)"),
+        ("XLMConfig", "XLMWithLMHeadModel", {"vocab_size": 100, "emb_dim": 32, "n_layers": 2, "n_heads": 4},
+         r"'transformer\.attentions' holds the attention modules themselves"),
+    ],
+    ids=["mamba", "convnext", "xlm"],
+)  # fmt: skip
+def test_a_model_without_attention_blocks_is_refused_saying_what_it_has(
+    config: str, model: str, kwargs: dict[str, Any], says: str
+) -> None:
+    built = build(config, model, **kwargs)
+    example = (torch.randn(1, 3, 32, 32),) if "ConvNext" in model else (ids(),)
+    with pytest.raises(hs.StdMapError, match=says) as raised:
+        hs.std_map(built, *example)
+    assert raised.value.check == "no block list"
