@@ -165,6 +165,24 @@ def test_a_layer_scale_names_the_stream_and_says_why_attn_is_missing_beit() -> N
     )
 
 
+def test_a_mixture_of_experts_names_its_router_and_no_activation_qwen2_moe() -> None:
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_key_value_heads": 2}
+    moe["shared_expert_intermediate_size"] = 16
+    model = build("Qwen2MoeConfig", "Qwen2MoeForCausalLM", **SMALL, **moe)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert std.family == "detected"
+    # one expert's activation, or the shared expert's gate, is not "the MLP's" pre or post value
+    assert "fused" in std.missing["blocks.1.mlp.pre"]
+    assert "fused" in std.missing["blocks.1.mlp.post"]
+    layer = "model.layers.1"
+    hand = raw(model, [layer, f"{layer}.mlp", f"{layer}.mlp.gate"], lambda: model(x))
+    got = captured(model, [*BLOCK, "blocks.1.mlp.router"], lambda: model(x))
+    torch.testing.assert_close(got["blocks.1.mlp.router"], hand[f"{layer}.mlp.gate:output"], rtol=0, atol=0)
+    torch.testing.assert_close(got["blocks.1.mlp"], hand[f"{layer}.mlp:output"], rtol=0, atol=0)
+    assert_sum(hand[f"{layer}:output"], got["blocks.1.resid_mid"], hand[f"{layer}.mlp:output"])
+
+
 def test_a_sublayer_no_sum_checks_is_missing_not_guessed_roberta_prelayernorm() -> None:
     model = build("RobertaPreLayerNormConfig", "RobertaPreLayerNormForMaskedLM", **SMALL)
     std = hs.std_map(model, ids())

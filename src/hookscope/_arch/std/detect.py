@@ -29,6 +29,8 @@ _ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
 _CROSS = re.compile(r"cross|encoder_attn|encdec", re.IGNORECASE)
 _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
 _ACT = re.compile(r"act|gelu|relu|silu|swish|tanh|sigmoid|activation", re.IGNORECASE)
+_EXPERTS = re.compile(r"^experts?$|^moe$|^sparse_moe$", re.IGNORECASE)
+_ROUTER = re.compile(r"^(gate|router)\b|Router|TopK", re.IGNORECASE)
 _ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU)
 
 
@@ -159,9 +161,20 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     ln1 = norms[0] if norms else None
     ln_cross = norms[1] if cross and len(norms) >= 3 else None
     ln2 = norms[-1] if len(norms) >= 2 else None
-    act = proj = None
-    if mlp is not None:
-        in_mlp = [(n, m) for n, m in inside if n.startswith(mlp + ".")]
+    act = proj = router = None
+    in_mlp = [(n, m) for n, m in inside if mlp is not None and n.startswith(mlp + ".")]
+    if any(_EXPERTS.search(n.rsplit(".", 1)[-1]) or "Expert" in type(m).__name__ for n, m in in_mlp):
+        # a mixture of experts: each token's hidden runs in its own experts, so there is no one
+        # value before or after the activation; the router is the gate beside the experts
+        router = next(
+            (
+                n
+                for n, m in in_mlp
+                if n.rpartition(".")[0] == mlp and _ROUTER.search(n.rsplit(".", 1)[-1] + " " + type(m).__name__)
+            ),
+            None,
+        )
+    elif in_mlp:
         act = next((n for n, m in in_mlp if isinstance(m, _ACTIVATIONS) or _ACT.search(type(m).__name__)), None)
         linears = [n for n, m in in_mlp if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
         proj = linears[-1] if linears else None
@@ -176,6 +189,7 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
         mlp=rel(mlp),
         act=rel(act),
         mlp_proj=rel(proj),
+        router=rel(router),
         cross_attn=rel(cross),
         ln_cross=rel(ln_cross),
         norms=tuple(_relative(block, n) for n in norms),

@@ -22,20 +22,17 @@ import torch
 from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.std.attn_sites import ATTN_SUBS, attention_subs
 from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
 from hookscope._arch.std.place import readings, same_values, scale_of, scaled_add
 from hookscope._arch.std.shared import SHARED_BLOCK, shared_block_error
 from hookscope._arch.std.spec import Block, Family, Layout
 from hookscope._core.names import escape_name, named_modules
-from hookscope._core.op_sites import SDPA
 from hookscope._core.std_names import StdMap, StdSite
 from hookscope.errors import StdMapError
 
 __all__ = ["ATTN_SUBS", "resolve_family"]
-
-#: The attention sub-sites, as ``blocks.{i}.attn.{sub}`` (and ``cross_attn.{sub}``).
-ATTN_SUBS = ("q", "k", "v", "scores", "pattern", "z")
 
 
 def resolve_family(
@@ -204,7 +201,7 @@ class _StackResolver:
         self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._no_norm(block, "attention")), index)
         self._feeding("ln1", index, roles["ln1"], roles["attn"], "attention module")
         self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
-        self._attention_subs(f"{name}.attn", roles["attn"])
+        attention_subs(self.seen, self.sites, self.missing, f"{name}.attn", roles["attn"])
         mid = self._residual_mid(index, block)
         before_mlp = self._cross(index, block, mid)
         self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._no_norm(block, "the MLP")), index)
@@ -278,47 +275,6 @@ class _StackResolver:
         words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention"}
         return f"the structural detector found no {role} module in a block (a class or attribute named {words[role]})"
 
-    def _attention_subs(self, name: str, attn: str | None) -> None:
-        if attn is None:
-            for sub in ATTN_SUBS:
-                self.missing[f"{name}.{sub}"] = "no attention module"
-            return
-        ops = self.seen.ops_of(attn)
-        eager_z = None if SDPA in ops else self.seen.eager_output(attn)
-        for sub in ATTN_SUBS:
-            full = f"{name}.{sub}"
-            if SDPA in ops:
-                text = f"{escape_name(attn)}:attn.{sub}"
-                self.sites[full] = StdSite(full, text, text, None, "attn")
-            elif sub == "pattern" and "softmax" in ops:
-                text = f"{escape_name(attn)}:op[softmax#0]"  # eager attention: its softmax is the pattern
-                self.sites[full] = StdSite(full, text, text, None, "op")
-            elif sub == "z" and eager_z is not None:
-                text = f"{escape_name(attn)}:op[{eager_z}]"  # eager attention: the product after its softmax
-                self.sites[full] = StdSite(full, text, text, None, "op")
-            else:
-                self.missing[full] = self._unnamed_sub(sub, attn, "softmax" in ops, eager_z is not None)
-
-    def _unnamed_sub(self, sub: str, attn: str, eager: bool, eager_z: bool) -> str:
-        """Why attention sub-site ``sub`` has no name, and what reads it on this model instead."""
-        sdpa = (
-            "transformers refuses attn_implementation='sdpa' for this model"
-            if self.seen.refuses_sdpa
-            else "load the model with attn_implementation='sdpa' to name them all"
-        )
-        if not eager:
-            return (
-                f"the attention module does not call {SDPA} (fused or hand-written attention without a softmax op): "
-                f"attention sub-sites read that call; {sdpa}"
-            )
-        if sub == "z":
-            return (
-                "this eager attention's product after its softmax does not keep the heads apart (a bmm over batch "
-                f"x heads): {self.seen.merged_heads.get(attn, 'read the input of its output projection')}; {sdpa}"
-            )
-        named = "attn.pattern (its softmax)" + (" and attn.z (the product after it)" if eager_z else "")
-        return f"eager attention calls no {SDPA}, which attention sub-sites read; of it only {named} are named; {sdpa}"
-
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""
         name = f"{self.prefix}blocks.{index}.resid_mid"
@@ -365,7 +321,7 @@ class _StackResolver:
         self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
         self._feeding("ln_cross", index, roles["ln_cross"], roles["cross_attn"], "cross-attention module")
         self._sublayer("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "", index)
-        self._attention_subs(f"{name}.cross_attn", roles["cross_attn"])
+        attention_subs(self.seen, self.sites, self.missing, f"{name}.cross_attn", roles["cross_attn"])
         cross = self._value(f"{name}.cross_attn")
         full = f"{name}.resid_mid_cross"
         if mid is None or cross is None:
@@ -431,9 +387,21 @@ class _StackResolver:
         fused = "the experts run fused: there is no one value before or after the activation"
         no_act = why.get("act", "no activation module in the MLP (a class named *Act*, GELU, ReLU, SiLU, Tanh)")
         no_proj = why.get("mlp_proj", "no output projection in the MLP (a Linear or Conv1D)")
+        proj, out = roles["mlp_proj"], [m for m in (roles["mlp"], roles["mlp_out"]) if m and self.seen.has_output(m)]
+        given = proj is not None and self.seen.has_output(proj)
+        if self.family.detected and proj and given and not any(self._same_out(proj, m) for m in out):
+            # the detector's last linear layer is not what the MLP returns: its act is a guess too
+            no_act = no_proj = (
+                f"the last linear layer the structural detector found in the MLP ({proj!r}) does not give the "
+                "MLP's output: select the MLP's modules by name"
+            )
+            roles = {**roles, "act": None, "mlp_proj": None}
         self._module_site("mlp.pre", roles["act"], "input", fused if moe else no_act, index)
         self._module_site("mlp.post", roles["mlp_proj"], "input", fused if moe else no_proj, index)
         self._module_site("mlp.router", roles["router"], "output", "not a mixture of experts", index)
+
+    def _same_out(self, a: str, b: str) -> bool:
+        return same_values(self.seen.output(a), self.seen.output(b))
 
     def _check_mlp(self, index: int, block: _BlockPlan, before_mlp: torch.Tensor | None) -> bool:
         """Check the MLP's add: ``resid_post`` (or, post-norm, ln2's input) is ``before_mlp + mlp``;
