@@ -1,4 +1,4 @@
-"""Canonical site names ("std:" selectors) across 25 transformers families, checked against
+"""Canonical site names ("std:" selectors) across 26 transformers families, checked against
 values read without hookscope: raw PyTorch hooks on modules named here by hand, per family.
 
 Every model is tiny (hidden 32, 2 layers, 4 heads, vocabulary 100) with random weights from a
@@ -221,6 +221,14 @@ FAMILIES: dict[str, Spec] = {
         _BERT_LIKE,
         "post",
         (_BERT_REF,),
+        use_cache=False,
+    ),
+    "roberta-prelayernorm": Spec(
+        "RobertaPreLayerNormConfig",
+        "RobertaPreLayerNormModel",
+        _BERT_LIKE,
+        "pre",
+        (Ref("", "encoder.layer.{i}", ("attention", "output"), "attention.LayerNorm", "intermediate.LayerNorm"),),
         use_cache=False,
     ),
     "distilbert": Spec(

@@ -285,6 +285,28 @@ FAMILIES: tuple[Family, ...] = (
     _one("BERT", ("bert",), _BERT, unembed="cls.predictions"),
     _one("RoBERTa", ("roberta", "xlm-roberta"), _BERT, unembed="lm_head"),
     _one(
+        "RoBERTa-PreLayerNorm",
+        ("roberta-prelayernorm",),
+        Stack(
+            "",
+            "encoder.layer",
+            Block(  # pre-norm, and each sublayer's output module adds the residual itself
+                ln1="attention.LayerNorm",
+                attn="attention.self",
+                attn_out="attention.output.dropout|attention.output.dense",
+                resid_mid="attention",
+                ln2="intermediate.LayerNorm",
+                mlp_out="output.dropout|output.dense",
+                act="intermediate.intermediate_act_fn",
+                mlp_proj="output.dense",
+            ),
+            embed="embeddings.word_embeddings",
+            pos_embed="embeddings.position_embeddings",
+            ln_final="LayerNorm",
+        ),
+        unembed="lm_head",
+    ),
+    _one(
         "DistilBERT",
         ("distilbert",),
         Stack(
