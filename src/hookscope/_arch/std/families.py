@@ -61,8 +61,9 @@ _BERT = Stack(
 )
 
 
-def _t5(prefix: str, cross: bool) -> Stack:
-    """What each T5 sublayer adds is its dropout's output (the same as the sublayer's in eval)."""
+def _t5(prefix: str, cross: bool, mlp: str = "DenseReluDense", router: str | None = None) -> Stack:
+    """What each T5 sublayer adds is its dropout's output (the same as the sublayer's in eval).
+    Switch Transformers renamed the MLP (``mlp``) and make some of them experts with a router."""
     ff = "layer.2" if cross else "layer.1"
     return Stack(
         prefix,
@@ -77,10 +78,11 @@ def _t5(prefix: str, cross: bool) -> Stack:
             cross_attn_out="layer.1.dropout" if cross else None,
             resid_mid_cross="layer.1" if cross else None,
             ln2=f"{ff}.layer_norm",
-            mlp=f"{ff}.DenseReluDense",
+            mlp=f"{ff}.{mlp}",
             mlp_out=f"{ff}.dropout",
-            act=f"{ff}.DenseReluDense.act",
-            mlp_proj=f"{ff}.DenseReluDense.wo",
+            act=f"{ff}.{mlp}.act",
+            mlp_proj=f"{ff}.{mlp}.wo",
+            router=f"{ff}.{mlp}.{router}" if router else None,
         ),
         embed=f"{prefix}.embed_tokens",
         ln_final=f"{prefix}.final_layer_norm",
@@ -327,6 +329,11 @@ FAMILIES: tuple[Family, ...] = (
         unembed="vocab_projector",
     ),
     Family("T5", ("t5", "mt5", "umt5"), (_t5("encoder", False), _t5("decoder", True))),
+    Family(
+        "Switch Transformers",
+        ("switch_transformers",),
+        (_t5("encoder", False, "mlp", "router"), _t5("decoder", True, "mlp", "router")),
+    ),
     Family(
         "BART",
         ("bart", "mbart"),
