@@ -193,6 +193,25 @@ def test_a_sublayer_no_sum_checks_is_missing_not_guessed_roberta_prelayernorm() 
     assert table["blocks.1.attn"].module == "roberta_prelayernorm.encoder.layer.1.attention.output.dropout"
 
 
+def test_two_towers_each_name_their_own_blocks_and_embedding_siglip() -> None:
+    torch.manual_seed(0)
+    text = {**SMALL, "max_position_embeddings": 16}
+    config = transformers.SiglipConfig(text_config=text, vision_config={**text, "image_size": 16, "patch_size": 8})
+    model = transformers.SiglipModel(config).eval()
+    inputs: dict[str, Any] = {"input_ids": ids()}
+    inputs["pixel_values"] = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    std = hs.std_map(model, **inputs)
+    assert std["text.embed"].module == "text_model.embeddings.token_embedding"
+    assert "vision.embed" not in std  # the text tower's embedding is not the vision tower's
+    towers = {"text": "text_model.encoder.layers.1", "vision": "vision_model.encoder.layers.1"}
+    hand = raw(model, list(towers.values()), lambda: model(**inputs))
+    names = [f"{tower}.blocks.1.{role}" for tower in towers for role in ("resid_pre", "resid_post")]
+    got = captured(model, names, lambda: model(**inputs))
+    for tower, layer in towers.items():
+        torch.testing.assert_close(got[f"{tower}.blocks.1.resid_pre"], hand[f"{layer}:input"], rtol=0, atol=0)
+        torch.testing.assert_close(got[f"{tower}.blocks.1.resid_post"], hand[f"{layer}:output"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("config", "model", "kwargs", "says"),
     [

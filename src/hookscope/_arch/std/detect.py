@@ -48,7 +48,9 @@ def detect_family(model: nn.Module) -> Family:
             family="detected",
             check="no block list",
         )
-    stacks = tuple(_stack(named, path, _prefix(path, lists)) for path in lists)
+    stacks = tuple(
+        _stack(_tower(named, path, lists), path, prefix) for path, prefix in zip(lists, _prefixes(lists), strict=True)
+    )
     return Family("detected", (), stacks, unembed=_unembed(named, lists))
 
 
@@ -120,15 +122,31 @@ def _why_no_blocks(named: list[tuple[str, nn.Module]]) -> str:
     )
 
 
-def _prefix(path: str, lists: list[str]) -> str:
+def _tower(named: list[tuple[str, nn.Module]], path: str, lists: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules of the block list's own tower: under its outermost ancestor that holds no
+    other block list (``vision_model`` beside ``text_model``), so that one stack's embedding
+    or final norm is never another's; every module for a model of one stack."""
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        scope = ".".join(parts[:depth])
+        if not any(other != path and (not scope or _under(other, [scope])) for other in lists):
+            return [(n, m) for n, m in named if not scope or _under(n, [scope])]
+    return named
+
+
+def _prefixes(lists: list[str]) -> list[str]:
+    """One canonical prefix per block list, told apart by a word in its path: ``encoder`` and
+    ``decoder`` first, else ``text`` and ``vision`` (two towers, each with an ``encoder``)."""
     if len(lists) == 1:
-        return ""
-    for word in ("encoder", "decoder", "text", "vision"):
-        if word in path.lower():
-            return word
+        return [""]
+    for words in (("encoder", "decoder", "text", "vision"), ("vision", "text", "decoder", "encoder")):
+        found = [next((w for w in words if w in path.lower()), None) for path in lists]
+        if None not in found and len(set(found)) == len(found):
+            return [w for w in found if w is not None]
     raise StdMapError(
-        f"several block lists ({', '.join(map(repr, lists))}) and no encoder/decoder in their names: the detector "
-        "cannot tell the stacks apart",
+        f"several block lists ({', '.join(map(repr, lists))}) and no one word (encoder/decoder, text/vision) tells "
+        "them apart: the detector cannot name the stacks; select their blocks by name, e.g. "
+        f"hs.capture(model, '{lists[0]}.*')",
         family="detected",
         check="several block lists",
     )
