@@ -189,6 +189,8 @@ def test_a_sublayer_no_sum_checks_is_missing_not_guessed_roberta_prelayernorm() 
     # the attention module's output already holds the residual: naming it "attn" would be wrong
     assert "blocks.1.attn" not in std
     assert "no residual sum" in std.missing["blocks.1.attn"]
+    # the first norm the detector finds is the MLP's (inside intermediate): not what attention reads
+    assert "not what the attention module reads" in std.missing["blocks.1.ln1"]
     table = hs.std_map(model, ids())  # the family table reads what is added, before the add
     assert table["blocks.1.attn"].module == "roberta_prelayernorm.encoder.layer.1.attention.output.dropout"
 
