@@ -165,6 +165,45 @@ def test_a_layer_scale_names_the_stream_and_says_why_attn_is_missing_beit() -> N
     )
 
 
+_BART = {"vocab_size": 100, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4}
+_BART |= {
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "max_position_embeddings": 32,
+    "pad_token_id": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "model", "post"), [("MBartConfig", "MBartModel", False), ("MarianConfig", "MarianModel", True)]
+)
+def test_an_mlp_of_layers_in_the_block_itself_is_read_at_its_last_one(config: str, model: str, post: bool) -> None:
+    """mBART (pre-norm) and Marian (post-norm) blocks hold fc1, activation_fn and fc2 themselves."""
+    built = build(config, model, **_BART)
+    inputs = {"input_ids": ids(), "decoder_input_ids": ids()[:, :4]}
+    std = hs.std_map(built, **inputs, family=None)
+    layer = "encoder.layers.1"
+    assert std["encoder.blocks.1.mlp"].module == f"{layer}.fc2"
+    assert std["encoder.blocks.1.mlp.pre"].read == f"{layer}.activation_fn:input[0]"
+    names = [f"{layer}.{m}" for m in ("self_attn", "self_attn_layer_norm", "fc2", "final_layer_norm")]
+    hand = raw(built, [layer, *names], lambda: built(**inputs))
+    got = captured(built, ["encoder.blocks.1.resid_mid", "encoder.blocks.1.mlp"], lambda: built(**inputs))
+    torch.testing.assert_close(got["encoder.blocks.1.mlp"], hand[f"{layer}.fc2:output"], rtol=0, atol=0)
+    if post:  # each norm reads the sum and its output is the stream
+        assert_sum(
+            hand[f"{layer}.self_attn_layer_norm:input"], hand[f"{layer}:input"], hand[f"{layer}.self_attn:output"]
+        )
+        torch.testing.assert_close(got["encoder.blocks.1.resid_mid"], hand[f"{layer}.self_attn_layer_norm:output"])
+        assert_sum(
+            hand[f"{layer}.final_layer_norm:input"], got["encoder.blocks.1.resid_mid"], hand[f"{layer}.fc2:output"]
+        )
+    else:
+        assert_sum(got["encoder.blocks.1.resid_mid"], hand[f"{layer}:input"], hand[f"{layer}.self_attn:output"])
+        assert_sum(hand[f"{layer}:output"], got["encoder.blocks.1.resid_mid"], hand[f"{layer}.fc2:output"])
+        torch.testing.assert_close(got["encoder.blocks.1.resid_mid"], hand[f"{layer}.final_layer_norm:input"])
+
+
 def test_a_mixture_of_experts_names_its_router_and_no_activation_qwen2_moe() -> None:
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_key_value_heads": 2}
     moe["shared_expert_intermediate_size"] = 16

@@ -179,7 +179,7 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     ln1 = norms[0] if norms else None
     ln_cross = norms[1] if cross and len(norms) >= 3 else None
     ln2 = norms[-1] if len(norms) >= 2 else None
-    act = proj = router = None
+    act = proj = router = mlp_in = None
     in_mlp = [(n, m) for n, m in inside if mlp is not None and n.startswith(mlp + ".")]
     if any(_EXPERTS.search(n.rsplit(".", 1)[-1]) or "Expert" in type(m).__name__ for n, m in in_mlp):
         # a mixture of experts: each token's hidden runs in its own experts, so there is no one
@@ -193,9 +193,13 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
             None,
         )
     elif in_mlp:
-        act = next((n for n, m in in_mlp if isinstance(m, _ACTIVATIONS) or _ACT.search(type(m).__name__)), None)
-        linears = [n for n, m in in_mlp if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+        act = next((n for n, m in in_mlp if _is_activation(m)), None)
+        linears = [n for n, m in in_mlp if _is_linear(m)]
         proj = linears[-1] if linears else None
+    loose = [n for n, m in inside if n.rpartition(".")[0] == block and _is_linear(m)] if mlp is None else []
+    if len(loose) >= 2:  # an MLP of layers in the block itself (BART's fc1, activation_fn, fc2)
+        mlp_in, proj = loose[0], loose[-1]
+        act = next((n for n, m in inside if n.rpartition(".")[0] == block and _is_activation(m)), None)
 
     def rel(name: str | None) -> str | None:
         return _relative(block, name) if name else None
@@ -207,6 +211,8 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
         mlp=rel(mlp),
         act=rel(act),
         mlp_proj=rel(proj),
+        mlp_in=rel(mlp_in),
+        mlp_out=rel(proj) if mlp_in else None,
         router=rel(router),
         cross_attn=rel(cross),
         ln_cross=rel(ln_cross),
@@ -214,6 +220,14 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     )
     embed, pos_embed = _embeddings(named, path)
     return Stack(prefix, path, roles, embed=embed, pos_embed=pos_embed, ln_final=_final_norm(named, path))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return isinstance(module, _ACTIVATIONS) or bool(_ACT.search(type(module).__name__))
 
 
 def _under(name: str, parents: list[str]) -> bool:

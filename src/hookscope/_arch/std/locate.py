@@ -46,7 +46,7 @@ class _StackPlan:
 
 
 _ROLE_FIELDS = (
-    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "act", "mlp_proj", "router",
+    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "mlp_in", "act", "mlp_proj", "router",
     "cross_attn", "cross_attn_out", "ln_cross", "resid_mid", "resid_mid_cross",
 )  # fmt: skip
 

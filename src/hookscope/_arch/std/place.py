@@ -61,7 +61,7 @@ def _placed(stack: Stack, plan: _StackPlan, seen: Seen) -> Stack:
 
     ln1, attn_out = _feeds(block, seen, roles["attn"]), _follows(block, seen, roles["attn"])
     ln_cross, cross_out = _feeds(block, seen, roles["cross_attn"]), _follows(block, seen, roles["cross_attn"])
-    ln2, mlp_out = _feeds(block, seen, roles["mlp"]), _follows(block, seen, roles["mlp"])
+    ln2, mlp_out = _feeds(block, seen, roles["mlp"] or roles["mlp_in"]), _follows(block, seen, roles["mlp"])
     if not any((ln1, attn_out, ln_cross, cross_out, ln2, mlp_out)):
         return stack
     moved = replace(
@@ -71,7 +71,7 @@ def _placed(stack: Stack, plan: _StackPlan, seen: Seen) -> Stack:
         ln_cross=rel(ln_cross),
         cross_attn_out=rel(cross_out),
         ln2=rel(ln2),
-        mlp_out=rel(mlp_out),
+        mlp_out=rel(mlp_out) if mlp_out else stack.block.mlp_out,  # an MLP of loose layers: its last one
     )
     return replace(stack, block=moved)
 

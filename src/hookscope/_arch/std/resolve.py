@@ -205,7 +205,7 @@ class _StackResolver:
         mid = self._residual_mid(index, block)
         before_mlp = self._cross(index, block, mid)
         self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._no_norm(block, "the MLP")), index)
-        self._feeding("ln2", index, roles["ln2"], roles["mlp"], "MLP")
+        self._feeding("ln2", index, roles["ln2"], roles["mlp"] or roles["mlp_in"], "MLP")
         self._sublayer("mlp", roles["mlp_out"] or roles["mlp"], why.get("mlp", self._unfound("mlp")), index)
         self._mlp_parts(index, block)
         self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")

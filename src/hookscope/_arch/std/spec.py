@@ -37,6 +37,8 @@ class Block:
         ln2: the MLP sublayer's norm.
         mlp: the MLP module, if it is one module.
         mlp_out: the module whose output is what the MLP adds to the residual (default ``mlp``).
+        mlp_in: where the MLP is not one module (BART's ``fc1``, ``fc2`` in the block), the module
+            that reads its input: what ``ln2`` must feed (the structural detector checks it).
         act: the activation module: ``mlp.pre`` is its input.
         mlp_proj: the MLP's output projection: ``mlp.post`` is its input (for a gated MLP, the
             activation times the up projection).
@@ -60,6 +62,7 @@ class Block:
     ln2: str | None = None
     mlp: str | None = None
     mlp_out: str | None = None
+    mlp_in: str | None = None
     act: str | None = None
     mlp_proj: str | None = None
     router: str | None = None
