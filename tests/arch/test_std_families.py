@@ -1,4 +1,4 @@
-"""Canonical site names ("std:" selectors) across 27 transformers families, checked against
+"""Canonical site names ("std:" selectors) across 29 transformers families, checked against
 values read without hookscope: raw PyTorch hooks on modules named here by hand, per family.
 
 Every model is tiny (hidden 32, 2 layers, 4 heads, vocabulary 100) with random weights from a
@@ -236,6 +236,8 @@ FAMILIES: dict[str, Spec] = {
         (_BERT_REF,),
         use_cache=False,
     ),
+    "electra": Spec("ElectraConfig", "ElectraModel", {**_BERT_LIKE, "embedding_size": HIDDEN}, "post", (_BERT_REF,)),
+    "deberta-v2": Spec("DebertaV2Config", "DebertaV2Model", _BERT_LIKE, "post", (_BERT_REF,), use_cache=False),
     "roberta-prelayernorm": Spec(
         "RobertaPreLayerNormConfig",
         "RobertaPreLayerNormModel",
