@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -56,13 +57,10 @@ def raw(model: nn.Module, names: list[str], run: Callable[[], object]) -> dict[s
 
         return hook
 
-    handles = [modules[n].register_forward_hook(keep(n), with_kwargs=True) for n in names]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with ExitStack() as hooks, torch.no_grad():
+        for n in names:
+            hooks.callback(modules[n].register_forward_hook(keep(n), with_kwargs=True).remove)
+        run()
     return seen
 
 
