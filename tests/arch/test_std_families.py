@@ -1,4 +1,4 @@
-"""Canonical site names ("std:" selectors) across 25 transformers families, checked against
+"""Canonical site names ("std:" selectors) across 29 transformers families, checked against
 values read without hookscope: raw PyTorch hooks on modules named here by hand, per family.
 
 Every model is tiny (hidden 32, 2 layers, 4 heads, vocabulary 100) with random weights from a
@@ -122,6 +122,19 @@ _BERT_REF = Ref(
     "output.LayerNorm",
 )
 
+# T5 blocks, named by hand: each sublayer module returns the stream after its add.
+_T5_REFS = (
+    Ref("encoder.", "encoder.block.{i}", ("layer.1.layer_norm", "input"), "layer.0.layer_norm", "layer.1.layer_norm"),
+    Ref(
+        "decoder.",
+        "decoder.block.{i}",
+        ("layer.1.layer_norm", "input"),
+        "layer.0.layer_norm",
+        "layer.2.layer_norm",
+        ln_cross="layer.1.layer_norm",
+    ),
+)
+
 FAMILIES: dict[str, Spec] = {
     "gpt2": Spec(
         "GPT2Config",
@@ -223,6 +236,16 @@ FAMILIES: dict[str, Spec] = {
         (_BERT_REF,),
         use_cache=False,
     ),
+    "electra": Spec("ElectraConfig", "ElectraModel", {**_BERT_LIKE, "embedding_size": HIDDEN}, "post", (_BERT_REF,)),
+    "deberta-v2": Spec("DebertaV2Config", "DebertaV2Model", _BERT_LIKE, "post", (_BERT_REF,), use_cache=False),
+    "roberta-prelayernorm": Spec(
+        "RobertaPreLayerNormConfig",
+        "RobertaPreLayerNormModel",
+        _BERT_LIKE,
+        "pre",
+        (Ref("", "encoder.layer.{i}", ("attention", "output"), "attention.LayerNorm", "intermediate.LayerNorm"),),
+        use_cache=False,
+    ),
     "distilbert": Spec(
         "DistilBertConfig",
         "DistilBertModel",
@@ -243,23 +266,27 @@ FAMILIES: dict[str, Spec] = {
         "T5ForConditionalGeneration",
         {"vocab_size": VOCAB, "d_model": HIDDEN, "d_ff": FFN, "num_layers": LAYERS, "num_heads": HEADS, "d_kv": 8},
         "pre",
-        (
-            Ref(
-                "encoder.",
-                "encoder.block.{i}",
-                ("layer.1.layer_norm", "input"),
-                "layer.0.layer_norm",
-                "layer.1.layer_norm",
-            ),
-            Ref(
-                "decoder.",
-                "decoder.block.{i}",
-                ("layer.1.layer_norm", "input"),
-                "layer.0.layer_norm",
-                "layer.2.layer_norm",
-                ln_cross="layer.1.layer_norm",
-            ),
-        ),
+        _T5_REFS,
+        feed="seq2seq",
+        embed=frozenset({"encoder.", "decoder."}),
+    ),
+    "switch_transformers": Spec(  # T5 blocks with renamed MLPs, every second one a mixture of experts
+        "SwitchTransformersConfig",
+        "SwitchTransformersForConditionalGeneration",
+        {
+            "vocab_size": VOCAB,
+            "d_model": HIDDEN,
+            "d_ff": FFN,
+            "num_layers": LAYERS,
+            "num_heads": HEADS,
+            "d_kv": 8,
+            "num_experts": 4,
+            "num_decoder_layers": LAYERS,
+            "encoder_sparse_step": 2,
+            "decoder_sparse_step": 2,
+        },
+        "pre",
+        _T5_REFS,
         feed="seq2seq",
         embed=frozenset({"encoder.", "decoder."}),
     ),

@@ -29,6 +29,8 @@ _ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
 _CROSS = re.compile(r"cross|encoder_attn|encdec", re.IGNORECASE)
 _MLP = re.compile(r"mlp|ffn|feed_?forward|moe|experts", re.IGNORECASE)
 _ACT = re.compile(r"act|gelu|relu|silu|swish|tanh|sigmoid|activation", re.IGNORECASE)
+_EXPERTS = re.compile(r"^experts?$|^moe$|^sparse_moe$", re.IGNORECASE)
+_ROUTER = re.compile(r"^(gate|router)\b|Router|TopK", re.IGNORECASE)
 _ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU)
 
 
@@ -41,21 +43,34 @@ def detect_family(model: nn.Module) -> Family:
     if not lists:
         raise StdMapError(
             f"no block list in this {type(model).__name__}: canonical names need a ModuleList or Sequential of "
-            "blocks of one class, each holding an attention module (a class or attribute named attn/attention)",
+            f"blocks of one class, each holding an attention module (a class or attribute named attn/attention); "
+            f"{_why_no_blocks(named)}",
             family="detected",
             check="no block list",
         )
-    stacks = tuple(_stack(named, path, _prefix(path, lists)) for path in lists)
+    stacks = tuple(
+        _stack(_tower(named, path, lists), path, prefix) for path, prefix in zip(lists, _prefixes(lists), strict=True)
+    )
     return Family("detected", (), stacks, unembed=_unembed(named, lists))
 
 
+_NORM = re.compile(r"Norm(Gated|alization)?(\dd)?$")
+
+
 def _is_norm(module: nn.Module) -> bool:
-    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+    """A norm by class: ``LlamaRMSNorm``, ``T5LayerNorm``; not ``RobertaPreLayerNormAttention``."""
+    return bool(_NORM.search(type(module).__name__)) or isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+
+
+def _has_weights(module: nn.Module) -> bool:
+    """A sublayer holds weights: a dropout, a norm or an activation named after one
+    (``post_attention_dropout``, ``post_mlp_layernorm``) is not the sublayer."""
+    return not _is_norm(module) and next(module.parameters(), None) is not None
 
 
 def _is_attention(name: str, module: nn.Module) -> bool:
     leaf = name.rsplit(".", 1)[-1]
-    return bool(_ATTENTION.search(leaf) or _ATTENTION.search(type(module).__name__)) and not _is_norm(module)
+    return bool(_ATTENTION.search(leaf) or _ATTENTION.search(type(module).__name__)) and _has_weights(module)
 
 
 def _block_lists(named: list[tuple[str, nn.Module]]) -> list[str]:
@@ -76,15 +91,62 @@ def _block_lists(named: list[tuple[str, nn.Module]]) -> list[str]:
     return found
 
 
-def _prefix(path: str, lists: list[str]) -> str:
+def _why_no_blocks(named: list[tuple[str, nn.Module]]) -> str:
+    """What the model has instead of attention blocks, and how to read it: the longest list of
+    modules says it (a state-space model's mixers, a hybrid's mixed layers, a conv net's stages)."""
+    lists = [(n, m) for n, m in named if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
+    if not lists:
+        return "it has no list of layers: select its modules by name (hs.layers(model) lists them)"
+    path, longest = max(lists, key=lambda item: len(item[1]))
+    classes = list(dict.fromkeys(type(child).__name__ for child in longest))
+    reads = f"select them by name instead: hs.capture(model, '{path}.*') reads every layer's output"
+    if len(classes) > 1:
+        hybrid = "; a hybrid of attention and other mixers" if any(_is_attention(n, m) for n, m in named) else ""
+        return f"its longest layer list {path!r} mixes classes {', '.join(classes)}{hybrid}; {reads}"
+    first = f"{path}.0" if path else "0"
+    if _is_attention(first, longest[0]):
+        return (
+            f"its layer list {path!r} holds the attention modules themselves ({classes[0]}), apart from the rest of "
+            f"each layer: there is no block module to read; {reads}"
+        )
+    parts = [n.rsplit(".", 1)[-1] for n, _ in named if n.rpartition(".")[0] == first]
+    if any(re.search(r"mixer|ssm|mamba|rnn|lstm|rwkv", p, re.IGNORECASE) for p in parts):
+        kind = " (state-space or recurrent mixers)"
+    elif any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for n, m in named if n.startswith(first + ".")):
+        kind = " (convolutions)"
+    else:
+        kind = ""
+    return (
+        f"its longest layer list {path!r} holds {classes[0]} layers with {', '.join(parts) or 'no submodules'} and no "
+        f"attention{kind}; {reads}"
+    )
+
+
+def _tower(named: list[tuple[str, nn.Module]], path: str, lists: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules of the block list's own tower: under its outermost ancestor that holds no
+    other block list (``vision_model`` beside ``text_model``), so that one stack's embedding
+    or final norm is never another's; every module for a model of one stack."""
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        scope = ".".join(parts[:depth])
+        if not any(other != path and (not scope or _under(other, [scope])) for other in lists):
+            return [(n, m) for n, m in named if not scope or _under(n, [scope])]
+    return named
+
+
+def _prefixes(lists: list[str]) -> list[str]:
+    """One canonical prefix per block list, told apart by a word in its path: ``encoder`` and
+    ``decoder`` first, else ``text`` and ``vision`` (two towers, each with an ``encoder``)."""
     if len(lists) == 1:
-        return ""
-    for word in ("encoder", "decoder", "text", "vision"):
-        if word in path.lower():
-            return word
+        return [""]
+    for words in (("encoder", "decoder", "text", "vision"), ("vision", "text", "decoder", "encoder")):
+        found = [next((w for w in words if w in path.lower()), None) for path in lists]
+        if None not in found and len(set(found)) == len(found):
+            return [w for w in found if w is not None]
     raise StdMapError(
-        f"several block lists ({', '.join(map(repr, lists))}) and no encoder/decoder in their names: the detector "
-        "cannot tell the stacks apart",
+        f"several block lists ({', '.join(map(repr, lists))}) and no one word (encoder/decoder, text/vision) tells "
+        "them apart: the detector cannot name the stacks; select their blocks by name, e.g. "
+        f"hs.capture(model, '{lists[0]}.*')",
         family="detected",
         check="several block lists",
     )
@@ -106,19 +168,38 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
     cross = next((n for n in attention if n != attn and _CROSS.search(n.rsplit(".", 1)[-1])), None)
     within = [a for a in (attn, cross) if a]
     mlps = _outermost(
-        [n for n, m in inside if _MLP.search(n.rsplit(".", 1)[-1] + type(m).__name__) and not _under(n, within)]
+        [
+            n
+            for n, m in inside
+            if _MLP.search(n.rsplit(".", 1)[-1] + type(m).__name__) and _has_weights(m) and not _under(n, within)
+        ]
     )
     mlp = mlps[0] if mlps else None
     norms = [n for n, m in inside if _is_norm(m) and not _under(n, [*within, *mlps])]
     ln1 = norms[0] if norms else None
     ln_cross = norms[1] if cross and len(norms) >= 3 else None
     ln2 = norms[-1] if len(norms) >= 2 else None
-    act = proj = None
-    if mlp is not None:
-        in_mlp = [(n, m) for n, m in inside if n.startswith(mlp + ".")]
-        act = next((n for n, m in in_mlp if isinstance(m, _ACTIVATIONS) or _ACT.search(type(m).__name__)), None)
-        linears = [n for n, m in in_mlp if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+    act = proj = router = mlp_in = None
+    in_mlp = [(n, m) for n, m in inside if mlp is not None and n.startswith(mlp + ".")]
+    if any(_EXPERTS.search(n.rsplit(".", 1)[-1]) or "Expert" in type(m).__name__ for n, m in in_mlp):
+        # a mixture of experts: each token's hidden runs in its own experts, so there is no one
+        # value before or after the activation; the router is the gate beside the experts
+        router = next(
+            (
+                n
+                for n, m in in_mlp
+                if n.rpartition(".")[0] == mlp and _ROUTER.search(n.rsplit(".", 1)[-1] + " " + type(m).__name__)
+            ),
+            None,
+        )
+    elif in_mlp:
+        act = next((n for n, m in in_mlp if _is_activation(m)), None)
+        linears = [n for n, m in in_mlp if _is_linear(m)]
         proj = linears[-1] if linears else None
+    loose = [n for n, m in inside if n.rpartition(".")[0] == block and _is_linear(m)] if mlp is None else []
+    if len(loose) >= 2:  # an MLP of layers in the block itself (BART's fc1, activation_fn, fc2)
+        mlp_in, proj = loose[0], loose[-1]
+        act = next((n for n, m in inside if n.rpartition(".")[0] == block and _is_activation(m)), None)
 
     def rel(name: str | None) -> str | None:
         return _relative(block, name) if name else None
@@ -130,11 +211,23 @@ def _stack(named: list[tuple[str, nn.Module]], path: str, prefix: str) -> Stack:
         mlp=rel(mlp),
         act=rel(act),
         mlp_proj=rel(proj),
+        mlp_in=rel(mlp_in),
+        mlp_out=rel(proj) if mlp_in else None,
+        router=rel(router),
         cross_attn=rel(cross),
         ln_cross=rel(ln_cross),
+        norms=tuple(_relative(block, n) for n in norms),
     )
     embed, pos_embed = _embeddings(named, path)
     return Stack(prefix, path, roles, embed=embed, pos_embed=pos_embed, ln_final=_final_norm(named, path))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return isinstance(module, _ACTIVATIONS) or bool(_ACT.search(type(module).__name__))
 
 
 def _under(name: str, parents: list[str]) -> bool:

@@ -61,8 +61,9 @@ _BERT = Stack(
 )
 
 
-def _t5(prefix: str, cross: bool) -> Stack:
-    """What each T5 sublayer adds is its dropout's output (the same as the sublayer's in eval)."""
+def _t5(prefix: str, cross: bool, mlp: str = "DenseReluDense", router: str | None = None) -> Stack:
+    """What each T5 sublayer adds is its dropout's output (the same as the sublayer's in eval).
+    Switch Transformers renamed the MLP (``mlp``) and make some of them experts with a router."""
     ff = "layer.2" if cross else "layer.1"
     return Stack(
         prefix,
@@ -77,10 +78,11 @@ def _t5(prefix: str, cross: bool) -> Stack:
             cross_attn_out="layer.1.dropout" if cross else None,
             resid_mid_cross="layer.1" if cross else None,
             ln2=f"{ff}.layer_norm",
-            mlp=f"{ff}.DenseReluDense",
+            mlp=f"{ff}.{mlp}",
             mlp_out=f"{ff}.dropout",
-            act=f"{ff}.DenseReluDense.act",
-            mlp_proj=f"{ff}.DenseReluDense.wo",
+            act=f"{ff}.{mlp}.act",
+            mlp_proj=f"{ff}.{mlp}.wo",
+            router=f"{ff}.{mlp}.{router}" if router else None,
         ),
         embed=f"{prefix}.embed_tokens",
         ln_final=f"{prefix}.final_layer_norm",
@@ -285,6 +287,58 @@ FAMILIES: tuple[Family, ...] = (
     _one("BERT", ("bert",), _BERT, unembed="cls.predictions"),
     _one("RoBERTa", ("roberta", "xlm-roberta"), _BERT, unembed="lm_head"),
     _one(
+        "BERT-like",  # BERT's layer under other names: the table is checked on the forward like any other
+        (
+            "bert-generation",
+            "big_bird",
+            "camembert",
+            "convbert",
+            "data2vec-text",
+            "deberta",
+            "deberta-v2",
+            "electra",
+            "ernie",
+            "ibert",
+            "layoutlm",
+            "lilt",
+            "luke",
+            "markuplm",
+            "mra",
+            "nystromformer",
+            "rembert",
+            "roc_bert",
+            "roformer",
+            "splinter",
+            "tapas",
+            "xmod",
+            "yoso",
+        ),
+        _BERT,
+        unembed="cls.predictions|lm_head|generator_lm_head|cls",
+    ),
+    _one(
+        "RoBERTa-PreLayerNorm",
+        ("roberta-prelayernorm",),
+        Stack(
+            "",
+            "encoder.layer",
+            Block(  # pre-norm, and each sublayer's output module adds the residual itself
+                ln1="attention.LayerNorm",
+                attn="attention.self",
+                attn_out="attention.output.dropout|attention.output.dense",
+                resid_mid="attention",
+                ln2="intermediate.LayerNorm",
+                mlp_out="output.dropout|output.dense",
+                act="intermediate.intermediate_act_fn",
+                mlp_proj="output.dense",
+            ),
+            embed="embeddings.word_embeddings",
+            pos_embed="embeddings.position_embeddings",
+            ln_final="LayerNorm",
+        ),
+        unembed="lm_head",
+    ),
+    _one(
         "DistilBERT",
         ("distilbert",),
         Stack(
@@ -305,6 +359,11 @@ FAMILIES: tuple[Family, ...] = (
         unembed="vocab_projector",
     ),
     Family("T5", ("t5", "mt5", "umt5"), (_t5("encoder", False), _t5("decoder", True))),
+    Family(
+        "Switch Transformers",
+        ("switch_transformers",),
+        (_t5("encoder", False, "mlp", "router"), _t5("decoder", True, "mlp", "router")),
+    ),
     Family(
         "BART",
         ("bart", "mbart"),

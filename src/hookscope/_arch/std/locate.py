@@ -25,6 +25,7 @@ class _BlockPlan:
     name: str
     roles: dict[str, str | None]
     why: dict[str, str] = field(default_factory=dict)
+    norms: list[str] = field(default_factory=list)  # the detector's norms, to be placed by values
 
     @property
     def core(self) -> str:
@@ -45,7 +46,7 @@ class _StackPlan:
 
 
 _ROLE_FIELDS = (
-    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "act", "mlp_proj", "router",
+    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "mlp_in", "act", "mlp_proj", "router",
     "cross_attn", "cross_attn_out", "ln_cross", "resid_mid", "resid_mid_cross",
 )  # fmt: skip
 
@@ -100,7 +101,8 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
                 family=family.name,
                 check=f"no {missing_core[0]}",
             )
-        blocks.append(_BlockPlan(block_name, roles, why))
+        norms = [found for norm in stack.block.norms if (found := _find(names, block_name, norm))]
+        blocks.append(_BlockPlan(block_name, roles, why, norms))
         index += 1
     around = {
         "embed": _find(names, base, stack.embed),
@@ -122,4 +124,5 @@ def _modules_of(stack: _StackPlan) -> list[str]:
     for block in stack.blocks:
         found.append(block.name)
         found += [m for m in block.roles.values() if m]
+        found += block.norms
     return found

@@ -45,6 +45,13 @@ class Seen:
         """How many times ``module`` was called in the check forward."""
         return self._calls.get(module, 0)
 
+    def has_input(self, module: str) -> bool:
+        """Whether ``module`` took a tensor (a module called with none has no input value)."""
+        return module in self._inputs
+
+    def has_output(self, module: str) -> bool:
+        return module in self._outputs
+
     def input(self, module: str) -> torch.Tensor:
         return self._inputs[module][1]
 
@@ -81,6 +88,10 @@ class Seen:
             if value.shape == expected.shape and value.dtype == expected.dtype and values_close(value, expected):
                 return label
         return None
+
+    def ops(self, block: str) -> list[tuple[str, torch.Tensor]]:
+        """Every op of the block's own code and its value, in call order."""
+        return self._ops.get(block, [])
 
     def op_value(self, block: str, label: str) -> torch.Tensor:
         return next(value for found, value in self._ops[block] if found == label)

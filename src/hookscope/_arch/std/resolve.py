@@ -22,19 +22,17 @@ import torch
 from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.std.attn_sites import ATTN_SUBS, attention_subs
 from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
-from hookscope._arch.std.shared import shared_block_error
+from hookscope._arch.std.place import readings, same_values, scale_of, scaled_add
+from hookscope._arch.std.shared import SHARED_BLOCK, shared_block_error
 from hookscope._arch.std.spec import Block, Family, Layout
 from hookscope._core.names import escape_name, named_modules
-from hookscope._core.op_sites import SDPA
 from hookscope._core.std_names import StdMap, StdSite
 from hookscope.errors import StdMapError
 
 __all__ = ["ATTN_SUBS", "resolve_family"]
-
-#: The attention sub-sites, as ``blocks.{i}.attn.{sub}`` (and ``cross_attn.{sub}``).
-ATTN_SUBS = ("q", "k", "v", "scores", "pattern", "z")
 
 
 def resolve_family(
@@ -61,28 +59,43 @@ def resolve_family(
     seen = observe(model, sorted(modules), watched_blocks, attention, inputs)
     seen.refuses_sdpa = refuses_sdpa(model)
     seen.merged_heads = {name: merged_heads(model, name, by_name[name]) for name in attention}
-    readings: list[StdMap] = []
+    maps: list[StdMap] = []
     failure: StdMapError | None = None
     chosen: Sequence[Layout | None] = layouts or [None]
-    for layout in chosen:
-        try:
-            readings.append(_resolve(family, stacks, unembed, seen, layout))
-        except StdMapError as error:
-            failure = error
-    if not readings:
+    for reading in readings(family, stacks, seen):  # a detected block's norms placed by values
+        planned = stacks if reading is family else [_plan(by_name, name_of, reading, s) for s in reading.stacks]
+        for layout in chosen:
+            try:
+                maps.append(_resolve(reading, planned, unembed, seen, layout))
+            except StdMapError as error:
+                failure = failure or error  # the first reading's: the detector's own proposal
+    if not maps and family.detected and failure is not None and failure.check != SHARED_BLOCK:
+        for reading in readings(family, stacks, seen):  # what the sublayers add is not a module's output
+            planned = [_plan(by_name, name_of, reading, s) for s in reading.stacks]
+            try:
+                maps.append(_resolve(reading, planned, unembed, seen, "pre", sums=False))
+            except StdMapError:
+                continue
+    if not maps:
         assert failure is not None
         raise failure
-    return max(readings, key=len)
+    return max(maps, key=len)
 
 
 def _resolve(
-    family: Family, stacks: list[_StackPlan], unembed: str | None, seen: Seen, layout: Layout | None
+    family: Family,
+    stacks: list[_StackPlan],
+    unembed: str | None,
+    seen: Seen,
+    layout: Layout | None,
+    *,
+    sums: bool = True,
 ) -> StdMap:
     sites: dict[str, StdSite] = {}
     missing: dict[str, str] = {}
     checks: list[str] = []
     for stack in stacks:
-        _StackResolver(family, stack, seen, sites, missing, checks, layout).run()
+        _StackResolver(family, stack, seen, sites, missing, checks, layout, sums).run()
     if unembed and seen.ran(unembed):
         sites["unembed"] = seen.site("unembed", unembed, "output")
     else:
@@ -108,8 +121,12 @@ class _StackResolver:
         missing: dict[str, str],
         checks: list[str],
         layout: Layout | None,
+        sums: bool = True,
     ) -> None:
         self.family, self.plan, self.seen = family, stack, seen
+        #: False: name the stream and the norms only, where no reading's residual sums hold (a
+        #: layer scale multiplies what attention adds in the block's own code: BEiT, CaiT).
+        self.sums = sums
         self.sites, self.missing, self.checks = sites, missing, checks
         self.prefix = f"{stack.stack.prefix}." if stack.stack.prefix else ""
         self.block: Block = stack.stack.block
@@ -147,7 +164,20 @@ class _StackResolver:
         self.checks.append(
             f"{self.prefix}blocks: every resid_* is (batch, seq, d_model); resid_post[i] == resid_pre[i+1]"
         )
-        self._module_site("ln_final", self.plan.around["ln_final"], "output", self.plan.why["ln_final"])
+        final = self.plan.around["ln_final"]
+        if (
+            self.family.detected
+            and final is not None
+            and previous is not None
+            and self.seen.has_input(final)
+            and not same_values(self.seen.input(final), previous)
+        ):
+            self.missing[self._name("ln_final")] = (  # a pooler's norm, not the stream's
+                f"the norm after the blocks ({final!r}) does not read the last block's output (a pooler's norm?): "
+                "select it by module name"
+            )
+            return
+        self._module_site("ln_final", final, "output", self.plan.why["ln_final"])
 
     def _name(self, role: str, index: int | None = None) -> str:
         return f"{self.prefix}blocks.{index}.{role}" if index is not None else f"{self.prefix}{role}"
@@ -168,22 +198,69 @@ class _StackResolver:
         name = f"{self.prefix}blocks.{index}"
         self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
         self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
-        self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._shared_norm()), index)
-        self._module_site(
-            "attn", roles["attn_out"] or roles["attn"], "output", why.get("attn", self._unfound("attn")), index
-        )
-        self._attention_subs(f"{name}.attn", roles["attn"])
+        self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._no_norm(block, "attention")), index)
+        self._feeding("ln1", index, roles["ln1"], roles["attn"], "attention module")
+        self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
+        attention_subs(self.seen, self.sites, self.missing, f"{name}.attn", roles["attn"])
         mid = self._residual_mid(index, block)
         before_mlp = self._cross(index, block, mid)
-        self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._shared_norm()), index)
-        self._module_site(
-            "mlp", roles["mlp_out"] or roles["mlp"], "output", why.get("mlp", self._unfound("mlp")), index
-        )
+        self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._no_norm(block, "the MLP")), index)
+        self._feeding("ln2", index, roles["ln2"], roles["mlp"] or roles["mlp_in"], "MLP")
+        self._sublayer("mlp", roles["mlp_out"] or roles["mlp"], why.get("mlp", self._unfound("mlp")), index)
         self._mlp_parts(index, block)
         self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")
-        self._check_mlp(index, block, before_mlp)
+        summed = self._check_mlp(index, block, before_mlp)
+        if self.family.detected:  # a name the detector placed by name only is not a name until a sum checks it
+            added = f"{name}.resid_mid" in self.sites
+            self._unchecked(f"{name}.attn", added or (summed and before_mlp is None and self.sums))
+            self._unchecked(f"{name}.mlp", summed)
 
-    def _shared_norm(self) -> str:
+    def _unchecked(self, name: str, checked: bool) -> None:
+        if checked or name not in self.sites:
+            return
+        module = self.sites.pop(name).module
+        self.missing[name] = (
+            f"no residual sum of the block checks what {module!r} adds (the block adds it in another module or "
+            f"changes it on the way), so the detector does not name it: read the module by name"
+        )
+
+    def _sublayer(self, role: str, module: str | None, why: str, index: int) -> None:
+        """Name what a sublayer adds to the stream: its module's output, checked by the sums."""
+        if self.sums or module is None:
+            self._module_site(role, module, "output", why, index)
+            return
+        self.missing[self._name(role, index)] = (
+            f"the block adds gamma * the output of {module!r} (a per-channel layer scale in its own code), not the "
+            f"output itself: read the module by name, hs.capture(model, {module!r}), and scale it"
+        )
+
+    def _feeding(self, role: str, index: int, norm: str | None, reader: str | None, what: str) -> None:
+        """A detected pre-norm ``role`` must be what its sublayer reads (its output the
+        sublayer's input), else it is missing with the reason: the detector picks norms by
+        class and order, which a renamed or re-ordered block can defeat. Post-norm norms read
+        the sums the resolver checks already."""
+        name = self._name(role, index)
+        if not self.family.detected or self.layout == "post" or name not in self.sites or norm is None:
+            return
+        if reader is None or not self.seen.has_input(reader) or not self.seen.has_output(norm):
+            return
+        if not same_values(self.seen.output(norm), self.seen.input(reader)):
+            del self.sites[name]
+            self.missing[name] = (
+                f"the structural detector's {role} ({norm!r}) is not what the {what} reads (its output is not the "
+                f"{what}'s input): select the norm by module name"
+            )
+            return
+        self._checked(f"{role}'s output is what its sublayer reads (detected blocks)")
+
+    def _no_norm(self, block: _BlockPlan, what: str) -> str:
+        """Why a block has no ``ln1`` (``ln2``): its norms sit after the sublayers, or it has one."""
+        after = [block.roles[r] for r in ("attn_out", "mlp_out") if block.roles[r] in block.norms]
+        if self.family.detected and after:
+            return (
+                f"this block's norms ({', '.join(map(repr, after))}) normalize what its sublayers add, after them "
+                f"(OLMo 2 style): {what} reads the stream itself, resid_pre or resid_mid"
+            )
         if self.family.detected:
             return (
                 "the structural detector found one norm in a block (ln1): attention and the MLP read it, "
@@ -198,55 +275,16 @@ class _StackResolver:
         words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention"}
         return f"the structural detector found no {role} module in a block (a class or attribute named {words[role]})"
 
-    def _attention_subs(self, name: str, attn: str | None) -> None:
-        if attn is None:
-            for sub in ATTN_SUBS:
-                self.missing[f"{name}.{sub}"] = "no attention module"
-            return
-        ops = self.seen.ops_of(attn)
-        eager_z = None if SDPA in ops else self.seen.eager_output(attn)
-        for sub in ATTN_SUBS:
-            full = f"{name}.{sub}"
-            if SDPA in ops:
-                text = f"{escape_name(attn)}:attn.{sub}"
-                self.sites[full] = StdSite(full, text, text, None, "attn")
-            elif sub == "pattern" and "softmax" in ops:
-                text = f"{escape_name(attn)}:op[softmax#0]"  # eager attention: its softmax is the pattern
-                self.sites[full] = StdSite(full, text, text, None, "op")
-            elif sub == "z" and eager_z is not None:
-                text = f"{escape_name(attn)}:op[{eager_z}]"  # eager attention: the product after its softmax
-                self.sites[full] = StdSite(full, text, text, None, "op")
-            else:
-                self.missing[full] = self._unnamed_sub(sub, attn, "softmax" in ops, eager_z is not None)
-
-    def _unnamed_sub(self, sub: str, attn: str, eager: bool, eager_z: bool) -> str:
-        """Why attention sub-site ``sub`` has no name, and what reads it on this model instead."""
-        sdpa = (
-            "transformers refuses attn_implementation='sdpa' for this model"
-            if self.seen.refuses_sdpa
-            else "load the model with attn_implementation='sdpa' to name them all"
-        )
-        if not eager:
-            return (
-                f"the attention module does not call {SDPA} (fused or hand-written attention without a softmax op): "
-                f"attention sub-sites read that call; {sdpa}"
-            )
-        if sub == "z":
-            return (
-                "this eager attention's product after its softmax does not keep the heads apart (a bmm over batch "
-                f"x heads): {self.seen.merged_heads.get(attn, 'read the input of its output projection')}; {sdpa}"
-            )
-        named = "attn.pattern (its softmax)" + (" and attn.z (the product after it)" if eager_z else "")
-        return f"eager attention calls no {SDPA}, which attention sub-sites read; of it only {named} are named; {sdpa}"
-
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""
         name = f"{self.prefix}blocks.{index}.resid_mid"
+        roles = block.roles
+        if not self.sums:
+            return self._scaled_mid(name, index, block)
         attn = self._value(f"{self.prefix}blocks.{index}.attn")
         if attn is None:
             self.missing[name] = "no attention output to add"
             return None
-        roles = block.roles
         mid = self._after_add(
             name, index, block, self.seen.input(block.name), attn, roles["resid_mid"], roles["ln1"],
             roles["ln_cross"] or roles["ln2"], "resid_mid == resid_pre + attn",
@@ -255,6 +293,22 @@ class _StackResolver:
             parallel = self.layout == "parallel"
             self.missing[name] = self.block.why_parallel if parallel else "no op of the block's own code returns it"
         return mid
+
+    def _scaled_mid(self, name: str, index: int, block: _BlockPlan) -> torch.Tensor:
+        """``resid_mid`` where the block adds a per-channel multiple of attention's output (a
+        layer scale): the op of the block's code whose value is ``resid_pre + gamma * attn``."""
+        attn = block.roles["attn_out"] or block.roles["attn"]
+        pre = self.seen.input(block.name)
+        op = (
+            scaled_add(self.seen, block.core, pre, self.seen.output(attn))
+            if attn and self.seen.has_output(attn)
+            else None
+        )
+        if op is None:
+            raise self._error(f"no op of the block adds attention's output, scaled or not (block {index})", block.name)
+        self._checked("resid_mid == resid_pre + gamma * attn, gamma per channel (a layer scale)")
+        self.sites[name] = self._op_site(name, block.core, op, block.roles["ln_cross"] or block.roles["ln2"])
+        return self.seen.op_value(block.core, op)
 
     def _cross(self, index: int, block: _BlockPlan, mid: torch.Tensor | None) -> torch.Tensor | None:
         """Name a decoder block's cross-attention sites; return the stream entering the MLP."""
@@ -265,8 +319,9 @@ class _StackResolver:
                 self.missing[f"{name}.{role}"] = "no cross-attention (only decoders of encoder-decoder models have one)"
             return mid
         self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
-        self._module_site("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "output", "", index)
-        self._attention_subs(f"{name}.cross_attn", roles["cross_attn"])
+        self._feeding("ln_cross", index, roles["ln_cross"], roles["cross_attn"], "cross-attention module")
+        self._sublayer("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "", index)
+        attention_subs(self.seen, self.sites, self.missing, f"{name}.cross_attn", roles["cross_attn"])
         cross = self._value(f"{name}.cross_attn")
         full = f"{name}.resid_mid_cross"
         if mid is None or cross is None:
@@ -332,17 +387,38 @@ class _StackResolver:
         fused = "the experts run fused: there is no one value before or after the activation"
         no_act = why.get("act", "no activation module in the MLP (a class named *Act*, GELU, ReLU, SiLU, Tanh)")
         no_proj = why.get("mlp_proj", "no output projection in the MLP (a Linear or Conv1D)")
+        proj, out = roles["mlp_proj"], [m for m in (roles["mlp"], roles["mlp_out"]) if m and self.seen.has_output(m)]
+        given = proj is not None and self.seen.has_output(proj)
+        if self.family.detected and proj and given and not any(self._same_out(proj, m) for m in out):
+            # the detector's last linear layer is not what the MLP returns: its act is a guess too
+            no_act = no_proj = (
+                f"the last linear layer the structural detector found in the MLP ({proj!r}) does not give the "
+                "MLP's output: select the MLP's modules by name"
+            )
+            roles = {**roles, "act": None, "mlp_proj": None}
         self._module_site("mlp.pre", roles["act"], "input", fused if moe else no_act, index)
         self._module_site("mlp.post", roles["mlp_proj"], "input", fused if moe else no_proj, index)
         self._module_site("mlp.router", roles["router"], "output", "not a mixture of experts", index)
 
-    def _check_mlp(self, index: int, block: _BlockPlan, before_mlp: torch.Tensor | None) -> None:
+    def _same_out(self, a: str, b: str) -> bool:
+        return same_values(self.seen.output(a), self.seen.output(b))
+
+    def _check_mlp(self, index: int, block: _BlockPlan, before_mlp: torch.Tensor | None) -> bool:
         """Check the MLP's add: ``resid_post`` (or, post-norm, ln2's input) is ``before_mlp + mlp``;
-        a parallel block (no stream between the sublayers) adds both to ``resid_pre``."""
+        a parallel block (no stream between the sublayers) adds both to ``resid_pre``. False
+        where there is no MLP to check."""
+        post = self.seen.output(block.name)
+        if not self.sums:
+            out = block.roles["mlp_out"] or block.roles["mlp"]
+            if before_mlp is None or out is None or not self.seen.has_output(out):
+                raise self._error(f"no MLP output to add (block {index})", block.name)
+            if scale_of(post - before_mlp, self.seen.output(out)) is None:
+                raise self._error(f"resid_post is not resid_mid + gamma * mlp (block {index})", block.name)
+            self._checked("resid_post == resid_mid + gamma * mlp, gamma per channel (a layer scale)")
+            return True
         mlp = self._value(f"{self.prefix}blocks.{index}.mlp")
         if mlp is None:
-            return
-        post = self.seen.output(block.name)
+            return False
         if mlp.shape != post.shape and mlp.numel() == post.numel():
             mlp = mlp.reshape(post.shape)  # an MLP run on (batch * seq, d) rows (OPT)
         if self.layout == "post":
@@ -362,6 +438,7 @@ class _StackResolver:
             check = f"resid_post == resid_pre + attn + mlp (block {index}, parallel)"
             parallel = self._sum(check, block.name, self.seen.input(block.name), attn, mlp)
             self._expect(post, parallel, check, block.name)
+        return True
 
     def _value(self, name: str) -> torch.Tensor | None:
         """The value of a site named for a module's output (``attn``, ``mlp``), if resolved."""

@@ -37,6 +37,8 @@ class Block:
         ln2: the MLP sublayer's norm.
         mlp: the MLP module, if it is one module.
         mlp_out: the module whose output is what the MLP adds to the residual (default ``mlp``).
+        mlp_in: where the MLP is not one module (BART's ``fc1``, ``fc2`` in the block), the module
+            that reads its input: what ``ln2`` must feed (the structural detector checks it).
         act: the activation module: ``mlp.pre`` is its input.
         mlp_proj: the MLP's output projection: ``mlp.post`` is its input (for a gated MLP, the
             activation times the up projection).
@@ -48,6 +50,10 @@ class Block:
         resid_mid_cross: the same after cross-attention.
         layout: see :data:`Layout`.
         why_parallel: for ``"parallel"``, the sentence saying why ``resid_mid`` is not defined.
+        norms: the structural detector's every norm of the block outside attention and the MLP
+            (tables leave it empty): names alone cannot tell a norm before a sublayer from one
+            after it (Llama's ``post_attention_layernorm`` feeds the MLP, OLMo 2's normalizes
+            what attention adds), so :mod:`~hookscope._arch.std.place` places them by values.
     """
 
     ln1: str | None = None
@@ -56,6 +62,7 @@ class Block:
     ln2: str | None = None
     mlp: str | None = None
     mlp_out: str | None = None
+    mlp_in: str | None = None
     act: str | None = None
     mlp_proj: str | None = None
     router: str | None = None
@@ -66,6 +73,7 @@ class Block:
     resid_mid_cross: str | None = None
     layout: Layout = "pre"
     why_parallel: str = "attention and the MLP both read the block's input and are added together"
+    norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
