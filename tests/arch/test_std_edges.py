@@ -240,3 +240,27 @@ def test_a_block_past_the_last_says_how_many_blocks_there_are() -> None:
     assert "block 7" in str(raised.value)
     with pytest.raises(hs.SelectionError, match="has 2 blocks"):
         hs.std_map(model)["blocks.2.attn"]
+
+
+@pytest.mark.transformers
+def test_a_final_norm_run_twice_is_missing_with_the_call_to_select() -> None:
+    """BLIP's vision post_layernorm norms the last hidden state, then the pooled token: std:ln_final
+    read the last call (the pooled one) until it was refused (found by the zoo sweep)."""
+    from transformers import BlipVisionConfig, BlipVisionModel
+
+    torch.manual_seed(0)
+    config = BlipVisionConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    model = BlipVisionModel(config).eval()
+    calls = []
+    handle = model.post_layernorm.register_forward_hook(lambda m, a, out: calls.append(out.shape))
+    try:
+        std = hs.std_map(model)
+    finally:
+        handle.remove()
+    assert len(calls) >= 2  # the reason the name is refused: two calls, two shapes
+    assert "ln_final" not in std
+    assert "ran 2 times in one forward" in std.missing["ln_final"]
+    assert "'post_layernorm#0'" in std.missing["ln_final"]
+    assert "blocks.1.resid_post" in std  # the rest of the map stands

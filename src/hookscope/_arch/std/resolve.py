@@ -190,6 +190,12 @@ class _StackResolver:
         if not self.seen.ran(module):
             self.missing[name] = "its module did not run in the check forward (its weights are used directly)"
             return False
+        if (calls := self.seen.calls(module)) > 1:  # BLIP's post_layernorm also norms the pooled token
+            self.missing[name] = (
+                f"its module {module!r} ran {calls} times in one forward, and a canonical name reads one call: "
+                f"select the call you mean by module name, e.g. '{module}#0'"
+            )
+            return False
         self.sites[name] = self.seen.site(name, module, side)
         return True
 
