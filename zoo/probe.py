@@ -90,7 +90,7 @@ def _attempt(model_type: str, options: dict[str, Any], *, level: int) -> dict[st
         return _failed(entry, "forward", error)
     entry["stages"]["forward"] = {"ok": True, "reason": None}
     if options.get("verify", True):
-        entry["verify"] = _verify(model, args, kwargs)
+        entry["verify"] = _verify(model, args, kwargs, options.get("compile", "eager"))
     return entry
 
 
@@ -120,14 +120,16 @@ def _sample(model: torch.nn.Module, seed: int) -> tuple[tuple[Any, ...], dict[st
     return hs.sample_input(model, seed=seed)
 
 
-def _verify(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+def _verify(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], backend: str | bool
+) -> dict[str, Any] | None:
     import hookscope as hs
 
     verify = getattr(hs, "verify", None)
     if verify is None:
         return None
     try:
-        result: dict[str, Any] = verify(model, example=(args, kwargs)).to_dict()
+        result: dict[str, Any] = verify(model, example=(args, kwargs), compile=backend).to_dict()
     except BaseException as error:
         return {"error": reason_for(error)}
     return result

@@ -140,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per model type")
     parser.add_argument("--memory-gib", type=float, default=DEFAULT_MEMORY_GIB, help="address space per child")
     parser.add_argument("--no-verify", action="store_true", help="skip hookscope.verify")
+    parser.add_argument(
+        "--compile-backend",
+        default="eager",
+        help="torch.compile backend of verify's compile check, or 'none' (about half of verify's time)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--merge", action="store_true", help="replace only these types' entries in --out")
     parsed = parser.parse_args(argv)
@@ -147,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         types = [name.strip() for name in parsed.only.split(",") if name.strip()]
     else:
         types = list(SAMPLE_TYPES) if parsed.sample else model_types()
-    settings = {"jobs": parsed.jobs, "timeout_s": parsed.timeout, "memory_gib": parsed.memory_gib}
+    settings = {
+        "jobs": parsed.jobs,
+        "timeout_s": parsed.timeout,
+        "memory_gib": parsed.memory_gib,
+        "compile_backend": parsed.compile_backend,
+    }
     earlier = ledger.read_json(parsed.out) if parsed.merge and parsed.out.exists() else None
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -171,7 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs=parsed.jobs,
         timeout_s=parsed.timeout,
         memory_gib=parsed.memory_gib,
-        options={"verify": not parsed.no_verify, "seed": parsed.seed},
+        options={
+            "verify": not parsed.no_verify,
+            "seed": parsed.seed,
+            "compile": False if parsed.compile_backend.lower() == "none" else parsed.compile_backend,
+        },
         progress=show,
     )
     document = _write(results, partial=False)
