@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.reasons import reason_class, short_reason
+from zoo.verdicts import verdict_lines
 
 __all__ = [
     "KINDS",
@@ -137,10 +138,6 @@ def render_page(document: dict[str, Any]) -> str:
     per kind with a row per model type."""
     models = document["models"]
     lines = [
-        "---",
-        "orphan: true",
-        "---",
-        "",
         "# The model zoo",
         "",
         f"Every model type of transformers {document['transformers']} (torch {document['torch']}), built tiny from "
@@ -156,6 +153,7 @@ def render_page(document: dict[str, Any]) -> str:
         "",
         *_summary_table(models),
         "",
+        *verdict_lines(models, document.get("settings") or {}, KINDS),
         "## Why a model type does not run",
         "",
         "| reason | model types |",

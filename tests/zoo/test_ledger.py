@@ -49,7 +49,7 @@ def test_outcomes_and_reasons_name_the_stage_that_stopped_a_model() -> None:
 
 def test_the_page_summarises_by_kind_and_lists_every_model() -> None:
     page = render_page(DOCUMENT)
-    assert page.startswith("---\norphan: true\n---\n")  # not in any toctree, on purpose
+    assert page.startswith("# The model zoo\n")  # in the docs toctree, under Reference
     lines = page.splitlines()
     expected = [
         "5 model types in 12.5 s: no build 1, no input 1, runs 2, timeout 1.",  # the summary
@@ -81,3 +81,34 @@ def test_a_rerun_replaces_only_its_own_entries_and_is_listed() -> None:
     assert document["date"] == DOCUMENT["date"]
     assert document["updates"] == [{"date": "2026-01-02T00:00:00Z", "wall_seconds": 3.0, "model_types": 1}]
     assert "1 model types were rerun on 2026-01-02T00:00:00Z (3 s)." in render_page(document)
+
+
+def _verified(model_type: str, kind: str, std: str, extra: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = [
+        {"check": "capture inputs and outputs", "subject": "every module (9)", "status": "SUPPORTED", "detail": "ok"},
+        {"check": "std names", "subject": "resolved", "status": std, "detail": "names"},
+        *extra,
+    ]
+    counts = {status: sum(row["status"] == status for row in rows) for status in ("SUPPORTED", "REFUSED")}
+    return {**_entry(model_type, kind), "verify": {"rows": rows, "counts": counts}}
+
+
+def test_the_verify_section_names_every_wrong_row_and_counts_std_names_by_kind() -> None:
+    wrong = {"check": "edit zero", "subject": "h.0", "status": "SILENTLY_WRONG", "detail": "outputs differ | here"}
+    document = {
+        **DOCUMENT,
+        "settings": {"compile_backend": "none"},
+        "models": [
+            _verified("gpt2", "decoder-only", "SUPPORTED", []),
+            _verified("llama", "decoder-only", "REFUSED", [wrong]),
+            _verified("vit", "vision", "SUPPORTED", []),
+        ],
+    }
+    lines = render_page(document).splitlines()
+    assert "| `llama` | SILENTLY_WRONG | edit zero | outputs differ \\| here |" in lines
+    assert "| decoder-only | 1 | 2 |" in lines  # gpt2 resolved; llama's std row was refused
+    assert "| vision | 1 | 1 |" in lines
+    assert "| all | 2 | 3 |" in lines
+    assert any("3 model types verified (the `torch.compile` check was left out" in line for line in lines)
+    clean = {**document, "models": document["models"][::2]}
+    assert "No row is SILENTLY_WRONG or ERROR." in render_page(clean).splitlines()
