@@ -63,18 +63,20 @@ def verify(
     - ``compile``: a capture under ``torch.compile(model, backend=compile)`` against the eager raw
       values (``compile=False`` skips it; ``"inductor"`` compiles for real, minutes on a CPU).
 
-    Cost: about ``4 * sample + 15`` forwards and one backward of ``model`` on ``example`` (the
-    report states the count), plus a compile; every hook is removed and the train/eval mode,
+    Cost: about ``4 * sample + 16`` forwards and one backward of ``model`` on ``example`` (the
+    report states the count), plus a compile; every hook of hookscope's and of the report's is
+    removed (transformers keeps the hooks it installs for ``output_attentions``), and the train/eval mode,
     parameters and torch's generator put back, however a check ends. The generator is reseeded
     with ``seed`` before every forward, so that a model drawing random numbers draws the same ones.
 
     Args:
         model: any ``nn.Module``; run in eval mode during the checks.
-        example: what the model runs on: a tensor, a tuple of positional inputs, a dict of keyword
-            inputs, or ``(args, kwargs)``; None makes one with :func:`hookscope.sample_input`.
+        example: what the model runs on: a tensor, a tuple (or list) of positional inputs, a dict of
+            keyword inputs, or ``(args, kwargs)`` (a pair of a tuple and a dict is always read so);
+            None makes one with :func:`hookscope.sample_input`.
         checks: names from ``CHECKS``; None runs them all.
         sample: how many modules the edits, gradients and compile checks use (spread evenly).
-        compile: the ``torch.compile`` backend, or False.
+        compile: the ``torch.compile`` backend (``torch.compiler.list_backends()``), or False.
         seed: the seed of the sample input and of the random projections.
 
     >>> import torch, hookscope as hs
@@ -94,6 +96,8 @@ def verify(
     modes = {module: module.training for module in model.modules()}
     hooks_before = _hook_count(model)
     generator = torch.get_rng_state()
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    devices = torch.cuda.get_rng_state_all() if cuda else None  # manual_seed reseeds them too
     try:
         model.eval()
         try:
@@ -117,6 +121,8 @@ def verify(
             _no_hook_left(subject, model, hooks_before, name)
     finally:
         torch.set_rng_state(generator)
+        if devices is not None:
+            torch.cuda.set_rng_state_all(devices)
         for module, training in modes.items():
             module.train(training)
     return VerifyReport(
@@ -135,20 +141,26 @@ def _checks(checks: Sequence[str] | None) -> list[str]:
         return list(CHECKS)
     if isinstance(checks, str):
         checks = [part.strip() for part in checks.split(",") if part.strip()]
+    if not checks:
+        raise SpecError(f"checks= is empty; name some of {', '.join(CHECKS)}, or leave it out to run them all")
     unknown = [name for name in checks if name not in CHECKS]
-    if unknown or not checks:
+    if unknown:
         raise SpecError(f"checks={list(checks)!r} names no check {unknown!r}; expected some of {', '.join(CHECKS)}")
     return [name for name in CHECKS if name in checks]
 
 
 def _backend(compile: str | bool) -> str | None:  # noqa: A002
-    if compile is False:
+    if compile is False or (isinstance(compile, str) and compile.lower() in ("none", "off", "false")):
         return None
     if compile is True:
         return "eager"
-    if isinstance(compile, str) and compile:
+    known = torch.compiler.list_backends(exclude_tags=())
+    if isinstance(compile, str) and compile in known:
         return compile
-    raise SpecError(f"compile={compile!r} is not a torch.compile backend; expected 'eager', 'inductor', ... or False")
+    raise SpecError(
+        f"compile={compile!r} is not a torch.compile backend; expected one of {', '.join(sorted(known))}, "
+        "or False (or 'none') to leave the compile check out"
+    )
 
 
 def _example(model: nn.Module, example: Any, seed: int) -> Example:

@@ -21,7 +21,7 @@ from torch import nn
 
 from hookscope._capture import capture
 from hookscope._verify.reference import UNINITIALISED, OpCall, OpRecorder, close, same
-from hookscope._verify.subject import Subject, floating_leaves
+from hookscope._verify.subject import Subject, last_line, output_leaves
 
 __all__ = ["attention_modules", "check_attention", "sub_site_problem"]
 
@@ -85,6 +85,12 @@ def check_attention(subject: Subject) -> None:
                 )
             )
             return
+        drifting = [name for name in kernels if name in subject.drifting]
+        if drifting:  # the reference's forward and hookscope's saw different values there
+            findings.append(("REFUSED", f"not compared: {', '.join(drifting)} compute something else on every forward"))
+            kernels = [name for name in kernels if name not in subject.drifting]
+            if not kernels:
+                return
         cache = _captured(subject, [f"{name}:attn.{part}" for name in kernels for part in _SUB_SITES])
         compared = 0
         for name in kernels:
@@ -235,6 +241,7 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
     switch = getattr(model, "set_attn_implementation", None)
     before = getattr(config, "_attn_implementation", None)
     if config is None or not callable(switch) or before in (None, "eager"):
+        findings.append(("SUPPORTED", "(no eager twin: the model cannot switch to transformers' eager attention)"))
         return
     args, kwargs = subject.example
     try:
@@ -242,7 +249,8 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
         subject.begin_forward()
         with torch.no_grad():
             output = model(*args, **{**kwargs, "output_attentions": True})
-    except Exception:
+    except Exception as error:  # the twin is an extra reference; the float64 one stands without it
+        findings.append(("SUPPORTED", f"(the eager twin did not run: {last_line(error)})"))
         return
     finally:
         try:
@@ -251,6 +259,14 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
             config._attn_implementation = before
     attentions = getattr(output, "attentions", None)
     if not attentions or getattr(output, "cross_attentions", None) or len(attentions) != len(kernels):
+        found = len(attentions) if attentions else 0
+        findings.append(
+            (
+                "SUPPORTED",
+                f"(the eager twin returned {found} attention maps for {len(kernels)} modules: "
+                "not paired, not compared)",
+            )
+        )
         return
     differ = [
         name
@@ -259,7 +275,7 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
         and cache[f"{name}:attn.pattern"].shape == eager.shape
         and not close(cache[f"{name}:attn.pattern"], eager, rtol=1e-4, atol=1e-5)
     ]
-    twin = floating_leaves(output)
+    twin = output_leaves(output)
     apart = [p for p in subject.clean_output if p in twin and not close(twin[p], subject.clean_output[p])]
     if differ and apart:  # transformers' two paths compute different models here: the twin is no reference
         findings.append(("SUPPORTED", f"(the eager twin is no reference here: its output{apart[0]} is not SDPA's)"))

@@ -16,7 +16,8 @@ from hookscope._capture import capture
 from hookscope._core.compat.internals import version_counter
 from hookscope._core.sites import Site
 from hookscope._verify.reference import RawRecorder, close, same
-from hookscope._verify.subject import Subject, floating_leaves
+from hookscope._verify.report import Status
+from hookscope._verify.subject import Subject, last_line, output_leaves
 from hookscope.errors import HookscopeError
 
 __all__ = ["check_capture", "check_gradients"]
@@ -51,7 +52,7 @@ def check_capture(subject: Subject) -> None:
             findings.append(("SILENTLY_WRONG", f"{len(wrong)} values differ from raw hooks', e.g. {_label(*wrong[0])}"))
         changed = [
             path
-            for path, value in floating_leaves(output).items()
+            for path, value in output_leaves(output).items()
             if path in subject.clean_output and not close(value, subject.clean_output[path])
         ]
         if changed and not subject.unsteady:  # a model that drifts between forwards says nothing here
@@ -78,9 +79,34 @@ def check_gradients(subject: Subject) -> None:
         saved = [p.grad for p in params]
         try:
             _compare_gradients(subject, chosen, findings)
+        except HookscopeError:
+            raise
+        except Exception as error:  # a model autograd cannot differentiate is not hookscope's defect
+            findings.append(_without_hooks(subject, error))
         finally:
-            for param, grad in zip(params, saved, strict=False):
+            for param, grad in zip(params, saved, strict=True):
                 param.grad = grad
+
+
+def _loss(output: Any) -> torch.Tensor | None:
+    """A fixed random projection of every floating output that requires grad, or None."""
+    outs = [t for t in floating_leaves_graph(output) if t.requires_grad]
+    if not outs:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    return torch.stack([(t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in outs]).sum()
+
+
+def _without_hooks(subject: Subject, error: Exception) -> tuple[Status, str]:
+    """A backward that failed under the capture: REFUSED where it fails with no hook too."""
+    try:
+        loss = _loss(subject.run(grad=True))
+        if loss is not None:
+            torch.autograd.backward(loss)
+            subject.backwards += 1
+    except Exception as plain:
+        return "REFUSED", f"autograd cannot differentiate this model without hookscope either: {last_line(plain)}"
+    return "ERROR", f"a backward works without hookscope and fails with its capture: {last_line(error)}"
 
 
 def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any]) -> None:
@@ -89,13 +115,11 @@ def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any])
         capture(subject.model, layers=chosen, grads=True) as cap,
     ):
         output = subject.run(grad=True)
-        outs = [t for t in floating_leaves_graph(output) if t.requires_grad]
-        if not outs:
+        made = _loss(output)
+        if made is None:
             findings.append(("REFUSED", "the model's output does not require grad"))
             return
-        generator = torch.Generator().manual_seed(0)
-        loss = torch.stack([(t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in outs])
-        loss = loss.sum()
+        loss: torch.Tensor = made
         on_graph = {key: t for key, t in recorder.graph.items() if t.requires_grad and t.is_floating_point()}
         keys = [key for key, tensor in on_graph.items() if version_counter(tensor) == recorder.versions[key]]
         written = len(on_graph) - len(keys)
@@ -104,9 +128,10 @@ def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any])
         kept = _kept_grads(cap.cache, keys, recorder.paths)
     # after the capture: a backward inside it would reach its hooks a second time
     expected: tuple[Any, ...] = torch.autograd.grad(loss, [recorder.graph[key] for key in keys], allow_unused=True)
-    compared = 0
+    compared, unused = 0, 0
     for key, want in zip(keys, expected, strict=True):
         if want is None:  # not on the path to the output (a value cut off by integer codes): no gradient to keep
+            unused += 1
             continue
         got = kept[key]
         if isinstance(got, str):
@@ -118,6 +143,7 @@ def _compare_gradients(subject: Subject, chosen: list[str], findings: list[Any])
     if not compared:
         findings.append(("REFUSED", "no kept value lies on the path from the parameters to the output"))
     note = f"; {written} left out (the model writes into them in place later)" if written else ""
+    note += f"; {unused} on no path to the output (no gradient to keep)" if unused else ""
     findings.append(("SUPPORTED", f"{compared} gradients equal to torch.autograd.grad's{note}"))
 
 

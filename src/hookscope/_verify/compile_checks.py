@@ -17,7 +17,7 @@ from hookscope._capture import capture
 from hookscope._core.sites import Site
 from hookscope._verify.reference import close
 from hookscope._verify.report import Status
-from hookscope._verify.subject import Subject, floating_leaves, last_line
+from hookscope._verify.subject import Subject, last_line, output_leaves
 from hookscope.errors import HookscopeError
 
 __all__ = ["check_compile"]
@@ -25,7 +25,7 @@ __all__ = ["check_compile"]
 
 def check_compile(subject: Subject, backend: str) -> None:
     """One row: the sample's values under ``torch.compile(model, backend=backend)``."""
-    chosen = subject.sample()
+    chosen = [name for name in subject.sample() if name not in subject.drifting]
     with subject.check("torch.compile", f"backend={backend}: {', '.join(chosen)}") as findings:
         if not chosen:
             findings.append(("REFUSED", "no module returned a floating tensor to capture"))
@@ -75,7 +75,7 @@ def _compiled_apart(subject: Subject, compiled: Any) -> str:
     args, kwargs = subject.example
     subject.begin_forward()
     with torch.no_grad():
-        plain = floating_leaves(compiled(*args, **kwargs))
+        plain = output_leaves(compiled(*args, **kwargs))
     apart = [p for p in subject.clean_output if p in plain and not close(plain[p], subject.clean_output[p])]
     return apart[0] if apart else ""
 

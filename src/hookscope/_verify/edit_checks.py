@@ -18,8 +18,8 @@ import torch
 from hookscope import edits
 from hookscope._capture import capture
 from hookscope._edit import edit
-from hookscope._verify.reference import RawRecorder, close
-from hookscope._verify.subject import Example, Subject, floating_leaves, last_line, other_example
+from hookscope._verify.reference import RawRecorder, close, leaves, same
+from hookscope._verify.subject import Example, Subject, last_line, other_example, output_leaves
 
 __all__ = ["check_edits", "replace_first"]
 
@@ -121,33 +121,53 @@ def _compare(
     reference: Callable[[int, torch.Tensor], torch.Tensor],
     findings: list[Finding],
 ) -> None:
+    """The raw hook's run, then hookscope's: the value handed on at the module, call by call, and
+    the model's outputs must be the same."""
     module = subject.model.get_submodule(name)
-    calls = {"n": 0}
+    handed: list[torch.Tensor] = []
 
     def raw(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        call = calls["n"]
-        calls["n"] += 1
-        return replace_first(output, lambda tensor: reference(call, tensor))
+        call = len(handed)
+        new = reference(call, next(tensor for _, tensor in leaves(output)))
+        handed.append(new.detach().clone())
+        return replace_first(output, lambda tensor: new.clone())  # the model may write into it
 
     handle = module.register_forward_hook(raw)
     try:
-        want = floating_leaves(subject.run())
+        want = output_leaves(subject.run())
     finally:
         handle.remove()
+    seen: list[torch.Tensor] = []
     with edit(subject.model, {name: change}) as editor:
-        got = floating_leaves(subject.run())
+        # attached after the edit's hook, so it sees what the edit hands on
+        after = module.register_forward_hook(lambda mod, args, out: seen.append(_first(out)))
+        try:
+            got = output_leaves(subject.run())
+        finally:
+            after.remove()
     applied = sum(editor.applied.values())
-    if applied != calls["n"]:
-        findings.append(("SILENTLY_WRONG", f"edited {applied} calls; the module ran {calls['n']}"))
-    moved_ref = any(not close(want[p], subject.clean_output[p]) for p in want if p in subject.clean_output)
-    moved_got = any(not close(got[p], subject.clean_output[p]) for p in got if p in subject.clean_output)
-    differ = [p for p in want if p not in got or not close(got[p], want[p])]
-    if differ:
+    if applied != len(handed):
+        findings.append(("SILENTLY_WRONG", f"edited {applied} calls; the module ran {len(handed)}"))
+    wrong_calls = [call for call, value in enumerate(handed) if call >= len(seen) or not same(seen[call], value)]
+    if wrong_calls:
+        findings.append(("SILENTLY_WRONG", f"{name}#{wrong_calls[0]} handed on a value that is not the edit's"))
+    clean = subject.clean_output
+    moved_ref = any(not close(want[p], clean[p]) for p in want if p in clean)
+    moved_got = any(not close(got[p], clean[p]) for p in got if p in clean)
+    differ = [p for p in want if p not in got or not same(got[p], want[p])]
+    rounding = [p for p in differ if p in got and close(got[p], want[p], rtol=1e-6, atol=1e-7)]
+    if len(rounding) < len(differ):
         why = "the edit did not reach the output" if moved_ref and not moved_got else "outputs differ"
         findings.append(("SILENTLY_WRONG", f"{why}: output{differ[0]} is not the raw hook's"))
-    elif moved_ref:
-        findings.append(("SUPPORTED", f"{applied} calls edited; the model's output equals the raw hook's"))
+    elif not moved_ref:
+        unmoved = "the output does not depend on this value (nor the raw hook's)"
+        findings.append(("SUPPORTED", f"{applied} calls edited, each value the edit's; {unmoved}"))
     else:
+        how = "within float rounding (another memory layout)" if rounding else "bit for bit"
         findings.append(
-            ("SUPPORTED", f"{applied} calls edited; the output does not depend on this value (nor the raw hook's)")
+            ("SUPPORTED", f"{applied} calls edited, each value the edit's; the output equals the raw hook's, {how}")
         )
+
+
+def _first(output: Any) -> torch.Tensor:
+    return next(tensor for _, tensor in leaves(output)).detach().clone()

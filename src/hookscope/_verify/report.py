@@ -25,7 +25,8 @@ __all__ = ["STATUSES", "Status", "VerifyReport", "VerifyRow"]
 
 Status = Literal["SUPPORTED", "REFUSED", "SILENTLY_WRONG", "ERROR"]
 
-#: From best to worst; a check made of several comparisons takes the worst of them.
+#: Every status, in the order reports list them; a check made of several comparisons takes the
+#: worst (SILENTLY_WRONG, then ERROR, REFUSED, SUPPORTED: a wrong value is worse than a crash).
 STATUSES: tuple[Status, ...] = ("SUPPORTED", "REFUSED", "SILENTLY_WRONG", "ERROR")
 _RANK = {"SUPPORTED": 0, "REFUSED": 1, "ERROR": 2, "SILENTLY_WRONG": 3}
 

@@ -71,9 +71,10 @@ def other_example(example: Example, seed: int = 1) -> Example | None:
     return varied if changed else None
 
 
-def floating_leaves(value: Any) -> dict[str, torch.Tensor]:
-    """The floating tensors of a model's output, by path: what the edit checks compare."""
-    return {path: tensor.detach() for path, tensor in leaves(value) if tensor.is_floating_point()}
+def output_leaves(value: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of a model's output, by path, detached: what the checks of two forwards
+    compare (integer outputs too: an argmax moves when an edit reaches it)."""
+    return {path: tensor.detach() for path, tensor in leaves(value)}
 
 
 @dataclass
@@ -97,6 +98,8 @@ class Subject:
 
     #: Where two plain forwards on the same input (the generator reseeded) differed, or "".
     unsteady: str = ""
+    #: The modules whose outputs differed between those two forwards (to the first call that did).
+    drifting: dict[str, str] = field(default_factory=dict)
 
     def begin_forward(self) -> None:
         """Count a forward and reseed torch's generator, so that a model drawing random numbers
@@ -117,8 +120,16 @@ class Subject:
         with RawRecorder(self.model) as recorder:
             output = self.run()
         self.reference = recorder
-        self.clean_output = floating_leaves(output)
-        again = floating_leaves(self.run())
+        self.clean_output = output_leaves(output)
+        with RawRecorder(self.model) as second:
+            again = output_leaves(self.run())
+        for record in recorder.calls:  # state inside a module may drift where the output does not show it
+            other = second.record(record.module, record.call)
+            values = other.outputs if other is not None else {}
+            if values.keys() != record.outputs.keys() or not all(
+                same(value, values[path]) for path, value in record.outputs.items()
+            ):
+                self.drifting.setdefault(record.module, f"{record.module or '(root)'}#{record.call}")
         moved = [path for path, value in again.items() if not same(value, self.clean_output.get(path, value))]
         if moved or again.keys() != self.clean_output.keys():
             where = f"output{moved[0]}" if moved else "the output's tensors"

@@ -58,14 +58,19 @@ def _compare_rows(trace: Any, recorder: RawRecorder, findings: list[Any]) -> Non
         if record is None:
             findings.append(("SILENTLY_WRONG", f"{row.name or '(root)'}#{row.call} is in the trace but never ran"))
             continue
-        for info in row.outputs:
-            value = record.outputs.get(info.path)
-            if value is None or info.stats is None:
+        infos = {info.path: info for info in row.outputs}
+        for path, value in record.outputs.items():
+            if not value.is_floating_point() or value.numel() == 0:
+                continue
+            label = f"{row.name or '(root)'}#{row.call}:output{path}"
+            info = infos.get(path)
+            if info is None or info.stats is None:
+                findings.append(("SILENTLY_WRONG", f"{label}: raw hooks saw it, the trace has no statistics of it"))
                 continue
             checked += 1
             problem = _stats_problem(info.stats, value)
             if problem:
-                findings.append(("SILENTLY_WRONG", f"{row.name or '(root)'}#{row.call}:output{info.path}: {problem}"))
+                findings.append(("SILENTLY_WRONG", f"{label}: {problem}"))
     expected = recorder.counts()
     missed = [name for name, n in expected.items() if counts.get(name, 0) != n]
     if missed:

@@ -62,7 +62,7 @@ def verify_command(
     example = make_input(net, input_shape, dtype=dtype, seed=seed)
     backend: str | bool = False if compile_backend.lower() == "none" else compile_backend
     report = hs.verify(
-        net, example, checks=checks.split(",") if checks else None, sample=sample, compile=backend, seed=seed
+        net, example, checks=checks, sample=sample, compile=backend, seed=seed
     )
     typer.echo(report.to_json() if json else report.table())
     if out is not None:
