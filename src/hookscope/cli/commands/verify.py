@@ -61,9 +61,7 @@ def verify_command(
     net = build_model(model, dtype)
     example = make_input(net, input_shape, dtype=dtype, seed=seed)
     backend: str | bool = False if compile_backend.lower() == "none" else compile_backend
-    report = hs.verify(
-        net, example, checks=checks, sample=sample, compile=backend, seed=seed
-    )
+    report = hs.verify(net, example, checks=checks, sample=sample, compile=backend, seed=seed)
     typer.echo(report.to_json() if json else report.table())
     if out is not None:
         out.write_text(report.to_json() + "\n", encoding="utf-8")
