@@ -479,3 +479,20 @@ def test_a_block_name_answering_for_another_block_is_silently_wrong(monkeypatch:
     row = next(r for r in report if r.check == "std names" and r.subject == "resolved")
     assert row.status == "SILENTLY_WRONG", report.table()
     assert "std:blocks.0 is not the raw value at h.0" in row.detail
+
+
+@pytest.mark.slow
+def test_the_compile_check_leaves_no_compiled_code_behind_when_none_was_there() -> None:
+    """Dynamo's code for the model's classes would make every later hook run the model eagerly,
+    with a StaleCompiledCodeWarning; the check clears what it compiled."""
+    import warnings
+
+    torch.compiler.reset()
+    model, x = track(SharedTwice()), torch.randn(2, 4)
+    report = hs.verify(model, x, checks=["compile"])
+    assert statuses(report, "torch.compile") == {"SUPPORTED"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.StaleCompiledCodeWarning)
+        with hs.capture(model, "shared") as cap:
+            model(x)
+    assert len(cap.calls("shared")) == 2

@@ -9,11 +9,13 @@ compile on its own is a refusal with dynamo's reason, not a defect of hookscope.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from hookscope._capture import capture
+from hookscope._core.compat.private import compiled_code_objects
 from hookscope._core.sites import Site
 from hookscope._verify.reference import close
 from hookscope._verify.report import Status
@@ -24,7 +26,26 @@ __all__ = ["check_compile"]
 
 
 def check_compile(subject: Subject, backend: str) -> None:
-    """One row: the sample's values under ``torch.compile(model, backend=backend)``."""
+    """One row: the sample's values under ``torch.compile(model, backend=backend)``.
+
+    Dynamo keeps what it compiled from the model's classes, and hookscope then runs the model
+    eagerly while its hooks are attached (code compiled before them would never call them). Where
+    nothing was compiled in the process before the check, the check clears Dynamo's caches after
+    itself (``torch.compiler.reset()``), so the model is as it was; else the row says what stays."""
+    before = compiled_code_objects()
+    try:
+        _check(subject, backend)
+    finally:
+        if before is not None and not before:
+            torch.compiler.reset()
+        elif subject.rows and subject.rows[-1].check == "torch.compile":
+            row = subject.rows[-1]
+            kept = "; Dynamo keeps the code compiled here (other code was compiled before; "
+            kept += "torch.compiler.reset() clears both)"
+            subject.rows[-1] = dataclasses.replace(row, detail=row.detail + kept)
+
+
+def _check(subject: Subject, backend: str) -> None:
     chosen = [name for name in subject.sample() if name not in subject.drifting]
     with subject.check("torch.compile", f"backend={backend}: {', '.join(chosen)}") as findings:
         if not chosen:
