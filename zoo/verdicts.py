@@ -83,6 +83,18 @@ def verdict_lines(models: list[dict[str, Any]], settings: dict[str, Any], kinds:
     return lines
 
 
+def _planned(entry: dict[str, Any]) -> str:
+    """A verify that did not finish, with what to do about it."""
+    error = str(entry["verify"]["error"])
+    parameters = entry.get("parameters")
+    if "out of memory" in error and isinstance(parameters, int):
+        return (
+            f"{error}: the model ran only at its default size ({parameters:,} parameters), and verify holds every "
+            "module's values several times over; plan: shrink this type in zoo/tiny.py"
+        )
+    return error
+
+
 def _kind(entry: dict[str, Any], kinds: tuple[str, ...]) -> str:
     kind = entry.get("kind")
     return kind if kind in kinds else "other"

@@ -112,3 +112,14 @@ def test_the_verify_section_names_every_wrong_row_and_counts_std_names_by_kind()
     assert any("3 model types verified (the `torch.compile` check was left out" in line for line in lines)
     clean = {**document, "models": document["models"][::2]}
     assert "No row is SILENTLY_WRONG or ERROR." in render_page(clean).splitlines()
+
+
+def test_a_verify_that_ran_out_of_memory_is_listed_with_its_plan() -> None:
+    entry = {**_entry("align", "vision-language"), "parameters": 78566225}
+    entry["verify"] = {"error": "out of memory under the sweep's limit"}
+    page = render_page({**DOCUMENT, "models": [entry]})
+    assert (
+        "| `align` | ERROR | verify | out of memory under the sweep's limit: the model ran only at its default" in page
+    )
+    assert "(78,566,225 parameters)" in page
+    assert "plan: shrink this type in zoo/tiny.py |" in page
