@@ -58,9 +58,7 @@ def verdict_lines(models: list[dict[str, Any]], settings: dict[str, Any], kinds:
     if bad or failed:
         lines += ["| model type | status | check | detail |", "| --- | --- | --- | --- |"]
         lines += [f"| `{name}` | {row['status']} | {row['check']} | {_cell(row['detail'])} |" for name, row in bad]
-        lines += [
-            f"| `{entry['model_type']}` | ERROR | verify | {_cell(entry['verify']['error'])} |" for entry in failed
-        ]
+        lines += [f"| `{entry['model_type']}` | ERROR | verify | {_cell(_planned(entry))} |" for entry in failed]
         lines.append("")
     else:
         lines += ["No row is SILENTLY_WRONG or ERROR.", ""]
@@ -101,5 +99,5 @@ def _kind(entry: dict[str, Any], kinds: tuple[str, ...]) -> str:
 
 
 def _cell(text: str) -> str:
-    short = text if len(text) <= 240 else text[:237] + "..."
+    short = text if len(text) <= 300 else text[:297] + "..."
     return short.replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
