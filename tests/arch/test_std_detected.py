@@ -202,6 +202,18 @@ def test_an_mlp_of_layers_in_the_block_itself_is_read_at_its_last_one(config: st
         torch.testing.assert_close(got["encoder.blocks.1.resid_mid"], hand[f"{layer}.final_layer_norm:input"])
 
 
+def test_a_decoder_run_without_encoder_states_skips_its_cross_attention_bart_causal() -> None:
+    model = build("BartConfig", "BartForCausalLM", **_BART)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert "did not run" in std.missing["blocks.1.cross_attn"]
+    layer = "model.decoder.layers.1"
+    hand = raw(model, [layer, f"{layer}.fc2", f"{layer}.final_layer_norm"], lambda: model(x))
+    got = captured(model, ["blocks.1.resid_mid", "blocks.1.mlp", "blocks.1.resid_post"], lambda: model(x))
+    assert_sum(hand[f"{layer}.final_layer_norm:input"], got["blocks.1.resid_mid"], hand[f"{layer}.fc2:output"])
+    torch.testing.assert_close(got["blocks.1.resid_post"], hand[f"{layer}:output"], rtol=0, atol=0)
+
+
 def test_a_mixture_of_experts_names_its_router_and_no_activation_qwen2_moe() -> None:
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_key_value_heads": 2}
     moe["shared_expert_intermediate_size"] = 16
