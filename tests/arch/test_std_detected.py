@@ -50,7 +50,7 @@ def raw(model: nn.Module, names: list[str], run: Callable[[], object]) -> dict[s
 
     def keep(name: str) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            first = output[0] if isinstance(output, tuple) else output
+            first = output[0] if isinstance(output, (tuple, list)) else output
             taken = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
             seen.setdefault(f"{name}:output", first.detach().clone())
             seen.setdefault(f"{name}:input", taken.detach().clone())
@@ -200,6 +200,34 @@ def test_an_mlp_of_layers_in_the_block_itself_is_read_at_its_last_one(config: st
         assert_sum(got["encoder.blocks.1.resid_mid"], hand[f"{layer}:input"], hand[f"{layer}.self_attn:output"])
         assert_sum(hand[f"{layer}:output"], got["encoder.blocks.1.resid_mid"], hand[f"{layer}.fc2:output"])
         torch.testing.assert_close(got["encoder.blocks.1.resid_mid"], hand[f"{layer}.final_layer_norm:input"])
+
+
+def test_a_decoder_run_without_encoder_states_skips_its_cross_attention_bart_causal() -> None:
+    model = build("BartConfig", "BartForCausalLM", **_BART)
+    x = ids()
+    std = hs.std_map(model, x)
+    assert "did not run" in std.missing["blocks.1.cross_attn"]
+    layer = "model.decoder.layers.1"
+    hand = raw(model, [layer, f"{layer}.fc2", f"{layer}.final_layer_norm"], lambda: model(x))
+    got = captured(model, ["blocks.1.resid_mid", "blocks.1.mlp", "blocks.1.resid_post"], lambda: model(x))
+    assert_sum(hand[f"{layer}.final_layer_norm:input"], got["blocks.1.resid_mid"], hand[f"{layer}.fc2:output"])
+    torch.testing.assert_close(got["blocks.1.resid_post"], hand[f"{layer}:output"], rtol=0, atol=0)
+
+
+def test_one_activation_object_in_every_block_is_missing_not_a_refusal_openai_gpt() -> None:
+    gpt = {"vocab_size": 100, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16}
+    model = build("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", **gpt)
+    assert model.transformer.h[0].mlp.act is model.transformer.h[1].mlp.act  # one module, no weights
+    x = ids()
+    std = hs.std_map(model, x)
+    assert "serves every block" in std.missing["blocks.1.mlp.pre"]
+    layer = "transformer.h.1"
+    hand = raw(model, [layer, f"{layer}.attn", f"{layer}.mlp", f"{layer}.ln_1", f"{layer}.ln_2"], lambda: model(x))
+    got = captured(model, ["blocks.1.attn", "blocks.1.resid_mid", "blocks.1.mlp"], lambda: model(x))
+    torch.testing.assert_close(got["blocks.1.mlp"], hand[f"{layer}.mlp:output"], rtol=0, atol=0)
+    assert_sum(hand[f"{layer}.ln_1:input"], hand[f"{layer}:input"], got["blocks.1.attn"])  # post-norm
+    torch.testing.assert_close(got["blocks.1.resid_mid"], hand[f"{layer}.ln_1:output"], rtol=0, atol=0)
+    assert_sum(hand[f"{layer}.ln_2:input"], got["blocks.1.resid_mid"], hand[f"{layer}.mlp:output"])
 
 
 def test_a_mixture_of_experts_names_its_router_and_no_activation_qwen2_moe() -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hookscope._arch.std.shared import refuse_shared_role, refuse_tied
+from hookscope._arch.std.shared import refuse_shared_role, refuse_tied, shared_stateless
 from hookscope._arch.std.spec import Family, Stack
 from hookscope.errors import StdMapError
 
@@ -82,6 +82,9 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
     base, blocks_path = _block_list(names, family, stack)
     refuse_tied(by_name, family.name, blocks_path)
     paths = [path for role in _ROLE_FIELDS if (path := getattr(stack.block, role))]
+    count = next(i for i in range(len(names) + 1) if f"{blocks_path}.{i}" not in names)
+    in_list = [by_name[f"{blocks_path}.{i}"] for i in range(count)]
+    stateless = {r for r in _ROLE_FIELDS if (p := getattr(stack.block, r)) and shared_stateless(in_list, p)}
     blocks = []
     index = 0
     while f"{blocks_path}.{index}" in names:
@@ -93,6 +96,9 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
             for role in _ROLE_FIELDS
             if getattr(stack.block, role) and roles[role] is None
         }
+        for role in stateless:  # one module object without weights in every block: its calls are not per block
+            roles[role] = None
+            why[role] = f"one module object without weights ({getattr(stack.block, role)!r}) serves every block"
         missing_core = [role for role in ("ln1", "attn") if getattr(stack.block, role) and roles[role] is None]
         if missing_core and not family.detected:  # a table whose core roles are gone: renamed or re-nested
             raise StdMapError(

@@ -320,10 +320,15 @@ class _StackResolver:
         """Name a decoder block's cross-attention sites; return the stream entering the MLP."""
         name = f"{self.prefix}blocks.{index}"
         roles = block.roles
-        if roles["cross_attn"] is None:
+        if roles["cross_attn"] is None or not self.seen.ran(roles["cross_attn"]):
+            why = (
+                "no cross-attention (only decoders of encoder-decoder models have one)"
+                if roles["cross_attn"] is None
+                else "the cross-attention did not run in the check forward (a decoder run without encoder states)"
+            )
             for role in ("ln_cross", "cross_attn", *(f"cross_attn.{s}" for s in ATTN_SUBS), "resid_mid_cross"):
-                self.missing[f"{name}.{role}"] = "no cross-attention (only decoders of encoder-decoder models have one)"
-            return mid
+                self.missing[f"{name}.{role}"] = why
+            return mid  # the stream goes on to the MLP: the sums check it
         self._module_site("ln_cross", roles["ln_cross"], "output", "no cross-attention norm", index)
         self._feeding("ln_cross", index, roles["ln_cross"], roles["cross_attn"], "cross-attention module")
         self._sublayer("cross_attn", roles["cross_attn_out"] or roles["cross_attn"], "", index)

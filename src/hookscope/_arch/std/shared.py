@@ -13,7 +13,7 @@ from torch import nn
 
 from hookscope.errors import StdMapError
 
-__all__ = ["SHARED_BLOCK", "refuse_shared_role", "refuse_tied", "shared_block_error"]
+__all__ = ["SHARED_BLOCK", "refuse_shared_role", "refuse_tied", "shared_block_error", "shared_stateless"]
 
 #: The ``check`` of the refusal: no table or detector reads such a model otherwise, so the
 #: registry does not try the detector after it.
@@ -56,10 +56,31 @@ def refuse_shared_role(
             except AttributeError:
                 continue
             own = name_of.get(id(module))
-            if own is not None and not own.startswith(block_name + "."):
+            if own is not None and not own.startswith(block_name + ".") and _holds_state(module):
                 raise shared_block_error(
                     family, f"the module {own!r} is also block {block_name!r}'s {alternative!r}", own
                 )
+
+
+def shared_stateless(blocks: list[nn.Module], path: str) -> bool:
+    """Whether the role at ``path`` is one module object without weights held by several blocks
+    (GPT-1's activation): no layer's weights are shared, so the model is not refused, but the
+    module's calls cannot be told apart by block, so the role has no canonical name."""
+    found = [module for block in blocks if (module := _submodule(block, path)) is not None]
+    return len({id(m) for m in found}) < len(found) and not any(_holds_state(m) for m in found)
+
+
+def _submodule(block: nn.Module, path: str) -> nn.Module | None:
+    for alternative in path.split("|"):
+        try:
+            return block.get_submodule(alternative)
+        except AttributeError:
+            continue
+    return None
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
 
 
 def shared_block_error(family: str, what: str, block: str) -> StdMapError:
