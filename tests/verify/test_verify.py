@@ -496,3 +496,22 @@ def test_the_compile_check_leaves_no_compiled_code_behind_when_none_was_there() 
         with hs.capture(model, "shared") as cap:
             model(x)
     assert len(cap.calls("shared")) == 2
+
+
+class MasksWithInfinity(nn.Module):
+    """Masks logits with -inf, as Grounding DINO's encoder class head does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(x)
+        return logits.masked_fill(torch.arange(6) >= 4, float("-inf"))
+
+
+def test_statistics_of_values_with_infinities_are_checked_over_every_value() -> None:
+    """The sweep's Grounding DINO row: min is -inf there, as hs.Stats documents (over all values)."""
+    report = hs.verify(track(MasksWithInfinity()), torch.randn(3, 4), checks=["trace"], compile=False)
+    row = next(r for r in report if r.check == "trace calls and statistics")
+    assert row.status == "SUPPORTED", report.table()

@@ -88,25 +88,29 @@ def _compare_rows(trace: Any, recorder: RawRecorder, findings: list[Any]) -> Non
 
 
 def _stats_problem(stats: Any, value: torch.Tensor) -> str | None:
+    """What the trace's statistics get wrong about ``value``: min, max and mean over all values,
+    as :class:`~hookscope.Stats` documents (an infinity is a value; a NaN makes them NaN)."""
     if not value.is_floating_point() or value.numel() == 0:
         return None
     data = value.detach().double()
-    finite = data[torch.isfinite(data)]
     if stats.count != value.numel():
         return f"count {stats.count}, the value has {value.numel()}"
     if stats.nan != int(torch.isnan(data).sum()):
         return f"{stats.nan} NaN counted, the value has {int(torch.isnan(data).sum())}"
-    if finite.numel():
-        low, high, mean = float(finite.min()), float(finite.max()), float(finite.mean())
-        scale = max(abs(low), abs(high), 1.0)
-        if not (
-            math.isclose(stats.min, low, rel_tol=1e-6, abs_tol=1e-6 * scale)
-            and math.isclose(stats.max, high, rel_tol=1e-6, abs_tol=1e-6 * scale)
-        ):
-            return f"min/max {stats.min:.6g}/{stats.max:.6g}, float64 says {low:.6g}/{high:.6g}"
-        if not math.isclose(stats.mean, mean, rel_tol=1e-4, abs_tol=1e-5 * scale):
-            return f"mean {stats.mean:.6g}, float64 says {mean:.6g}"
+    low, high, mean = float(data.min()), float(data.max()), float(data.mean())
+    finite = data[torch.isfinite(data)]
+    scale = max(float(finite.abs().max()), 1.0) if finite.numel() else 1.0
+    if not (_agree(stats.min, low, 1e-6, scale) and _agree(stats.max, high, 1e-6, scale)):
+        return f"min/max {stats.min:.6g}/{stats.max:.6g}, float64 says {low:.6g}/{high:.6g}"
+    if not _agree(stats.mean, mean, 1e-4, scale):
+        return f"mean {stats.mean:.6g}, float64 says {mean:.6g}"
     return None
+
+
+def _agree(got: float, want: float, rel: float, scale: float) -> bool:
+    if math.isnan(want) or math.isinf(want):
+        return math.isnan(got) if math.isnan(want) else got == want
+    return math.isclose(got, want, rel_tol=rel, abs_tol=rel * scale)
 
 
 def _target(subject: Subject) -> tuple[str, torch.nn.Parameter] | None:
