@@ -49,15 +49,12 @@ def verdict_lines(models: list[dict[str, Any]], settings: dict[str, Any], kinds:
         + ". How to read a row: [Verify](guides/verify.md).",
         "",
     ]
-    bad = [
-        (entry["model_type"], row)
-        for entry in verified
-        for row in _rows(entry)
-        if row["status"] in ("SILENTLY_WRONG", "ERROR")
-    ]
+    bad = [(entry, row) for entry in verified for row in _rows(entry) if row["status"] in ("SILENTLY_WRONG", "ERROR")]
     if bad or failed:
         lines += ["| model type | status | check | detail |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{name}` | {row['status']} | {row['check']} | {_cell(row['detail'])} |" for name, row in bad]
+        lines += [
+            f"| `{e['model_type']}` | {row['status']} | {row['check']} | {_cell(_row_plan(e, row))} |" for e, row in bad
+        ]
         lines += [f"| `{entry['model_type']}` | ERROR | verify | {_cell(_planned(entry))} |" for entry in failed]
         lines.append("")
     else:
@@ -79,6 +76,18 @@ def verdict_lines(models: list[dict[str, Any]], settings: dict[str, Any], kinds:
             lines.append(f"| {kind} | {resolved} | {len(of_kind)} |")
     lines += [f"| all | {total} | {len(verified)} |", ""]
     return lines
+
+
+def _row_plan(entry: dict[str, Any], row: dict[str, Any]) -> str:
+    """A row's detail, with the plan where the row is the sweep's memory limit, not hookscope."""
+    detail = str(row["detail"])
+    parameters = entry.get("parameters")
+    if "can't allocate memory" in detail and isinstance(parameters, int):
+        return (
+            f"out of memory under the sweep's limit ({parameters:,} parameters, not shrunk); "
+            f"plan: shrink this type in zoo/tiny.py. {detail}"
+        )
+    return detail
 
 
 def _planned(entry: dict[str, Any]) -> str:

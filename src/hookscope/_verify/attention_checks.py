@@ -258,6 +258,9 @@ def _eager_twin(subject: Subject, kernels: list[str], cache: Any, findings: list
         except Exception:
             config._attn_implementation = before
     attentions = getattr(output, "attentions", None)
+    if attentions and not all(isinstance(item, torch.Tensor) for item in attentions):
+        findings.append(("SUPPORTED", "(the eager twin's attentions are not one tensor per layer: not compared)"))
+        return
     if not attentions or getattr(output, "cross_attentions", None) or len(attentions) != len(kernels):
         found = len(attentions) if attentions else 0
         findings.append(
