@@ -137,10 +137,15 @@ def _unsteady_ops(first: OpRecorder, second: OpRecorder) -> set[tuple[int, int]]
     memory (``new_empty``) and views of it read before anything is written there."""
     unsteady = set()
     for call, (ops, again) in enumerate(zip(first.calls, second.calls, strict=False)):
+        unwritten: set[int] = set()  # memory an uninitialised op returned: a view of it reads whatever was there
         for index, (op, other) in enumerate(zip(ops, again, strict=False)):
             outputs = zip(op.outputs, other.outputs, strict=False)
-            if op.name in UNINITIALISED or not all(same(a, b) for a, b in outputs):
+            fresh = op.name in UNINITIALISED
+            viewed = not op.name.endswith("_") and any(ptr in unwritten for ptr in op.storages)
+            if fresh or viewed or not all(same(a, b) for a, b in outputs):
                 unsteady.add((call, index))
+            if fresh:
+                unwritten.update(op.storages)
     return unsteady
 
 

@@ -190,6 +190,7 @@ class OpCall:
     kwargs: dict[str, Any]
     outputs: list[torch.Tensor]
     paths: list[str] = field(default_factory=list)  # each output's path in what the op returned
+    storages: list[int] = field(default_factory=list)  # where each output's memory lies (views share it)
 
 
 class OpRecorder(TorchFunctionMode):
@@ -216,7 +217,9 @@ class OpRecorder(TorchFunctionMode):
                 kept = [_clone(a) if isinstance(a, torch.Tensor) else a for a in args]
                 named = {k: _clone(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
                 copies = [_clone(t) for _, t in outs]
-                self.calls[-1].append(OpCall(op_name(func), kept, named, copies, [path for path, _ in outs]))
+                paths = [path for path, _ in outs]
+                storages = [t.untyped_storage().data_ptr() for _, t in outs]
+                self.calls[-1].append(OpCall(op_name(func), kept, named, copies, paths, storages))
         return result
 
     def attach(self) -> OpRecorder:
