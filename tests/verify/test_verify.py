@@ -247,6 +247,7 @@ def test_tiny_transformers_models_verify_with_no_wrong_row(family: str) -> None:
         ),
     }
     model = track(built[family]())
+    torch.compiler.reset()  # a Llama compiled by an earlier test would leave the compile check nothing to check
     report = hs.verify(model, compile="eager" if family == "llama" else False)
     assert report.ok, report.table()
     assert report.counts["SILENTLY_WRONG"] == report.counts["ERROR"] == 0
@@ -515,3 +516,18 @@ def test_statistics_of_values_with_infinities_are_checked_over_every_value() -> 
     report = hs.verify(track(MasksWithInfinity()), torch.randn(3, 4), checks=["trace"], compile=False)
     row = next(r for r in report if r.check == "trace calls and statistics")
     assert row.status == "SUPPORTED", report.table()
+
+
+@pytest.mark.slow
+def test_code_compiled_before_from_the_model_s_class_makes_the_compile_check_a_refusal() -> None:
+    torch.compiler.reset()
+    x = torch.randn(2, 4)
+    other = track(SharedTwice())
+    torch.compile(other, backend="eager")(x)  # the class's forward now has compiled code
+    try:
+        report = hs.verify(track(SharedTwice()), x, checks=["compile"])
+    finally:
+        torch.compiler.reset()
+    row = next(r for r in report if r.check == "torch.compile")
+    assert row.status == "REFUSED", report.table()
+    assert "Dynamo already holds code compiled from this model's classes" in row.detail

@@ -10,6 +10,7 @@ compile on its own is a refusal with dynamo's reason, not a defect of hookscope.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from hookscope._core.sites import Site
 from hookscope._verify.reference import close
 from hookscope._verify.report import Status
 from hookscope._verify.subject import Subject, last_line, output_leaves
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, StaleCompiledCodeWarning
 
 __all__ = ["check_compile"]
 
@@ -58,14 +59,25 @@ def _check(subject: Subject, backend: str) -> None:
         args, kwargs = subject.example
         try:
             # hooks first: code compiled before they were attached would never call them
-            with capture(subject.model, layers=chosen) as cap:
-                subject.begin_forward()
-                with torch.no_grad():
-                    compiled(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", StaleCompiledCodeWarning)
+                with capture(subject.model, layers=chosen) as cap:
+                    subject.begin_forward()
+                    with torch.no_grad():
+                        compiled(*args, **kwargs)
         except HookscopeError:
             raise
         except Exception as error:
             findings.append(_without_hooks(subject, compiled, error))
+            return
+        if any(issubclass(item.category, StaleCompiledCodeWarning) for item in caught):
+            findings.append(
+                (
+                    "REFUSED",
+                    "Dynamo already holds code compiled from this model's classes, so hookscope runs the model "
+                    "eagerly while its hooks are attached: nothing compiled to check (torch.compiler.reset() first)",
+                )
+            )
             return
         reference = subject.reference
         assert reference is not None
