@@ -23,7 +23,7 @@ from hookscope._capture import capture
 from hookscope._verify.reference import UNINITIALISED, OpCall, OpRecorder, close, same
 from hookscope._verify.subject import Subject, last_line, output_leaves
 
-__all__ = ["attention_modules", "check_attention", "sub_site_problem"]
+__all__ = ["attention_modules", "check_attention", "reference_ops", "sub_site_problem"]
 
 _ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)
 _SUB_SITES = ("q", "k", "v", "scores", "pattern", "z")
@@ -57,14 +57,14 @@ def check_attention(subject: Subject) -> None:
         if subject.unsteady:
             findings.append(("REFUSED", subject.unsteady))
             return
-        recorders = _reference_ops(subject, names)
+        recorders = reference_ops(subject, names)
         own = [name for name in names if any(recorders[name].calls)]  # a wrapper whose children do the work has none
         if not own:
             findings.append(
                 ("REFUSED", "no attention module's own code calls a torch function (its children do it all)")
             )
             return
-        again = _reference_ops(subject, own)  # ops reading memory nobody wrote differ from run to run
+        again = reference_ops(subject, own)  # ops reading memory nobody wrote differ from run to run
         cache = _captured(subject, [f"{name}:op[*]" for name in own])
         for name in own:
             _compare_ops(name, cache, recorders[name], findings, _unsteady_ops(recorders[name], again[name]))
@@ -108,7 +108,7 @@ def check_attention(subject: Subject) -> None:
         _eager_twin(subject, kernels, cache, findings)
 
 
-def _reference_ops(subject: Subject, names: list[str]) -> dict[str, OpRecorder]:
+def reference_ops(subject: Subject, names: list[str]) -> dict[str, OpRecorder]:
     """A forward with raw function modes alone: a mode beneath hookscope's would see hookscope's
     copies as the module's ops."""
     recorders = {name: OpRecorder(subject.model, name) for name in names}

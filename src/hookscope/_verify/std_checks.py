@@ -15,7 +15,7 @@ from typing import Any
 from hookscope._arch.std import std_map
 from hookscope._capture import capture
 from hookscope._core.sites import Site
-from hookscope._verify.attention_checks import sub_site_problem
+from hookscope._verify.attention_checks import reference_ops, sub_site_problem
 from hookscope._verify.reference import OpRecorder, RawRecorder, same
 from hookscope._verify.subject import Subject
 from hookscope.errors import HookscopeError
@@ -89,15 +89,7 @@ def _op_references(subject: Subject, sites: list[Any]) -> dict[str, OpRecorder]:
     modules = sorted({site.module for site in sites if site.op})
     if not modules or subject.unsteady:
         return {}
-    recorders = {module: OpRecorder(subject.model, module) for module in modules}
-    try:
-        for recorder in recorders.values():
-            recorder.attach()
-        subject.run()
-    finally:
-        for recorder in recorders.values():
-            recorder.remove()
-    return recorders
+    return reference_ops(subject, modules)
 
 
 def _compare(name: str, site: Any, cache: Any, recorder: RawRecorder, ops: dict[str, OpRecorder]) -> str | None:

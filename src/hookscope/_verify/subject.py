@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._verify.reference import CallRecord, RawRecorder, leaves, same
+from hookscope._verify.reference import RawRecorder, leaves, same
 from hookscope._verify.report import Status, VerifyRow
 from hookscope.errors import HookscopeError
 
@@ -88,7 +88,6 @@ class Subject:
     forwards: int = 0
     backwards: int = 0
     rows: list[VerifyRow] = field(default_factory=list)
-    clean: CallRecord | None = None
     reference: RawRecorder | None = None
     clean_output: dict[str, torch.Tensor] = field(default_factory=dict)
     #: The attention check's reference for each module calling SDPA: per module call, per kernel
