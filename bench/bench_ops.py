@@ -31,7 +31,6 @@ Run: ``.venv/bin/python bench/bench_ops.py``; ``--rounds N``; ``--quick`` (2 lay
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,13 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = Table(times)
     print(f"\nGPT-2 {n_layer} layers (sdpa and eager twins), input ids {common.GPT2_BATCH} x {common.GPT2_SEQ_LEN}")
     print("  the patterns recomputed under SDPA equal the eager model's attn_weights (atol 1e-5)\n")
-    print(f"{'method':<18}{'median s':>10}{'x plain':>10}{'range':>16}")
-    for name, seconds in times.items():
-        ratios = table.ratios(name, PLAIN)
-        print(
-            f"{name:<18}{statistics.median(seconds):>10.3f}{statistics.median(ratios):>10.3f}"
-            f"{common.ratio_range(ratios):>16}"
-        )
+    common.print_ratio_table(table, PLAIN, width=18)
     idle = table.median_ratio(IDLE, PLAIN)
     verdict = "PASS" if idle <= TARGET else "FAIL"
     print(f"\nop-site machinery with no op selected: {idle:.3f}x a plain forward (target <= {TARGET}): {verdict}")

@@ -247,6 +247,17 @@ def ratio_range(ratios: list[float]) -> str:
     return f"{min(ratios):.3f}..{max(ratios):.3f}"
 
 
+def print_ratio_table(table: RoundRatios, baseline: str, width: int = 18) -> None:
+    """Print each method's median seconds, its median ratio to ``baseline`` and the per-round range."""
+    print(f"{'method':<{width}}{'median s':>10}{'x ' + baseline:>10}{'range':>16}")
+    for name, seconds in table.times.items():
+        ratios = table.ratios(name, baseline)
+        print(
+            f"{name:<{width}}{statistics.median(seconds):>10.4f}{statistics.median(ratios):>10.3f}"
+            f"{ratio_range(ratios):>16}"
+        )
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as indented JSON with a final newline."""
     path.write_text(json.dumps(data, indent=2) + "\n")

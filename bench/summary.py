@@ -43,6 +43,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "bench_diff.py": (),
     "bench_compile.py": (),
     "bench_ops.py": (),
+    "bench_experts.py": (),
     "bench_methods.py": (),
     "bench_monitor.py": (),
     "bench_store.py": (),

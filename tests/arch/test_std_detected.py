@@ -238,8 +238,9 @@ def test_a_mixture_of_experts_names_its_router_and_no_activation_qwen2_moe() -> 
     std = hs.std_map(model, x)
     assert std.family == "detected"
     # one expert's activation, or the shared expert's gate, is not "the MLP's" pre or post value
-    assert "fused" in std.missing["blocks.1.mlp.pre"]
-    assert "fused" in std.missing["blocks.1.mlp.post"]
+    assert "per expert, mlp.experts.{e}.pre" in std.missing["blocks.1.mlp.pre"]
+    assert "per expert, mlp.experts.{e}.pre" in std.missing["blocks.1.mlp.post"]
+    assert std["blocks.1.mlp.experts.3.post"].read == "model.layers.1.mlp.experts:expert.post#3"  # per expert instead
     layer = "model.layers.1"
     hand = raw(model, [layer, f"{layer}.mlp", f"{layer}.mlp.gate"], lambda: model(x))
     got = captured(model, [*BLOCK, "blocks.1.mlp.router"], lambda: model(x))

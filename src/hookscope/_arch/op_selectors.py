@@ -25,6 +25,7 @@ from torch import nn
 
 from hookscope._arch.attention import HeadCounts, head_counts
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
+from hookscope._arch.experts import experts_problem, tap_experts
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
@@ -83,6 +84,8 @@ class OpSelectors:
                     self._heads[name] = counts
         #: ``(name, module)`` of every module an op selector watches, in selection order.
         self.modules = list(modules.items())
+        self._experts = self._expert_taps(modules)
+        self._untaps: list[Callable[[], None]] = []
         self._fired: set[int] = set()  # the patterns that matched an op call, this pass
         self._watcher: OpWatcher | None = None
 
@@ -101,7 +104,46 @@ class OpSelectors:
         ``replays(module)`` is told of each such op, before any call filter (it may refuse)."""
         listener = self._listener(keep, want, keep_attn, replays)
         self._watcher = OpWatcher(model, self.modules, listener, owner=self._owner)
+        try:
+            for name, wanted in self._experts.items():
+                self._untaps.append(tap_experts(dict(self.modules)[name], wanted))
+        except BaseException:
+            self.remove()
+            raise
         return self._watcher
+
+    def _expert_taps(self, modules: dict[str, nn.Module]) -> dict[str, frozenset[tuple[str, int]]]:
+        """The ``(kind, expert)`` pairs each fused experts module is selected for; a selector of
+        expert sub-sites at a module that has none, or beside op selectors of that module (its
+        own ops do not run while the tap computes its experts), is refused here."""
+        taps: dict[str, frozenset[tuple[str, int]]] = {}
+        for name, module in modules.items():
+            chosen = [pattern for _, pattern in self._per_module[name]]
+            experts = [pattern for pattern in chosen if pattern.op.startswith("expert.")]
+            if not experts:
+                continue
+            kinds = {pattern.op[len("expert.") :] for pattern in experts}
+            problem = experts_problem(module, name, kinds)
+            if problem is not None:
+                raise SpecError(f"expert sub-site selector {str(experts[0])!r}: {problem}")
+            if len(experts) < len(chosen):
+                other = next(pattern for pattern in chosen if not pattern.op.startswith("expert."))
+                raise SpecError(
+                    f"{str(other)!r} and {str(experts[0])!r} both select {module_label(name)!r}: while its experts are "
+                    "tapped hookscope computes them, so the module's own ops do not run; select them in separate runs"
+                )
+            count = int(getattr(module, "num_experts", 0))
+            pairs: set[tuple[str, int]] = set()
+            for pattern in experts:
+                chosen_experts = [expert for expert in range(count) if pattern.matches(pattern.op, expert)]
+                if not chosen_experts:
+                    raise SpecError(
+                        f"expert sub-site selector {str(pattern)!r} names no expert of {module_label(name)!r}, "
+                        f"which has {count}: #0 to #{count - 1}"
+                    )
+                pairs.update((pattern.op[len("expert.") :], expert) for expert in chosen_experts)
+            taps[name] = frozenset(pairs)
+        return taps
 
     def modules_of(self, number: int) -> list[str]:
         """The names of the modules selector ``number`` (its place in :attr:`patterns`) watches."""
@@ -182,6 +224,12 @@ class OpSelectors:
         close = difflib.get_close_matches(pattern.op, list(seen), n=3, cutoff=0.5)
         if pattern.sub:
             return _unfired_attention(pattern, module, seen, called, self._eager_advice(module))
+        if pattern.op.startswith("expert."):
+            return (
+                f"expert sub-site selector {str(pattern)!r} matched nothing: {module_label(module)!r} ran, but not "
+                "through transformers' experts interface on the thread that attached the tap (its forward was "
+                "replaced, or it ran on another thread)"
+            )
         if pattern.op in seen:  # the name ran, the index did not
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"
         elif close:
@@ -220,9 +268,13 @@ class OpSelectors:
         return f"load a transformers model with attn_implementation='sdpa', or read its eager attention: {eager}"
 
     def remove(self) -> None:
-        """Take the op watcher's hooks off (safe to call twice)."""
-        if self._watcher is not None:
-            self._watcher.remove()
+        """Take the op watcher's hooks and the experts taps off (safe to call twice)."""
+        try:
+            while self._untaps:
+                self._untaps.pop()()
+        finally:
+            if self._watcher is not None:
+                self._watcher.remove()
 
 
 def _unfired_attention(pattern: OpPattern, module: str, seen: dict[str, int], called: str, eager: str) -> str:

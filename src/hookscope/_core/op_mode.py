@@ -16,9 +16,11 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hookscope._core.compat.function_modes import depth as _mode_depth
+from hookscope._core.compat.private import mode_at
 from hookscope._core.op_sites import op_name
 
-__all__ = ["OpListener"]
+__all__ = ["OpListener", "hookscope_work", "report_value", "watching"]
 
 
 class OpListener(Protocol):
@@ -138,3 +140,52 @@ class _OpMode(TorchFunctionMode):
         finally:
             _LISTENING.depth -= 1
         return output if replacement is None else replacement
+
+
+def _frames_of(module: Any) -> list[tuple[_OpMode, _Frame]]:
+    """The op watches on this thread whose innermost selected call is ``module``'s, lowest first
+    (the order they were attached: the order an op's value reaches them)."""
+    key = id(module)
+    found = []
+    for at in range(_mode_depth()):
+        mode = mode_at(at)
+        if type(mode) is _OpMode and mode.frame is not None and mode.frame.key == key:
+            found.append((mode, mode.frame))
+    found.sort(key=lambda pair: pair[0].order)
+    return found
+
+
+def watching(module: Any) -> bool:
+    """Whether an op watch on this thread is reporting ``module``'s own code right now."""
+    return bool(_frames_of(module))
+
+
+def report_value(module: Any, op: str, index: int, value: Any) -> Any:
+    """Hand a value computed inside ``module``'s forward by hookscope's own code (an expert's
+    rows, read by a tap on a fused kernel) to the op watches of that module, as if an op named
+    ``op`` with that ``index`` had returned it; return what the module goes on with (a watch's
+    replacement, else ``value``). Watches see it in the order they were attached, each the
+    previous one's replacement, as stacked modes see a real op's output."""
+    for mode, frame in _frames_of(module):
+        counts = frame.counts
+        if counts.get(op, 0) <= index:
+            counts[op] = index + 1  # what hs.layers lists: as many as the highest index reported
+        _LISTENING.depth += 1
+        try:
+            replacement = mode._listener(frame.module, frame.call, op, index, (), {}, value)
+        finally:
+            _LISTENING.depth -= 1
+        if replacement is not None:
+            value = replacement
+    return value
+
+
+class hookscope_work:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Inside: torch calls on this thread are reported to no op watch (hookscope's own
+    computation standing in for a fused kernel, whose values :func:`report_value` hands on)."""
+
+    def __enter__(self) -> None:
+        _LISTENING.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _LISTENING.depth -= 1

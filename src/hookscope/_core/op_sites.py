@@ -28,6 +28,19 @@ and a key without an index names kernel call 0; as a selector an index left out 
 kernel call, as for op selectors. ``q``, ``k``, ``v`` are the kernel's arguments, ``z`` its
 output (per head, before the heads are merged), ``scores`` and ``pattern`` are computed from the
 arguments (:mod:`~hookscope._arch.attention`) only when selected.
+
+**Expert sub-sites** name the values of one expert inside a fused mixture-of-experts module
+(transformers' ``@use_experts_implementation`` classes: one 3-D weight for all experts)::
+
+    MODULE[#CALL]:expert.KIND[#EXPERT]    KIND: in, pre, up, post, out, tokens, weights
+
+``EXPERT`` is the expert's number (always written in a site: ``experts:expert.post#3``; left out
+of a selector it names every expert). The values are the expert's rows, in token order: ``in``
+the hidden states routed to it, ``pre`` the activation's argument (the gate projection of a gated
+expert), ``up`` a gated expert's linear projection, ``post`` the activation's output (what the
+down projection takes), ``out`` the expert's output before its routing weight, ``tokens`` the
+token (row of the module's input) of each row and ``weights`` its routing weight
+(:mod:`~hookscope._arch.experts`). To every feature they are op values of the module call.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from hookscope.errors import SpecError
 
 __all__ = [
     "ATTN_KINDS",
+    "EXPERT_KINDS",
     "SDPA",
     "OpPattern",
     "OpSite",
@@ -60,6 +74,9 @@ SDPA = "scaled_dot_product_attention"
 #: The attention sub-sites of one kernel call, in the order they are listed.
 ATTN_KINDS = ("q", "k", "v", "scores", "pattern", "z")
 _ATTN_LIST = ", ".join(f"attn.{kind}" for kind in ATTN_KINDS)
+#: The values of one expert of a fused mixture-of-experts module, in the order it computes them.
+EXPERT_KINDS = ("in", "pre", "up", "post", "out", "tokens", "weights")
+_EXPERT_LIST = ", ".join(f"expert.{kind}" for kind in EXPERT_KINDS)
 
 # What Tensor's operator methods are called as functions: ``a + b`` is an ``add`` wherever
 # torch dispatches it as ``Tensor.__add__``, ``1 - a`` a ``sub`` (the operands' order aside),
@@ -263,6 +280,8 @@ class OpPattern:
         index = "" if self.index is None else f"#{self.index}"
         if self.sub:
             return f"{_written_module(self.module)}{call}:attn.{self.sub}{index}"
+        if self.op.startswith("expert."):
+            return f"{_written_module(self.module)}{call}:{self.op}{index}"
         return f"{_written_module(self.module)}{call}:op[{self.op}{index}]"
 
     def matches(self, op: str, index: int) -> bool:
@@ -286,6 +305,12 @@ class OpPattern:
                 raise SpecError(f"attention sub-site selector {text!r} names {attn['sub']!r}; expected {_ATTN_LIST}")
             call = int(attn["call"]) if attn["call"] is not None else None
             return cls(_module_text(attn["module"]), call, SDPA, attn["index"], attn["sub"])
+        expert = _EXPERT_TEXT.match(text) if isinstance(text, str) else None
+        if expert is not None:
+            if expert["kind"] not in EXPERT_KINDS:
+                raise SpecError(f"expert sub-site selector {text!r} names {expert['kind']!r}; expected {_EXPERT_LIST}")
+            call = int(expert["call"]) if expert["call"] is not None else None
+            return cls(_module_text(expert["module"]), call, f"expert.{expert['kind']}", expert["index"])
         match = _OP_TEXT.match(text) if isinstance(text, str) else None
         if match is None or not match["op"] or match["index"] == "":
             raise SpecError(f"op selector {text!r} is not of the form {_FORM}")
@@ -303,9 +328,10 @@ def op_pattern(selector: object) -> OpPattern | None:
     ('softmax', None, None)
     >>> op_pattern("h.*.attn:attn.pattern").sub
     'pattern'
-
+    >>> str(op_pattern("layers.0.mlp.experts:expert.post#3"))
+    'layers.0.mlp.experts:expert.post#3'
     """
-    if not isinstance(selector, str) or (":op[" not in selector and ":attn." not in selector):
+    if not isinstance(selector, str) or not any(mark in selector for mark in (":op[", ":attn.", ":expert.")):
         return None
     return OpPattern.parse(selector)
 
@@ -322,6 +348,12 @@ _ATTN_TEXT = re.compile(
     r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>[0-9*?]+))?$", re.DOTALL
 )
 _ATTN_LEAF = re.compile(r"^attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
+# An expert sub-site's selector text ("experts:expert.post", "experts#0:expert.out#3") and leaf.
+_EXPERT_TEXT = re.compile(
+    r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:expert\.(?P<kind>[A-Za-z_]*)(?:#(?P<index>[0-9*?]+))?$",
+    re.DOTALL,
+)
+_EXPERT_LEAF = re.compile(r"^expert\.(?P<kind>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
 _OP_LEAF_EXAMPLES = "e.g. 'op[softmax#0]', 'op[split#0][1]' or 'op[add#0]:input[1]'"
 
 
@@ -340,6 +372,10 @@ def op_leaf_label(op: str, what: str, path: str) -> str:
                 f"attention sub-site {op!r} is one tensor, one of {_ATTN_LIST} with its kernel call's index"
             )
         return op_text(op)
+    if op.startswith("expert."):
+        if what != "output" or path or op.split("#")[0][7:] not in EXPERT_KINDS:
+            raise SpecError(f"expert sub-site {op!r} is one tensor, one of {_EXPERT_LIST} with the expert's number")
+        return op
     if what not in ("input", "output"):
         raise SpecError(f"an op's value is its 'input' or 'output', not {what!r}")
     return f"op[{op}]{':input' if what == 'input' else ''}{path}"
@@ -369,11 +405,13 @@ def op_text(label: str) -> str:
     """An op's output as written after ``module#call:``: ``op[softmax#0]``; an attention
     sub-site without its index where it is 0: ``attn.pattern``, ``attn.z#1``.
 
-    >>> op_text("softmax#0"), op_text("attn.pattern#0"), op_text("attn.z#1")
-    ('op[softmax#0]', 'attn.pattern', 'attn.z#1')
+    >>> op_text("softmax#0"), op_text("attn.pattern#0"), op_text("attn.z#1"), op_text("expert.out#0")
+    ('op[softmax#0]', 'attn.pattern', 'attn.z#1', 'expert.out#0')
     """
     if label.startswith("attn."):
         return label[:-2] if label.endswith("#0") else label
+    if label.startswith("expert."):
+        return label  # the expert's number is always written: expert 0 is one expert of many
     return f"op[{label}]"
 
 
@@ -391,6 +429,11 @@ def split_op_leaf(text: str, *, shown: str | None = None) -> tuple[str, int | No
         if attn is None or attn["sub"] not in ATTN_KINDS:
             raise SpecError(f"{shown or repr(text)} names no attention sub-site; expected {_ATTN_LIST} (then '#1' ...)")
         return f"attn.{attn['sub']}", int(attn["index"] or 0), "output", ""
+    if text.startswith("expert."):
+        expert = _EXPERT_LEAF.match(text)
+        if expert is None or expert["kind"] not in EXPERT_KINDS:
+            raise SpecError(f"{shown or repr(text)} names no expert sub-site; expected {_EXPERT_LIST} (then '#3' ...)")
+        return f"expert.{expert['kind']}", int(expert["index"]) if expert["index"] else None, "output", ""
     if not text.startswith("op["):
         return None
     match = _OP_LEAF.match(text)

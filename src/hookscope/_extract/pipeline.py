@@ -27,6 +27,7 @@ from hookscope._core.select import LeafPaths, Selector, describe_selector, selec
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
 from hookscope._extract.data import Batch
+from hookscope._extract.experts import ExpertRows
 from hookscope._extract.inputs import input_parts
 from hookscope._extract.provenance import Provenance
 from hookscope._extract.reduce import describe_reduction, extraction_reduction
@@ -55,11 +56,15 @@ class SiteCaptures:
     ) -> None:
         self.model = model
         ops, module_layers = _split_ops(layers)
+        self._experts = ExpertRows(model, ops)  # expert rows go back to their tokens (per_token)
+        ops += self._experts.companions
+        layers = [*layers, *self._experts.companions]
         # SelectionError with the closest names, before anything runs (an empty list's too)
         picked = module_layers or not ops
         chosen, leaves = select_leaves(model, module_layers, whole_sides=options.sides) if picked else ([], {})
         self.order = {name: index for index, (name, _) in enumerate(named_modules(model))}
         groups = _groups(model, chosen, ops, reduce)  # checks every reduction now, before anything attaches
+        self._experts.refuse_reduction([op for spec, _, members in groups if spec is not None for op in members])
         self.reductions = {
             name: describe_reduction(spec) for spec, members, op_members in groups for name in [*members, *op_members]
         }
@@ -115,9 +120,10 @@ class SiteCaptures:
         """How the store records ``site``'s reduction (see :attr:`reductions`)."""
         return describe_reduction(self.spec_of(site))
 
-    def collect(self) -> dict[Site, torch.Tensor]:
-        """Every site of the latest forward, in model order, then call, then the module's own
-        values before its ops', then input before output."""
+    def collect(self, rows: int) -> dict[Site, torch.Tensor]:
+        """Every site of the latest forward (a batch of ``rows``), in model order, then call, then
+        the module's own values before its ops', then input before output; expert sub-sites per
+        token (:class:`~hookscope._extract.experts.ExpertRows`)."""
         for made in self._captures:
             for label, count in made.cache.overflowed.items():
                 self.overflowed[label] = self.overflowed.get(label, 0) + count
@@ -129,6 +135,7 @@ class SiteCaptures:
                     raise self._kept_twice(site, self._kept_by[site], number)
                 self._kept_by[site] = number
                 found[site] = made.cache[site]
+        found = self._experts.per_token(found, rows)
         return dict(sorted(found.items(), key=lambda item: self._rank(item[0])))
 
     def _kept_twice(self, site: Site, first: int, second: int) -> SpecError:
@@ -353,7 +360,7 @@ def forward(
     _check_mask(kwargs, mask_key, mask_required, batch)
     with torch.no_grad():
         model(*args, **kwargs)
-    return captures.collect()
+    return captures.collect(batch.rows)
 
 
 def _check_mask(kwargs: dict[str, Any], key: str | None, required: bool, batch: Batch) -> None:

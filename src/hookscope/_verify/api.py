@@ -18,6 +18,7 @@ from hookscope._verify.attention_checks import check_attention
 from hookscope._verify.capture_checks import check_capture, check_gradients
 from hookscope._verify.compile_checks import check_compile
 from hookscope._verify.edit_checks import check_edits
+from hookscope._verify.expert_checks import check_experts
 from hookscope._verify.report import VerifyReport, VerifyRow
 from hookscope._verify.std_checks import check_std
 from hookscope._verify.subject import Example, Subject, last_line
@@ -27,7 +28,7 @@ from hookscope.errors import SpecError
 __all__ = ["CHECKS", "verify"]
 
 #: Every check, in the order it runs.
-CHECKS: tuple[str, ...] = ("capture", "gradients", "edits", "trace", "attention", "std", "compile")
+CHECKS: tuple[str, ...] = ("capture", "gradients", "edits", "trace", "attention", "experts", "std", "compile")
 
 
 def verify(
@@ -58,16 +59,20 @@ def verify(
     - ``attention``: op sites of every attention module against a raw ``TorchFunctionMode``; the
       SDPA sub-sites against the kernel's own arguments (scores, pattern in float64), and against
       transformers' eager twin where the model can switch.
+    - ``experts`` (mixtures of experts only): every expert's rows of every fused experts module,
+      read through the tap, against a float64 reference from the fused weights; the tapped output
+      against the clean one; ``zero`` at one expert's output against a raw hook's routing weight 0.
     - ``std``: each resolved ``std:`` name against the raw value it names; each missing one a
       refusal with its reason.
     - ``compile``: a capture under ``torch.compile(model, backend=compile)`` against the eager raw
       values (``compile=False`` skips it; ``"inductor"`` compiles for real, minutes on a CPU).
 
-    Cost: about ``4 * sample + 16`` forwards and one backward of ``model`` on ``example`` (the
-    report states the count), plus a compile; every hook of hookscope's and of the report's is
-    removed (transformers keeps the hooks it installs for ``output_attentions``), and the train/eval mode,
-    parameters and torch's generator put back, however a check ends. The generator is reseeded
-    with ``seed`` before every forward, so that a model drawing random numbers draws the same ones.
+    Cost: about ``4 * sample + 16`` forwards (3 more with fused experts) and one backward of
+    ``model`` on ``example`` (the report states the count), plus a compile; every hook of
+    hookscope's and of the report's is removed (transformers keeps the hooks it installs for
+    ``output_attentions``), and the train/eval mode, parameters and torch's generator put back,
+    however a check ends. The generator is reseeded with ``seed`` before every forward, so that
+    a model drawing random numbers draws the same ones.
 
     Args:
         model: any ``nn.Module``; run in eval mode during the checks.
@@ -113,6 +118,7 @@ def verify(
             "edits": lambda: check_edits(subject),
             "trace": lambda: check_trace(subject),
             "attention": lambda: check_attention(subject),
+            "experts": lambda: check_experts(subject),
             "std": lambda: check_std(subject),
             "compile": lambda: check_compile(subject, backend) if backend else None,
         }

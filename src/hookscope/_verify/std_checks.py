@@ -14,9 +14,10 @@ from typing import Any
 
 from hookscope._arch.std import std_map
 from hookscope._capture import capture
+from hookscope._core.op_sites import split_op_label
 from hookscope._core.sites import Site
 from hookscope._verify.attention_checks import reference_ops, sub_site_problem
-from hookscope._verify.reference import OpRecorder, RawRecorder, same
+from hookscope._verify.reference import OpRecorder, RawRecorder, close, same
 from hookscope._verify.subject import Subject
 from hookscope.errors import HookscopeError
 
@@ -35,7 +36,8 @@ def check_std(subject: Subject) -> None:
             findings.append(("REFUSED", "no canonical name resolves on this model"))
             return
         modules = frozenset(_parse(std[n].read).module for n in names if std[n].kind != "attn")
-        ops = _op_references(subject, [_parse(std[n].read) for n in names if std[n].kind != "attn"])
+        plain = [_parse(std[n].read) for n in names if std[n].kind != "attn"]
+        ops = _op_references(subject, [site for site in plain if not site.op.startswith("expert.")])
         with (
             RawRecorder(subject.model, only=modules) as recorder,
             capture(subject.model, layers=[f"std:{n}" for n in names]) as cap,
@@ -54,7 +56,7 @@ def check_std(subject: Subject) -> None:
                     findings.append(("SILENTLY_WRONG", problem))
                 via_attention += 1
                 continue
-            problem = _compare(name, site, cap.cache, recorder, ops)
+            problem = _compare(name, site, cap.cache, recorder, ops, subject)
             if problem is None:
                 unchecked.append(name)
                 continue
@@ -92,9 +94,31 @@ def _op_references(subject: Subject, sites: list[Any]) -> dict[str, OpRecorder]:
     return reference_ops(subject, modules)
 
 
-def _compare(name: str, site: Any, cache: Any, recorder: RawRecorder, ops: dict[str, OpRecorder]) -> str | None:
+def _expert_problem(name: str, parsed: Site, cache: Any, subject: Subject) -> str | None:
+    """``""`` when an expert name equals the experts check's float64 reference, the problem
+    otherwise, None where there is none (the experts check did not run)."""
+    reference = subject.experts.get(parsed.module)
+    if reference is None or parsed.call != 0:
+        return None
+    kind, expert = split_op_label(parsed.op)
+    want = reference.get((kind.removeprefix("expert."), expert))
+    if want is None:
+        return None
+    try:
+        got = cache[f"std:{name}"]
+    except HookscopeError as error:
+        return f"std:{name}: {error.args[0]}"
+    good = same(got, want) if kind == "expert.tokens" else close(got, want)
+    return "" if good else f"std:{name} is not the float64 reference of {parsed}"
+
+
+def _compare(
+    name: str, site: Any, cache: Any, recorder: RawRecorder, ops: dict[str, OpRecorder], subject: Subject
+) -> str | None:
     """The problem with ``std:name``'s value, ``""`` for none, None where no reference exists."""
     parsed = _parse(site.read)
+    if parsed.op.startswith("expert."):
+        return _expert_problem(name, parsed, cache, subject)
     if parsed.op:
         if parsed.module not in ops or parsed.what != "output":
             return None

@@ -94,6 +94,9 @@ class Subject:
     #: call in it, the raw q, k, v, z and the float64 scores and pattern (what the std check reads
     #: sub-site names against).
     kernels: dict[str, list[list[dict[str, torch.Tensor]]]] = field(default_factory=dict)
+    #: The experts check's float64 reference for each fused experts module's first call, per
+    #: ``(kind, expert)`` (what the std check reads expert names against).
+    experts: dict[str, dict[tuple[str, int], torch.Tensor]] = field(default_factory=dict)
 
     #: Where two plain forwards on the same input (the generator reseeded) differed, or "".
     unsteady: str = ""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from hookscope._arch.experts import fused_experts
 from hookscope._arch.std.shared import refuse_shared_role, refuse_tied, shared_stateless
 from hookscope._arch.std.spec import Family, Stack
 from hookscope.errors import StdMapError
@@ -26,6 +27,9 @@ class _BlockPlan:
     roles: dict[str, str | None]
     why: dict[str, str] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)  # the detector's norms, to be placed by values
+    #: The block's fused mixture-of-experts module: its name, expert count and whether its
+    #: experts have a gate (an ``up`` projection apart from ``pre``), or None.
+    experts: tuple[str, int, bool] | None = None
 
     @property
     def core(self) -> str:
@@ -108,7 +112,7 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
                 check=f"no {missing_core[0]}",
             )
         norms = [found for norm in stack.block.norms if (found := _find(names, block_name, norm))]
-        blocks.append(_BlockPlan(block_name, roles, why, norms))
+        blocks.append(_BlockPlan(block_name, roles, why, norms, _experts_of(by_name, block_name)))
         index += 1
     around = {
         "embed": _find(names, base, stack.embed),
@@ -125,10 +129,22 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
     return _StackPlan(stack, blocks, around, why, blocks_path)
 
 
+def _experts_of(by_name: dict[str, nn.Module], block: str) -> tuple[str, int, bool] | None:
+    """The first fused experts module inside ``block`` (:mod:`~hookscope._arch.experts`)."""
+    for name, module in by_name.items():
+        if name.startswith(f"{block}.") and fused_experts(module) is not None:
+            count = getattr(module, "num_experts", None)
+            if isinstance(count, int) and count > 0:
+                return name, count, bool(getattr(module, "has_gate", True))
+    return None
+
+
 def _modules_of(stack: _StackPlan) -> list[str]:
     found = [m for m in stack.around.values() if m]
     for block in stack.blocks:
         found.append(block.name)
         found += [m for m in block.roles.values() if m]
         found += block.norms
+        if block.experts is not None:
+            found.append(block.experts[0])
     return found

@@ -23,6 +23,7 @@ from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._arch.std.attn_sites import ATTN_SUBS, attention_subs
+from hookscope._arch.std.expert_sites import expert_sites
 from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
 from hookscope._arch.std.place import readings, same_values, scale_of, scaled_add
@@ -394,8 +395,11 @@ class _StackResolver:
 
     def _mlp_parts(self, index: int, block: _BlockPlan) -> None:
         roles, why = block.roles, block.why
-        moe = roles["router"] is not None
-        fused = "the experts run fused: there is no one value before or after the activation"
+        moe = roles["router"] is not None or block.experts is not None
+        fused = (
+            "a mixture of experts has no one value before or after the activation: per expert, "
+            "mlp.experts.{e}.pre and .post of the same block"
+        )
         no_act = why.get("act", "no activation module in the MLP (a class named *Act*, GELU, ReLU, SiLU, Tanh)")
         no_proj = why.get("mlp_proj", "no output projection in the MLP (a Linear or Conv1D)")
         proj, out = roles["mlp_proj"], [m for m in (roles["mlp"], roles["mlp_out"]) if m and self.seen.has_output(m)]
@@ -410,6 +414,7 @@ class _StackResolver:
         self._module_site("mlp.pre", roles["act"], "input", fused if moe else no_act, index)
         self._module_site("mlp.post", roles["mlp_proj"], "input", fused if moe else no_proj, index)
         self._module_site("mlp.router", roles["router"], "output", "not a mixture of experts", index)
+        expert_sites(self.sites, self.missing, self._name("mlp", index), block.experts, self.seen)
 
     def _same_out(self, a: str, b: str) -> bool:
         return same_values(self.seen.output(a), self.seen.output(b))

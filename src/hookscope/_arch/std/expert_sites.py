@@ -1,0 +1,54 @@
+"""A mixture of experts in a canonical map: ``blocks.{i}.mlp.experts.{e}.*`` and the routing.
+
+Why a module of its own: a fused experts module (:mod:`~hookscope._arch.experts`) holds every
+expert, so its names are not one per module but one per expert and value, read through the
+experts tap (``model.layers.3.mlp.experts:expert.post#7``), and the routing is what the experts
+module takes: transformers' experts interface passes ``(hidden_states, top_k_index,
+top_k_weights)``, whatever the router returns first.
+
+- ``mlp.experts.{e}.in|pre|up|post|out|tokens|weights``: expert ``e``'s rows
+  (:data:`~hookscope._core.op_sites.EXPERT_KINDS`; ``up`` only for experts with a gate);
+- ``mlp.router.choice``: the experts each token is routed to, ``(tokens, top_k)``;
+- ``mlp.router.weights``: their routing weights, ``(tokens, top_k)``.
+"""
+
+from __future__ import annotations
+
+from hookscope._arch.std.observe import Seen
+from hookscope._core.names import escape_name
+from hookscope._core.op_sites import EXPERT_KINDS
+from hookscope._core.std_names import StdSite
+
+__all__ = ["expert_sites"]
+
+_ROUTING = {"choice": "[1]", "weights": "[2]"}
+
+
+def expert_sites(
+    sites: dict[str, StdSite],
+    missing: dict[str, str],
+    mlp: str,
+    experts: tuple[str, int, bool] | None,
+    seen: Seen,
+) -> None:
+    """Name the experts and the routing of the block whose MLP is called ``mlp``
+    (``blocks.3.mlp``); ``experts``: its fused experts module, expert count and gate, or None."""
+    if experts is None:
+        return
+    module, count, gated = experts
+    if not seen.ran(module):
+        for part in _ROUTING:
+            missing[f"{mlp}.router.{part}"] = "its experts module did not run in the check forward"
+        return
+    written = escape_name(module)
+    for part, path in _ROUTING.items():
+        read = f"{written}:input{path}"
+        sites[f"{mlp}.router.{part}"] = StdSite(f"{mlp}.router.{part}", read, read, None, "input")
+    for expert in range(count):
+        for kind in EXPERT_KINDS:
+            full = f"{mlp}.experts.{expert}.{kind}"
+            if kind == "up" and not gated:
+                missing[full] = "its experts have no gate: the one projection before the activation is .pre"
+                continue
+            text = f"{written}:expert.{kind}#{expert}"
+            sites[full] = StdSite(full, text, text, None, "op")
