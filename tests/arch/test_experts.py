@@ -359,6 +359,39 @@ def test_trace_rows_count_each_expert_s_tokens() -> None:
         assert rows[f"expert.out#{e}"].outputs[0].shape[0] == int((choice == e).sum())
 
 
+def test_trace_experts_gives_each_expert_s_load_and_the_router_entropy() -> None:
+    model = tiny("qwen3_moe")
+    name, module = experts_of(model)
+    router_name = name.rsplit(".", 1)[0] + ".gate"
+    router = model.get_submodule(router_name)
+    x = tokens()
+    seen: dict[str, Any] = {}
+    handles = [
+        router.register_forward_hook(lambda _, __, output: seen.__setitem__("logits", output[0])),
+        module.register_forward_pre_hook(lambda _, args: seen.__setitem__("args", args)),
+    ]
+    try:
+        logits(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    _, choice, weights = seen["args"]
+    probabilities = torch.softmax(seen["logits"].double(), dim=-1)
+    entropy = float(-(probabilities * probabilities.log()).sum(-1).mean())
+    load = hs.trace(model, x, experts=True).experts()
+    rows = [row for row in load.rows if row.module == name]
+    assert [row.tokens for row in rows] == [int((choice == e).sum()) for e in range(module.num_experts)]  # type: ignore[arg-type]
+    for row in rows:
+        assert row.mean_weight == pytest.approx(float(weights[choice == row.expert].double().mean()), rel=1e-5)
+    assert sum(row.share for row in rows) == pytest.approx(1.0)
+    assert load.entropy[name] == [pytest.approx(entropy, rel=1e-5)]
+    assert load.imbalance(name) == pytest.approx(max(r.tokens for r in rows) / (sum(r.tokens for r in rows) / 4))
+    assert f"{name}#0" in str(load)
+    assert "router entropy" in str(load)
+    with pytest.raises(SpecError, match="holds no expert rows"):
+        hs.trace(model, x).experts()
+
+
 def test_extract_stores_each_expert_per_token(tmp_path: Path) -> None:
     model = tiny("mixtral")
     name, _ = experts_of(model)

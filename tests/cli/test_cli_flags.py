@@ -20,7 +20,7 @@ DERIVED = {
     "capture": (hs.CaptureOptions, {"keep", "calls", "reduce", "stop", "max_bytes"}),
     "edit": (hs.EditOptions, {"on"}),
     "extract": (hs.CaptureOptions, {"keep", "calls"}),
-    "trace": (hs.TraceOptions, {"timing"}),
+    "trace": (hs.TraceOptions, {"timing", "experts"}),
     "train-check": (hs.MonitorOptions, {"precision", "flag_above"}),
 }
 

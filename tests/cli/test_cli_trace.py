@@ -113,3 +113,27 @@ def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "trace", "demo:cnn", "--filter", "conv9")
     assert code == 2
     assert "did you mean 'conv1'" in err
+
+
+MIXTRAL = (
+    "hf-config:mixtral/causal-lm?num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=4"
+    "&num_key_value_heads=2&num_local_experts=4&vocab_size=100"
+)
+
+
+@pytest.mark.transformers
+def test_experts_prints_the_tokens_per_expert_and_a_model_without_experts_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_cli(capsys, "trace", MIXTRAL, "--experts", "--depth", "0")
+    assert code == 0, err
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("model.layers.")}
+    for layer in (0, 1):
+        row = lines[f"model.layers.{layer}.mlp.experts#0"]
+        counts = [int(count) for count in row[4:]]
+        assert len(counts) == 4
+        assert int(row[1]) == sum(counts) == 16 * 2  # 1 x 16 sample tokens, top-2
+    assert "router entropy" in out
+    code, out, err = run_cli(capsys, "trace", "demo:cnn", "--experts")
+    assert code != 0
+    assert "holds no expert rows" in err

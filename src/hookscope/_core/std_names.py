@@ -246,7 +246,18 @@ def _numbered(site: StdSite) -> tuple[str, str, str] | None:
     read, write = pattern.subn("{i}", site.read, count=1), pattern.subn("{i}", site.write, count=1)
     if read[1] != 1 or write[1] != 1:
         return None
-    return f"{found.group(1)}.{{i}}{found.group(3) or ''}", read[0], write[0]
+    name = f"{found.group(1)}.{{i}}{found.group(3) or ''}"
+    expert = _EXPERT.search(name)
+    if expert is not None and read[0].endswith(f"#{expert.group(1)}") and write[0] == read[0]:
+        # one row for every expert of a block: blocks.{i}.mlp.experts.{e}.post, ...:expert.post#{e}
+        number = expert.group(1)
+        name = f"{name[: expert.start(1)]}{{e}}{name[expert.end(1) :]}"
+        read = (f"{read[0][: -len(number)]}{{e}}", 1)
+        return name, read[0], read[0]
+    return name, read[0], write[0]
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _short_list(names: list[str]) -> str:

@@ -87,3 +87,4 @@ class _Pass:
         self.started = time.perf_counter()
         self.measuring = 0.0  # seconds spent measuring, taken out of the calls' times
         self.streams: set[torch.cuda.Stream] = set()  # CUDA streams statistics were queued on
+        self.entropy: list[tuple[str, torch.Tensor]] = []  # router entropies queued (experts=True)

@@ -75,9 +75,15 @@ class TraceOptions(Options):
     selector whose module ran but whose op never did is an error at the end of the pass.
     """
 
+    experts: bool = False
+    """For every fused mixture-of-experts module traced, a row per expert (``expert.weights``: the
+    tokens it took and their routing weights) and its router's entropy; :meth:`Trace.experts`
+    reads them as one table (:mod:`hookscope._trace.experts`).
+    """
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "stats", _stat_choice(self.stats))
-        for option in ("input_stats", "timing", "memory"):
+        for option in ("input_stats", "timing", "memory", "experts"):
             check_flag(option, getattr(self, option))
         ops: object = self.ops
         # True or False; a list or one text: a tuple of texts, each checked

@@ -46,6 +46,7 @@ from hookscope._shared.histogram import raw_histogram, read_histograms
 from hookscope._shared.shapes import shape_of
 from hookscope._shared.stats import Scratch, is_measurable, raw_stats, read_stats
 from hookscope._trace.drafts import _Draft, _FinishedPass, _Leaf, _Module, _Pass, _record_done
+from hookscope._trace.experts import RouterEntropy, experts_patterns, read_entropy
 from hookscope._trace.options import TraceOptions
 from hookscope._trace.result import Trace
 from hookscope._trace.rows import LeafWhat, TensorInfo, TraceRow
@@ -95,6 +96,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         # every op of the traced modules (no selector can be left unfired), or the selectors given
         self._check_ops = options.ops is not True
         patterns = _every_op(self._selected, layers) if options.ops is True else options.op_patterns
+        if options.experts:
+            patterns = [*patterns, *experts_patterns(self._selected)]
         plan = plan_sites(model, None, "module", owner="trace", error=SpecError, patterns=patterns or ())
         self._ops = plan.ops
         if self._ops is not None:  # an op site's module is traced too: its call is the op rows' parent
@@ -106,6 +109,13 @@ class Tracer(CallRecorder[_Module, _Draft]):
             lambda ops: ops.attach(model, self._op_row, lambda call: True, self._attention_rows),
             self.remove,  # hs.remove_all(model) also lets go of the buffer
         )
+        self._entropy: RouterEntropy | None = None
+        if options.experts:
+            try:
+                self._entropy = RouterEntropy(model, lambda: self._tracker.shared and self._tracker.foreign())
+            except BaseException:
+                self.remove()
+                raise
 
     def _record(self, model: nn.Module) -> HookGroup:
         """The recorder's hooks on every traced module (its constructor attaches them)."""
@@ -238,6 +248,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
     def start_pass(self, module: nn.Module) -> None:
         """A new forward pass: forget the previous one's drafts."""
         self._pass = _Pass()
+        if self._entropy is not None:
+            self._entropy.take()  # a cut-short pass's values
         for peaks in self._peaks.values():
             peaks.clear()
         if self._ops is not None:
@@ -250,6 +262,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         whole forward free of syncs, so the first read happens after ``model(x)`` returned.
         """
         state = self._pass
+        if self._entropy is not None:
+            state.entropy = self._entropy.take()
         raised = [draft.order for draft in state.rows if error is not None and draft.error is error]
         for draft in state.rows:
             draft.error = None  # the traceback would keep the forward's activations alive
@@ -337,6 +351,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
             for event in finished.done:
                 event.synchronize()  # the statistics were queued on the forward's streams
             stats: list[Any] = read_stats(state.raws)
+            if state.entropy:
+                meta["router_entropy"] = read_entropy(state.entropy)
             histograms: list[Any] = read_histograms(state.histograms) if self._bins else [None] * len(stats)
             if self._timing:
                 state.clock.synchronize()
@@ -350,9 +366,13 @@ class Tracer(CallRecorder[_Module, _Draft]):
     def remove(self) -> None:
         """Remove every hook of this tracer; the traces stay readable. Safe to call twice."""
         self._scratch = Scratch()  # let go of the work buffer
-        if self._ops is not None:
-            self._ops.remove()
-        super().remove()
+        try:
+            if self._ops is not None:
+                self._ops.remove()
+            if getattr(self, "_entropy", None) is not None:
+                self._entropy.remove()  # type: ignore[union-attr]
+        finally:
+            super().remove()
 
     def __repr__(self) -> str:
         state = "live" if self.live else "removed"

@@ -24,6 +24,7 @@ from hookscope._shared.csv_text import csv_text
 from hookscope._shared.files import write_text
 from hookscope._shared.json import finite_json
 from hookscope._shared.optional import require
+from hookscope._trace.experts import ExpertLoad, expert_load
 from hookscope._trace.render import flat_record, leaf_records, table
 from hookscope._trace.rows import NonFiniteRow, TensorInfo, TraceRow
 from hookscope.errors import SpecError
@@ -161,6 +162,21 @@ class Trace(Sequence[TraceRow]):
             rows = [row for row in self.rows if row.order not in parents and row.name and not row.op]
         measured = [row for row in rows if row.stats is not None and row.finished is not None]
         return sorted(measured, key=lambda row: row.finished or 0)
+
+    def experts(self) -> ExpertLoad:
+        """Tokens per expert of every traced mixture-of-experts module call, each one's share,
+        mean routing weight and the router's entropy (``hs.trace(model, x, experts=True)``; with
+        ``ops=`` naming expert sub-sites only the tokens). ``print()`` it.
+
+        A trace with no expert rows is refused: it cannot say what the load was.
+        """
+        load = expert_load(self.rows, self.meta.get("router_entropy", {}))
+        if not load.rows:
+            raise SpecError(
+                "this trace holds no expert rows: trace with experts=True (or ops= naming expert sub-sites such as "
+                "'model.layers.*.mlp.experts:expert.weights') on a model with fused mixture-of-experts modules"
+            )
+        return load
 
     @property
     def failure(self) -> TraceRow | None:

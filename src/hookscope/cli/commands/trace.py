@@ -34,6 +34,7 @@ def trace_command(
         ),
     ] = None,
     timing: Annotated[bool, option_flag(hs.TraceOptions, "timing")] = option_default(hs.TraceOptions, "timing"),
+    experts: Annotated[bool, option_flag(hs.TraceOptions, "experts")] = option_default(hs.TraceOptions, "experts"),
     stats: Annotated[
         str | None,
         typer.Option(
@@ -62,7 +63,8 @@ def trace_command(
 
     ``--ops`` adds a row per call of the op sites it selects (``h.*.attn:op[softmax]``, an
     attention sub-site ``h.0.attn:attn.pattern``) under its module's row; a selector that
-    matched no op call of a module that ran is an error.
+    matched no op call of a module that ran is an error. ``--experts`` adds a row per expert of
+    every fused mixture-of-experts module and prints the tokens per expert and each router's entropy.
 
     Exit 0 when the forward ran; when it raised, the calls up to the failure are printed, then
     the module where it raised and the shapes that went in, and the exit code is 2, as for every
@@ -80,7 +82,7 @@ def trace_command(
     if stats is not None:
         chosen = False if stats.strip() == "none" else [str(part) for part in selector_list([stats])]
     # a malformed op selector or statistic fails now
-    options = hs.TraceOptions(timing=timing, ops=op_selectors or False, stats=chosen)
+    options = hs.TraceOptions(timing=timing, ops=op_selectors or False, stats=chosen, experts=experts)
     sample = prepare(model, input_shape, dtype, seed)
     typer.echo(sample.describe_input())
     selectors = selector_list(only or [])
@@ -99,6 +101,8 @@ def trace_command(
             failed = (error, failure)
     result = tracer.trace
     typer.echo(result.table(max_depth=depth, filter=selectors or None))
+    if experts and failed is None:
+        typer.echo(str(result.experts()))  # refused, with the reason, on a model without fused experts
     for path, write in ((csv, result.to_csv), (json, result.to_json)):
         if path is not None:
             write(path)
