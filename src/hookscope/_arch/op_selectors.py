@@ -26,6 +26,7 @@ from torch import nn
 from hookscope._arch.attention import HeadCounts, head_counts
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._arch.experts import experts_problem, tap_experts
+from hookscope._arch.ssm import ssm_problem, tap_ssm
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
 from hookscope._core.ops import OpWatcher
@@ -85,6 +86,7 @@ class OpSelectors:
         #: ``(name, module)`` of every module an op selector watches, in selection order.
         self.modules = list(modules.items())
         self._experts = self._expert_taps(modules)
+        self._ssm = self._ssm_taps(modules)
         self._untaps: list[Callable[[], None]] = []
         self._fired: set[int] = set()  # the patterns that matched an op call, this pass
         self._watcher: OpWatcher | None = None
@@ -107,10 +109,38 @@ class OpSelectors:
         try:
             for name, wanted in self._experts.items():
                 self._untaps.append(tap_experts(dict(self.modules)[name], wanted))
+            for name, (kinds, wants) in self._ssm.items():
+                self._untaps.append(tap_ssm(dict(self.modules)[name], kinds, wants))
         except BaseException:
             self.remove()
             raise
         return self._watcher
+
+    def _ssm_taps(self, modules: dict[str, nn.Module]) -> dict[str, tuple[frozenset[str], Callable[[str, int], bool]]]:
+        """The state-space sub-sites each mixer is selected for: their kinds and which positions
+        of ``ssm.state``; a mixer hookscope cannot read, or an index on a value with one per
+        call, is refused here."""
+        taps: dict[str, tuple[frozenset[str], Callable[[str, int], bool]]] = {}
+        for name, module in modules.items():
+            chosen = [pattern for _, pattern in self._per_module[name] if pattern.op.startswith("ssm.")]
+            if not chosen:
+                continue
+            kinds = frozenset(pattern.op[len("ssm.") :] for pattern in chosen)
+            problem = ssm_problem(module, name, set(kinds))
+            if problem is not None:
+                raise SpecError(f"state-space sub-site selector {str(chosen[0])!r}: {problem}")
+            for pattern in chosen:
+                if pattern.op != "ssm.state" and pattern.index not in (None, "0"):
+                    raise SpecError(
+                        f"{str(pattern)!r}: {pattern.op} is one value per mixer call, written #0; only ssm.state takes "
+                        "a position (ssm.state#5: the recurrent state after token 5)"
+                    )
+
+            def wants(kind: str, index: int, chosen: list[OpPattern] = chosen) -> bool:
+                return any(pattern.matches(f"ssm.{kind}", index) for pattern in chosen)
+
+            taps[name] = (kinds, wants)
+        return taps
 
     def _expert_taps(self, modules: dict[str, nn.Module]) -> dict[str, frozenset[tuple[str, int]]]:
         """The ``(kind, expert)`` pairs each fused experts module is selected for; a selector of

@@ -41,6 +41,15 @@ expert), ``up`` a gated expert's linear projection, ``post`` the activation's ou
 down projection takes), ``out`` the expert's output before its routing weight, ``tokens`` the
 token (row of the module's input) of each row and ``weights`` its routing weight
 (:mod:`~hookscope._arch.experts`). To every feature they are op values of the module call.
+
+**State-space sub-sites** name the values inside a Mamba or Mamba-2 mixer, computed from its
+input and weights (:mod:`~hookscope._arch.ssm`)::
+
+    MODULE[#CALL]:ssm.KIND[#POSITION]     KIND: z, conv, x, B, C, dt, decay, pattern, state, y, out
+
+``POSITION`` is used by ``ssm.state`` alone (the recurrent state after that token; every
+position when left out of a selector); the other kinds are one tensor per mixer call, written
+``#0`` in a site like an expert's number.
 """
 
 from __future__ import annotations
@@ -57,10 +66,13 @@ from hookscope.errors import SpecError
 __all__ = [
     "ATTN_KINDS",
     "EXPERT_KINDS",
+    "INDEXED_SUBS",
     "SDPA",
+    "SSM_KINDS",
     "OpPattern",
     "OpSite",
     "heads_first",
+    "indexed_family",
     "op_leaf_label",
     "op_name",
     "op_pattern",
@@ -76,7 +88,13 @@ ATTN_KINDS = ("q", "k", "v", "scores", "pattern", "z")
 _ATTN_LIST = ", ".join(f"attn.{kind}" for kind in ATTN_KINDS)
 #: The values of one expert of a fused mixture-of-experts module, in the order it computes them.
 EXPERT_KINDS = ("in", "pre", "up", "post", "out", "tokens", "weights")
-_EXPERT_LIST = ", ".join(f"expert.{kind}" for kind in EXPERT_KINDS)
+#: The values of a state-space mixer, in the order it computes them.
+SSM_KINDS = ("z", "conv", "x", "B", "C", "dt", "decay", "pattern", "state", "y", "out")
+#: Sub-sites whose values hookscope hands on from inside a module's computation, by family:
+#: each is written ``FAMILY.KIND#INDEX``, the index always written in a site.
+INDEXED_SUBS: dict[str, tuple[str, ...]] = {"expert": EXPERT_KINDS, "ssm": SSM_KINDS}
+_SUB_LIST = {family: ", ".join(f"{family}.{kind}" for kind in kinds) for family, kinds in INDEXED_SUBS.items()}
+_SUB_WORD = {"expert": ("expert", "the expert's number", "'#3'"), "ssm": ("state-space", "its position", "'#0'")}
 
 # What Tensor's operator methods are called as functions: ``a + b`` is an ``add`` wherever
 # torch dispatches it as ``Tensor.__add__``, ``1 - a`` a ``sub`` (the operands' order aside),
@@ -280,7 +298,7 @@ class OpPattern:
         index = "" if self.index is None else f"#{self.index}"
         if self.sub:
             return f"{_written_module(self.module)}{call}:attn.{self.sub}{index}"
-        if self.op.startswith("expert."):
+        if indexed_family(self.op):
             return f"{_written_module(self.module)}{call}:{self.op}{index}"
         return f"{_written_module(self.module)}{call}:op[{self.op}{index}]"
 
@@ -305,12 +323,16 @@ class OpPattern:
                 raise SpecError(f"attention sub-site selector {text!r} names {attn['sub']!r}; expected {_ATTN_LIST}")
             call = int(attn["call"]) if attn["call"] is not None else None
             return cls(_module_text(attn["module"]), call, SDPA, attn["index"], attn["sub"])
-        expert = _EXPERT_TEXT.match(text) if isinstance(text, str) else None
-        if expert is not None:
-            if expert["kind"] not in EXPERT_KINDS:
-                raise SpecError(f"expert sub-site selector {text!r} names {expert['kind']!r}; expected {_EXPERT_LIST}")
-            call = int(expert["call"]) if expert["call"] is not None else None
-            return cls(_module_text(expert["module"]), call, f"expert.{expert['kind']}", expert["index"])
+        sub = _INDEXED_TEXT.match(text) if isinstance(text, str) else None
+        if sub is not None:
+            family = sub["family"]
+            if sub["kind"] not in INDEXED_SUBS[family]:
+                word = _SUB_WORD[family][0]
+                raise SpecError(
+                    f"{word} sub-site selector {text!r} names {sub['kind']!r}; expected {_SUB_LIST[family]}"
+                )
+            call = int(sub["call"]) if sub["call"] is not None else None
+            return cls(_module_text(sub["module"]), call, f"{family}.{sub['kind']}", sub["index"])
         match = _OP_TEXT.match(text) if isinstance(text, str) else None
         if match is None or not match["op"] or match["index"] == "":
             raise SpecError(f"op selector {text!r} is not of the form {_FORM}")
@@ -331,7 +353,7 @@ def op_pattern(selector: object) -> OpPattern | None:
     >>> str(op_pattern("layers.0.mlp.experts:expert.post#3"))
     'layers.0.mlp.experts:expert.post#3'
     """
-    if not isinstance(selector, str) or not any(mark in selector for mark in (":op[", ":attn.", ":expert.")):
+    if not isinstance(selector, str) or not any(mark in selector for mark in (":op[", ":attn.", ":expert.", ":ssm.")):
         return None
     return OpPattern.parse(selector)
 
@@ -348,12 +370,26 @@ _ATTN_TEXT = re.compile(
     r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>[0-9*?]+))?$", re.DOTALL
 )
 _ATTN_LEAF = re.compile(r"^attn\.(?P<sub>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
-# An expert sub-site's selector text ("experts:expert.post", "experts#0:expert.out#3") and leaf.
-_EXPERT_TEXT = re.compile(
-    r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:expert\.(?P<kind>[A-Za-z_]*)(?:#(?P<index>[0-9*?]+))?$",
+# An indexed sub-site's selector text ("experts:expert.post", "experts#0:expert.out#3",
+# "mixer:ssm.state#5") and leaf.
+_INDEXED_TEXT = re.compile(
+    r"^(?P<module>(?:[^#\\]|\\.)*)(?:#(?P<call>\d+))?:(?P<family>expert|ssm)\.(?P<kind>[A-Za-z_]*)"
+    r"(?:#(?P<index>[0-9*?]+))?$",
     re.DOTALL,
 )
-_EXPERT_LEAF = re.compile(r"^expert\.(?P<kind>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
+_INDEXED_LEAF = re.compile(r"^(?P<family>expert|ssm)\.(?P<kind>[A-Za-z_]*)(?:#(?P<index>\d+))?$")
+
+
+def indexed_family(op: str) -> str:
+    """The family of an indexed sub-site's op (``"expert"`` for ``"expert.post#3"``), or ``""``.
+
+    >>> indexed_family("expert.post#3"), indexed_family("ssm.pattern"), indexed_family("softmax#0")
+    ('expert', 'ssm', '')
+    """
+    family = op.partition(".")[0]
+    return family if family in INDEXED_SUBS and "." in op else ""
+
+
 _OP_LEAF_EXAMPLES = "e.g. 'op[softmax#0]', 'op[split#0][1]' or 'op[add#0]:input[1]'"
 
 
@@ -372,9 +408,11 @@ def op_leaf_label(op: str, what: str, path: str) -> str:
                 f"attention sub-site {op!r} is one tensor, one of {_ATTN_LIST} with its kernel call's index"
             )
         return op_text(op)
-    if op.startswith("expert."):
-        if what != "output" or path or op.split("#")[0][7:] not in EXPERT_KINDS:
-            raise SpecError(f"expert sub-site {op!r} is one tensor, one of {_EXPERT_LIST} with the expert's number")
+    family = indexed_family(op)
+    if family:
+        if what != "output" or path or op.split("#")[0][len(family) + 1 :] not in INDEXED_SUBS[family]:
+            word, index, _ = _SUB_WORD[family]
+            raise SpecError(f"{word} sub-site {op!r} is one tensor, one of {_SUB_LIST[family]} with {index}")
         return op
     if what not in ("input", "output"):
         raise SpecError(f"an op's value is its 'input' or 'output', not {what!r}")
@@ -410,8 +448,8 @@ def op_text(label: str) -> str:
     """
     if label.startswith("attn."):
         return label[:-2] if label.endswith("#0") else label
-    if label.startswith("expert."):
-        return label  # the expert's number is always written: expert 0 is one expert of many
+    if indexed_family(label):
+        return label  # the index is always written: expert 0 is one expert of many
     return f"op[{label}]"
 
 
@@ -429,11 +467,15 @@ def split_op_leaf(text: str, *, shown: str | None = None) -> tuple[str, int | No
         if attn is None or attn["sub"] not in ATTN_KINDS:
             raise SpecError(f"{shown or repr(text)} names no attention sub-site; expected {_ATTN_LIST} (then '#1' ...)")
         return f"attn.{attn['sub']}", int(attn["index"] or 0), "output", ""
-    if text.startswith("expert."):
-        expert = _EXPERT_LEAF.match(text)
-        if expert is None or expert["kind"] not in EXPERT_KINDS:
-            raise SpecError(f"{shown or repr(text)} names no expert sub-site; expected {_EXPERT_LIST} (then '#3' ...)")
-        return f"expert.{expert['kind']}", int(expert["index"]) if expert["index"] else None, "output", ""
+    if indexed_family(text):
+        sub = _INDEXED_LEAF.match(text)
+        family = text.partition(".")[0]
+        if sub is None or sub["kind"] not in INDEXED_SUBS[family]:
+            word, _, example = _SUB_WORD[family]
+            raise SpecError(
+                f"{shown or repr(text)} names no {word} sub-site; expected {_SUB_LIST[family]} (then {example})"
+            )
+        return f"{family}.{sub['kind']}", int(sub["index"]) if sub["index"] else None, "output", ""
     if not text.startswith("op["):
         return None
     match = _OP_LEAF.match(text)

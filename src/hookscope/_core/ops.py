@@ -75,10 +75,10 @@ from hookscope._core.op_mode import _INHERIT, _OFF, OpListener, _Frame, _Inherit
 from hookscope._core.op_sites import OpPattern, OpSite, op_name, op_pattern
 from hookscope._core.select import ensure_module
 from hookscope._core.tracker import CallTracker
-from hookscope._core.wrap import WrapSpec, calls_through_module_call
+from hookscope._core.wrap import WrapSpec, calls_through_module_call, is_wrapper
 from hookscope.errors import SpecError, UnsupportedModelError
 
-__all__ = ["OpPattern", "OpSite", "OpWatcher", "op_name", "op_pattern"]
+__all__ = ["OpPattern", "OpSite", "OpWatcher", "op_name", "op_pattern", "set_forward_tap"]
 
 
 def _refuse_replicas(model: nn.Module) -> None:
@@ -103,6 +103,42 @@ def _bare_forward(name: str, module: nn.Module) -> UnsupportedModelError:
         f"watches cannot see its calls; watch the module making that call instead ({module_label(parent)!r}), "
         "whose op sites then include this module's ops"
     )
+
+
+#: A forward tap per module (``id``): ``tap(module, forward, args, kwargs)`` runs instead of the
+#: module's forward, inside the innermost op watch of the module (every watch's call open), and
+#: returns what the forward returns; hookscope's arch layer sets one where a sub-site is read by
+#: recomputing from the forward's arguments (:mod:`~hookscope._arch.ssm`).
+_FORWARD_TAPS: dict[int, Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]] = {}
+
+
+class _Tapping(threading.local):
+    """The modules whose forward tap runs on this thread now: a tap runs once per call."""
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+
+
+_TAPPING = _Tapping()
+
+
+def set_forward_tap(module: nn.Module, tap: Callable[..., Any] | None) -> None:
+    """Make ``tap`` the forward tap of ``module`` (None: take it off)."""
+    if tap is None:
+        _FORWARD_TAPS.pop(id(module), None)
+    else:
+        _FORWARD_TAPS[id(module)] = tap
+
+
+def _tapped(tap: Callable[..., Any], module: nn.Module, inner: Callable[..., Any], key: int) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        _TAPPING.keys.add(key)
+        try:
+            return tap(module, inner, args, kwargs)
+        finally:
+            _TAPPING.keys.discard(key)
+
+    return forward
 
 
 class OpWatcher(Scoped):
@@ -253,6 +289,9 @@ class OpWatcher(Scoped):
             frame = _Frame(selected, call, key)
             if not stack and not claim():
                 return inner(*args, **kwargs)
+            tap = _FORWARD_TAPS.get(key)
+            if tap is not None and not is_wrapper(inner) and key not in _TAPPING.keys:
+                return run(frame, _tapped(tap, module, inner, key), args, kwargs)
             return run(frame, inner, args, kwargs)
 
         return loud

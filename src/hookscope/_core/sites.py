@@ -110,7 +110,7 @@ class Site:
         if op_leaf is not None:
             op, index, side, inner = op_leaf
             if index is None:
-                example = f"{op}#0" if op.startswith("expert.") else f"op[{op}#0]"
+                example = f"{op}#0" if op.startswith(("expert.", "ssm.")) else f"op[{op}#0]"
                 raise SpecError(f"site {text!r} names no op index; a site names one, e.g. ':{example}'")
             module = unescape_name(match["module"])
             return cls(module, int(match["call"] or 0), side, inner, op=f"{op}#{index}")  # type: ignore[arg-type]

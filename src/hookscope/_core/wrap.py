@@ -22,7 +22,7 @@ from hookscope._core.compat.internals import CALL_IMPL, COMPILED_CALL_IMPL, call
 from hookscope._core.names import module_label
 from hookscope.errors import HookscopeError, SpecError, UnsupportedModelError
 
-__all__ = ["WrapHandle", "WrapKind", "WrapSpec", "calls_through_module_call", "copied_error"]
+__all__ = ["WrapHandle", "WrapKind", "WrapSpec", "calls_through_module_call", "copied_error", "is_wrapper"]
 
 #: What a :class:`WrapSpec` runs around: ``"call"`` the module's whole call (its hooks, from the
 #: first pre-hook to the last forward hook, and the forward), ``"forward"`` its forward alone;
@@ -74,6 +74,11 @@ def calls_through_module_call(module: nn.Module) -> bool:
     """Whether calling ``module`` goes through ``nn.Module.__call__`` (so a ``"call"`` wrap sees
     the call): False for classes that override ``__call__`` (torch.compile's ``OptimizedModule``)."""
     return type(module).__call__ is nn.Module.__call__
+
+
+def is_wrapper(attribute: object) -> bool:
+    """Whether a module's ``forward`` (or ``_call_impl``) as found is one of hookscope's wrappers."""
+    return isinstance(attribute, _Wrapper)
 
 
 class _Wrapper:

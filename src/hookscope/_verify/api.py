@@ -20,6 +20,7 @@ from hookscope._verify.compile_checks import check_compile
 from hookscope._verify.edit_checks import check_edits
 from hookscope._verify.expert_checks import check_experts
 from hookscope._verify.report import VerifyReport, VerifyRow
+from hookscope._verify.ssm_checks import check_ssm
 from hookscope._verify.std_checks import check_std
 from hookscope._verify.subject import Example, Subject, last_line
 from hookscope._verify.trace_checks import check_trace
@@ -28,7 +29,9 @@ from hookscope.errors import SpecError
 __all__ = ["CHECKS", "verify"]
 
 #: Every check, in the order it runs.
-CHECKS: tuple[str, ...] = ("capture", "gradients", "edits", "trace", "attention", "experts", "std", "compile")
+CHECKS: tuple[str, ...] = (
+    "capture", "gradients", "edits", "trace", "attention", "experts", "ssm", "std", "compile",
+)  # fmt: skip
 
 
 def verify(
@@ -62,12 +65,14 @@ def verify(
     - ``experts`` (mixtures of experts only): every expert's rows of every fused experts module,
       read through the tap, against a float64 reference from the fused weights; the tapped output
       against the clean one; ``zero`` at one expert's output against a raw hook's routing weight 0.
+    - ``ssm`` (Mamba and Mamba-2 mixers only): every value the state-space tap reads against the
+      recurrence run token by token in float64; the decay halved against the same edit by hand.
     - ``std``: each resolved ``std:`` name against the raw value it names; each missing one a
       refusal with its reason.
     - ``compile``: a capture under ``torch.compile(model, backend=compile)`` against the eager raw
       values (``compile=False`` skips it; ``"inductor"`` compiles for real, minutes on a CPU).
 
-    Cost: about ``4 * sample + 16`` forwards (3 more with fused experts) and one backward of
+    Cost: about ``4 * sample + 16`` forwards (3 more with fused experts or state-space mixers) and one backward of
     ``model`` on ``example`` (the report states the count), plus a compile; every hook of
     hookscope's and of the report's is removed (transformers keeps the hooks it installs for
     ``output_attentions``), and the train/eval mode, parameters and torch's generator put back,
@@ -119,6 +124,7 @@ def verify(
             "trace": lambda: check_trace(subject),
             "attention": lambda: check_attention(subject),
             "experts": lambda: check_experts(subject),
+            "ssm": lambda: check_ssm(subject),
             "std": lambda: check_std(subject),
             "compile": lambda: check_compile(subject, backend) if backend else None,
         }

@@ -37,7 +37,7 @@ def check_std(subject: Subject) -> None:
             return
         modules = frozenset(_parse(std[n].read).module for n in names if std[n].kind != "attn")
         plain = [_parse(std[n].read) for n in names if std[n].kind != "attn"]
-        ops = _op_references(subject, [site for site in plain if not site.op.startswith("expert.")])
+        ops = _op_references(subject, [site for site in plain if not site.op.startswith(("expert.", "ssm."))])
         with (
             RawRecorder(subject.model, only=modules) as recorder,
             capture(subject.model, layers=[f"std:{n}" for n in names]) as cap,
@@ -112,6 +112,22 @@ def _expert_problem(name: str, parsed: Site, cache: Any, subject: Subject) -> st
     return "" if good else f"std:{name} is not the float64 reference of {parsed}"
 
 
+def _ssm_problem(name: str, parsed: Site, cache: Any, subject: Subject) -> str | None:
+    """``""`` when a mixer's name equals the state-space check's float64 reference, the problem
+    otherwise, None where there is none."""
+    reference = subject.ssm.get(parsed.module)
+    kind = split_op_label(parsed.op)[0].removeprefix("ssm.")
+    if reference is None or parsed.call != 0 or kind not in reference:
+        return None
+    try:
+        got = cache[f"std:{name}"]
+    except HookscopeError as error:
+        return f"std:{name}: {error.args[0]}"
+    want = reference[kind]
+    want = want.reshape(got.shape) if want.numel() == got.numel() else want
+    return "" if close(got, want, rtol=1e-4, atol=1e-5) else f"std:{name} is not the float64 recurrence's {parsed}"
+
+
 def _compare(
     name: str, site: Any, cache: Any, recorder: RawRecorder, ops: dict[str, OpRecorder], subject: Subject
 ) -> str | None:
@@ -119,6 +135,8 @@ def _compare(
     parsed = _parse(site.read)
     if parsed.op.startswith("expert."):
         return _expert_problem(name, parsed, cache, subject)
+    if parsed.op.startswith("ssm."):
+        return _ssm_problem(name, parsed, cache, subject)
     if parsed.op:
         if parsed.module not in ops or parsed.what != "output":
             return None

@@ -97,6 +97,8 @@ class Subject:
     #: The experts check's float64 reference for each fused experts module's first call, per
     #: ``(kind, expert)`` (what the std check reads expert names against).
     experts: dict[str, dict[tuple[str, int], torch.Tensor]] = field(default_factory=dict)
+    #: The state-space check's float64 reference for each Mamba mixer's first call, per kind.
+    ssm: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     #: Where two plain forwards on the same input (the generator reseeded) differed, or "".
     unsteady: str = ""

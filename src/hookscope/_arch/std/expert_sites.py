@@ -1,4 +1,6 @@
-"""A mixture of experts in a canonical map: ``blocks.{i}.mlp.experts.{e}.*`` and the routing.
+"""Values inside a block's sublayer, in a canonical map: a mixture of experts
+(``blocks.{i}.mlp.experts.{e}.*`` and the routing) and a state-space mixer
+(``blocks.{i}.mixer.*``).
 
 Why a module of its own: a fused experts module (:mod:`~hookscope._arch.experts`) holds every
 expert, so its names are not one per module but one per expert and value, read through the
@@ -14,12 +16,13 @@ top_k_weights)``, whatever the router returns first.
 
 from __future__ import annotations
 
+from hookscope._arch.ssm import MAMBA1_KINDS
 from hookscope._arch.std.observe import Seen
 from hookscope._core.names import escape_name
-from hookscope._core.op_sites import EXPERT_KINDS
+from hookscope._core.op_sites import EXPERT_KINDS, SSM_KINDS
 from hookscope._core.std_names import StdSite
 
-__all__ = ["expert_sites"]
+__all__ = ["expert_sites", "mixer_subs"]
 
 _ROUTING = {"choice": "[1]", "weights": "[2]"}
 
@@ -51,4 +54,22 @@ def expert_sites(
                 missing[full] = "its experts have no gate: the one projection before the activation is .pre"
                 continue
             text = f"{written}:expert.{kind}#{expert}"
+            sites[full] = StdSite(full, text, text, None, "op")
+
+
+def mixer_subs(
+    sites: dict[str, StdSite], missing: dict[str, str], name: str, mixer: str | None, found: str | None
+) -> None:
+    """Name ``{name}.{kind}`` (``blocks.3.mixer.decay``) for each value of the mixer the
+    state-space tap reads (:mod:`~hookscope._arch.ssm`; ``found``: which mixer it is), or say why not."""
+    for kind in SSM_KINDS:
+        full = f"{name}.{kind}"
+        if found is None:
+            missing[full] = "the mixer is not a Mamba or Mamba-2 mixer hookscope can read inside"
+        elif kind == "state":
+            missing[full] = "one state per token: select it on the mixer by position, e.g. 'MIXER:ssm.state#5'"
+        elif found == "mamba" and kind not in MAMBA1_KINDS:
+            missing[full] = "Mamba (version 1) decays per channel and state: no one attention matrix per head"
+        else:
+            text = f"{escape_name(str(mixer))}:ssm.{kind}#0"
             sites[full] = StdSite(full, text, text, None, "op")

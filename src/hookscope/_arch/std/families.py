@@ -138,6 +138,18 @@ def _one(name: str, model_types: tuple[str, ...], stack: Stack, unembed: str | N
     return Family(name, model_types, (stack,), unembed=unembed)
 
 
+def _mamba() -> Stack:
+    """Mamba and Mamba-2: a norm, a state-space mixer, one residual add; no attention, no MLP."""
+    return Stack(
+        "",
+        "layers",
+        Block(ln1="norm", mixer="mixer"),
+        embed="embeddings",
+        ln_final="norm_f",
+        no_pos_embed="a state-space model has no positions: the scan runs in token order",
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
     _one(
         "GPT-2",
@@ -206,6 +218,8 @@ FAMILIES: tuple[Family, ...] = (
             ln_final="decoder.final_layer_norm",
         ),
     ),
+    _one("Mamba", ("mamba",), _mamba()),
+    _one("Mamba-2", ("mamba2",), _mamba()),
     _one("Llama", ("llama",), _LLAMA),
     _one("Mistral", ("mistral",), _LLAMA),
     _one("Qwen2", ("qwen2",), _LLAMA),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hookscope._arch.experts import fused_experts
+from hookscope._arch.ssm import flavour
 from hookscope._arch.std.shared import refuse_shared_role, refuse_tied, shared_stateless
 from hookscope._arch.std.spec import Family, Stack
 from hookscope.errors import StdMapError
@@ -30,6 +31,8 @@ class _BlockPlan:
     #: The block's fused mixture-of-experts module: its name, expert count and whether its
     #: experts have a gate (an ``up`` projection apart from ``pre``), or None.
     experts: tuple[str, int, bool] | None = None
+    #: Which state-space mixer the block's ``mixer`` is (``"mamba2"``, ``"mamba"``), or None.
+    ssm: str | None = None
 
     @property
     def core(self) -> str:
@@ -50,7 +53,7 @@ class _StackPlan:
 
 
 _ROLE_FIELDS = (
-    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "mlp_in", "act", "mlp_proj", "router",
+    "ln1", "attn", "attn_out", "ln2", "mlp", "mlp_out", "mlp_in", "act", "mlp_proj", "router", "mixer",
     "cross_attn", "cross_attn_out", "ln_cross", "resid_mid", "resid_mid_cross",
 )  # fmt: skip
 
@@ -112,7 +115,8 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
                 check=f"no {missing_core[0]}",
             )
         norms = [found for norm in stack.block.norms if (found := _find(names, block_name, norm))]
-        blocks.append(_BlockPlan(block_name, roles, why, norms, _experts_of(by_name, block_name)))
+        ssm = flavour(by_name[roles["mixer"]]) if roles["mixer"] is not None else None
+        blocks.append(_BlockPlan(block_name, roles, why, norms, _experts_of(by_name, block_name), ssm))
         index += 1
     around = {
         "embed": _find(names, base, stack.embed),

@@ -23,7 +23,7 @@ from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._arch.std.attn_sites import ATTN_SUBS, attention_subs
-from hookscope._arch.std.expert_sites import expert_sites
+from hookscope._arch.std.expert_sites import expert_sites, mixer_subs
 from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
 from hookscope._arch.std.place import readings, same_values, scale_of, scaled_add
@@ -205,6 +205,9 @@ class _StackResolver:
         name = f"{self.prefix}blocks.{index}"
         self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
         self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
+        if roles["mixer"] is not None and roles["attn"] is None:
+            self._mixer_block(index, block)
+            return
         self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._no_norm(block, "attention")), index)
         self._feeding("ln1", index, roles["ln1"], roles["attn"], "attention module")
         self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
@@ -221,6 +224,25 @@ class _StackResolver:
             added = f"{name}.resid_mid" in self.sites
             self._unchecked(f"{name}.attn", added or (summed and before_mlp is None and self.sums))
             self._unchecked(f"{name}.mlp", summed)
+
+    def _mixer_block(self, index: int, block: _BlockPlan) -> None:
+        """A state-space block: norm, mixer, one add (``resid_post == resid_pre + mixer``)."""
+        roles, name = block.roles, f"{self.prefix}blocks.{index}"
+        mixer = roles["mixer"]
+        self._module_site("ln1", roles["ln1"], "output", self._unfound("ln1"), index)
+        self._feeding("ln1", index, roles["ln1"], mixer, "mixer")
+        self._module_site("mixer", mixer, "output", self._unfound("mixer"), index)
+        mixer_subs(self.sites, self.missing, f"{name}.mixer", mixer, block.ssm)
+        for role in ("attn", "resid_mid", "ln2", "mlp"):
+            self.missing[f"{name}.{role}"] = "a state-space block has a mixer in place of attention, and no MLP"
+        self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")
+        added = self._value(f"{name}.mixer")
+        if added is None:
+            raise self._error(f"no mixer output to add (block {index})", block.name)
+        check = f"resid_post == resid_pre + mixer (block {index})"
+        post = self.seen.output(block.name)
+        summed = self._sum(check, block.name, self.seen.input(block.name).to(post.dtype), added.to(post.dtype))
+        self._expect(post, summed, check, block.name)
 
     def _unchecked(self, name: str, checked: bool) -> None:
         if checked or name not in self.sites:
@@ -279,8 +301,9 @@ class _StackResolver:
         """Why a role has no module: the table has none, or the detector could not place one."""
         if not self.family.detected:
             return f"{self.family.name} blocks have no {role} module"
-        words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention"}
-        return f"the structural detector found no {role} module in a block (a class or attribute named {words[role]})"
+        words = {"mlp": "mlp, ffn, feed_forward or experts", "attn": "attn or attention", "mixer": "mixer"}
+        what = words.get(role, role)
+        return f"the structural detector found no {role} module in a block (a class or attribute named {what})"
 
     def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
         """Name ``resid_mid`` and return its value, or None where it is not defined."""

@@ -43,6 +43,9 @@ class Block:
         mlp_proj: the MLP's output projection: ``mlp.post`` is its input (for a gated MLP, the
             activation times the up projection).
         router: a mixture-of-experts router: ``mlp.router`` is the first tensor it returns.
+        mixer: a state-space block's mixer (Mamba, Mamba-2), in place of attention: ``mixer`` is
+            what it adds to the stream and ``mixer.z|conv|x|B|C|dt|decay|pattern|y|out`` its
+            values (:mod:`~hookscope._arch.ssm`).
         cross_attn, cross_attn_out, ln_cross: the same three for a decoder's cross-attention.
         resid_mid: a module whose output is the residual stream after attention, where the
             add happens inside a module (T5's sublayers, BLOOM's attention); else the resolver
@@ -66,6 +69,7 @@ class Block:
     act: str | None = None
     mlp_proj: str | None = None
     router: str | None = None
+    mixer: str | None = None
     cross_attn: str | None = None
     cross_attn_out: str | None = None
     ln_cross: str | None = None
