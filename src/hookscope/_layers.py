@@ -18,6 +18,8 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import nn
 
+from hookscope._arch.positions import positions_mask
+from hookscope._arch.samples.multimodal import image_token
 from hookscope._arch.std import StdMap, std_map
 from hookscope._core.attach import HookGroup
 from hookscope._core.compat.offload import ensure_loaded
@@ -30,7 +32,7 @@ from hookscope._core.tracker import CallTracker
 from hookscope._shared.shapes import format_shape
 from hookscope._shared.tables import Column, Table
 from hookscope._shared.units import counted
-from hookscope.errors import SiteNotFoundError, SpecError
+from hookscope.errors import HookscopeError, SiteNotFoundError, SpecError
 
 __all__ = ["Layer", "LayerTable", "layers"]
 
@@ -64,6 +66,9 @@ class LayerTable:
         self.ops = ops
         #: The canonical names of the model's sites, with ``hs.layers(model, std=True)``.
         self.std: StdMap | None = None
+        #: A vision-language model's image positions in the example (``token_mask="image"``), as
+        #: a line: how many of row 0's tokens hold an image, and where; "" for other models.
+        self.image_positions = ""
         self._by_name = {row.name: row for row in rows}
 
     @property
@@ -136,7 +141,8 @@ class LayerTable:
     def __str__(self) -> str:
         text = self._table().text()
         text = text if self.ops is None else f"{text}\n\n{self._op_table(self.ops).text()}"
-        return text if self.std is None else f"{text}\n\n{self.std.table()}"
+        text = text if self.std is None else f"{text}\n\n{self.std.table()}"
+        return f"{text}\n{self.image_positions}" if self.image_positions else text
 
     def __repr__(self) -> str:
         return str(self)
@@ -198,7 +204,31 @@ def layers(
     table = LayerTable(rows, count(unique), count(p for p in unique if p.requires_grad), op_calls)
     if std:
         table.std = std_map(model, *example_args, **example_kwargs)
+        table.image_positions = _image_positions(model, example_args, example_kwargs)
     return table
+
+
+def _image_positions(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``image positions: 16 of 32 tokens of row 0 (1-16; image token 999; token_mask='image')``."""
+    config = getattr(model, "config", None)
+    placeholder = image_token(config)
+    if placeholder is None or not any(name in kwargs for name in ("pixel_values", "pixel_values_videos")):
+        return ""
+    try:
+        mask = positions_mask(config, "image", args, kwargs)[0]
+    except HookscopeError:
+        return ""
+    where = mask.nonzero().flatten().tolist()
+    spans, start = [], None
+    for index, position in enumerate(where):
+        start = position if start is None else start
+        if index + 1 == len(where) or where[index + 1] != position + 1:
+            spans.append(f"{start}-{position}" if position > start else str(start))
+            start = None
+    return (
+        f"image positions: {len(where)} of {mask.numel()} tokens of row 0 ({', '.join(spans) or 'none'}; image token "
+        f"{placeholder}; select them with token_mask='image', positions='image')"
+    )
 
 
 def _op_modules(

@@ -270,7 +270,8 @@ def test_two_towers_each_name_their_own_blocks_and_embedding_siglip() -> None:
     inputs["pixel_values"] = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
     std = hs.std_map(model, **inputs)
     assert std["text.embed"].module == "text_model.embeddings.token_embedding"
-    assert "vision.embed" not in std  # the text tower's embedding is not the vision tower's
+    assert std["vision.embed"].module == "vision_model.embeddings"  # its own patch embedding, not the text tower's
+    assert "projector" not in std.missing  # a dual encoder has no language model to project into
     towers = {"text": "text_model.encoder.layers.1", "vision": "vision_model.encoder.layers.1"}
     hand = raw(model, list(towers.values()), lambda: model(**inputs))
     names = [f"{tower}.blocks.1.{role}" for tower in towers for role in ("resid_pre", "resid_post")]

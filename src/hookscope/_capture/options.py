@@ -95,7 +95,9 @@ class CaptureOptions(Options):
     """Which keyword input of the model's call marks its real tokens, for the named reductions over
     dimension 1 (``"mean:1"``, ``"last:1"``, ...), which then leave padding out as ``hs.extract``
     does: ``"auto"`` (default) reads ``attention_mask`` when the call has a 2-D one; a name reads
-    that keyword, which every call must have; None never masks. An attention kernel's values
+    that keyword, which every call must have; None never masks. On a vision-language model,
+    ``"image"`` uses the positions holding image tokens only, ``"text"`` the other real tokens
+    (:mod:`hookscope._arch.positions`). An attention kernel's values
     (``:attn.*`` sub-sites, ``op[scaled_dot_product_attention]``) are never masked: their
     dimension 1 is the heads.
     """

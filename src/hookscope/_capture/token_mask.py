@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from hookscope._arch.positions import POSITION_WORDS, positions_mask
 from hookscope._capture.keeper import Keeper
 from hookscope._capture.options import CaptureOptions
 from hookscope._core.attach import HookSpec
@@ -30,7 +31,12 @@ def token_mask_specs(model: nn.Module, keeper: Keeper, options: CaptureOptions) 
         return []
     required = options.token_mask != "auto"
 
+    config = getattr(model, "config", None)
+
     def read(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if key in POSITION_WORDS:  # a vision-language model's image or text positions
+            keeper.token_mask = positions_mask(config, key, args, kwargs)
+            return
         found = mask_of(kwargs, key)
         if found is None and required:
             present = ", ".join(repr(name) for name in kwargs) or "none"

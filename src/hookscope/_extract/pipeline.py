@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._arch.positions import POSITION_WORDS
 from hookscope._capture import Capture, CaptureOptions, capture
 from hookscope._core.names import escape_name, leaf_label, named_modules, split_leaf_selector
 from hookscope._core.op_sites import op_pattern, split_op_label
@@ -364,8 +365,8 @@ def forward(
 
 
 def _check_mask(kwargs: dict[str, Any], key: str | None, required: bool, batch: Batch) -> None:
-    if key is None or mask_of(kwargs, key) is not None:
-        return
+    if key is None or key in POSITION_WORDS or mask_of(kwargs, key) is not None:
+        return  # image or text positions: read off input_ids by the capture
     if required:
         present = ", ".join(repr(k) for k in kwargs) or "none"
         raise SpecError(

@@ -36,7 +36,7 @@ from hookscope.errors import SpecError
 
 __all__ = ["Cell", "Grid", "Heads", "Positions", "SiteLayout", "check_num_heads", "lay_out"]
 
-Positions = Literal["each", "all"] | Sequence[int]
+Positions = Literal["each", "all", "image", "text"] | Sequence[int]
 Heads = bool | Sequence[int]
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from hookscope._arch.positions import POSITION_WORDS, positions_mask
 from hookscope._capture import Cache, run_with_capture
 from hookscope._core.compat.offload import ensure_loaded
 from hookscope._core.select import Selector
@@ -138,11 +139,29 @@ def plan_study(
             "(loss at the last position predicts nothing)"
         )
     found = patch_sites(model, chosen, runs.other)
+    positions = _word_positions(model, positions, clean_in)
     grid = lay_out(model, found, runs.other, runs.base, positions, heads, num_heads, base_in.rows)
     return Plan(
         model, metric, base_in, found, runs.other, runs.base, grid.cells, grid.dims, grid.coords, grid.shape,
         grid.layouts, clean_score, corrupted_score, runs.per_row, direction, metric_name(metric), grads=runs.grads,
     )  # fmt: skip
+
+
+def _word_positions(model: nn.Module, positions: Positions, clean: Inputs) -> Positions:
+    """``positions="image"`` (``"text"``): the positions of a vision-language model's image (text)
+    tokens in the clean input, the same in every row (:mod:`hookscope._arch.positions`)."""
+    if not isinstance(positions, str) or positions not in POSITION_WORDS:
+        return positions
+    mask = positions_mask(getattr(model, "config", None), positions, clean.args, clean.kwargs)
+    if not bool((mask == mask[:1]).all()):
+        raise SpecError(
+            f"positions={positions!r}: the clean rows hold their {positions} tokens at different positions; a sweep "
+            "patches one position in every row: give rows of one layout, or list the positions"
+        )
+    found = mask[0].nonzero().flatten().tolist()
+    if not found:
+        raise SpecError(f"positions={positions!r}: the clean input holds no {positions} token")
+    return [int(position) for position in found]
 
 
 @dataclass
@@ -374,8 +393,9 @@ def patch_sweep(
             with ``heads``, ``std:blocks.*.attn.z``). Where a value holds its positions follows
             from the site: an attention sub-site (``attn.z``, ``attn.pattern``, ``attn.q``, ...)
             is ``(batch, heads, seq, ...)``, any other value ``(batch, seq, ...)``.
-        positions: ``"each"`` (every position on its own, default), a list of positions, or
-            ``"all"`` (every position at once: one column).
+        positions: ``"each"`` (every position on its own, default), a list of positions,
+            ``"all"`` (every position at once: one column), or on a vision-language model
+            ``"image"`` (``"text"``): each position holding an image (text) token in the clean rows.
         heads: ``True`` patches each head on its own, or a list of heads: dim 1 of an attention
             sub-site, or the last dim of a merged value read as ``num_heads`` blocks.
         num_heads: how many heads a merged ``(batch, seq, hidden)`` value holds (the input of

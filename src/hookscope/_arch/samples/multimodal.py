@@ -85,6 +85,22 @@ def image_feature_count(model: nn.Module, inputs: dict[str, torch.Tensor]) -> in
     return int(total) // max(1, batch)
 
 
+def _variants(inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The layouts of one image that families take, tried in turn: as made; without its size;
+    one image per row as a 5-D ``(batch, images, channels, height, width)`` (Idefics3, SmolVLM);
+    a tiled image of 2, 3 or 5 crops beside its size (LLaVA-NeXT's base view plus tiles)."""
+    found = [inputs, {key: value for key, value in inputs.items() if key != "image_sizes"}]
+    pixels = inputs.get("pixel_values")
+    if pixels is not None and pixels.dim() == 4:
+        found.append({"pixel_values": pixels[:, None]})
+        if "image_sizes" in inputs:
+            found.extend(
+                {**inputs, "pixel_values": pixels[:, None].expand(-1, tiles, -1, -1, -1).contiguous()}
+                for tiles in (2, 3, 5)
+            )
+    return found
+
+
 def with_image(
     model: nn.Module,
     config: object,
@@ -100,7 +116,7 @@ def with_image(
     if placeholder is None or inputs is None:
         return None
     count = 0
-    for variant in (inputs, {key: value for key, value in inputs.items() if key != "image_sizes"}):
+    for variant in _variants(inputs):
         try:
             count = image_feature_count(model, variant)
         except Exception:  # a family-specific need (tiles, masks, sizes): try the next, else text only

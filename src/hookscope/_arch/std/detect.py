@@ -19,6 +19,7 @@ import re
 
 from torch import nn
 
+from hookscope._arch.samples.multimodal import image_token
 from hookscope._arch.std.spec import Block, Family, Stack
 from hookscope._core.names import named_modules
 from hookscope.errors import StdMapError
@@ -51,7 +52,18 @@ def detect_family(model: nn.Module) -> Family:
     stacks = tuple(
         _stack(_tower(named, path, lists), path, prefix) for path, prefix in zip(lists, _prefixes(lists), strict=True)
     )
-    return Family("detected", (), stacks, unembed=_unembed(named, lists))
+    language = image_token(getattr(model, "config", None)) is not None and any(s.prefix == "vision" for s in stacks)
+    projector = _projector(named, lists) if language else None
+    return Family("detected", (), stacks, unembed=_unembed(named, lists), projector=projector, vision_language=language)
+
+
+_PROJECTOR = re.compile(r"^(multi_modal_projector|mm_projector|connector|merger|projector)$")
+
+
+def _projector(named: list[tuple[str, nn.Module]], lists: list[str]) -> str | None:
+    """A vision-language model's projector: the outermost module named so outside every block list."""
+    found = [n for n, _ in named if _PROJECTOR.match(n.rsplit(".", 1)[-1]) and not _under(n, lists)]
+    return _outermost(found)[0] if found else None
 
 
 _NORM = re.compile(r"Norm(Gated|alization)?(\dd)?$")
@@ -134,13 +146,29 @@ def _tower(named: list[tuple[str, nn.Module]], path: str, lists: list[str]) -> l
     return named
 
 
+#: The words of a block list's path that name its stack (a vision-language model's language model
+#: is its text stack, Qwen2-VL's ``visual`` its vision tower).
+_STACK_WORDS = {
+    "encoder": ("encoder",),
+    "decoder": ("decoder",),
+    "text": ("text", "language"),
+    "vision": ("vision", "visual"),
+}
+
+
 def _prefixes(lists: list[str]) -> list[str]:
     """One canonical prefix per block list, told apart by a word in its path: ``encoder`` and
-    ``decoder`` first, else ``text`` and ``vision`` (two towers, each with an ``encoder``)."""
+    ``decoder`` first, else ``text`` and ``vision`` (two towers, each with an ``encoder``; a
+    vision-language model's vision tower and language model)."""
     if len(lists) == 1:
         return [""]
-    for words in (("encoder", "decoder", "text", "vision"), ("vision", "text", "decoder", "encoder")):
-        found = [next((w for w in words if w in path.lower()), None) for path in lists]
+
+    def named(path: str, order: tuple[str, ...]) -> str | None:
+        lowered = path.lower()
+        return next((w for w in order if any(word in lowered for word in _STACK_WORDS[w])), None)
+
+    for words in (("vision", "text", "decoder", "encoder"), ("encoder", "decoder", "text", "vision")):
+        found = [named(path, words) for path in lists]
         if None not in found and len(set(found)) == len(found):
             return [w for w in found if w is not None]
     raise StdMapError(
@@ -244,7 +272,23 @@ def _embeddings(named: list[tuple[str, nn.Module]], path: str) -> tuple[str | No
             before.append((name, module))
     positions = [n for n, _ in before if re.search(r"pos|wpe", n.rsplit(".", 1)[-1], re.IGNORECASE)]
     tokens = sorted((m.num_embeddings, n) for n, m in before if n not in positions)
+    if not tokens:  # a vision tower: its patch embedding module (patches plus positions) feeds the blocks
+        patches = [n for n, _ in _before(named, path) if _PATCHES.match(n.rsplit(".", 1)[-1])]
+        return (_outermost(patches)[0] if patches else None), (positions[0] if positions else None)
     return (tokens[-1][1] if tokens else None), (positions[0] if positions else None)
+
+
+_PATCHES = re.compile(r"^(embeddings|patch_embed|patch_embedding)$")
+
+
+def _before(named: list[tuple[str, nn.Module]], path: str) -> list[tuple[str, nn.Module]]:
+    """The modules registered before the block list ``path``, within its tower."""
+    found = []
+    for name, module in named:
+        if name == path:
+            break
+        found.append((name, module))
+    return found
 
 
 def _final_norm(named: list[tuple[str, nn.Module]], path: str) -> str | None:

@@ -54,9 +54,10 @@ def resolve_family(
     name_of = {id(module): name for name, module in by_name.items()}
     stacks = [_plan(by_name, name_of, family, stack) for stack in family.stacks]
     unembed = _find(names, "", family.unembed)
+    projector = _find(names, "", family.projector)
     watched_blocks = [b.core for s in stacks for b in s.blocks if b.roles["resid_mid"] is None]
     attention = [m for s in stacks for b in s.blocks for m in (b.roles["attn"], b.roles["cross_attn"]) if m]
-    modules = {m for s in stacks for m in _modules_of(s)} | ({unembed} if unembed else set())
+    modules = {m for s in stacks for m in _modules_of(s)} | {m for m in (unembed, projector) if m}
     seen = observe(model, sorted(modules), watched_blocks, attention, inputs)
     seen.refuses_sdpa = refuses_sdpa(model)
     seen.merged_heads = {name: merged_heads(model, name, by_name[name]) for name in attention}
@@ -97,6 +98,7 @@ def _resolve(
     checks: list[str] = []
     for stack in stacks:
         _StackResolver(family, stack, seen, sites, missing, checks, layout, sums).run()
+    _projector_sites(family, sites, missing, seen)
     if unembed and seen.ran(unembed):
         sites["unembed"] = seen.site("unembed", unembed, "output")
     else:
@@ -108,6 +110,24 @@ def _resolve(
             else f"{family.name} has no unembedding"
         )
     return StdMap(family.name, sites, missing, tuple(checks))
+
+
+def _projector_sites(family: Family, sites: dict[str, StdSite], missing: dict[str, str], seen: Seen) -> None:
+    """``projector.in`` (the vision tower's tokens as the projector takes them) and ``projector``
+    (the image tokens in the language model's width) of a vision-language model."""
+    if not family.vision_language:
+        return
+    module = family.projector
+    if module is None or not seen.ran(module):
+        why = (
+            "no projector module (named multi_modal_projector, connector, merger or projector) outside the blocks"
+            if module is None
+            else "the projector did not run in the check forward: give the map an image (hs.sample_input makes one)"
+        )
+        missing["projector"] = missing["projector.in"] = why
+        return
+    sites["projector.in"] = seen.site("projector.in", module, "input")
+    sites["projector"] = seen.site("projector", module, "output")
 
 
 class _StackResolver:
@@ -151,10 +171,12 @@ class _StackResolver:
                     raise shared_block_error(self.family.name, what, role)
             pre, post = self.seen.input(block.name), self.seen.output(block.name)
             for label, value in (("resid_pre", pre), ("resid_post", post)):
-                if value.dim() != 3 or (width is not None and value.shape != width):
+                packed = value.dim() == 2 and self.plan.stack.prefix == "vision"  # Qwen2-VL: (patches, d_model)
+                if (value.dim() != 3 and not packed) or (width is not None and value.shape != width):
                     raise self._error(
                         f"{label} of block {index} ({block.name!r}) has shape {tuple(value.shape)}, expected "
-                        f"(batch, seq, d_model){' ' + str(tuple(width)) if width is not None else ''}",
+                        f"(batch, seq, d_model){' ' + str(tuple(width)) if width is not None else ''}"
+                        + (" (a vision tower's blocks may take packed patches, (patches, d_model))" if packed else ""),
                         block.name,
                     )
                 width = value.shape

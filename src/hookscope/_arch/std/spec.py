@@ -110,13 +110,19 @@ class Stack:
 class Family:
     """One architecture: the ``config.model_type`` values it covers and its stacks.
 
-    ``unembed`` is relative to the root (the head is outside the base model).
+    ``unembed`` is relative to the root (the head is outside the base model); so is
+    ``projector``, a vision-language model's module that takes the vision tower's tokens into
+    the language model's width (``projector.in`` is what it takes, ``projector`` what it gives).
     """
 
     name: str
     model_types: tuple[str, ...]
     stacks: tuple[Stack, ...]
     unembed: str | None = "lm_head"
+    projector: str | None = None
+    #: A vision-language model (its config names an image token): ``projector`` and
+    #: ``projector.in`` are named, or missing with the reason.
+    vision_language: bool = False
 
     @property
     def detected(self) -> bool:
