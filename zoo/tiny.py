@@ -232,6 +232,8 @@ def _overrides(values: dict[str, Any], level: int) -> dict[str, Any]:
             out[key] = new
     if level == 0 and isinstance(values.get("qk_rope_head_dim"), int):
         out.update(_latent_attention(values))
+    if level == 0:
+        out.update(_ssd_heads(values, out))
     found = out.get("text_config")
     text: dict[str, Any] = found if isinstance(found, dict) else {}
     multimodal = "vision_config" in values
@@ -284,6 +286,18 @@ def _latent_attention(values: dict[str, Any]) -> dict[str, Any]:
     if isinstance(values.get("q_lora_rank"), int):
         out["q_lora_rank"] = 32
     return out
+
+
+def _ssd_heads(values: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba-2 mixer's heads times their width must be ``expand * hidden_size``: the head count
+    follows the shrunk width (Mamba-2 and kin name them ``num_heads``, ``head_dim``, ``expand``)."""
+    if not all(isinstance(values.get(key), (int, float)) for key in ("expand", "num_heads", "head_dim")):
+        return {}
+    inner = int(values["expand"] * out.get("hidden_size", values.get("hidden_size", 0)))
+    head = int(out.get("head_dim", values["head_dim"]))
+    groups = int(out.get("n_groups", values.get("n_groups", 1)) or 1)
+    heads = inner // head if head and inner % head == 0 else 0
+    return {"num_heads": heads} if heads and heads % groups == 0 else {}
 
 
 def _sections(sections: list[int], total: int) -> list[int]:
