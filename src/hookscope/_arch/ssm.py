@@ -62,12 +62,15 @@ __all__ = ["MAMBA1_KINDS", "flavour", "mixer_values", "ssm_problem", "tap_ssm"]
 MAMBA1_KINDS = ("z", "conv", "x", "B", "C", "dt", "decay", "state", "y", "out")
 _MAMBA2 = ("in_proj", "conv1d", "out_proj", "A_log", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups")
 _MAMBA1 = ("in_proj", "conv1d", "out_proj", "A_log", "D", "x_proj", "dt_proj", "time_step_rank")
+#: What marks a variant whose arithmetic adds steps the tap does not take (Jamba's norms of dt, B
+#: and C; Falcon-H1's multipliers): such a mixer is not read (the output check would refuse it).
+_VARIANTS = ("dt_layernorm", "b_layernorm", "c_layernorm", "mup_vector", "ssm_multipliers", "zxbcdt_multipliers")
 
 
 def flavour(module: nn.Module) -> str | None:
     """``"mamba2"``, ``"mamba"`` or None: which mixer ``module`` is, by what it holds."""
     a_log = getattr(module, "A_log", None)
-    if not isinstance(a_log, torch.Tensor):
+    if not isinstance(a_log, torch.Tensor) or any(hasattr(module, name) for name in _VARIANTS):
         return None
     if a_log.dim() == 1 and all(hasattr(module, name) for name in _MAMBA2):
         return "mamba2"

@@ -126,9 +126,10 @@ def _mixers(subject: Subject) -> list[str]:
 
 def _inputs(subject: Subject, name: str) -> tuple[torch.Tensor, Any] | None:
     record = subject.reference.record(name) if subject.reference else None
-    if record is None or "[0]" not in record.inputs:
+    hidden = None if record is None else record.inputs.get("[0]", record.inputs.get("['hidden_states']"))
+    if record is None or hidden is None:
         return None
-    return record.inputs["[0]"], record.inputs.get("['attention_mask']", record.inputs.get("[2]"))
+    return hidden, record.inputs.get("['attention_mask']", record.inputs.get("[2]"))
 
 
 def check_ssm(subject: Subject) -> None:

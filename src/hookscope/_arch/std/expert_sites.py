@@ -62,10 +62,20 @@ def mixer_subs(
 ) -> None:
     """Name ``{name}.{kind}`` (``blocks.3.mixer.decay``) for each value of the mixer the
     state-space tap reads (:mod:`~hookscope._arch.ssm`; ``found``: which mixer it is), or say why not."""
+    not_read = {
+        "variant": (
+            "a Mamba variant whose arithmetic adds steps of its own (Jamba's norms of dt, B and C; Falcon-H1's "
+            "multipliers), which the state-space tap does not reproduce: read the mixer's submodules by name"
+        ),
+        "other": (
+            "the mixer is no Mamba or Mamba-2 mixer (a linear attention such as a gated delta net): its values "
+            "inside are not read; read its submodules by name"
+        ),
+    }
     for kind in SSM_KINDS:
         full = f"{name}.{kind}"
-        if found is None:
-            missing[full] = "the mixer is not a Mamba or Mamba-2 mixer hookscope can read inside"
+        if found not in ("mamba", "mamba2"):
+            missing[full] = not_read.get(str(found), not_read["other"])
         elif kind == "state":
             missing[full] = "one state per token: select it on the mixer by position, e.g. 'MIXER:ssm.state#5'"
         elif found == "mamba" and kind not in MAMBA1_KINDS:

@@ -150,6 +150,18 @@ def _mamba() -> Stack:
     )
 
 
+def _hybrid(ln2: str, mlp: str, *, mixer: str = "mamba", router: str | None = None) -> Stack:
+    """A hybrid's blocks: each has attention or a state-space (or linear-attention) mixer, then an MLP."""
+    return Stack(
+        "",
+        "layers",
+        Block(ln1="input_layernorm", attn="self_attn", mixer=mixer, ln2=ln2, mlp=mlp, router=router),
+        embed="embed_tokens",
+        ln_final="final_layernorm|norm",
+        no_pos_embed=_ROTARY,
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
     _one(
         "GPT-2",
@@ -219,6 +231,13 @@ FAMILIES: tuple[Family, ...] = (
         ),
     ),
     _one("Mamba", ("mamba",), _mamba()),
+    _one("Jamba", ("jamba",), _hybrid("pre_ff_layernorm", "feed_forward", router="feed_forward.router")),
+    _one("Bamba", ("bamba",), _hybrid("pre_ff_layernorm", "feed_forward")),
+    _one(
+        "Qwen3-Next",
+        ("qwen3_next",),
+        _hybrid("post_attention_layernorm", "mlp", mixer="linear_attn", router="mlp.gate"),
+    ),
     _one("Mamba-2", ("mamba2",), _mamba()),
     _one("Llama", ("llama",), _LLAMA),
     _one("Mistral", ("mistral",), _LLAMA),

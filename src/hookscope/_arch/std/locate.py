@@ -106,7 +106,8 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
         for role in stateless:  # one module object without weights in every block: its calls are not per block
             roles[role] = None
             why[role] = f"one module object without weights ({getattr(stack.block, role)!r}) serves every block"
-        missing_core = [role for role in ("ln1", "attn") if getattr(stack.block, role) and roles[role] is None]
+        core = ("ln1",) if roles["mixer"] is not None else ("ln1", "attn")  # a hybrid's block: attention or a mixer
+        missing_core = [role for role in core if getattr(stack.block, role) and roles[role] is None]
         if missing_core and not family.detected:  # a table whose core roles are gone: renamed or re-nested
             raise StdMapError(
                 f"the {family.name} table's {missing_core[0]} module {getattr(stack.block, missing_core[0])!r} is not "
@@ -115,7 +116,7 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
                 check=f"no {missing_core[0]}",
             )
         norms = [found for norm in stack.block.norms if (found := _find(names, block_name, norm))]
-        ssm = flavour(by_name[roles["mixer"]]) if roles["mixer"] is not None else None
+        ssm = _mixer_kind(by_name[roles["mixer"]]) if roles["mixer"] is not None else None
         blocks.append(_BlockPlan(block_name, roles, why, norms, _experts_of(by_name, block_name), ssm))
         index += 1
     around = {
@@ -131,6 +132,16 @@ def _plan(by_name: dict[str, nn.Module], name_of: dict[int, str], family: Family
         else f"{family.name} has no norm after the last block (each post-norm block ends in its own)",
     }
     return _StackPlan(stack, blocks, around, why, blocks_path)
+
+
+def _mixer_kind(module: nn.Module) -> str:
+    """``"mamba2"``, ``"mamba"``, ``"variant"`` (a Mamba mixer with steps of its own) or
+    ``"other"`` (a linear attention such as a gated delta net)."""
+    found = flavour(module)
+    if found is not None:
+        return found
+    mamba_like = all(hasattr(module, name) for name in ("A_log", "D", "conv1d", "in_proj", "out_proj"))
+    return "variant" if mamba_like else "other"
 
 
 def _experts_of(by_name: dict[str, nn.Module], block: str) -> tuple[str, int, bool] | None:

@@ -30,6 +30,7 @@ from hookscope._arch.std.place import readings, same_values, scale_of, scaled_ad
 from hookscope._arch.std.shared import SHARED_BLOCK, shared_block_error
 from hookscope._arch.std.spec import Block, Family, Layout
 from hookscope._core.names import escape_name, named_modules
+from hookscope._core.op_sites import SSM_KINDS
 from hookscope._core.std_names import StdMap, StdSite
 from hookscope.errors import StdMapError
 
@@ -227,14 +228,28 @@ class _StackResolver:
         name = f"{self.prefix}blocks.{index}"
         self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
         self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
-        if roles["mixer"] is not None and roles["attn"] is None:
+        mixing = roles["mixer"] is not None and roles["attn"] is None  # a state-space block or a hybrid's
+        if mixing and roles["mlp"] is None and roles["mlp_in"] is None:
             self._mixer_block(index, block)
             return
+        first = "mixer" if mixing else "attn"
+        what = "mixer" if mixing else "attention module"
         self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._no_norm(block, "attention")), index)
-        self._feeding("ln1", index, roles["ln1"], roles["attn"], "attention module")
-        self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
-        attention_subs(self.seen, self.sites, self.missing, f"{name}.attn", roles["attn"])
-        mid = self._residual_mid(index, block)
+        self._feeding("ln1", index, roles["ln1"], roles[first], what)
+        if mixing:
+            self._module_site("mixer", roles["mixer"], "output", self._unfound("mixer"), index)
+            mixer_subs(self.sites, self.missing, f"{name}.mixer", roles["mixer"], block.ssm)
+            for sub in ("attn", *(f"attn.{s}" for s in ATTN_SUBS)):
+                self.missing[f"{name}.{sub}"] = (
+                    "this block of a hybrid model has a state-space mixer in place of attention"
+                )
+        else:
+            self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
+            attention_subs(self.seen, self.sites, self.missing, f"{name}.attn", roles["attn"])
+            if self.block.mixer is not None:  # a hybrid's attention block: the mixer's names are the others'
+                for sub in ("mixer", *(f"mixer.{kind}" for kind in SSM_KINDS)):
+                    self.missing[f"{name}.{sub}"] = "this block of a hybrid model has attention in place of a mixer"
+        mid = self._residual_mid(index, block, first)
         before_mlp = self._cross(index, block, mid)
         self._module_site("ln2", roles["ln2"], "output", why.get("ln2", self._no_norm(block, "the MLP")), index)
         self._feeding("ln2", index, roles["ln2"], roles["mlp"] or roles["mlp_in"], "MLP")
@@ -327,19 +342,20 @@ class _StackResolver:
         what = words.get(role, role)
         return f"the structural detector found no {role} module in a block (a class or attribute named {what})"
 
-    def _residual_mid(self, index: int, block: _BlockPlan) -> torch.Tensor | None:
-        """Name ``resid_mid`` and return its value, or None where it is not defined."""
+    def _residual_mid(self, index: int, block: _BlockPlan, first: str = "attn") -> torch.Tensor | None:
+        """Name ``resid_mid`` and return its value, or None where it is not defined (``first``:
+        the sublayer before it, attention or a hybrid block's mixer)."""
         name = f"{self.prefix}blocks.{index}.resid_mid"
         roles = block.roles
         if not self.sums:
             return self._scaled_mid(name, index, block)
-        attn = self._value(f"{self.prefix}blocks.{index}.attn")
+        attn = self._value(f"{self.prefix}blocks.{index}.{first}")
         if attn is None:
-            self.missing[name] = "no attention output to add"
+            self.missing[name] = f"no {'mixer' if first == 'mixer' else 'attention'} output to add"
             return None
         mid = self._after_add(
             name, index, block, self.seen.input(block.name), attn, roles["resid_mid"], roles["ln1"],
-            roles["ln_cross"] or roles["ln2"], "resid_mid == resid_pre + attn",
+            roles["ln_cross"] or roles["ln2"], f"resid_mid == resid_pre + {first}",
         )  # fmt: skip
         if mid is None:
             parallel = self.layout == "parallel"
