@@ -238,6 +238,21 @@ def test_an_edit_of_the_gate_feeds_the_rest_of_the_expert() -> None:
     assert torch.equal(doubled.logits, expected_doubled)
 
 
+def test_the_routing_is_changed_at_the_experts_module_s_inputs() -> None:
+    model = tiny("mixtral")
+    name, module = experts_of(model)
+    x = tokens()
+    expected = rerouted(model, module, x, 1, 3.0)
+    with torch.no_grad():
+        out, editor = hs.run_with_edits(
+            model,
+            x,
+            edits={"std:blocks.1.mlp.router.weights": lambda value, ctx: value.where(ctx.args[1] != 1, value * 3)},
+        )
+    assert torch.equal(out.logits, expected)
+    assert editor.applied == {name: 1}
+
+
 def test_tokens_cannot_be_edited_and_a_replacement_keeps_the_rows_shape() -> None:
     model = tiny("mixtral")
     name, _ = experts_of(model)
@@ -324,6 +339,13 @@ def test_refusals_name_what_was_wrong_and_the_fix() -> None:
         hs.capture(model, layers=[f"{name}:expert.post#9"])
     with pytest.raises(SpecError, match="own ops do not run"):
         hs.capture(model, layers=[f"{name}:expert.post", f"{name}:op[linear]"])
+    with (  # the same, through two features: the op selector that never fired says why
+        pytest.raises(hs.CaptureError, match="its experts are tapped"),
+        hs.capture(model, layers=f"{name}:op[sort]"),
+        hs.edit(model, {f"{name}:expert.out#0": hs.edits.zero()}),
+        torch.no_grad(),
+    ):
+        model(tokens())
     module.config._experts_implementation = "sonicmoe"  # type: ignore[union-attr]
     try:
         with pytest.raises(SpecError, match="experts_implementation='grouped_mm'"):
@@ -390,6 +412,8 @@ def test_trace_experts_gives_each_expert_s_load_and_the_router_entropy() -> None
     assert "router entropy" in str(load)
     with pytest.raises(SpecError, match="holds no expert rows"):
         hs.trace(model, x).experts()
+    with pytest.raises(SpecError, match="experts=True and ops=True"):
+        hs.trace(model, x, experts=True, ops=True)
 
 
 def test_extract_stores_each_expert_per_token(tmp_path: Path) -> None:

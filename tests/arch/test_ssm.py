@@ -268,3 +268,16 @@ def test_verify_rates_the_mixers_supported(build: Any) -> None:
     assert rows["state-space mixers"].status == "SUPPORTED"
     assert rows["edit state-space"].status == "SUPPORTED"
     assert report.ok
+
+
+def test_an_edit_beside_a_hook_inside_the_mixer_is_refused_not_dropped() -> None:
+    model = mamba2()
+    mixer = model.get_submodule(MIXER)
+    x = tokens()
+    with pytest.raises(UnsupportedModelError, match="a hook inside it"):
+        hs.run_with_edits(model, x, edits={f"{MIXER}.out_proj": hs.edits.zero(), f"{MIXER}:ssm.y": hs.edits.scale(1.0)})
+    assert mixer is model.get_submodule(MIXER)
+    with pytest.raises(SpecError, match="separate runs"):
+        hs.capture(model, layers=[f"{MIXER}:ssm.y", f"{MIXER}:op[cat]"])
+    with pytest.raises(hs.CaptureError, match="no gradient"):
+        hs.capture(model, layers=f"{MIXER}:ssm.x", grads=True)

@@ -113,6 +113,11 @@ def test_extract_reduces_over_the_image_positions(tmp_path: Path) -> None:
         _, want = hs.run_with_capture(model, **kwargs, layers=[site], reduce="mean:1", token_mask="image")
     stored = torch.as_tensor(store[store.sites[0]][:])
     assert torch.allclose(stored, want[site], atol=1e-6)
+    padded = {key: torch.cat([value, value]) for key, value in kwargs.items()}
+    padded["attention_mask"] = torch.ones_like(padded["input_ids"])
+    padded["attention_mask"][1, -3:] = 0
+    per_token = hs.extract(model, [padded], layers=[site], out=tmp_path / "padded.zarr", mask="image", progress=False)
+    assert per_token.attention_mask is not None  # the padding mask is kept beside the image positions
 
 
 def test_a_model_without_an_image_token_refuses_image_positions() -> None:

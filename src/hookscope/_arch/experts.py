@@ -52,7 +52,7 @@ from hookscope._core.names import module_label
 from hookscope._core.op_mode import hookscope_work, report_value, watching
 from hookscope.errors import EditError, SpecError
 
-__all__ = ["TAPPABLE", "ExpertsTap", "FusedExperts", "experts_problem", "fused_experts", "tap_experts"]
+__all__ = ["TAPPABLE", "TAPS", "ExpertsTap", "FusedExperts", "experts_problem", "fused_experts", "tap_experts"]
 
 #: The implementations whose arithmetic the tap reproduces (``grouped_mm`` bit for bit).
 TAPPABLE = ("grouped_mm", "eager", "batched_mm")
@@ -248,7 +248,8 @@ class _Rows:
             if not editable:
                 raise EditError(
                     f"expert.{kind}#{e} is which token each row of expert {e} is: it cannot be edited; change the "
-                    "routing at expert.weights (a weight of 0 drops a row) or at the router's output"
+                    "routing at expert.weights (a weight of 0 drops a row), or at the experts module's inputs "
+                    "(std:blocks.{i}.mlp.router.weights and .choice)"
                 )
             if not isinstance(got, torch.Tensor) or got.shape != pieces[e].shape:
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__

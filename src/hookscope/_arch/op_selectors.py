@@ -25,7 +25,7 @@ from torch import nn
 
 from hookscope._arch.attention import HeadCounts, head_counts
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
-from hookscope._arch.experts import experts_problem, tap_experts
+from hookscope._arch.experts import TAPS, experts_problem, tap_experts
 from hookscope._arch.ssm import ssm_problem, tap_ssm
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
 from hookscope._core.op_sites import SDPA, OpPattern
@@ -129,6 +129,13 @@ class OpSelectors:
             problem = ssm_problem(module, name, set(kinds))
             if problem is not None:
                 raise SpecError(f"state-space sub-site selector {str(chosen[0])!r}: {problem}")
+            others = [pattern for _, pattern in self._per_module[name] if not pattern.op.startswith("ssm.")]
+            if others:
+                raise SpecError(
+                    f"{str(others[0])!r} and {str(chosen[0])!r} both select {module_label(name)!r}: an edit of its "
+                    "state-space values recomputes its output from its input, and its own ops are those of the "
+                    "forward without the edit; select them in separate runs"
+                )
             for pattern in chosen:
                 if pattern.op != "ssm.state" and pattern.index not in (None, "0"):
                     raise SpecError(
@@ -259,6 +266,13 @@ class OpSelectors:
                 f"expert sub-site selector {str(pattern)!r} matched nothing: {module_label(module)!r} ran, but not "
                 "through transformers' experts interface on the thread that attached the tap (its forward was "
                 "replaced, or it ran on another thread)"
+            )
+        tapped = TAPS.wanted(dict(self.modules)[module]) if module in dict(self.modules) else None
+        if tapped is not None and not pattern.op.startswith("expert."):
+            return (
+                f"op selector {str(pattern)!r} matched no op call of {module_label(module)!r}: its experts are tapped "
+                "(an expert sub-site is selected, by this or another hookscope feature), so hookscope computed them "
+                "and the module's own ops did not run; select its ops in a run without expert sub-sites"
             )
         if pattern.op in seen:  # the name ran, the index did not
             hint = f"{pattern.op!r} ran {seen[pattern.op]} time(s) per call: indices 0 to {seen[pattern.op] - 1}"

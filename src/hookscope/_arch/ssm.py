@@ -73,7 +73,8 @@ def flavour(module: nn.Module) -> str | None:
     if not isinstance(a_log, torch.Tensor) or any(hasattr(module, name) for name in _VARIANTS):
         return None
     if a_log.dim() == 1 and all(hasattr(module, name) for name in _MAMBA2):
-        return "mamba2"
+        norm = getattr(module, "norm", None)  # the gated RMS norm (Falcon-H1 without mamba_rms_norm has none)
+        return "mamba2" if hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") else None
     if a_log.dim() == 2 and all(hasattr(module, name) for name in _MAMBA1):
         return "mamba"
     return None
@@ -346,16 +347,25 @@ def _tap(module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], 
     steps = _Steps(lambda kind, index, value: report_value(module, f"ssm.{kind}", index, value), wants, kinds)
     with hookscope_work():
         recomputed = mixer_values(module, args, kwargs, steps)
-    if steps.edited:
-        return recomputed
-    if isinstance(output, torch.Tensor) and not _close(recomputed, output):
-        difference = float((recomputed.detach().float() - output.detach().float()).abs().max())
+        # an edited call is checked too, on the values without the edit (handed to no one)
+        plain = mixer_values(module, args, kwargs, _Steps(_unread, _none, set())) if steps.edited else recomputed
+    if isinstance(output, torch.Tensor) and not _close(plain, output):
+        difference = float((plain.detach().float() - output.detach().float()).abs().max())
         raise UnsupportedModelError(
             f"hookscope's reading of {type(module).__name__} does not reproduce its output (largest difference "
-            f"{difference:.3g}): its arithmetic is not Mamba's or Mamba-2's as transformers writes it, so its "
-            "state-space sub-sites would be wrong; select its submodules' values instead"
+            f"{difference:.3g}): its arithmetic is not Mamba's or Mamba-2's as transformers writes it, or a hook "
+            "inside it (an edit of one of its submodules) changes what it returns, so its state-space sub-sites "
+            "would be wrong and an edit of them would drop that change; select its submodules' values instead"
         )
-    return output
+    return recomputed if steps.edited else output
+
+
+def _unread(kind: str, index: int, value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def _none(kind: str, index: int) -> bool:
+    return False
 
 
 def _close(recomputed: torch.Tensor, output: torch.Tensor) -> bool:

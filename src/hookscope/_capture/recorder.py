@@ -104,6 +104,8 @@ class Capture(Scoped, LatestPass):
         plan = plan_sites(model, selectors, "read", owner="capture", error=CaptureError, check=_stop_check(options))
         std_names = plan.std
         self._ops = plan.ops
+        if options.grads and plan.ops is not None:
+            _refuse_ssm_grads(plan.ops.patterns)
         self._selected, self._leaves = (
             select_leaves(model, plan.selectors, whole_sides=self._whats) if plan.selectors else ([], {})
         )
@@ -452,3 +454,16 @@ def _describe(model: nn.Module, selectors: tuple[Selector, ...], options: Captur
         "selectors": [describe_selector(s) for s in selectors],
         **recorded,
     }
+
+
+def _refuse_ssm_grads(patterns: Any) -> None:
+    """``grads=True`` cannot reach a state-space value: it is recomputed beside the model's
+    forward (:mod:`hookscope._arch.ssm`), no part of the graph the backward runs through."""
+    for pattern in patterns:
+        if pattern.op.startswith("ssm."):
+            raise CaptureError(
+                f"grads=True and {str(pattern)!r}: a state-space value is recomputed beside the mixer's forward, "
+                "no part of the graph a backward runs through, so it has no gradient; capture it without grads=True, "
+                "or capture the gradients of the mixer's submodules (in_proj, out_proj) or of the mixer itself",
+                site=str(pattern),
+            )

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from hookscope._arch.positions import POSITION_WORDS
 from hookscope._core.sites import Site
 from hookscope._core.tree import map_tensors
 from hookscope._extract.config import data_identity
@@ -212,12 +213,14 @@ class _Job:
         batch = self.source.batch_size
         rows = choose_chunk_rows(batch, widest, self.source.rows, chunk_rows)
         if stored is not None:  # ``probe`` holds the inputs as they were before the forward
-            provenance = Provenance.adopt(stored, probe, mask_key=self.mask_key, source_index=self.source.source_index)
+            provenance = Provenance.adopt(
+                stored, probe, mask_key=padding_key(self.mask_key), source_index=self.source.source_index
+            )
         else:
             provenance = Provenance.plan(
                 probe,
                 tokens=self.tokens,
-                mask_key=self.mask_key,
+                mask_key=padding_key(self.mask_key),
                 source_index=self.source.source_index,
                 lengths={site.shape[0] for site in sites if len(site.shape) >= 2},  # sparse (seq, 2k) too
             )
@@ -297,7 +300,7 @@ class _Job:
                     layout=layout,
                     writer=thread,
                     device=self.device,
-                    mask_key=self.mask_key,
+                    mask_key=padding_key(self.mask_key),
                     mask_required=self.mask_required,
                     reused=first,
                     on_batch=bar.advance,
@@ -346,3 +349,10 @@ class _Job:
             )
         stats = {name: found.to_json() for name, found in merged_stats(manifest, layout, chunks).items()}
         write_meta(group, {**meta, "state": "complete", "rows": rows, "chunks": chunks, "stats": stats})
+
+
+def padding_key(mask_key: str | None) -> str | None:
+    """The batch key of the padding mask a store keeps: with ``mask="image"`` or ``"text"``
+    (reductions over a vision-language model's image or text positions) still the batch's
+    ``attention_mask``, so that statistics and the loader leave padding out as ever."""
+    return "attention_mask" if mask_key in POSITION_WORDS else mask_key

@@ -63,11 +63,12 @@ def routers(model: nn.Module) -> list[tuple[str, str, nn.Module, int]]:
 class RouterEntropy:
     """Forward hooks on the routers that queue each call's mean entropy on the device; read per pass."""
 
-    def __init__(self, model: nn.Module, foreign: Callable[[], bool]) -> None:
+    def __init__(self, model: nn.Module, foreign: Callable[[], bool], traced: set[str] | None = None) -> None:
         self.values: list[tuple[str, torch.Tensor]] = []
         specs = [
             HookSpec(router_name, router, "forward", self._hook(name, count, foreign), fitted=True)
             for name, router_name, router, count in routers(model)
+            if traced is None or name in traced
         ]
         self.group = HookGroup(model, specs, owner="trace", restore_mode=False)
 

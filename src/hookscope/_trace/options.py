@@ -88,6 +88,12 @@ class TraceOptions(Options):
         ops: object = self.ops
         # True or False; a list or one text: a tuple of texts, each checked
         object.__setattr__(self, "ops", bool(ops) if isinstance(ops, (bool, np.bool_)) else _op_selectors(ops))
+        if self.experts and self.ops is True:
+            raise SpecError(
+                "experts=True and ops=True: while experts are tapped hookscope computes them, so an experts module's "
+                "own ops do not run and ops=True could not list them; trace them in separate runs, or name the op "
+                "sites you want with ops=[...]"
+            )
         if self.passes not in ("latest", "all"):
             raise SpecError(f"passes={self.passes!r} is not 'latest' (each forward replaces the trace) or 'all'")
         _bins(self.histograms, bool(self.stats))  # refused now, not when the tracer attaches

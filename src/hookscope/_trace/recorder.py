@@ -112,7 +112,8 @@ class Tracer(CallRecorder[_Module, _Draft]):
         self._entropy: RouterEntropy | None = None
         if options.experts:
             try:
-                self._entropy = RouterEntropy(model, lambda: self._tracker.shared and self._tracker.foreign())
+                traced = {name for name, _ in self._selected}
+                self._entropy = RouterEntropy(model, lambda: self._tracker.shared and self._tracker.foreign(), traced)
             except BaseException:
                 self.remove()
                 raise

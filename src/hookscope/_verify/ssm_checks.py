@@ -168,10 +168,15 @@ def check_ssm(subject: Subject) -> None:
     chosen = names[len(names) // 2]
     with subject.check("edit state-space", chosen) as findings:
         given = _inputs(subject, chosen)
-        if given is None:
-            findings.append(("REFUSED", "the mixer's input was not recorded"))
+        record = subject.reference.record(chosen) if subject.reference else None
+        if given is None or record is None or chosen not in subject.ssm:
+            findings.append(("REFUSED", "the values check did not run on this mixer"))
             return
         module = subject.model.get_submodule(chosen)
+        clean = next(iter(record.outputs.values()), None)
+        if clean is None or not close(clean, subject.ssm[chosen]["output"], rtol=1e-4, atol=1e-5):
+            findings.append(("REFUSED", "the float64 recurrence does not give this mixer's output: no reference edit"))
+            return
         replaced = ssm_reference(module, *given, factor=0.5)["output"]
         handle = module.register_forward_hook(lambda _, __, output: replaced.to(output.dtype))
         try:

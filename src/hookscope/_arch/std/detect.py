@@ -49,10 +49,12 @@ def detect_family(model: nn.Module) -> Family:
             family="detected",
             check="no block list",
         )
+    images = image_token(getattr(model, "config", None)) is not None  # a vision-language model: vision and text
+    prefixes = _prefixes(lists, vision_first=images)
     stacks = tuple(
-        _stack(_tower(named, path, lists), path, prefix) for path, prefix in zip(lists, _prefixes(lists), strict=True)
+        _stack(_tower(named, path, lists), path, prefix) for path, prefix in zip(lists, prefixes, strict=True)
     )
-    language = image_token(getattr(model, "config", None)) is not None and any(s.prefix == "vision" for s in stacks)
+    language = images and any(s.prefix == "vision" for s in stacks)
     projector = _projector(named, lists) if language else None
     return Family("detected", (), stacks, unembed=_unembed(named, lists), projector=projector, vision_language=language)
 
@@ -156,18 +158,20 @@ _STACK_WORDS = {
 }
 
 
-def _prefixes(lists: list[str]) -> list[str]:
-    """One canonical prefix per block list, told apart by a word in its path: ``encoder`` and
-    ``decoder`` first, else ``text`` and ``vision`` (two towers, each with an ``encoder``; a
-    vision-language model's vision tower and language model)."""
+def _prefixes(lists: list[str], *, vision_first: bool = False) -> list[str]:
+    """One canonical prefix per block list, told apart by a word of its path (a dotted or
+    underscored part): ``encoder`` and ``decoder`` first, else ``text`` and ``vision`` (two
+    towers, each with an ``encoder``); ``vision_first``, a vision-language model's vision tower
+    and language model, ``vision`` and ``text`` first."""
     if len(lists) == 1:
         return [""]
 
     def named(path: str, order: tuple[str, ...]) -> str | None:
-        lowered = path.lower()
-        return next((w for w in order if any(word in lowered for word in _STACK_WORDS[w])), None)
+        parts = set(re.split(r"[._]", path.lower()))
+        return next((w for w in order if parts & set(_STACK_WORDS[w])), None)
 
-    for words in (("vision", "text", "decoder", "encoder"), ("encoder", "decoder", "text", "vision")):
+    orders = [("encoder", "decoder", "text", "vision"), ("vision", "text", "decoder", "encoder")]
+    for words in reversed(orders) if vision_first else orders:
         found = [named(path, words) for path in lists]
         if None not in found and len(set(found)) == len(found):
             return [w for w in found if w is not None]
