@@ -24,7 +24,8 @@ def verify_command(
         str | None,
         typer.Option(
             "--checks",
-            help="Only these checks, comma-separated: capture, gradients, edits, trace, attention, std, compile.",
+            help="Only these checks, comma-separated: capture, gradients, edits, trace, attention, experts, ssm, std, "
+            "compile.",
             show_default=False,
         ),
     ] = None,
