@@ -234,6 +234,7 @@ def _overrides(values: dict[str, Any], level: int) -> dict[str, Any]:
         out.update(_latent_attention(values))
     if level == 0:
         out.update(_ssd_heads(values, out))
+        out.update(_image_tokens(values, out))
     found = out.get("text_config")
     text: dict[str, Any] = found if isinstance(found, dict) else {}
     multimodal = "vision_config" in values
@@ -286,6 +287,18 @@ def _latent_attention(values: dict[str, Any]) -> dict[str, Any]:
     if isinstance(values.get("q_lora_rank"), int):
         out["q_lora_rank"] = 32
     return out
+
+
+def _image_tokens(values: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 pools the vision tower's patches to ``mm_tokens_per_image`` tokens, a square whose
+    side must divide the patches per side: with a shrunk image, one token per 2 x 2 patches."""
+    tokens, vision = values.get("mm_tokens_per_image"), out.get("vision_config")
+    if not isinstance(tokens, int) or not isinstance(vision, dict):
+        return {}
+    image, patch = vision.get("image_size"), vision.get("patch_size")
+    if not isinstance(image, int) or not isinstance(patch, int) or not patch or image // patch < 2:
+        return {}
+    return {"mm_tokens_per_image": (image // patch // 2) ** 2}
 
 
 def _ssd_heads(values: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from tests.models import track
 
 pytestmark = pytest.mark.transformers
 
-FAMILIES = ("llava", "qwen2_vl")
+FAMILIES = ("llava", "qwen2_vl", "gemma3")
 
 
 @cache
@@ -75,6 +75,14 @@ def test_both_stacks_and_the_projector_have_canonical_names(model_type: str) -> 
     assert torch.equal(cache_["std:text.blocks.1.resid_post"], first(seen[modules["text.blocks.1"]][1]))
     assert torch.equal(cache_["std:projector"], first(seen[modules["projector"]][1]))
     assert torch.equal(cache_["std:projector.in"], seen[modules["projector"]][0][0])
+
+
+def test_a_text_only_input_names_the_language_model_and_says_why_not_the_vision_tower() -> None:
+    model, kwargs = tiny("gemma3")
+    std = hs.std_map(model, input_ids=kwargs["input_ids"][:, :5].clamp(max=50))
+    assert "text.blocks.1.resid_post" in std
+    assert "give the map an image" in std.missing["vision.blocks.0"]
+    assert "give the map an image" in std.missing["projector"]
 
 
 def test_the_projected_image_tokens_are_what_the_language_model_reads_at_the_image_positions() -> None:

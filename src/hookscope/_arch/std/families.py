@@ -245,7 +245,7 @@ FAMILIES: tuple[Family, ...] = (
     _one("Qwen3", ("qwen3",), _LLAMA),
     _one("Gemma", ("gemma",), _LLAMA),
     _one("Gemma 2", ("gemma2",), _GEMMA2),
-    _one("Gemma 3", ("gemma3_text", "gemma3"), _GEMMA2),
+    _one("Gemma 3", ("gemma3_text",), _GEMMA2),  # gemma3, the vision-language model: the detector's two stacks
     _one(
         "Mixtral",
         ("mixtral",),

@@ -155,6 +155,9 @@ class _StackResolver:
         self.layout: Layout = layout or self.block.layout
 
     def run(self) -> None:
+        if self.prefix == "vision." and self.family.vision_language and not self.seen.ran(self.plan.blocks[0].name):
+            self._not_run()
+            return
         for role in ("embed", "pos_embed"):
             self._module_site(role, self.plan.around[role], "output", self.plan.why[role])
         width: torch.Size | None = None
@@ -202,6 +205,16 @@ class _StackResolver:
             )
             return
         self._module_site("ln_final", final, "output", self.plan.why["ln_final"])
+
+    def _not_run(self) -> None:
+        """A vision-language model's vision tower on a text-only input: its names are missing
+        with the fix, the language model's are named as ever."""
+        why = "the vision tower did not run in the check forward (a text-only input): give the map an image"
+        for role in ("embed", "pos_embed", "ln_final"):
+            self.missing[self._name(role)] = why
+        for index, _ in enumerate(self.plan.blocks):
+            for role in ("", ".resid_pre", ".resid_post"):
+                self.missing[f"{self.prefix}blocks.{index}{role}"] = why
 
     def _name(self, role: str, index: int | None = None) -> str:
         return f"{self.prefix}blocks.{index}.{role}" if index is not None else f"{self.prefix}{role}"
