@@ -62,9 +62,11 @@ __all__ = ["MAMBA1_KINDS", "flavour", "mixer_values", "ssm_problem", "tap_ssm"]
 MAMBA1_KINDS = ("z", "conv", "x", "B", "C", "dt", "decay", "state", "y", "out")
 _MAMBA2 = ("in_proj", "conv1d", "out_proj", "A_log", "D", "dt_bias", "norm", "num_heads", "head_dim", "n_groups")
 _MAMBA1 = ("in_proj", "conv1d", "out_proj", "A_log", "D", "x_proj", "dt_proj", "time_step_rank")
-#: What marks a variant whose arithmetic adds steps the tap does not take (Jamba's norms of dt, B
-#: and C; Falcon-H1's multipliers): such a mixer is not read (the output check would refuse it).
-_VARIANTS = ("dt_layernorm", "b_layernorm", "c_layernorm", "mup_vector", "ssm_multipliers", "zxbcdt_multipliers")
+#: What marks a variant whose arithmetic adds steps the tap does not take (Falcon-H1's multipliers):
+#: such a mixer is not read (the output check would refuse it). Jamba's RMS norms of dt, B and C
+#: (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``) are taken.
+_VARIANTS = ("mup_vector", "ssm_multipliers", "zxbcdt_multipliers", "b_c_rms", "rms_eps")
+_STEP_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
 def flavour(module: nn.Module) -> str | None:
@@ -254,6 +256,15 @@ def _read_only(step: _Steps, position: int, state: torch.Tensor) -> None:
         )
 
 
+def _rms(norm: Any, value: torch.Tensor) -> torch.Tensor:
+    """An RMS norm's arithmetic (``weight * x / sqrt(mean(x^2) + eps)`` in float32), without
+    calling the module (its hooks saw the model's own call)."""
+    wide = value.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    weighted: torch.Tensor = norm.weight * normed.to(value.dtype)
+    return weighted
+
+
 def _gated_norm(norm: Any, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Mamba-2's gated RMS norm: ``y * silu(z)`` normalised per group, times the weight."""
     gated = y.float() * functional.silu(z.float())
@@ -277,6 +288,8 @@ def _mamba(m: Any, hidden: torch.Tensor, mask: Any, step: _Steps) -> torch.Tenso
     time_step, b, c = torch.split(
         functional.linear(x.to(m.x_proj.weight.dtype), m.x_proj.weight), [rank, state_size, state_size], dim=-1
     )
+    if all(hasattr(m, name) for name in _STEP_NORMS):  # Jamba: RMS norms of dt, B and C before the scan
+        time_step, b, c = _rms(m.dt_layernorm, time_step), _rms(m.b_layernorm, b), _rms(m.c_layernorm, c)
     b, c = step("B", b).float(), step("C", c).float()
     dt = functional.softplus(time_step @ m.dt_proj.weight.T + m.dt_proj.bias)
     dt = step("dt", dt).float()

@@ -108,6 +108,10 @@ def _mamba2(m: Any, conv: torch.Tensor, dt_raw: torch.Tensor, factor: float) -> 
 def _mamba(m: Any, x: torch.Tensor, factor: float) -> dict[str, torch.Tensor]:
     rank, n = int(m.time_step_rank), int(m.ssm_state_size)
     step, b, c = torch.split(x @ m.x_proj.weight.double().T, [rank, n, n], dim=-1)
+    if all(hasattr(m, name) for name in ("dt_layernorm", "b_layernorm", "c_layernorm")):  # Jamba's RMS norms
+        step, b, c = (
+            _rms(norm, value) for norm, value in ((m.dt_layernorm, step), (m.b_layernorm, b), (m.c_layernorm, c))
+        )
     dt = functional.softplus(step @ m.dt_proj.weight.double().T + m.dt_proj.bias.double())
     decay = torch.exp(-torch.exp(m.A_log.double())[None, None] * dt[..., None]) * factor
     state = torch.zeros(x.shape[0], x.shape[-1], n, dtype=torch.float64)
@@ -118,6 +122,13 @@ def _mamba(m: Any, x: torch.Tensor, factor: float) -> dict[str, torch.Tensor]:
         ys.append((state @ c[:, t, :, None]).squeeze(-1))
     y = torch.stack(ys, dim=1) + m.D.double() * x
     return {"x": x, "B": b, "C": c, "dt": dt, "decay": decay, "state": torch.stack(states, 1), "y": y}
+
+
+def _rms(norm: Any, value: torch.Tensor) -> torch.Tensor:
+    """An RMS norm in float64: ``weight * x / sqrt(mean(x^2) + eps)``."""
+    scale = torch.sqrt(value.pow(2).mean(-1, keepdim=True) + float(norm.variance_epsilon))
+    normed: torch.Tensor = norm.weight.detach().double() * (value / scale)
+    return normed
 
 
 def _mixers(subject: Subject) -> list[str]:

@@ -64,8 +64,8 @@ def mixer_subs(
     state-space tap reads (:mod:`~hookscope._arch.ssm`; ``found``: which mixer it is), or say why not."""
     not_read = {
         "variant": (
-            "a Mamba variant whose arithmetic adds steps of its own (Jamba's norms of dt, B and C; Falcon-H1's "
-            "multipliers), which the state-space tap does not reproduce: read the mixer's submodules by name"
+            "a Mamba variant whose arithmetic adds steps of its own (Falcon-H1's multipliers, FalconMamba's norms), "
+            "which the state-space tap does not reproduce: read the mixer's submodules by name"
         ),
         "other": (
             "the mixer is no Mamba or Mamba-2 mixer (a linear attention such as a gated delta net): its values "
