@@ -39,6 +39,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from torch import nn
 
 from hookscope._core.compat.private import torch_functions_off
 from hookscope._core.names import module_label
-from hookscope._core.op_mode import hookscope_work, report_value, watching
+from hookscope._core.op_mode import Frames, hookscope_work, open_frames, report_value
 from hookscope.errors import EditError, SpecError
 
 __all__ = ["TAPPABLE", "TAPS", "ExpertsTap", "FusedExperts", "experts_problem", "fused_experts", "tap_experts"]
@@ -125,6 +126,10 @@ class ExpertsTap:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wanted: dict[int, list[frozenset[tuple[str, int]]]] = {}
+        #: Per tapped module, the union of its taps' pairs: what a call reads, kept current here.
+        self._union: dict[int, frozenset[tuple[str, int]]] = {}
+        #: Each tapped class's own forward: what ``eager`` runs where no function is registered.
+        self._originals: dict[type, Callable[..., Any]] = {}
         self._interfaces: dict[int, tuple[MutableMapping[str, Callable[..., Any]], dict[str, Any], int]] = {}
 
     def add(self, module: nn.Module, wanted: frozenset[tuple[str, int]]) -> Callable[[], None]:
@@ -134,6 +139,8 @@ class ExpertsTap:
             raise SpecError(f"{type(module).__name__} is not a fused experts module")
         with self._lock:
             self._wanted.setdefault(id(module), []).append(wanted)
+            self._union[id(module)] = frozenset().union(*self._wanted[id(module)])
+            self._originals[type(module)] = fused.original
             key = id(fused.interface)
             interface, saved, count = self._interfaces.get(key, (fused.interface, {}, 0))
             if count == 0:
@@ -150,8 +157,11 @@ class ExpertsTap:
                 sets = self._wanted.get(id(module), [])
                 if wanted in sets:
                     sets.remove(wanted)
-                if not sets:
+                if sets:
+                    self._union[id(module)] = frozenset().union(*sets)
+                else:
                     self._wanted.pop(id(module), None)
+                    self._union.pop(id(module), None)
                 interface, saved, count = self._interfaces[key]
                 if count == 1:
                     self._uninstall(interface, saved)
@@ -163,8 +173,7 @@ class ExpertsTap:
 
     def wanted(self, module: nn.Module) -> frozenset[tuple[str, int]] | None:
         """The ``(kind, expert)`` pairs tapped at ``module``, or None where it is not tapped."""
-        sets = self._wanted.get(id(module))
-        return frozenset().union(*sets) if sets else None
+        return self._union.get(id(module))
 
     def _install(self, interface: MutableMapping[str, Callable[..., Any]]) -> dict[str, Any]:
         local: dict[str, Any] = getattr(interface, "_local_mapping", {})
@@ -183,18 +192,26 @@ class ExpertsTap:
                 interface[name] = before
 
     def _dispatcher(self, name: str, base: Callable[..., Any] | None) -> Callable[..., Any]:
+        union, originals = self._union, self._originals
+
         def dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            wanted = self.wanted(module)
-            if wanted is not None and watching(module):
-                return _tapped(module, wanted, *args, **kwargs)
+            wanted = union.get(id(module))
+            if wanted is not None and (frames := open_frames(module)):
+                return _tapped(module, wanted, frames, *args, **kwargs)
             if base is not None:
                 return base(module, *args, **kwargs)
-            fused = fused_experts(module)
-            assert fused is not None  # only experts classes ask an experts interface
-            return fused.original(module, *args, **kwargs)
+            return (originals.get(type(module)) or _original(module))(module, *args, **kwargs)
 
         dispatch.__name__ = f"hookscope_tap_{name}"
         return dispatch
+
+
+def _original(module: nn.Module) -> Callable[..., Any]:
+    """The class's own forward of an experts module no tap has met (another model of the process)."""
+    fused = fused_experts(module)
+    if fused is None:  # only experts classes ask an experts interface
+        raise SpecError(f"{type(module).__name__} asked an experts interface but is no experts class")
+    return fused.original
 
 
 #: The process's experts taps.
@@ -226,8 +243,8 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Ten
 class _Rows:
     """Rows sorted by expert, the bounds of each expert's, and the hand-over of one value."""
 
-    def __init__(self, module: nn.Module, wanted: frozenset[tuple[str, int]], bounds: list[int]) -> None:
-        self.module, self.wanted, self.bounds = module, wanted, bounds
+    def __init__(self, frames: Frames, wanted: frozenset[tuple[str, int]], bounds: list[int]) -> None:
+        self.frames, self.wanted, self.bounds = frames, wanted, bounds
         self.experts = len(bounds) - 1
 
     def report(self, kind: str, value: torch.Tensor, *, editable: bool = True) -> torch.Tensor:
@@ -242,7 +259,7 @@ class _Rows:
             pieces = [value[bounds[e] : bounds[e + 1]] for e in range(self.experts)]
         changed = False
         for e in experts:
-            got = report_value(self.module, f"expert.{kind}", e, pieces[e])
+            got = report_value(self.frames, f"expert.{kind}", e, pieces[e])
             if got is pieces[e]:
                 continue
             if not editable:
@@ -278,8 +295,10 @@ def _join_gate(module: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
+@functools.cache
 def _transformers_grouped_linear() -> Callable[..., torch.Tensor] | None:
-    """transformers' private ``_grouped_linear`` (the dispatch to ``grouped_mm``), where it has one."""
+    """transformers' private ``_grouped_linear`` (the dispatch to ``grouped_mm``), where it has
+    one; looked up once."""
     try:
         from transformers.integrations import moe
     except ImportError:
@@ -304,7 +323,9 @@ def _grouped_linear(
     return out + bias if bias is not None else out
 
 
-def _tapped(module: nn.Module, wanted: frozenset[tuple[str, int]], *args: Any, **kwargs: Any) -> torch.Tensor:
+def _tapped(
+    module: nn.Module, wanted: frozenset[tuple[str, int]], frames: Frames, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """The experts computed as transformers' ``grouped_mm`` computes them, each expert's rows
     handed on between the steps (module docstring). hookscope's own arithmetic runs with torch
     function modes off (no watch would report it, and the mode's Python call per op was most of
@@ -321,10 +342,8 @@ def _tapped(module: nn.Module, wanted: frozenset[tuple[str, int]], *args: Any, *
             token_of_row = perm // top_k
             rows = hidden[token_of_row]
             weight_of_row = top_k_weights.reshape(-1)[perm]
-            counted = ids.float() if hidden.device.type in ("cpu", "mps") else ids.int()
-            per_expert = torch.histc(counted, bins=experts, min=0, max=experts - 1)
-            offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
-            at = _Rows(module, wanted, [0, *offsets.tolist()])  # the one host synchronisation
+            offsets = torch.cumsum(torch.bincount(ids, minlength=experts), dim=0, dtype=torch.int32)
+            at = _Rows(frames, wanted, [0, *offsets.tolist()])  # the one host synchronisation
         rows = at.report("in", rows)
         with torch_functions_off():
             first = m.gate_up_proj if gated else m.up_proj

@@ -28,7 +28,7 @@ from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._arch.experts import TAPS, experts_problem, tap_experts
 from hookscope._arch.ssm import ssm_problem, tap_ssm
 from hookscope._core.names import ROOT_LABEL, escape_name, module_label
-from hookscope._core.op_sites import SDPA, OpPattern
+from hookscope._core.op_sites import SDPA, OpPattern, indexed_family
 from hookscope._core.ops import OpWatcher
 from hookscope._core.select import select
 from hookscope.errors import CaptureError, HookscopeError, SpecError
@@ -106,15 +106,29 @@ class OpSelectors:
         ``replays(module)`` is told of each such op, before any call filter (it may refuse)."""
         listener = self._listener(keep, want, keep_attn, replays)
         self._watcher = OpWatcher(model, self.modules, listener, owner=self._owner)
+        by_name = dict(self.modules)
         try:
             for name, wanted in self._experts.items():
-                self._untaps.append(tap_experts(dict(self.modules)[name], wanted))
+                self._untaps.append(tap_experts(by_name[name], wanted))
             for name, (kinds, wants) in self._ssm.items():
-                self._untaps.append(tap_ssm(dict(self.modules)[name], kinds, wants))
+                self._untaps.append(tap_ssm(by_name[name], kinds, wants))
         except BaseException:
             self.remove()
             raise
         return self._watcher
+
+    def _family(self, name: str, family: str, why_alone: str) -> list[OpPattern]:
+        """The selectors of ``family``'s sub-sites (``"expert"``, ``"ssm"``) at module ``name``;
+        any other op selector of that module beside them is refused (``why_alone``: why)."""
+        chosen = [pattern for _, pattern in self._per_module[name]]
+        found = [pattern for pattern in chosen if indexed_family(pattern.op) == family]
+        others = [pattern for pattern in chosen if indexed_family(pattern.op) != family]
+        if found and others:
+            raise SpecError(
+                f"{str(others[0])!r} and {str(found[0])!r} both select {module_label(name)!r}: {why_alone}; select "
+                "them in separate runs"
+            )
+        return found
 
     def _ssm_taps(self, modules: dict[str, nn.Module]) -> dict[str, tuple[frozenset[str], Callable[[str, int], bool]]]:
         """The state-space sub-sites each mixer is selected for: their kinds and which positions
@@ -122,20 +136,17 @@ class OpSelectors:
         call, is refused here."""
         taps: dict[str, tuple[frozenset[str], Callable[[str, int], bool]]] = {}
         for name, module in modules.items():
-            chosen = [pattern for _, pattern in self._per_module[name] if pattern.op.startswith("ssm.")]
+            why = (
+                "an edit of its state-space values recomputes its output from its input, and its own ops are those "
+                "of the forward without the edit"
+            )
+            chosen = self._family(name, "ssm", why)
             if not chosen:
                 continue
             kinds = frozenset(pattern.op[len("ssm.") :] for pattern in chosen)
             problem = ssm_problem(module, name, set(kinds))
             if problem is not None:
                 raise SpecError(f"state-space sub-site selector {str(chosen[0])!r}: {problem}")
-            others = [pattern for _, pattern in self._per_module[name] if not pattern.op.startswith("ssm.")]
-            if others:
-                raise SpecError(
-                    f"{str(others[0])!r} and {str(chosen[0])!r} both select {module_label(name)!r}: an edit of its "
-                    "state-space values recomputes its output from its input, and its own ops are those of the "
-                    "forward without the edit; select them in separate runs"
-                )
             for pattern in chosen:
                 if pattern.op != "ssm.state" and pattern.index not in (None, "0"):
                     raise SpecError(
@@ -151,24 +162,17 @@ class OpSelectors:
 
     def _expert_taps(self, modules: dict[str, nn.Module]) -> dict[str, frozenset[tuple[str, int]]]:
         """The ``(kind, expert)`` pairs each fused experts module is selected for; a selector of
-        expert sub-sites at a module that has none, or beside op selectors of that module (its
-        own ops do not run while the tap computes its experts), is refused here."""
+        expert sub-sites at a module that has none, or beside op selectors of that module, is
+        refused here."""
         taps: dict[str, frozenset[tuple[str, int]]] = {}
         for name, module in modules.items():
-            chosen = [pattern for _, pattern in self._per_module[name]]
-            experts = [pattern for pattern in chosen if pattern.op.startswith("expert.")]
+            why = "while its experts are tapped hookscope computes them, so the module's own ops do not run"
+            experts = self._family(name, "expert", why)
             if not experts:
                 continue
-            kinds = {pattern.op[len("expert.") :] for pattern in experts}
-            problem = experts_problem(module, name, kinds)
+            problem = experts_problem(module, name, {pattern.op[len("expert.") :] for pattern in experts})
             if problem is not None:
                 raise SpecError(f"expert sub-site selector {str(experts[0])!r}: {problem}")
-            if len(experts) < len(chosen):
-                other = next(pattern for pattern in chosen if not pattern.op.startswith("expert."))
-                raise SpecError(
-                    f"{str(other)!r} and {str(experts[0])!r} both select {module_label(name)!r}: while its experts are "
-                    "tapped hookscope computes them, so the module's own ops do not run; select them in separate runs"
-                )
             count = int(getattr(module, "num_experts", 0))
             pairs: set[tuple[str, int]] = set()
             for pattern in experts:

@@ -20,7 +20,7 @@ from hookscope._core.compat.function_modes import depth as _mode_depth
 from hookscope._core.compat.private import mode_at
 from hookscope._core.op_sites import op_name
 
-__all__ = ["OpListener", "hookscope_work", "report_value", "watching"]
+__all__ = ["Frames", "OpListener", "hookscope_work", "open_frames", "report_value"]
 
 
 class OpListener(Protocol):
@@ -142,9 +142,14 @@ class _OpMode(TorchFunctionMode):
         return output if replacement is None else replacement
 
 
-def _frames_of(module: Any) -> list[tuple[_OpMode, _Frame]]:
-    """The op watches on this thread whose innermost selected call is ``module``'s, lowest first
-    (the order they were attached: the order an op's value reaches them)."""
+#: The op watches reporting one module call's own code: ``(mode, frame)`` pairs, lowest first.
+Frames = list[tuple[_OpMode, _Frame]]
+
+
+def open_frames(module: Any) -> Frames:
+    """The op watches on this thread whose innermost selected call is ``module``'s, in the
+    order they were attached (the order an op's value reaches them); empty where none is. Read
+    once per call of a tapped module and handed to :func:`report_value` for each of its values."""
     key = id(module)
     found = []
     for at in range(_mode_depth()):
@@ -155,18 +160,14 @@ def _frames_of(module: Any) -> list[tuple[_OpMode, _Frame]]:
     return found
 
 
-def watching(module: Any) -> bool:
-    """Whether an op watch on this thread is reporting ``module``'s own code right now."""
-    return bool(_frames_of(module))
-
-
-def report_value(module: Any, op: str, index: int, value: Any) -> Any:
-    """Hand a value computed inside ``module``'s forward by hookscope's own code (an expert's
-    rows, read by a tap on a fused kernel) to the op watches of that module, as if an op named
-    ``op`` with that ``index`` had returned it; return what the module goes on with (a watch's
-    replacement, else ``value``). Watches see it in the order they were attached, each the
-    previous one's replacement, as stacked modes see a real op's output."""
-    for mode, frame in _frames_of(module):
+def report_value(frames: Frames, op: str, index: int, value: Any) -> Any:
+    """Hand a value computed inside a module's forward by hookscope's own code (an expert's
+    rows, read by a tap on a fused kernel) to that call's op watches (``frames``, from
+    :func:`open_frames`), as if an op named ``op`` with that ``index`` had returned it; return
+    what the module goes on with (a watch's replacement, else ``value``). Watches see it in the
+    order they were attached, each the previous one's replacement, as stacked modes see a real
+    op's output."""
+    for mode, frame in frames:
         counts = frame.counts
         if counts.get(op, 0) <= index:
             counts[op] = index + 1  # what hs.layers lists: as many as the highest index reported

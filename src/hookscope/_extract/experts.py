@@ -71,6 +71,8 @@ class ExpertRows:
         for site, value in values.items():
             if site.op.startswith("expert.tokens#"):
                 tokens.setdefault((site.module, site.call), {})[split_op_label(site.op)[1]] = value
+        # how many tokens each experts module call ran on: every token goes to some expert
+        totals = {key: 1 + int(torch.cat(list(rows.values())).max()) for key, rows in tokens.items()}
         found: dict[Site, torch.Tensor] = {}
         for site, value in values.items():
             if not site.op.startswith("expert."):
@@ -78,14 +80,13 @@ class ExpertRows:
                 continue
             if not self.asked(site):
                 continue
-            per_expert = tokens[(site.module, site.call)]
-            total = 1 + max((int(t.max()) for t in per_expert.values() if t.numel()), default=-1)
+            total = totals[(site.module, site.call)]
             if rows <= 0 or total % rows:
                 raise SpecError(
                     f"{str(site)!r}: the experts module ran on {total} tokens, not a whole number per row of a batch "
                     f"of {rows}; an extraction stores experts per token of each row"
                 )
-            row_tokens = per_expert[split_op_label(site.op)[1]]
+            row_tokens = tokens[(site.module, site.call)][split_op_label(site.op)[1]]
             found[site] = _scattered(site, value, row_tokens, total).reshape(rows, total // rows, *value.shape[1:])
         return found
 

@@ -267,32 +267,24 @@ def _under(name: str, parents: list[str]) -> bool:
 
 
 def _embeddings(named: list[tuple[str, nn.Module]], path: str) -> tuple[str | None, str | None]:
-    """The largest embedding before the blocks, and one named for positions."""
-    before: list[tuple[str, nn.Embedding]] = []
+    """The largest embedding before the blocks, and one named for positions; a vision tower's
+    patch embedding module (patches plus positions) where there is no token embedding."""
+    before: list[tuple[str, nn.Module]] = []
     for name, module in named:
         if name == path:
             break
-        if isinstance(module, nn.Embedding):
-            before.append((name, module))
-    positions = [n for n, _ in before if re.search(r"pos|wpe", n.rsplit(".", 1)[-1], re.IGNORECASE)]
-    tokens = sorted((m.num_embeddings, n) for n, m in before if n not in positions)
-    if not tokens:  # a vision tower: its patch embedding module (patches plus positions) feeds the blocks
-        patches = [n for n, _ in _before(named, path) if _PATCHES.match(n.rsplit(".", 1)[-1])]
-        return (_outermost(patches)[0] if patches else None), (positions[0] if positions else None)
-    return (tokens[-1][1] if tokens else None), (positions[0] if positions else None)
+        before.append((name, module))
+    tables = [(n, m) for n, m in before if isinstance(m, nn.Embedding)]
+    positions = [n for n, _ in tables if re.search(r"pos|wpe", n.rsplit(".", 1)[-1], re.IGNORECASE)]
+    tokens = sorted((m.num_embeddings, n) for n, m in tables if n not in positions)
+    position = positions[0] if positions else None
+    if tokens:
+        return tokens[-1][1], position
+    patches = _outermost([n for n, _ in before if _PATCHES.match(n.rsplit(".", 1)[-1])])
+    return (patches[0] if patches else None), position
 
 
 _PATCHES = re.compile(r"^(embeddings|patch_embed|patch_embedding)$")
-
-
-def _before(named: list[tuple[str, nn.Module]], path: str) -> list[tuple[str, nn.Module]]:
-    """The modules registered before the block list ``path``, within its tower."""
-    found = []
-    for name, module in named:
-        if name == path:
-            break
-        found.append((name, module))
-    return found
 
 
 def _final_norm(named: list[tuple[str, nn.Module]], path: str) -> str | None:

@@ -23,12 +23,12 @@ from torch import nn
 
 from hookscope._arch.eager_advice import merged_heads, refuses_sdpa
 from hookscope._arch.std.attn_sites import ATTN_SUBS, attention_subs
-from hookscope._arch.std.expert_sites import expert_sites, mixer_subs
 from hookscope._arch.std.locate import _BlockPlan, _find, _modules_of, _plan, _StackPlan
 from hookscope._arch.std.observe import Seen, observe, values_close
 from hookscope._arch.std.place import readings, same_values, scale_of, scaled_add
 from hookscope._arch.std.shared import SHARED_BLOCK, shared_block_error
 from hookscope._arch.std.spec import Block, Family, Layout
+from hookscope._arch.std.sublayer_sites import expert_sites, mixer_subs
 from hookscope._core.names import escape_name, named_modules
 from hookscope._core.op_sites import SSM_KINDS
 from hookscope._core.std_names import StdMap, StdSite
@@ -242,9 +242,6 @@ class _StackResolver:
         self.sites[name] = StdSite(name, escape_name(block.name), escape_name(block.name), block.name, "module")
         self.sites[f"{name}.resid_pre"] = self.seen.site(f"{name}.resid_pre", block.name, "input")
         mixing = roles["mixer"] is not None and roles["attn"] is None  # a state-space block or a hybrid's
-        if mixing and roles["mlp"] is None and roles["mlp_in"] is None:
-            self._mixer_block(index, block)
-            return
         first = "mixer" if mixing else "attn"
         what = "mixer" if mixing else "attention module"
         self._module_site("ln1", roles["ln1"], "output", why.get("ln1", self._no_norm(block, "attention")), index)
@@ -252,10 +249,12 @@ class _StackResolver:
         if mixing:
             self._module_site("mixer", roles["mixer"], "output", self._unfound("mixer"), index)
             mixer_subs(self.sites, self.missing, f"{name}.mixer", roles["mixer"], block.ssm)
+            owner = "this block of a hybrid model" if self.block.attn is not None else "a state-space block"
             for sub in ("attn", *(f"attn.{s}" for s in ATTN_SUBS)):
-                self.missing[f"{name}.{sub}"] = (
-                    "this block of a hybrid model has a state-space mixer in place of attention"
-                )
+                self.missing[f"{name}.{sub}"] = f"{owner} has a state-space mixer in place of attention"
+            if roles["mlp"] is None and roles["mlp_in"] is None:  # Mamba: the mixer is the block's one sublayer
+                self._single_add(index, block)
+                return
         else:
             self._sublayer("attn", roles["attn_out"] or roles["attn"], why.get("attn", self._unfound("attn")), index)
             attention_subs(self.seen, self.sites, self.missing, f"{name}.attn", roles["attn"])
@@ -275,16 +274,11 @@ class _StackResolver:
             self._unchecked(f"{name}.attn", added or (summed and before_mlp is None and self.sums))
             self._unchecked(f"{name}.mlp", summed)
 
-    def _mixer_block(self, index: int, block: _BlockPlan) -> None:
-        """A state-space block: norm, mixer, one add (``resid_post == resid_pre + mixer``)."""
-        roles, name = block.roles, f"{self.prefix}blocks.{index}"
-        mixer = roles["mixer"]
-        self._module_site("ln1", roles["ln1"], "output", self._unfound("ln1"), index)
-        self._feeding("ln1", index, roles["ln1"], mixer, "mixer")
-        self._module_site("mixer", mixer, "output", self._unfound("mixer"), index)
-        mixer_subs(self.sites, self.missing, f"{name}.mixer", mixer, block.ssm)
-        for role in ("attn", "resid_mid", "ln2", "mlp"):
-            self.missing[f"{name}.{role}"] = "a state-space block has a mixer in place of attention, and no MLP"
+    def _single_add(self, index: int, block: _BlockPlan) -> None:
+        """A block whose mixer is its one sublayer (Mamba): ``resid_post == resid_pre + mixer``."""
+        name = f"{self.prefix}blocks.{index}"
+        for role in ("resid_mid", "ln2", "mlp"):
+            self.missing[f"{name}.{role}"] = "a state-space block adds its mixer alone: no MLP"
         self.sites[f"{name}.resid_post"] = self.seen.site(f"{name}.resid_post", block.name, "output")
         added = self._value(f"{name}.mixer")
         if added is None:
